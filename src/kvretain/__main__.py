@@ -1,0 +1,3 @@
+from kvretain.cli import main
+
+raise SystemExit(main())
