@@ -1,0 +1,155 @@
+"""Step-time cost models for the simulator: how long one engine step takes on given hardware.
+
+The ``roofline`` model is the first-order model of the field notes, for a dense decoder in bf16::
+
+    P      = d*h*(n_q + 2*n_kv) + n_q*h*d + 3*d*ffn        weights per layer (QKV, O, SwiGLU MLP)
+    F      = 2*(L*P + V*d)                                 linear FLOPs per token (layers + LM head)
+    A      = 4*L*n_q*h                                     attention FLOPs per (query, key) pair
+    prefill of n new tokens after p cached:  F*n + A*(n*p + n*(n+1)/2)
+    decode of one token with context C:      F   + A*C     (C counts the new token itself)
+    KV bytes per token = 2*L*n_kv*h*bytes
+
+One step of continuous batching with chunked prefill runs all its prefill chunks and decode tokens in one
+forward pass, so one roofline covers the whole step::
+
+    t = max(FLOPs / (tp*peak*eff_c), bytes / (tp*bw*eff_b)) + overhead + all-reduce
+    bytes = weight_bytes + kv_bytes * (sum of decode contexts + cached prefixes read + new tokens written)
+
+A cached prefix saves its linear FLOPs (its tokens are not in ``n``) but attention over it is still paid
+(the ``n*p`` term) and its KV is read. Weights are read once per step however many tokens it holds, which
+is what makes large decode batches cheap.
+
+Tensor parallelism splits FLOPs, weights and KV heads evenly over ``tp`` GPUs and adds two ring
+all-reduces per layer of the step's activations (``tokens*d*bytes``), each costing
+``allreduce_latency + 2*(tp-1)/tp * message / link_bandwidth``, not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
+from kvretain.registry import Registry
+
+
+class CostModel:
+    """Roofline step-time model of one replica (``tp`` GPUs) serving ``model`` on ``gpu``.
+
+    Pure Python and called once per simulated step, so every constant is precomputed here.
+    """
+
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> None:
+        tp = model.tp if tp is None else tp
+        if tp < 1 or model.n_q_heads % tp:
+            raise ValueError(f"tp={tp} must be >= 1 and divide n_q_heads={model.n_q_heads}")
+        self.model, self.gpu, self.tp = model, gpu, tp
+        m = model
+        d, h = m.d_model, m.head_dim
+        self.params_per_layer = (
+            d * h * (m.n_q_heads + 2 * m.n_kv_heads) + m.n_q_heads * h * d + 3 * d * m.ffn_dim
+        )
+        self.linear_flops_per_token = 2 * (m.n_layers * self.params_per_layer + m.vocab_size * d)
+        self.attn_flops_per_pair = 4 * m.n_layers * m.n_q_heads * h
+        embeddings = m.vocab_size * d * (1 if m.tied_embeddings else 2)
+        self._weight_bytes = (m.n_layers * self.params_per_layer + embeddings) * m.bytes_per_param
+        self._kv_bytes = 2 * m.n_layers * m.n_kv_heads * h * m.bytes_per_param
+        # With tp > n_kv the KV heads are replicated, so one replica stores more than the logical bytes.
+        kv_heads_per_gpu = max(1, m.n_kv_heads // tp)
+        self._kv_bytes_stored = tp * 2 * m.n_layers * kv_heads_per_gpu * h * m.bytes_per_param
+        # Per-GPU rates; the work is split evenly over tp GPUs.
+        self._sec_per_flop = 1.0 / (tp * gpu.peak_flops * gpu.compute_efficiency)
+        self._sec_per_byte = 1.0 / (tp * gpu.mem_bandwidth * gpu.bandwidth_efficiency)
+        if tp > 1:
+            n_allreduce = 2 * m.n_layers
+            self._ar_fixed = n_allreduce * gpu.allreduce_latency_s
+            ring = 2 * (tp - 1) / tp
+            self._ar_per_token = n_allreduce * ring * d * m.bytes_per_param / gpu.link_bandwidth
+        else:
+            self._ar_fixed = self._ar_per_token = 0.0
+        self._overhead = gpu.step_overhead_s
+
+    # --- sizes ---------------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Logical KV bytes per token: ``2*L*n_kv*h*bytes`` (K and V, every layer)."""
+        return self._kv_bytes
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights of one replica (layers, input embedding, LM head)."""
+        return self._weight_bytes
+
+    def kv_capacity_tokens(self, gpu_mem_utilization: float = 0.9) -> int:
+        """Tokens of KV one replica holds: ``tp * mem * utilization`` minus weights, over KV bytes/token.
+
+        Activations, CUDA graphs and fragmentation are not modelled (vLLM reserves a further ~1-3 GiB).
+        Raises ``ValueError`` when the weights alone do not fit.
+        """
+        if not 0 < gpu_mem_utilization <= 1:
+            raise ValueError(f"gpu_mem_utilization must be in (0, 1], got {gpu_mem_utilization}")
+        free = self.tp * self.gpu.mem_bytes * gpu_mem_utilization - self._weight_bytes
+        if free < self._kv_bytes_stored:
+            raise ValueError(
+                f"{self.model.name} weights ({self._weight_bytes / 1e9:.1f} GB) leave no KV room on "
+                f"{self.tp} x {self.gpu.name} at utilization {gpu_mem_utilization}"
+            )
+        return int(free // self._kv_bytes_stored)
+
+    def kv_capacity_blocks(self, block_size: int, gpu_mem_utilization: float = 0.9) -> int:
+        """Whole KV blocks of ``block_size`` tokens one replica holds."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        return self.kv_capacity_tokens(gpu_mem_utilization) // block_size
+
+    # --- FLOPs ----------------------------------------------------------------------------------------
+    def prefill_flops(self, n_new: int, n_cached: int = 0) -> int:
+        """FLOPs to prefill ``n_new`` tokens after ``n_cached`` cached ones (whole replica)."""
+        pairs = n_new * n_cached + n_new * (n_new + 1) // 2
+        return self.linear_flops_per_token * n_new + self.attn_flops_per_pair * pairs
+
+    # --- times ----------------------------------------------------------------------------------------
+    def step_time(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        """Seconds for one mixed step: prefill chunks ``(n_new, n_cached)`` plus one token per decode context.
+
+        ``n_cached`` counts every token before the chunk whose KV is already there (a prefix-cache hit or an
+        earlier chunk of the same prompt). A decode context counts the token being generated. An empty step
+        takes 0 seconds.
+        """
+        tokens = len(decode_contexts)
+        ctx = sum(decode_contexts)
+        pairs = ctx  # attention (query, key) pairs
+        kv_tokens = ctx  # KV tokens read or written
+        for n, p in prefill_chunks:
+            tokens += n
+            pairs += n * p + n * (n + 1) // 2
+            kv_tokens += n + p
+        if tokens == 0:
+            return 0.0
+        flops = self.linear_flops_per_token * tokens + self.attn_flops_per_pair * pairs
+        nbytes = self._weight_bytes + self._kv_bytes_stored * kv_tokens
+        t_compute = flops * self._sec_per_flop
+        t_memory = nbytes * self._sec_per_byte
+        return (
+            (t_compute if t_compute > t_memory else t_memory)
+            + self._overhead
+            + self._ar_fixed
+            + self._ar_per_token * tokens
+        )
+
+    def prefill_time(self, n_new: int, n_cached: int = 0) -> float:
+        """Seconds to prefill ``n_new`` tokens after ``n_cached`` cached ones, alone in a step."""
+        return self.step_time(((n_new, n_cached),), ())
+
+    def decode_time(self, contexts: Sequence[int]) -> float:
+        """Seconds for one decode step of a batch with these context lengths."""
+        return self.step_time((), contexts)
+
+
+COST_MODELS: Registry[CostModel] = Registry("cost model")
+COST_MODELS.add(
+    "roofline", CostModel, "roofline over the step's FLOPs and bytes, derated by GPU efficiencies"
+)
+
+
+@COST_MODELS.register("ideal")
+def ideal_cost_model(model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> CostModel:
+    """Pure roofline at 100% of peak with no step overhead (the field notes' ideal numbers)."""
+    return CostModel(model, gpu.ideal(), tp)
