@@ -1,0 +1,275 @@
+"""A fixed pool of KV cache blocks with reference counts, a hash index and a pluggable eviction policy.
+
+Every block is in exactly one of three states::
+
+    in use    ref_cnt > 0                      (hashed or not)
+    cached    ref_cnt == 0 and hashed          (reusable until evicted; counts as free, as in vLLM)
+    empty     ref_cnt == 0 and not hashed      (reused first)
+
+Eviction happens only when an allocation needs a block and no empty block is left: the policy chooses
+among the *evictable* cached blocks (for ``leaf_only`` policies, those without a cached child). Blocks of a
+request are released deepest first, as vLLM does, so recency-based orders drop the tail of a chain before
+its head.
+
+Running out of blocks is a return value (``None``); misuse (double free, touching an empty block...) is an
+exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policy import EvictionPolicy
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
+
+NO_PARENT = -1
+
+
+class PoolIntegrityError(AssertionError):
+    """The pool's invariants do not hold (a bug, never a user error)."""
+
+
+class BlockPool:
+    """Blocks ``0..num_blocks-1``. Block ids are plain ints; per-block state lives in parallel lists."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if policy.num_blocks != num_blocks:
+            raise ValueError(f"policy was built for {policy.num_blocks} blocks, pool has {num_blocks}")
+        self.num_blocks = num_blocks
+        self.policy = policy
+        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.parent: list[int] = [NO_PARENT] * num_blocks
+        self.num_children: list[int] = [0] * num_blocks
+        self.evictable: bytearray = bytearray(num_blocks)
+        self.cached: dict[BlockHash, int] = {}
+        # empty blocks: a stack, so the lowest ids are used first on a fresh pool
+        self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._num_cached_free = 0
+        self._leaf_only = policy.leaf_only
+        self._tracks_uses = policy.tracks_uses
+        self.num_evictions = 0
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        """Optional observer (statistics, KV events) called with the victim's id and hash."""
+
+    # ------------------------------------------------------------------ queries
+    def get_num_free_blocks(self) -> int:
+        """Empty plus cached-but-unused blocks (both can be handed out)."""
+        return len(self._empty) + self._num_cached_free
+
+    def get_num_allocatable(self) -> int:
+        """Blocks an allocation can obtain now (free blocks that are empty or evictable)."""
+        return len(self._empty) + len(self.policy)
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash)
+
+    def usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    # ------------------------------------------------------------------ allocation
+    def get_new_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks with reference count 1 and no hash, evicting cached blocks if needed; ``None`` (and no
+        change) when fewer than ``n`` can be obtained."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._empty) + len(self.policy):
+            return None
+        out: list[int] = []
+        empty = self._empty
+        ref = self.ref_cnt
+        for _ in range(n):
+            if empty:
+                bid = empty.pop()
+            else:
+                bid = self._evict_one()
+            ref[bid] = 1
+            out.append(bid)
+        return out
+
+    def _evict_one(self) -> int:
+        now = self.clock()
+        bid = self.policy.pop(now)
+        if bid is None:  # pragma: no cover - guarded by the count check in get_new_blocks
+            raise PoolIntegrityError("policy reported evictable blocks but returned none")
+        self.evictable[bid] = 0
+        h = self.block_hash[bid]
+        assert h is not None
+        del self.cached[h]
+        self.block_hash[bid] = None
+        self._num_cached_free -= 1
+        self.num_evictions += 1
+        p = self.parent[bid]
+        if p != NO_PARENT:
+            self.parent[bid] = NO_PARENT
+            self.num_children[p] -= 1
+            if self.num_children[p] == 0 and self.ref_cnt[p] == 0 and self.block_hash[p] is not None:
+                self.evictable[p] = 1
+                self.policy.push(p, now)
+        self.policy.on_evicted(bid, h)
+        if self.on_evict is not None:
+            self.on_evict(bid, h)
+        return bid
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cache hits (removing free ones from the eviction order)."""
+        ref = self.ref_cnt
+        for bid in block_ids:
+            if ref[bid] == 0:
+                if self.block_hash[bid] is None:
+                    raise ValueError(f"block {bid} is empty; only cached blocks can be touched")
+                if self.evictable[bid]:
+                    self.evictable[bid] = 0
+                    self.policy.remove(bid)
+                self._num_cached_free -= 1
+            ref[bid] += 1
+
+    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], start: int, end: int) -> None:
+        """Register ``block_ids[i]`` under ``hashes[i]`` for ``start <= i < end`` (a request's newly full blocks).
+
+        A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits). A
+        block whose parent is not cached is not registered (it could never be reached by a prefix lookup).
+        """
+        if end > len(hashes) or end > len(block_ids):
+            raise ValueError(f"cache_blocks: end={end} beyond {len(block_ids)} blocks / {len(hashes)} hashes")
+        now = self.clock()
+        cached = self.cached
+        policy = self.policy
+        for i in range(start, end):
+            bid = block_ids[i]
+            if self.ref_cnt[bid] <= 0:
+                raise ValueError(f"cache_blocks: block {bid} is not in use")
+            h = hashes[i]
+            if self.block_hash[bid] is not None:
+                if self.block_hash[bid] != h:
+                    raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
+                continue
+            if h in cached:
+                continue
+            parent = NO_PARENT
+            if i > 0:
+                ph = hashes[i - 1]
+                parent = cached.get(ph, NO_PARENT)
+                if parent == NO_PARENT:
+                    continue
+            cached[h] = bid
+            self.block_hash[bid] = h
+            if self._leaf_only and parent != NO_PARENT:
+                self.parent[bid] = parent
+                self.num_children[parent] += 1
+                if self.evictable[parent]:
+                    self.evictable[parent] = 0
+                    policy.remove(parent)
+            policy.on_cached(bid, h, i, now)
+
+    def free_blocks(self, block_ids: Sequence[int], retention: BlockRetention | None = None) -> None:
+        """Release one reference on each block of a request, deepest first (``block_ids`` in request order).
+
+        ``retention`` gives, per block index of the request, the retention priority and duration that the
+        releasing request asks for; without it blocks are released at the default priority (35).
+        """
+        now = self.clock()
+        ref = self.ref_cnt
+        hashes = self.block_hash
+        policy = self.policy
+        track = self._tracks_uses
+        prios = retention.priorities if retention is not None else None
+        durs = retention.durations if retention is not None else None
+        scope = retention.scope if retention is not None else None
+        base = retention.base_priority if retention is not None else DEFAULT_RETENTION_PRIORITY
+        for i in range(len(block_ids) - 1, -1, -1):
+            bid = block_ids[i]
+            c = ref[bid]
+            if c <= 0:
+                raise ValueError(f"block {bid} freed more times than it was taken (double free)")
+            ref[bid] = c - 1
+            h = hashes[bid]
+            if h is None:
+                if c == 1:
+                    self._empty.append(bid)
+                continue
+            if track:
+                if prios is not None and durs is not None and i < len(prios):
+                    policy.on_release(bid, prios[i], durs[i], scope, now, base)
+                else:
+                    policy.on_release(bid, base, None, scope, now, base)
+            if c == 1:
+                self._num_cached_free += 1
+                if not self._leaf_only or self.num_children[bid] == 0:
+                    self.evictable[bid] = 1
+                    policy.push(bid, now)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block's hash (only when no block is in use, as vLLM); returns success."""
+        if any(self.ref_cnt):
+            return False
+        now = self.clock()
+        while len(self.policy):
+            bid = self.policy.pop(now)
+            assert bid is not None
+            self.evictable[bid] = 0
+        for h, bid in list(self.cached.items()):
+            self.policy.on_evicted(bid, h)
+            if self.on_evict is not None:
+                self.on_evict(bid, h)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.parent = [NO_PARENT] * self.num_blocks
+        self.num_children = [0] * self.num_blocks
+        self._empty = list(range(self.num_blocks - 1, -1, -1))
+        self._num_cached_free = 0
+        return True
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises :class:`PoolIntegrityError` on the first violation. O(n)."""
+
+        def fail(msg: str) -> None:
+            raise PoolIntegrityError(msg)
+
+        n = self.num_blocks
+        empty = set(self._empty)
+        if len(empty) != len(self._empty):
+            fail("a block appears twice in the empty list")
+        in_use = {b for b in range(n) if self.ref_cnt[b] > 0}
+        if any(self.ref_cnt[b] < 0 for b in range(n)):
+            fail("negative reference count")
+        cached_free = {b for b in range(n) if self.ref_cnt[b] == 0 and self.block_hash[b] is not None}
+        if len(empty) + len(cached_free) + len(in_use) != n:
+            fail(f"empty {len(empty)} + cached {len(cached_free)} + in use {len(in_use)} != total {n}")
+        if empty & (in_use | cached_free):
+            fail("an empty block is in use or hashed")
+        if self._num_cached_free != len(cached_free):
+            fail(f"cached-free counter {self._num_cached_free} != {len(cached_free)}")
+        if self.get_num_free_blocks() != len(empty) + len(cached_free):
+            fail("free count mismatch")
+        for h, b in self.cached.items():
+            if self.block_hash[b] != h:
+                fail(f"hash index points to block {b} which holds another hash")
+        if sum(1 for b in range(n) if self.block_hash[b] is not None) != len(self.cached):
+            fail("a hashed block is missing from the hash index")
+        children = [0] * n
+        for b in range(n):
+            p = self.parent[b]
+            if p != NO_PARENT:
+                if self.block_hash[b] is None or self.block_hash[p] is None:
+                    fail(f"parent link {b}->{p} on an unhashed block")
+                children[p] += 1
+        if children != self.num_children:
+            fail("child counts disagree with parent links")
+        expect = {b for b in cached_free if not self._leaf_only or self.num_children[b] == 0}
+        flags = {b for b in range(n) if self.evictable[b]}
+        if flags != expect:
+            fail(f"evictable flags wrong: {sorted(flags ^ expect)[:10]}")
+        got = self.policy.evictable_ids()
+        if got != expect or len(self.policy) != len(expect):
+            fail(f"policy order holds {len(got)} blocks (len {len(self.policy)}), expected {len(expect)}")

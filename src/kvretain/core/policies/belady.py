@@ -1,0 +1,57 @@
+"""``belady``: the offline oracle, for trace replay only.
+
+Evicts the evictable block whose next use is farthest in the future (never used again first). It needs
+``PolicyConfig.next_use``, a function from a block hash to the time (e.g. request index) of its next use,
+which a replay can answer because it knows the whole trace. A block's next use can only change when it is
+used again, and then it is pushed again, so the key computed at push time stays valid.
+"""
+
+from __future__ import annotations
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policies._lazyheap import LazyHeap
+from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
+
+
+@POLICIES.register("belady", "offline oracle: evict the block whose next use is farthest (replay only)")
+class BeladyPolicy(EvictionPolicy):
+    name = "belady"
+    tracks_uses = False
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        super().__init__(num_blocks, config)
+        if self.config.next_use is None:
+            raise ValueError(
+                "policy 'belady' is an offline oracle: it needs PolicyConfig(next_use=...) and works only in "
+                "trace replay (kvretain replay), not in online serving"
+            )
+        self._next_use = self.config.next_use
+        self._heap = LazyHeap(num_blocks)
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._depth = [0] * num_blocks
+
+    def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
+        self._hash[block_id] = block_hash
+        self._depth[block_id] = depth
+
+    def push(self, block_id: int, now: float) -> None:
+        h = self._hash[block_id]
+        assert h is not None
+        # farthest next use first; among blocks never used again, the deepest first
+        self._heap.push(block_id, -self._next_use(h) * 4096.0 - self._depth[block_id])
+
+    def remove(self, block_id: int) -> None:
+        self._heap.remove(block_id)
+
+    def pop(self, now: float) -> int | None:
+        top = self._heap.pop()
+        return None if top is None else top[1]
+
+    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        self._hash[block_id] = None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def evictable_ids(self) -> set[int]:
+        return self._heap.ids()

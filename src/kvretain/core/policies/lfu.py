@@ -1,0 +1,87 @@
+"""``lfu``: least frequently used first, least recently released first among equals.
+
+Uses are counted per request release, capped at ``frequency_cap``, and remembered for evicted hashes in a
+bounded ghost table (``ghost_factor`` x pool size) so that content coming back keeps its history.
+Leaves only: a block is never evicted while a cached descendant stays.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policies._lazyheap import LazyHeap
+from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
+
+
+class GhostTable:
+    """Use counts of recently evicted hashes, bounded FIFO."""
+
+    __slots__ = ("_capacity", "_table")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._table: OrderedDict[BlockHash, int] = OrderedDict()
+
+    def put(self, block_hash: BlockHash, uses: int) -> None:
+        if self._capacity <= 0:
+            return
+        self._table[block_hash] = uses
+        self._table.move_to_end(block_hash)
+        if len(self._table) > self._capacity:
+            self._table.popitem(last=False)
+
+    def take(self, block_hash: BlockHash) -> int:
+        return self._table.pop(block_hash, 0)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+@POLICIES.register("lfu", "least frequently used first (uses remembered across eviction), LRU among equals")
+class LFUPolicy(EvictionPolicy):
+    name = "lfu"
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        super().__init__(num_blocks, config)
+        self._heap = LazyHeap(num_blocks)
+        self._uses = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._ghost = GhostTable(int(self.config.ghost_factor * num_blocks))
+        self._cap = self.config.frequency_cap
+        self._tick = 0
+        self._released = [0] * num_blocks
+
+    def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
+        self._uses[block_id] = self._ghost.take(block_hash)
+        self._hash[block_id] = block_hash
+
+    def on_release(
+        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+    ) -> None:
+        if self._uses[block_id] < self._cap:
+            self._uses[block_id] += 1
+        self._tick += 1
+        self._released[block_id] = self._tick
+
+    def push(self, block_id: int, now: float) -> None:
+        # key: uses first, then release order (fixed at release); ticks < 2**40 keep the float exact
+        self._heap.push(block_id, self._uses[block_id] * 1099511627776.0 + self._released[block_id])
+
+    def remove(self, block_id: int) -> None:
+        self._heap.remove(block_id)
+
+    def pop(self, now: float) -> int | None:
+        top = self._heap.pop()
+        return None if top is None else top[1]
+
+    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        self._ghost.put(block_hash, self._uses[block_id])
+        self._uses[block_id] = 0
+        self._hash[block_id] = None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def evictable_ids(self) -> set[int]:
+        return self._heap.ids()

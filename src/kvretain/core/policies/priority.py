@@ -1,0 +1,82 @@
+"""``priority``: strict retention priority, TensorRT-LLM-like.
+
+All evictable blocks of the lowest retention priority go before any block of the next priority; least
+recently released first within a level. A block released with a duration drops to the default priority (35)
+once the duration has passed since its release (checked lazily, through an expiry heap drained on each
+eviction). Shared blocks take the priority of the request that released them last (the newest request's
+priority overwrites, as in TensorRT-LLM). Leaves only; a parent that becomes a leaf keeps its release time.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from kvretain.core.policies._lazyheap import LazyHeap
+from kvretain.core.policy import INF, POLICIES, EvictionPolicy, PolicyConfig
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
+
+_LEVEL = float(1 << 44)  # release ticks stay below 2**44, so level * _LEVEL + tick is exact in a float
+
+
+@POLICIES.register("priority", "strict retention priority (TensorRT-LLM-like): lowest level first, LRU within")
+class StrictPriorityPolicy(EvictionPolicy):
+    name = "priority"
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        super().__init__(num_blocks, config)
+        self._heap = LazyHeap(num_blocks)
+        self._prio = [DEFAULT_RETENTION_PRIORITY] * num_blocks
+        self._expiry = [INF] * num_blocks
+        self._released = [0] * num_blocks
+        self._expiries: list[tuple[float, int]] = []
+        self._tick = 0
+
+    def on_cached(self, block_id: int, block_hash: object, depth: int, now: float) -> None:
+        self._prio[block_id] = DEFAULT_RETENTION_PRIORITY
+        self._expiry[block_id] = INF
+
+    def on_release(
+        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+    ) -> None:
+        self._tick += 1
+        self._released[block_id] = self._tick
+        self._prio[block_id] = retention
+        if duration_s is None or retention == DEFAULT_RETENTION_PRIORITY:
+            self._expiry[block_id] = INF
+        else:
+            exp = now + duration_s
+            self._expiry[block_id] = exp
+            heapq.heappush(self._expiries, (exp, block_id))
+
+    def retention_of(self, block_id: int, now: float) -> int:
+        return DEFAULT_RETENTION_PRIORITY if self._expiry[block_id] <= now else self._prio[block_id]
+
+    def push(self, block_id: int, now: float) -> None:
+        self._heap.push(block_id, self.retention_of(block_id, now) * _LEVEL + self._released[block_id])
+
+    def remove(self, block_id: int) -> None:
+        self._heap.remove(block_id)
+
+    def _expire(self, now: float) -> None:
+        exp = self._expiries
+        while exp and exp[0][0] <= now:
+            t, bid = heapq.heappop(exp)
+            if self._expiry[bid] != t:
+                continue  # re-released since: a newer expiry (or none) applies
+            self._expiry[bid] = INF
+            self._prio[bid] = DEFAULT_RETENTION_PRIORITY
+            if bid in self._heap:
+                self._heap.remove(bid)
+                self.push(bid, now)
+
+    def pop(self, now: float) -> int | None:
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire(now)
+        top = self._heap.pop()
+        return None if top is None else top[1]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def evictable_ids(self) -> set[int]:
+        return self._heap.ids()

@@ -1,0 +1,151 @@
+"""The eviction-policy contract and its registry.
+
+A policy ranks the *evictable* blocks of a :class:`~kvretain.core.block_pool.BlockPool`: blocks that are free
+(reference count 0), carry a hash (their content is reusable) and, for ``leaf_only`` policies, have no cached
+child. The pool owns reference counts, the hash index and the parent/child links; the policy owns its order
+and any per-block metadata, indexed by block id (so the same policy object can rank a foreign pool's blocks,
+e.g. vLLM's, by id).
+
+Life of a hashed block, as the policy sees it::
+
+    on_cached(id, hash, depth)      new content registered under a hash (metadata starts fresh)
+    on_release(id, retention...)    a request stopped using it (one "use"; may still be in use by others)
+    push(id) / remove(id)           it became evictable / stopped being evictable (hit, or gained a child)
+    pop(now) -> id | None           choose and remove a victim; the pool then calls on_evicted(id, hash)
+
+Every method must be O(1) or O(log n) in the pool size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
+from kvretain.registry import Registry
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Options of every policy (each policy reads the ones it understands).
+
+    Attributes:
+        budget: unified: the largest share of the pool that protected blocks may hold (0..1).
+        isolation_goal: unified: when set, the protected share adapts (up to ``budget``) so that protected
+            traffic keeps this fraction of the hit ratio it would get alone in the pool (a shadow LRU
+            directory measures that); ``None`` keeps the protected share fixed at ``budget``.
+        protect_threshold: unified: blocks whose effective retention priority is at least this are protected.
+        priority_weight: unified: a block's value is multiplied by this for every 10 retention-priority points
+            above 35 (divided below); 1 disables the soft bias and leaves only the protected/unprotected tiers.
+        frequency_exponent: unified: value grows as ``uses ** frequency_exponent``.
+        frequency_cap: unified/lfu: uses counted up to this many.
+        cost_scale_tokens: unified: recompute cost of a block at token depth p is ``1 + p / cost_scale_tokens``
+            (attention over the prefix against the linear FLOPs; ~28.6k tokens for Llama-3-8B). ``0`` (default)
+            disables it: on the Mooncake trace the depth term lowered the block hit ratio (deep blocks are
+            reused less often than their recompute cost suggests).
+        ghost_factor: unified/lfu: evicted hashes whose use counts are remembered, as a multiple of the pool.
+        block_size: tokens per block (for the cost term).
+        next_use: belady only: ``next_use(block_hash) -> time of the next request that uses it`` (inf: never).
+    """
+
+    budget: float = 0.8
+    isolation_goal: float | None = 0.92
+    protect_threshold: int = DEFAULT_RETENTION_PRIORITY
+    priority_weight: float = 2.0
+    frequency_exponent: float = 1.0
+    frequency_cap: int = 64
+    cost_scale_tokens: float = 0.0
+    ghost_factor: float = 4.0
+    block_size: int = 16
+    next_use: Callable[[BlockHash], float] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"budget must be a share of the pool in [0, 1], got {self.budget!r}")
+        if self.isolation_goal is not None and not 0.0 < self.isolation_goal <= 1.0:
+            raise ValueError(f"isolation_goal must be in (0, 1] or None, got {self.isolation_goal!r}")
+        if self.frequency_cap < 1:
+            raise ValueError(f"frequency_cap must be >= 1, got {self.frequency_cap!r}")
+        if self.cost_scale_tokens < 0:
+            raise ValueError(f"cost_scale_tokens must be >= 0, got {self.cost_scale_tokens!r}")
+        if self.ghost_factor < 0:
+            raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor!r}")
+
+
+class EvictionPolicy(ABC):
+    """Orders evictable blocks; see the module docstring for the call protocol."""
+
+    name: ClassVar[str] = ""
+    leaf_only: ClassVar[bool] = True
+    """When True the pool offers only blocks without cached children (no orphaned descendants)."""
+    tracks_uses: ClassVar[bool] = True
+    """When False the pool skips ``on_release`` calls (pure-recency policies)."""
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.config = config or PolicyConfig()
+
+    def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:  # noqa: B027
+        """``block_id`` now holds new content identified by ``block_hash`` at block depth ``depth``."""
+
+    def on_release(  # noqa: B027
+        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+    ) -> None:
+        """A request released ``block_id`` (one use) asking for ``retention`` for ``duration_s`` seconds
+        (None: no expiry), on behalf of ``scope``; ``base`` is what its request priority maps to (the level a
+        lapsed duration may fall back to)."""
+
+    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:  # noqa: B027
+        """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached."""
+
+    @abstractmethod
+    def push(self, block_id: int, now: float) -> None:
+        """``block_id`` became evictable."""
+
+    @abstractmethod
+    def remove(self, block_id: int) -> None:
+        """``block_id`` is no longer evictable (it was hit or gained a cached child)."""
+
+    @abstractmethod
+    def pop(self, now: float) -> int | None:
+        """Choose a victim among evictable blocks, remove it from the order, return its id (None if empty)."""
+
+    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:  # noqa: B027
+        """``block_id``'s content was dropped."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable blocks."""
+
+    @abstractmethod
+    def evictable_ids(self) -> set[int]:
+        """The evictable block ids (integrity checks; O(n))."""
+
+    def retention_of(self, block_id: int, now: float) -> int:
+        """The block's effective retention priority now (policies without one report the default)."""
+        return DEFAULT_RETENTION_PRIORITY
+
+    def stats(self) -> dict[str, float]:
+        """Policy-specific figures (e.g. the current protected target)."""
+        return {}
+
+
+POLICIES: Registry[EvictionPolicy] = Registry("eviction policy")
+
+
+def make_policy(name: str, num_blocks: int, config: PolicyConfig | None = None) -> EvictionPolicy:
+    """Build a registered policy by name."""
+    import kvretain.core.policies  # noqa: F401  (registers the built-in policies)
+
+    return POLICIES.create(name, num_blocks, config)
+
+
+def policy_names() -> list[str]:
+    import kvretain.core.policies  # noqa: F401
+
+    return POLICIES.names()

@@ -1,0 +1,282 @@
+"""Retention API: request priority, retention directives and the mapping between them.
+
+Two notions of priority meet here:
+
+* **request priority** (vLLM): an ``int``, LOWER = MORE important, default 0. It orders scheduling.
+* **retention priority** (TensorRT-LLM ``KvCacheRetentionConfig``, vLLM RFC #37003): ``0..100``, HIGHER = kept
+  longer, default 35, optionally with a duration (seconds) after which it lapses back to 35.
+
+A :class:`RetentionConfig` carries the per-request directives (token ranges of the prompt with a priority and
+an optional duration), a decode priority/duration for generated tokens, and an optional retention *scope*
+(an owner id such as a session). :class:`PriorityMapping` turns a request priority into the retention priority
+that applies where no directive says otherwise. :meth:`RetentionConfig.block_plan` resolves everything into
+one ``(priority, duration)`` pair per KV block, which is what the block pool and the policies see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MIN_RETENTION_PRIORITY = 0
+MAX_RETENTION_PRIORITY = 100
+DEFAULT_RETENTION_PRIORITY = 35
+"""TensorRT-LLM's default retention priority; a lapsed duration reverts a block to it."""
+
+
+class RetentionError(ValueError):
+    """Invalid retention input. The message names the field and how to fix it."""
+
+
+def _check_priority(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RetentionError(
+            f"{where}: priority must be an integer in [0, 100], got {value!r}; pass e.g. priority=80"
+        )
+    if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
+        raise RetentionError(f"{where}: priority {value} is out of range; use an integer in [0, 100]")
+    return value
+
+
+def _check_duration(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RetentionError(
+            f"{where}: duration_s must be a number of seconds or null, got {value!r}; "
+            "pass e.g. duration_s=30 or omit it to retain without expiry"
+        )
+    v = float(value)
+    if math.isnan(v) or v < 0:
+        raise RetentionError(f"{where}: duration_s must be >= 0 seconds, got {value!r}; use a non-negative number")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionDirective:
+    """Retention priority for prompt tokens ``[start, end)`` (``end=None``: to the end of the prompt).
+
+    Compatible with RFC #37003 ``{start, end, priority, duration}`` and TensorRT-LLM's
+    ``TokenRangeRetentionConfig(token_start, token_end, priority, duration_ms)``.
+    """
+
+    start: int
+    end: int | None
+    priority: int
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        where = "retention directive"
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise RetentionError(f"{where}: start must be a non-negative token index, got {self.start!r}")
+        if self.end is not None:
+            if isinstance(self.end, bool) or not isinstance(self.end, int):
+                raise RetentionError(f"{where}: end must be a token index or null, got {self.end!r}")
+            if self.end <= self.start:
+                raise RetentionError(
+                    f"{where}: start ({self.start}) must be before end ({self.end}); "
+                    "use end > start, or end=null for 'to the end of the prompt'"
+                )
+        _check_priority(self.priority, where)
+        object.__setattr__(self, "duration_s", _check_duration(self.duration_s, where))
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """True when the directive overlaps tokens ``[lo, hi)``."""
+        return self.start < hi and (self.end is None or self.end > lo)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], index: int = 0) -> RetentionDirective:
+        """Parse one directive; accepts RFC (``duration``), kvretain (``duration_s``) and TRT-LLM
+        (``token_start``/``token_end``/``duration_ms``) spellings."""
+        where = f"retention_directives[{index}]"
+        if not isinstance(raw, Mapping):
+            raise RetentionError(f"{where}: expected an object {{start, end, priority, duration_s}}, got {raw!r}")
+        known = {"start", "end", "priority", "duration_s", "duration", "duration_ms", "token_start", "token_end"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise RetentionError(f"{where}: unknown field(s) {unknown}; allowed: start, end, priority, duration_s")
+        start = raw.get("start", raw.get("token_start", 0))
+        end = raw.get("end", raw.get("token_end"))
+        if "priority" not in raw:
+            raise RetentionError(f"{where}: missing field 'priority' (an integer in [0, 100])")
+        duration: object = raw.get("duration_s", raw.get("duration"))
+        if "duration_ms" in raw and raw["duration_ms"] is not None:
+            ms = raw["duration_ms"]
+            if isinstance(ms, bool) or not isinstance(ms, int | float):
+                raise RetentionError(f"{where}: duration_ms must be a number, got {ms!r}")
+            duration = float(ms) / 1000.0
+        try:
+            return cls(start=start, end=end, priority=raw["priority"], duration_s=duration)  # type: ignore[arg-type]
+        except RetentionError as exc:
+            raise RetentionError(str(exc).replace("retention directive", where, 1)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityMapping:
+    """Maps a request priority (lower = more important) to a retention priority (higher = kept longer).
+
+    ``retention = clamp(base + step * (normal - priority), 0, 100)`` unless ``table`` names the priority.
+    With the defaults (``normal=0``, ``step=10``, ``base=35``), vLLM's default priority 0 gets TensorRT-LLM's
+    default retention 35; priority 1 gets 25, 2 gets 15, -1 gets 45, and so on. Workloads whose "normal"
+    traffic is not priority 0 (e.g. classes 0 = important, 1 = the rest) set ``normal`` to that class.
+    """
+
+    normal: int = 0
+    step: int = 10
+    base: int = DEFAULT_RETENTION_PRIORITY
+    table: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_priority(self.base, "priority mapping base")
+        if self.step < 0:
+            raise RetentionError("priority mapping step must be >= 0 (lower request priority = more important)")
+        for prio, ret in self.table:
+            _check_priority(ret, f"priority mapping table entry for request priority {prio}")
+
+    def retention_for(self, request_priority: int) -> int:
+        for prio, ret in self.table:
+            if prio == request_priority:
+                return ret
+        value = self.base + self.step * (self.normal - request_priority)
+        return max(MIN_RETENTION_PRIORITY, min(MAX_RETENTION_PRIORITY, value))
+
+    @classmethod
+    def parse(cls, spec: str) -> PriorityMapping:
+        """Parse ``"normal=1,step=10,base=35"`` or a table ``"0:80,1:35,2:10"``."""
+        spec = spec.strip()
+        if not spec:
+            return cls()
+        if ":" in spec:
+            entries: list[tuple[int, int]] = []
+            for part in spec.split(","):
+                k, _, v = part.partition(":")
+                try:
+                    entries.append((int(k), int(v)))
+                except ValueError:
+                    raise RetentionError(
+                        f"priority mapping entry {part!r}: expected 'request_priority:retention_priority'"
+                    ) from None
+            return cls(table=tuple(entries))
+        kwargs: dict[str, int] = {}
+        for part in spec.split(","):
+            k, _, v = part.partition("=")
+            if k.strip() not in ("normal", "step", "base"):
+                raise RetentionError(f"priority mapping key {k!r}: use normal=, step= or base=")
+            try:
+                kwargs[k.strip()] = int(v)
+            except ValueError:
+                raise RetentionError(f"priority mapping {k.strip()}={v!r}: expected an integer") from None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """Per-request retention: prompt ranges, decode priority/duration and an optional owner scope.
+
+    ``decode_priority=None`` means "as the request priority maps"; TensorRT-LLM's default would be 35.
+    Ranges may not overlap. Where no directive covers a block, the request priority's mapping applies.
+    """
+
+    directives: tuple[RetentionDirective, ...] = ()
+    decode_priority: int | None = None
+    decode_duration_s: float | None = None
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_priority is not None:
+            _check_priority(self.decode_priority, "decode_priority")
+        object.__setattr__(self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s"))
+        if self.scope is not None and not isinstance(self.scope, str):
+            raise RetentionError(f"retention_scope must be a string, got {self.scope!r}")
+        ordered = sorted(self.directives, key=lambda d: d.start)
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            if a.end is None or a.end > b.start:
+                raise RetentionError(
+                    f"retention directives overlap: [{a.start}, {a.end}) and [{b.start}, {b.end}); "
+                    "make the ranges disjoint (end of one <= start of the next)"
+                )
+        object.__setattr__(self, "directives", tuple(ordered))
+
+    @classmethod
+    def from_request_fields(
+        cls,
+        directives: Iterable[Mapping[str, Any]] | None = None,
+        scope: str | None = None,
+        decode_priority: int | None = None,
+        decode_duration_s: float | None = None,
+    ) -> RetentionConfig:
+        """Build from the JSON fields of a request (``retention_directives``, ``retention_scope``...)."""
+        if directives is not None and (isinstance(directives, str | bytes) or not isinstance(directives, Iterable)):
+            raise RetentionError(f"retention_directives must be a list of objects, got {directives!r}")
+        parsed = tuple(RetentionDirective.from_dict(d, i) for i, d in enumerate(directives or ()))
+        return cls(parsed, decode_priority, decode_duration_s, scope)
+
+    @property
+    def is_default(self) -> bool:
+        return not self.directives and self.decode_priority is None and self.decode_duration_s is None
+
+    def block_plan(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_prompt_tokens: int,
+        mapped_priority: int,
+    ) -> tuple[list[int], list[float | None]]:
+        """Resolve retention for blocks ``0..num_blocks-1``: one priority and one duration per block.
+
+        A prompt block takes the highest priority among the directives overlapping it (its longest duration
+        among those); a block with no directive takes ``mapped_priority`` without expiry. Blocks that start at
+        or after ``num_prompt_tokens`` hold generated tokens and take the decode priority and duration.
+        """
+        prios: list[int] = [mapped_priority] * num_blocks
+        durs: list[float | None] = [None] * num_blocks
+        covered = [False] * num_blocks
+        first_decode = min(num_blocks, -(-num_prompt_tokens // block_size))
+        # NOTE: an explicit directive replaces the mapped priority even when lower ("this range may go").
+        # A block straddling two directives takes the higher one; on a tie the longer duration (None = forever).
+        for d in self.directives:
+            hi_tok = num_prompt_tokens if d.end is None else min(d.end, num_prompt_tokens)
+            for i in range(d.start // block_size, min(first_decode, -(-hi_tok // block_size))):
+                if (
+                    not covered[i]
+                    or d.priority > prios[i]
+                    or (d.priority == prios[i] and _longer(d.duration_s, durs[i]))
+                ):
+                    prios[i] = d.priority
+                    durs[i] = d.duration_s
+                    covered[i] = True
+        if first_decode < num_blocks:
+            dp = mapped_priority if self.decode_priority is None else self.decode_priority
+            for i in range(first_decode, num_blocks):
+                prios[i] = dp
+                durs[i] = self.decode_duration_s
+        return prios, durs
+
+
+def _longer(a: float | None, b: float | None) -> bool:
+    """True when duration ``a`` outlasts ``b`` (None = no expiry)."""
+    if a is None:
+        return b is not None
+    return b is not None and a > b
+
+
+DEFAULT_RETENTION = RetentionConfig()
+
+
+def validate_directive_list(raw: Sequence[Mapping[str, Any]]) -> tuple[RetentionDirective, ...]:
+    """Parse and validate a JSON list of directives (errors name the index and field)."""
+    return RetentionConfig.from_request_fields(raw).directives
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRetention:
+    """What a request says about its blocks when it releases them (computed once per request)."""
+
+    priorities: list[int] = field(default_factory=list)
+    durations: list[float | None] = field(default_factory=list)
+    scope: str | None = None
+    request_priority: int = 0
+    base_priority: int = DEFAULT_RETENTION_PRIORITY
+    """The retention priority the request priority maps to (where a lapsed duration falls back)."""

@@ -1,0 +1,275 @@
+"""Block-level cache replay of a Mooncake-format trace.
+
+Each request, in order, looks up its longest run of leading cached blocks (each hash id is one block) and
+counts those as hits; then all its blocks are resident (hits touched, misses allocated and cached) and
+released deepest first. A request with more blocks than the pool counts its lookups and caches nothing.
+This is the replay behind the anchors of ``shared/traces/README.md`` (vLLM 0.33's ``BlockPool`` replayed
+the same way), driven through kvretain's own :class:`~kvretain.core.block_pool.BlockPool`.
+
+Trace lines: ``{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}`` plus optional
+``priority`` (int, default 0) and ``retention`` (a list of directives in tokens, or an object
+``{"directives": [...], "scope": ..., "decode_priority": ..., "decode_duration_s": ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvretain.core.block_pool import BlockPool
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policy import INF, PolicyConfig, make_policy
+from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, RetentionError
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file, line and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    hash_ids: tuple[int, ...]
+    timestamp_s: float = 0.0
+    input_length: int = 0
+    priority: int = 0
+    retention: RetentionConfig | None = None
+
+
+def _parse_retention(raw: Any) -> RetentionConfig:
+    if isinstance(raw, list):
+        return RetentionConfig.from_request_fields(raw)
+    if isinstance(raw, dict):
+        unknown = set(raw) - {"directives", "scope", "decode_priority", "decode_duration_s"}
+        if unknown:
+            raise RetentionError(f"retention: unknown field(s) {sorted(unknown)}")
+        return RetentionConfig.from_request_fields(
+            raw.get("directives"), raw.get("scope"), raw.get("decode_priority"), raw.get("decode_duration_s")
+        )
+    raise RetentionError(f"retention must be a list of directives or an object, got {raw!r}")
+
+
+def parse_trace_line(line: str, lineno: int, path: str = "<trace>") -> ReplayRequest:
+    where = f"{path}:{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object per line")
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a non-empty list of integers")
+    ts = obj.get("timestamp", 0)
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise TraceError(f"{where}: field 'timestamp' must be a number of milliseconds")
+    prio = obj.get("priority", 0)
+    if isinstance(prio, bool) or not isinstance(prio, int):
+        raise TraceError(f"{where}: field 'priority' must be an integer (lower = more important)")
+    n_in = obj.get("input_length", len(ids) * MOONCAKE_BLOCK_TOKENS)
+    if isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 0:
+        raise TraceError(f"{where}: field 'input_length' must be a non-negative integer")
+    retention = None
+    if obj.get("retention") is not None:
+        try:
+            retention = _parse_retention(obj["retention"])
+        except RetentionError as exc:
+            raise TraceError(f"{where}: field 'retention': {exc}") from None
+    return ReplayRequest(tuple(ids), float(ts) / 1000.0, n_in, prio, retention)
+
+
+def load_trace(
+    path: str | Path,
+    limit: int | None = None,
+    tagger: Callable[[Sequence[int]], int] | None = None,
+) -> list[ReplayRequest]:
+    """Read a Mooncake-format JSONL trace; ``tagger(hash_ids) -> priority`` overrides priorities."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace file not found: {p} (pass the path of a Mooncake-format JSONL file)")
+    out: list[ReplayRequest] = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            req = parse_trace_line(line, lineno, str(p))
+            if tagger is not None:
+                req = ReplayRequest(req.hash_ids, req.timestamp_s, req.input_length, tagger(req.hash_ids),
+                                    req.retention)
+            out.append(req)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def reference_priority(hash_ids: Sequence[int]) -> int:
+    """The reference rule of ``shared/traces/README.md``: 0 when ``hash_ids[1] % 4 == 0`` (``hash_ids[0]``
+    for one-block requests), else 1 -- about a quarter of conversations, all their turns, are important."""
+    key = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
+    return 0 if key % 4 == 0 else 1
+
+
+@dataclass(slots=True)
+class ClassStats:
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "hit_blocks": self.hit_blocks,
+            "hit_rate": round(self.hit_rate, 6),
+            "evicted_blocks": self.evicted_blocks,
+        }
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    capacity_blocks: int
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    classes: dict[int, ClassStats] = field(default_factory=dict)
+    policy_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "capacity_blocks": self.capacity_blocks,
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "hit_blocks": self.hit_blocks,
+            "hit_rate": round(self.hit_rate, 6),
+            "classes": {str(k): v.to_json() for k, v in sorted(self.classes.items())},
+        }
+
+
+def _next_use_oracle(requests: Sequence[ReplayRequest]) -> tuple[Callable[[BlockHash], float], Callable[[int], None]]:
+    uses: dict[BlockHash, deque[int]] = {}
+    for i, r in enumerate(requests):
+        for h in r.hash_ids:
+            q = uses.get(h)
+            if q is None:
+                uses[h] = q = deque()
+            if not q or q[-1] != i:
+                q.append(i)
+    current = [0]
+
+    def advance(i: int) -> None:
+        current[0] = i
+
+    def next_use(h: BlockHash) -> float:
+        q = uses.get(h)
+        if q is None:
+            return INF
+        while q and q[0] <= current[0]:
+            q.popleft()
+        return float(q[0]) if q else INF
+
+    return next_use, advance
+
+
+def replay(
+    requests: Sequence[ReplayRequest],
+    capacity_blocks: int,
+    policy: str = "lru",
+    config: PolicyConfig | None = None,
+    mapping: PriorityMapping | None = None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
+    check_every: int = 0,
+) -> ReplayResult:
+    """Replay ``requests`` through a pool of ``capacity_blocks`` blocks under ``policy``.
+
+    ``check_every > 0`` runs the pool's integrity check every that many requests (tests).
+    """
+    if capacity_blocks <= 0:
+        raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+    mapping = mapping or PriorityMapping()
+    cfg = config or PolicyConfig(block_size=block_tokens)
+    advance: Callable[[int], None] | None = None
+    if policy == "belady":
+        next_use, advance = _next_use_oracle(requests)
+        cfg = PolicyConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "next_use": next_use})
+    pol = make_policy(policy, capacity_blocks, cfg)
+    now = [0.0]
+    pool = BlockPool(capacity_blocks, pol, clock=lambda: now[0])
+    result = ReplayResult(policy, capacity_blocks)
+    classes = result.classes
+    cls_of_block: dict[int, int] = {}
+
+    def on_evict(bid: int, h: BlockHash) -> None:
+        c = cls_of_block.pop(bid, None)
+        if c is not None and c in classes:
+            classes[c].evicted_blocks += 1
+
+    pool.on_evict = on_evict
+    cached = pool.cached
+    indices: Iterable[int] = range(len(requests))
+    if progress is not None:
+        indices = progress(indices)
+    plans: dict[tuple[int, int, int], BlockRetention] = {}
+    for idx in indices:
+        req = requests[idx]
+        now[0] = req.timestamp_s
+        if advance is not None:
+            advance(idx)
+        hashes = req.hash_ids
+        n = len(hashes)
+        st = classes.get(req.priority)
+        if st is None:
+            classes[req.priority] = st = ClassStats()
+        st.requests += 1
+        st.blocks += n
+        k = 0
+        while k < n and hashes[k] in cached:
+            k += 1
+        st.hit_blocks += k
+        base = mapping.retention_for(req.priority)
+        pol.on_lookup(hashes, k, base)
+        if n > capacity_blocks:
+            continue
+        hit_ids = [cached[hashes[i]] for i in range(k)]
+        pool.touch(hit_ids)
+        new_ids = pool.get_new_blocks(n - k)
+        if new_ids is None:  # the pool is smaller than the request's working set even after eviction
+            pool.free_blocks(hit_ids)
+            continue
+        ids = hit_ids + new_ids
+        pool.cache_blocks(ids, hashes, k, n)
+        for b in new_ids:
+            cls_of_block[b] = req.priority
+        if req.retention is None:
+            key = (n, base, req.priority)
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = BlockRetention([base] * n, [None] * n, None, req.priority, base)
+        else:
+            prios, durs = req.retention.block_plan(n, block_tokens, req.input_length or n * block_tokens, base)
+            plan = BlockRetention(prios, durs, req.retention.scope, req.priority, base)
+        pool.free_blocks(ids, plan)
+        if check_every and idx % check_every == 0:
+            pool.check_integrity()
+    for c in classes.values():
+        result.requests += c.requests
+        result.blocks += c.blocks
+        result.hit_blocks += c.hit_blocks
+    result.policy_stats = pol.stats()
+    return result
