@@ -63,7 +63,11 @@ def parse_trace_line(line: str, lineno: int, path: str = "<trace>") -> ReplayReq
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object per line")
     ids = obj.get("hash_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids)
+    ):
         raise TraceError(f"{where}: field 'hash_ids' must be a non-empty list of integers")
     ts = obj.get("timestamp", 0)
     if isinstance(ts, bool) or not isinstance(ts, int | float):
@@ -99,8 +103,9 @@ def load_trace(
                 continue
             req = parse_trace_line(line, lineno, str(p))
             if tagger is not None:
-                req = ReplayRequest(req.hash_ids, req.timestamp_s, req.input_length, tagger(req.hash_ids),
-                                    req.retention)
+                req = ReplayRequest(
+                    req.hash_ids, req.timestamp_s, req.input_length, tagger(req.hash_ids), req.retention
+                )
             out.append(req)
             if limit is not None and len(out) >= limit:
                 break
@@ -161,7 +166,9 @@ class ReplayResult:
         }
 
 
-def _next_use_oracle(requests: Sequence[ReplayRequest]) -> tuple[Callable[[BlockHash], float], Callable[[int], None]]:
+def _next_use_oracle(
+    requests: Sequence[ReplayRequest],
+) -> tuple[Callable[[BlockHash], float], Callable[[int], None]]:
     uses: dict[BlockHash, deque[int]] = {}
     for i, r in enumerate(requests):
         for h in r.hash_ids:
@@ -262,7 +269,9 @@ def replay(
             if plan is None:
                 plan = plans[key] = BlockRetention([base] * n, [None] * n, None, req.priority, base)
         else:
-            prios, durs = req.retention.block_plan(n, block_tokens, req.input_length or n * block_tokens, base)
+            prios, durs = req.retention.block_plan(
+                n, block_tokens, req.input_length or n * block_tokens, base
+            )
             plan = BlockRetention(prios, durs, req.retention.scope, req.priority, base)
         pool.free_blocks(ids, plan)
         if check_every and idx % check_every == 0:

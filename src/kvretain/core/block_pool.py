@@ -133,7 +133,9 @@ class BlockPool:
                 self._num_cached_free -= 1
             ref[bid] += 1
 
-    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], start: int, end: int) -> None:
+    def cache_blocks(
+        self, block_ids: Sequence[int], hashes: Sequence[BlockHash], start: int, end: int
+    ) -> None:
         """Register ``block_ids[i]`` under ``hashes[i]`` for ``start <= i < end`` (a request's newly full blocks).
 
         A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits). A

@@ -59,7 +59,9 @@ class BlockHasher:
         elif algorithm == "xxhash":
             self._fn = _xxhash_fn()
         else:
-            raise ValueError(f"unknown hash algorithm {algorithm!r}; choose one of: {', '.join(HASH_ALGORITHMS)}")
+            raise ValueError(
+                f"unknown hash algorithm {algorithm!r}; choose one of: {', '.join(HASH_ALGORITHMS)}"
+            )
         self.block_size = block_size
         self.algorithm = algorithm
         self.root = self._fn(_ROOT_SEED)
@@ -67,9 +69,13 @@ class BlockHasher:
     def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
         """Hash one full block given its parent's hash (``None`` for the first block)."""
         if len(tokens) != self.block_size:
-            raise ValueError(f"only full blocks are hashed: got {len(tokens)} tokens, block size {self.block_size}")
+            raise ValueError(
+                f"only full blocks are hashed: got {len(tokens)} tokens, block size {self.block_size}"
+            )
         body = array("q", tokens).tobytes()
-        return self._fn((self.root if parent is None else parent) + len(extra).to_bytes(2, "little") + extra + body)
+        return self._fn(
+            (self.root if parent is None else parent) + len(extra).to_bytes(2, "little") + extra + body
+        )
 
     @staticmethod
     def encode_extra(extra: ExtraKeys, first_block: bool) -> bytes:

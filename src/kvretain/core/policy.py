@@ -94,7 +94,13 @@ class EvictionPolicy(ABC):
         """``block_id`` now holds new content identified by ``block_hash`` at block depth ``depth``."""
 
     def on_release(  # noqa: B027
-        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
     ) -> None:
         """A request released ``block_id`` (one use) asking for ``retention`` for ``duration_s`` seconds
         (None: no expiry), on behalf of ``scope``; ``base`` is what its request priority maps to (the level a

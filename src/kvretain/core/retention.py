@@ -50,7 +50,9 @@ def _check_duration(value: object, where: str) -> float | None:
         )
     v = float(value)
     if math.isnan(v) or v < 0:
-        raise RetentionError(f"{where}: duration_s must be >= 0 seconds, got {value!r}; use a non-negative number")
+        raise RetentionError(
+            f"{where}: duration_s must be >= 0 seconds, got {value!r}; use a non-negative number"
+        )
     return v
 
 
@@ -92,11 +94,24 @@ class RetentionDirective:
         (``token_start``/``token_end``/``duration_ms``) spellings."""
         where = f"retention_directives[{index}]"
         if not isinstance(raw, Mapping):
-            raise RetentionError(f"{where}: expected an object {{start, end, priority, duration_s}}, got {raw!r}")
-        known = {"start", "end", "priority", "duration_s", "duration", "duration_ms", "token_start", "token_end"}
+            raise RetentionError(
+                f"{where}: expected an object {{start, end, priority, duration_s}}, got {raw!r}"
+            )
+        known = {
+            "start",
+            "end",
+            "priority",
+            "duration_s",
+            "duration",
+            "duration_ms",
+            "token_start",
+            "token_end",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise RetentionError(f"{where}: unknown field(s) {unknown}; allowed: start, end, priority, duration_s")
+            raise RetentionError(
+                f"{where}: unknown field(s) {unknown}; allowed: start, end, priority, duration_s"
+            )
         start = raw.get("start", raw.get("token_start", 0))
         end = raw.get("end", raw.get("token_end"))
         if "priority" not in raw:
@@ -131,7 +146,9 @@ class PriorityMapping:
     def __post_init__(self) -> None:
         _check_priority(self.base, "priority mapping base")
         if self.step < 0:
-            raise RetentionError("priority mapping step must be >= 0 (lower request priority = more important)")
+            raise RetentionError(
+                "priority mapping step must be >= 0 (lower request priority = more important)"
+            )
         for prio, ret in self.table:
             _check_priority(ret, f"priority mapping table entry for request priority {prio}")
 
@@ -168,7 +185,11 @@ class PriorityMapping:
                 kwargs[k.strip()] = int(v)
             except ValueError:
                 raise RetentionError(f"priority mapping {k.strip()}={v!r}: expected an integer") from None
-        return cls(**kwargs)
+        return cls(
+            normal=kwargs.get("normal", 0),
+            step=kwargs.get("step", 10),
+            base=kwargs.get("base", DEFAULT_RETENTION_PRIORITY),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +208,9 @@ class RetentionConfig:
     def __post_init__(self) -> None:
         if self.decode_priority is not None:
             _check_priority(self.decode_priority, "decode_priority")
-        object.__setattr__(self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s"))
+        object.__setattr__(
+            self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s")
+        )
         if self.scope is not None and not isinstance(self.scope, str):
             raise RetentionError(f"retention_scope must be a string, got {self.scope!r}")
         ordered = sorted(self.directives, key=lambda d: d.start)
@@ -208,7 +231,9 @@ class RetentionConfig:
         decode_duration_s: float | None = None,
     ) -> RetentionConfig:
         """Build from the JSON fields of a request (``retention_directives``, ``retention_scope``...)."""
-        if directives is not None and (isinstance(directives, str | bytes) or not isinstance(directives, Iterable)):
+        if directives is not None and (
+            isinstance(directives, str | bytes) or not isinstance(directives, Iterable)
+        ):
             raise RetentionError(f"retention_directives must be a list of objects, got {directives!r}")
         parsed = tuple(RetentionDirective.from_dict(d, i) for i, d in enumerate(directives or ()))
         return cls(parsed, decode_priority, decode_duration_s, scope)

@@ -57,7 +57,13 @@ class LFUPolicy(EvictionPolicy):
         self._hash[block_id] = block_hash
 
     def on_release(
-        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
     ) -> None:
         if self._uses[block_id] < self._cap:
             self._uses[block_id] += 1

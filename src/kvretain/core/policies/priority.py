@@ -18,7 +18,9 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 _LEVEL = float(1 << 44)  # release ticks stay below 2**44, so level * _LEVEL + tick is exact in a float
 
 
-@POLICIES.register("priority", "strict retention priority (TensorRT-LLM-like): lowest level first, LRU within")
+@POLICIES.register(
+    "priority", "strict retention priority (TensorRT-LLM-like): lowest level first, LRU within"
+)
 class StrictPriorityPolicy(EvictionPolicy):
     name = "priority"
 
@@ -36,7 +38,13 @@ class StrictPriorityPolicy(EvictionPolicy):
         self._expiry[block_id] = INF
 
     def on_release(
-        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
     ) -> None:
         self._tick += 1
         self._released[block_id] = self._tick

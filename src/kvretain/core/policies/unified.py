@@ -66,8 +66,9 @@ class UnifiedPolicy(EvictionPolicy):
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
         self._exp = cfg.frequency_exponent
-        self._weight = [
-            cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0) for r in range(MAX_RETENTION_PRIORITY + 1)
+        self._weight: list[float] = [
+            cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
+            for r in range(MAX_RETENTION_PRIORITY + 1)
         ]
         scale = cfg.cost_scale_tokens
         self._cost_per_block = (cfg.block_size / scale) if scale > 0 else 0.0
@@ -90,7 +91,13 @@ class UnifiedPolicy(EvictionPolicy):
         self._owner[block_id] = None
 
     def on_release(
-        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
     ) -> None:
         if self._uses[block_id] < self._cap:
             self._uses[block_id] += 1
@@ -152,7 +159,7 @@ class UnifiedPolicy(EvictionPolicy):
     # ----------------------------------------------------------------- order
     def _value(self, block_id: int, now: float) -> float:
         u = self._uses[block_id]
-        f = float(u) if self._exp == 1.0 else float(u) ** self._exp
+        f = float(u) if self._exp == 1.0 else float(u**self._exp)
         return (
             self._weight[self.retention_of(block_id, now)]
             * (f if f > 0.0 else 0.5)

@@ -1,0 +1,246 @@
+"""A KV cache manager in vLLM's shape, over :class:`~kvretain.core.block_pool.BlockPool`.
+
+The scheduler talks to the cache only through this contract::
+
+    get_computed_blocks(req) -> (blocks, num_computed_tokens)   longest cached prefix, never the whole prompt
+    allocate_slots(req, num_new_tokens, new_computed_blocks) -> list[int] | None    None: not enough blocks
+    free(req)                                                  release (finish, abort or preemption)
+
+Requests carry their request priority and retention config; the manager resolves them into per-block
+retention at release time and keeps per-priority statistics (lookups, hit tokens, evictions by the class of
+the evicted block's last user).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvretain.core.block_pool import BlockPool
+from kvretain.core.hashing import BlockHash, BlockHasher, ExtraKeys
+from kvretain.core.policy import EvictionPolicy, PolicyConfig, make_policy
+from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig
+
+
+class CacheRequest(Protocol):
+    """What the manager reads from a request (the scheduler's request type satisfies it)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def retention(self) -> RetentionConfig | None: ...
+    @property
+    def extra_keys(self) -> ExtraKeys: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(slots=True)
+class ClassCacheStats:
+    """Per request-priority class counters."""
+
+    lookups: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _ReqState:
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    num_cached: int = 0
+    looked_up: bool = False
+
+
+class KVCacheManager:
+    """Prefix-cached paged KV allocation for one model replica."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        policy: str | EvictionPolicy = "lru",
+        config: PolicyConfig | None = None,
+        mapping: PriorityMapping | None = None,
+        hash_algorithm: str = "sha256",
+        clock: Callable[[], float] | None = None,
+        enable_caching: bool = True,
+    ) -> None:
+        if isinstance(policy, str):
+            cfg = config or PolicyConfig(block_size=block_size)
+            policy = make_policy(policy, num_blocks, cfg)
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, policy, clock)
+        self.hasher = BlockHasher(block_size, hash_algorithm)
+        self.mapping = mapping or PriorityMapping()
+        self.enable_caching = enable_caching
+        self.stats: dict[int, ClassCacheStats] = {}
+        self._reqs: dict[str, _ReqState] = {}
+        self._block_class: list[int | None] = [None] * num_blocks
+        self.pool.on_evict = self._on_evict
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        c = self._block_class[block_id]
+        if c is not None:
+            self._class(c).evicted_blocks += 1
+            self._block_class[block_id] = None
+
+    def _class(self, priority: int) -> ClassCacheStats:
+        st = self.stats.get(priority)
+        if st is None:
+            st = self.stats[priority] = ClassCacheStats()
+        return st
+
+    def _state(self, req: CacheRequest) -> _ReqState:
+        st = self._reqs.get(req.request_id)
+        if st is None:
+            st = self._reqs[req.request_id] = _ReqState()
+        return st
+
+    def _update_hashes(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
+        n_full = num_tokens // self.block_size
+        if len(st.hashes) < n_full:
+            tokens = req.all_token_ids
+            st.hashes = self.hasher.hash_blocks(tokens[: n_full * self.block_size], req.extra_keys, st.hashes)
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def num_blocks_of(self, req: CacheRequest) -> int:
+        st = self._reqs.get(req.request_id)
+        return len(st.blocks) if st else 0
+
+    # ------------------------------------------------------------------ contract
+    def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
+        """Longest run of cached leading blocks of the request's tokens; the hit is capped so that at least
+        the last token is computed (its logits are needed). Counts one lookup per request (the first call)."""
+        if not self.enable_caching:
+            return [], 0
+        st = self._state(req)
+        num_tokens = len(req.all_token_ids)
+        self._update_hashes(req, st, num_tokens)
+        max_blocks = (num_tokens - 1) // self.block_size
+        cached = self.pool.cached
+        hits: list[int] = []
+        for h in st.hashes[:max_blocks]:
+            bid = cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        if not st.looked_up:
+            st.looked_up = True
+            cs = self._class(req.priority)
+            cs.lookups += 1
+            cs.query_tokens += num_tokens
+            cs.hit_tokens += len(hits) * self.block_size
+            self.pool.policy.on_lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority))
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        req: CacheRequest,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens`` (which include prefix hits).
+
+        ``new_computed_blocks`` are the hits from :meth:`get_computed_blocks`, passed on the first allocation
+        only; they are touched. Returns the newly allocated block ids, or ``None`` when the pool cannot supply
+        them (nothing changes then). Blocks that are full once the new tokens are computed are registered in
+        the prefix cache (their token ids must be known: prompt tokens, or generated tokens already appended).
+        """
+        if num_new_tokens < 0 or num_computed_tokens < 0:
+            raise ValueError(
+                f"request {req.request_id!r}: token counts must be >= 0 "
+                f"(num_new_tokens={num_new_tokens}, num_computed_tokens={num_computed_tokens})"
+            )
+        st = self._state(req)
+        if new_computed_blocks and st.blocks:
+            raise ValueError(
+                f"request {req.request_id!r}: prefix hits can only be added on the first allocation"
+            )
+        total_tokens = num_computed_tokens + num_new_tokens
+        held = len(st.blocks) + len(new_computed_blocks)
+        n_new = max(0, -(-total_tokens // self.block_size) - held)
+        # touching free hits takes them out of the allocatable set: check both together
+        ref = self.pool.ref_cnt
+        free_hits = sum(1 for b in new_computed_blocks if ref[b] == 0)
+        if n_new + free_hits > self.pool.get_num_allocatable():
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            st.blocks.extend(new_computed_blocks)
+            st.num_cached = len(st.blocks)
+        new = self.pool.get_new_blocks(n_new)
+        if new is None:  # pragma: no cover - guarded above
+            return None
+        st.blocks.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(req, st, total_tokens)
+        return new
+
+    def _cache_full_blocks(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
+        known = min(num_tokens, len(req.all_token_ids))
+        self._update_hashes(req, st, known)
+        n_full = min(known // self.block_size, len(st.blocks), len(st.hashes))
+        if n_full > st.num_cached:
+            self.pool.cache_blocks(st.blocks, st.hashes, st.num_cached, n_full)
+            st.num_cached = n_full
+
+    def cache_computed(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """Register blocks that became full after tokens were computed (e.g. decode appended a token)."""
+        st = self._reqs.get(req.request_id)
+        if st is not None and self.enable_caching:
+            self._cache_full_blocks(req, st, num_computed_tokens)
+
+    def free(self, req: CacheRequest) -> None:
+        """Release the request's blocks (deepest first) with its retention; idempotent."""
+        st = self._reqs.pop(req.request_id, None)
+        if st is None or not st.blocks:
+            return
+        base = self.mapping.retention_for(req.priority)
+        n = len(st.blocks)
+        ret = req.retention
+        if ret is None or ret.is_default:
+            plan = BlockRetention(
+                [base] * n, [None] * n, None if ret is None else ret.scope, req.priority, base
+            )
+        else:
+            prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
+            plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
+        for b in st.blocks:
+            self._block_class[b] = req.priority
+        self.pool.free_blocks(st.blocks, plan)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: reference counts equal the number of live requests holding each block."""
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_blocks
+        for st in self._reqs.values():
+            for b in st.blocks:
+                holders[b] += 1
+        if holders != self.pool.ref_cnt:
+            bad = [b for b in range(self.pool.num_blocks) if holders[b] != self.pool.ref_cnt[b]]
+            raise AssertionError(f"reference counts disagree with live requests on blocks {bad[:10]}")
