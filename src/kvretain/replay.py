@@ -282,3 +282,43 @@ def replay(
         result.hit_blocks += c.hit_blocks
     result.policy_stats = pol.stats()
     return result
+
+
+def synthetic_conversations(
+    num_sessions: int = 400,
+    seed: int = 0,
+    important_share: float = 0.25,
+    mean_turns: float = 4.0,
+    system_blocks: int = 2,
+    mean_interarrival_s: float = 0.5,
+    mean_think_s: float = 60.0,
+) -> list[ReplayRequest]:
+    """A built-in block-level workload shaped like the Mooncake conversation trace.
+
+    Sessions share a system prompt (blocks ``0..system_blocks-1``); each turn repeats the session's whole
+    context and appends new blocks (the user message and the previous answer); think time between turns
+    interleaves sessions, so reuse distances are long and the working set exceeds small pools. A session is
+    priority 0 (important) with probability ``important_share``, else priority 1. Deterministic in ``seed``.
+    """
+    import random
+
+    rng = random.Random(seed)
+    next_id = system_blocks
+    events: list[tuple[float, int, list[int], int]] = []
+    t = 0.0
+    for s in range(num_sessions):
+        t += rng.expovariate(1.0 / mean_interarrival_s)
+        prio = 0 if rng.random() < important_share else 1
+        context = list(range(system_blocks))
+        turns = 1 + int(rng.expovariate(1.0 / max(mean_turns - 1.0, 1e-9)))
+        ts = t
+        for _ in range(turns):
+            grow = rng.randint(1, 6)
+            context = context + list(range(next_id, next_id + grow))
+            next_id += grow
+            events.append((ts, s, list(context), prio))
+            ts += rng.expovariate(1.0 / mean_think_s)
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [
+        ReplayRequest(tuple(ids), ts, len(ids) * MOONCAKE_BLOCK_TOKENS, prio) for ts, _, ids, prio in events
+    ]

@@ -1,0 +1,191 @@
+"""Per-block cost of a block pool's allocate/free/touch mix, per policy and pool size, against vLLM 0.33.
+
+The same operation sequence drives every pool: requests whose block chains share prefixes (conversations
+that come back, a shared system prompt) look up their cached prefix, touch the hits, allocate the misses
+(evicting when the pool is full), register them in the prefix cache and release everything deepest first.
+The pool is filled first (untimed), then a fixed number of block operations is timed. vLLM's own
+``BlockPool`` runs the same sequence in the same process when vLLM is importable (see
+``shared/docs/vllm-on-cpu.md``; run this script with that environment's python).
+
+    python bench/pool_ops.py [--sizes 10000 100000 1000000] [--ops 300000]
+
+Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy: r}, "flatness": {...}}``.
+``ratio_vs_vllm`` is the policy's ns/op over vLLM's, averaged over sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvretain.core.block_pool import BlockPool  # noqa: E402
+from kvretain.core.policy import PolicyConfig, make_policy  # noqa: E402
+from kvretain.core.retention import BlockRetention  # noqa: E402
+
+POLICIES = ["lru", "lfu", "priority", "unified"]
+
+
+def make_sequence(num_requests: int, seed: int, num_blocks: int) -> list[tuple[list[bytes], int]]:
+    """Requests as (chain of block hashes, request priority)."""
+    rng = random.Random(seed)
+    sessions: list[list[bytes]] = []
+    counter = 0
+    out = []
+    system = [b"sys-%d" % i for i in range(4)]
+    for _ in range(num_requests):
+        if sessions and rng.random() < 0.6:
+            chain = rng.choice(sessions)
+        else:
+            chain = list(system)
+            sessions.append(chain)
+            if len(sessions) > max(64, num_blocks // 24):
+                sessions.pop(rng.randrange(len(sessions)))
+        grow = rng.randint(2, 12)
+        chain.extend(b"b-%d" % (counter + i) for i in range(grow))
+        counter += grow
+        if len(chain) > 48:
+            del chain[4:-40]  # keep chains bounded: a fresh branch under the system prompt
+            chain[4:] = [b"b-%d" % (counter + i) for i in range(len(chain) - 4)]
+            counter += len(chain)
+        out.append((list(chain), rng.randint(0, 1)))
+    return out
+
+
+def run_kvretain(policy: str, num_blocks: int, warm: list, timed: list) -> tuple[float, int]:
+    pol = make_policy(policy, num_blocks, PolicyConfig())
+    now = [0.0]
+    pool = BlockPool(num_blocks, pol, clock=lambda: now[0])
+    plans = {}
+
+    def one(chain: list[bytes], prio: int) -> int:
+        cached = pool.cached
+        n = len(chain)
+        hits = []
+        for h in chain:
+            b = cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        pool.touch(hits)
+        new = pool.get_new_blocks(n - len(hits))
+        assert new is not None
+        ids = hits + new
+        pool.cache_blocks(ids, chain, len(hits), n)
+        key = (n, prio)
+        plan = plans.get(key)
+        if plan is None:
+            r = 35 - 10 * prio
+            plan = plans[key] = BlockRetention([r] * n, [None] * n, None, prio, r)
+        pool.free_blocks(ids, plan)
+        return n
+
+    for chain, prio in warm:
+        one(chain, prio)
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    ops = 0
+    for chain, prio in timed:
+        now[0] += 0.001
+        ops += one(chain, prio)
+    dt = time.perf_counter() - t0
+    gc.enable()
+    return dt, ops
+
+
+def run_vllm(num_blocks: int, warm: list, timed: list) -> tuple[float, int]:
+    from vllm.v1.core.block_pool import BlockPool as VBlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    pool = VBlockPool(num_gpu_blocks=num_blocks + 1, enable_caching=True, hash_block_size=1)
+    conv: dict[bytes, object] = {}
+
+    def vh(h: bytes) -> object:
+        x = conv.get(h)
+        if x is None:
+            x = conv[h] = BlockHash(h)
+        return x
+
+    warm_v = [[vh(h) for h in c] for c, _ in warm]
+    timed_v = [[vh(h) for h in c] for c, _ in timed]
+
+    def one(bh: list) -> int:
+        hits = []
+        for h in bh:
+            got = pool.get_cached_block(h, [0])
+            if got is None:
+                break
+            hits.append(got[0])
+        pool.touch(hits)
+        new = pool.get_new_blocks(len(bh) - len(hits))
+        blocks = hits + new
+        pool.cache_full_blocks(
+            request=SimpleNamespace(block_hashes=bh),
+            blocks=blocks,
+            num_cached_blocks=len(hits),
+            num_full_blocks=len(bh),
+            block_size=1,
+            kv_cache_group_id=0,
+        )
+        pool.free_blocks(reversed(blocks))
+        return len(bh)
+
+    for bh in warm_v:
+        one(bh)
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    ops = 0
+    for bh in timed_v:
+        ops += one(bh)
+    dt = time.perf_counter() - t0
+    gc.enable()
+    return dt, ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--ops", type=int, default=300_000, help="timed block operations per run")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    try:
+        import vllm.v1.core.block_pool  # noqa: F401
+
+        have_vllm = True
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        have_vllm = False
+        print("vLLM not importable: comparing kvretain policies only", file=sys.stderr)
+    ns: dict[str, dict[str, float]] = {p: {} for p in [*POLICIES, *(["vllm"] if have_vllm else [])]}
+    print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + "   (ns per block op)")
+    for size in args.sizes:
+        avg_len = 25
+        seq = make_sequence(int(2.5 * size / avg_len) + args.ops // avg_len + 10, args.seed, size)
+        # warm until the pool has been filled twice over, then time ~args.ops block operations
+        n_warm = int(2.5 * size / avg_len)
+        warm, timed = seq[:n_warm], seq[n_warm:]
+        row = {}
+        for p in ns:
+            dt, ops = run_vllm(size, warm, timed) if p == "vllm" else run_kvretain(p, size, warm, timed)
+            row[p] = ns[p][str(size)] = dt / ops * 1e9
+        print(f"{size:>9} " + " ".join(f"{row[p]:>10.0f}" for p in ns), flush=True)
+    ratio = {}
+    if have_vllm:
+        for p in POLICIES:
+            ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
+    flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
+    out = {"ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
+           "ratio_vs_vllm": ratio, "flatness": flat}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

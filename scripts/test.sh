@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up a virtual environment and run the whole test suite: ruff, mypy (strict on core and sched), pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e '.[dev]'
+echo "== ruff"
+.venv/bin/ruff check src tests bench
+.venv/bin/ruff format --check src tests bench
+echo "== mypy"
+.venv/bin/mypy
+echo "== pytest"
+.venv/bin/python -m pytest -q "$@"
