@@ -1,65 +1,74 @@
 """A min-heap with O(1) lazy removal, shared by the score-based policies.
 
-Entries are ``(key, seq, block_id)``; ``seq`` is a per-push stamp. An entry is live when it is the block's
-latest stamp and the block is still in the heap. Dead entries are skipped at pop time and the heap is
-rebuilt when they outnumber live ones, so every operation stays O(log n) amortized.
+Entries are ``(key, seq, block_id)``; ``seq`` is a per-push stamp and ``stamp[block_id]`` the block's live
+stamp (0: not in the heap). Dead entries are skipped at pop time and the heap is rebuilt when they outnumber
+live ones, so every operation stays O(log n) amortized.
 """
 
 from __future__ import annotations
 
 import heapq
 
+_push = heapq.heappush
+_pop = heapq.heappop
+
 
 class LazyHeap:
-    __slots__ = ("_heap", "_live", "_seq", "_stamp")
+    __slots__ = ("_heap", "_n", "_seq", "stamp")
 
     def __init__(self, num_blocks: int) -> None:
         self._heap: list[tuple[float, int, int]] = []
-        self._stamp: list[int] = [0] * num_blocks
-        self._live: set[int] = set()
+        self.stamp: list[int] = [0] * num_blocks
+        self._n = 0
         self._seq = 0
 
     def push(self, block_id: int, key: float) -> None:
         self._seq += 1
-        self._stamp[block_id] = self._seq
-        self._live.add(block_id)
-        heapq.heappush(self._heap, (key, self._seq, block_id))
-        if len(self._heap) > 2 * len(self._live) + 64:
+        if not self.stamp[block_id]:
+            self._n += 1
+        self.stamp[block_id] = self._seq
+        _push(self._heap, (key, self._seq, block_id))
+        if len(self._heap) > 2 * self._n + 64:
             self._compact()
 
     def remove(self, block_id: int) -> None:
-        self._live.remove(block_id)
-        self._stamp[block_id] = 0
+        if not self.stamp[block_id]:
+            raise KeyError(block_id)
+        self.stamp[block_id] = 0
+        self._n -= 1
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._live
+        return self.stamp[block_id] != 0
 
     def peek(self) -> tuple[float, int] | None:
         """``(key, block_id)`` of the minimum, without removing it."""
         heap = self._heap
-        stamp = self._stamp
+        stamp = self.stamp
         while heap:
             key, seq, bid = heap[0]
             if stamp[bid] == seq:
                 return key, bid
-            heapq.heappop(heap)
+            _pop(heap)
         return None
 
     def pop(self) -> tuple[float, int] | None:
-        top = self.peek()
-        if top is not None:
-            heapq.heappop(self._heap)
-            self._live.remove(top[1])
-            self._stamp[top[1]] = 0
-        return top
+        heap = self._heap
+        stamp = self.stamp
+        while heap:
+            key, seq, bid = _pop(heap)
+            if stamp[bid] == seq:
+                stamp[bid] = 0
+                self._n -= 1
+                return key, bid
+        return None
 
     def _compact(self) -> None:
-        stamp = self._stamp
+        stamp = self.stamp
         self._heap = [e for e in self._heap if stamp[e[2]] == e[1]]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
-        return len(self._live)
+        return self._n
 
     def ids(self) -> set[int]:
-        return set(self._live)
+        return {b for b, s in enumerate(self.stamp) if s}

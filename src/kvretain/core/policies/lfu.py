@@ -26,10 +26,10 @@ class GhostTable:
     def put(self, block_hash: BlockHash, uses: int) -> None:
         if self._capacity <= 0:
             return
-        self._table[block_hash] = uses
-        self._table.move_to_end(block_hash)
-        if len(self._table) > self._capacity:
-            self._table.popitem(last=False)
+        table = self._table
+        table[block_hash] = uses
+        if len(table) > self._capacity:
+            table.popitem(last=False)
 
     def take(self, block_hash: BlockHash) -> int:
         return self._table.pop(block_hash, 0)

@@ -91,35 +91,42 @@ class UnifiedPolicy(EvictionPolicy):
         self._owner[block_id] = None
 
     def on_release(
-        self,
-        block_id: int,
-        retention: int,
-        duration_s: float | None,
-        scope: str | None,
-        now: float,
-        base: int,
+        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
     ) -> None:
-        if self._uses[block_id] < self._cap:
-            self._uses[block_id] += 1
-        if base > self._base[block_id]:
-            self._base[block_id] = base
-        cur = self.retention_of(block_id, now)
+        # NOTE: hot path (once per released block): retention_of/_set_protected/_value are inlined here.
+        uses = self._uses[block_id]
+        if uses < self._cap:
+            uses += 1
+            self._uses[block_id] = uses
+        b = self._base[block_id]
+        if base > b:
+            self._base[block_id] = b = base
+        r = self._r[block_id]
+        expiry = self._expiry[block_id]
+        if r == _UNSET:
+            cur = b
+        elif expiry <= now:
+            cur = b if b > 0 else 0
+        else:
+            cur = r
         exp = INF if duration_s is None else now + duration_s
         if retention > cur or (retention < cur and scope is not None and scope == self._owner[block_id]):
-            self._r[block_id] = retention
+            self._r[block_id] = cur = retention
             self._expiry[block_id] = exp
             if scope is not None:
                 self._owner[block_id] = scope
-        elif retention == cur and exp > self._expiry[block_id]:
+            if exp != INF and retention > b:
+                heapq.heappush(self._expiries, (exp, block_id))
+        elif retention == cur and exp > expiry:
             self._expiry[block_id] = exp  # refresh on reuse at the same priority
-        else:
-            self._set_protected(block_id, now)
-            self._key[block_id] = self._L + self._value(block_id, now)
-            return
-        if exp != INF and self._r[block_id] > self._base[block_id]:
-            heapq.heappush(self._expiries, (exp, block_id))
-        self._set_protected(block_id, now)
-        self._key[block_id] = self._L + self._value(block_id, now)
+            if exp != INF:
+                heapq.heappush(self._expiries, (exp, block_id))
+        p = 1 if cur >= self._threshold else 0
+        if p != self._protected[block_id]:
+            self._protected[block_id] = p
+            self._num_protected += 1 if p else -1
+        f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
+        self._key[block_id] = self._L + self._weight[cur] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
 
     def retention_of(self, block_id: int, now: float) -> int:
         r = self._r[block_id]
@@ -193,14 +200,14 @@ class UnifiedPolicy(EvictionPolicy):
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         prot, unprot = self._heaps
-        if self._num_protected > self._target and len(prot) and len(unprot):
+        if self._num_protected > self._target and prot._n and unprot._n:
             a = prot.peek()
             b = unprot.peek()
             assert a is not None and b is not None
             heap = prot if a[0] < b[0] else unprot
-        elif len(unprot):
+        elif unprot._n:
             heap = unprot
-        elif len(prot):
+        elif prot._n:
             heap = prot
         else:
             return None
@@ -211,15 +218,11 @@ class UnifiedPolicy(EvictionPolicy):
         return top[1]
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        # per-block metadata is reset in on_cached when the block gets new content
         self._ghost.put(block_hash, self._uses[block_id])
         if self._protected[block_id]:
             self._protected[block_id] = 0
             self._num_protected -= 1
-        self._uses[block_id] = 0
-        self._r[block_id] = _UNSET
-        self._base[block_id] = _UNSET
-        self._expiry[block_id] = INF
-        self._owner[block_id] = None
 
     def __len__(self) -> int:
         return len(self._heaps[0]) + len(self._heaps[1])
