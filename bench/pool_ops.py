@@ -26,9 +26,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.core.block_pool import BlockPool  # noqa: E402
-from kvretain.core.policy import PolicyConfig, make_policy  # noqa: E402
-from kvretain.core.retention import BlockRetention  # noqa: E402
+from kvretain.core.block_pool import BlockPool
+from kvretain.core.policy import PolicyConfig, make_policy
+from kvretain.core.retention import BlockRetention
 
 POLICIES = ["lru", "lfu", "priority", "unified"]
 
@@ -161,7 +161,7 @@ def main() -> None:
         import vllm.v1.core.block_pool  # noqa: F401
 
         have_vllm = True
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
+    except Exception:
         have_vllm = False
         print("vLLM not importable: comparing kvretain policies only", file=sys.stderr)
     ns: dict[str, dict[str, float]] = {p: {} for p in [*POLICIES, *(["vllm"] if have_vllm else [])]}
@@ -182,8 +182,11 @@ def main() -> None:
         for p in POLICIES:
             ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
     flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
-    out = {"ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
-           "ratio_vs_vllm": ratio, "flatness": flat}
+    out = {
+        "ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
+        "ratio_vs_vllm": ratio,
+        "flatness": flat,
+    }
     print(json.dumps(out))
 
 
