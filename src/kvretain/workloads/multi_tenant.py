@@ -1,0 +1,208 @@
+"""The built-in ``multi-tenant`` workload: interactive chat, tool-using agents and batch document jobs.
+
+Three classes share one replica, each with its own Poisson arrivals (drawn from a child of the caller's rng,
+so changing one class's settings does not reshuffle the others):
+
+* priority 0, chat: multi-turn sessions on a shared system prompt, half of them with an attached document.
+  Turn k+1's prompt = turn k's prompt + turn k's output + a new user message, after a think time.
+* priority 1, agents: a shared tool-description prompt plus a task; each step's output is a tool call, the
+  next step's prompt adds that call and the tool result after a tool pause. Every agent request carries an
+  RFC #37003 retention directive ``{start: 0, end: None, priority: 80, duration_s: 12}`` covering its whole
+  context for just longer than the longest tool pause (10 s).
+* priority 2, batch: jobs over a small set of long shared documents, each job several questions on one
+  document, submitted within a short spread.
+
+All tokens (prompts and outputs) are seeded chunks drawn at generation time, so a follow-up turn contains the
+exact tokens its predecessor generated (``WorkloadRequest.output``) and a simulator need not invent them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+
+from kvretain.workloads.request import RetentionDirective, WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.workloads.tokens import TokenSeq
+
+Range = tuple[int, int]  # inclusive uniform range
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTenantConfig:
+    """Settings of the ``multi-tenant`` workload; ranges are inclusive uniform draws, means exponential.
+
+    With the defaults and ``random.Random(0)``: 2,510 requests over 10 minutes (1,320 chat, 948 agent, 242
+    batch); their reuse working set (``working_set(...)``) peaks at 1.62M tokens and averages 0.97M over the
+    run (seeds 1-2: peaks 1.80M / 1.62M). The default simulated replica, Llama-3-8B on one H100-SXM at 0.9
+    memory utilization, holds 467,296 tokens of KV (roofline cost model): the peak is ~3.5x and the average
+    ~2x its capacity, so a prefix cache has to choose what to keep. Prompt traffic is ~50k tokens/s, of which
+    ~7k/s are new tokens; the rest is reusable context.
+    ``duration_s`` bounds session starts and follow-up turns; turns that would start later are dropped.
+    """
+
+    duration_s: float = 600.0
+    # Open-loop timing: a follow-up turn arrives after its predecessor's estimated service time
+    # (output tokens x this) plus the think / tool pause.
+    est_s_per_output_token: float = 0.02
+
+    chat_priority: int = 0
+    chat_session_rate: float = 0.5  # sessions per second
+    chat_system_tokens: int = 1_024
+    chat_turns: Range = (2, 10)
+    chat_attachment_prob: float = 0.5
+    chat_attachment_tokens: Range = (4_000, 24_000)
+    chat_user_tokens: Range = (20, 400)
+    chat_output_tokens: Range = (50, 600)
+    chat_think_s: float = 60.0  # mean: reading the answer, typing the next
+
+    agent_priority: int = 1
+    agent_rate: float = 0.15  # agents per second
+    agent_system_tokens: int = 3_000
+    agent_task_tokens: Range = (200, 2_000)
+    agent_steps: Range = (4, 16)
+    agent_output_tokens: Range = (20, 300)
+    agent_tool_result_tokens: Range = (100, 3_000)
+    agent_tool_pause_s: tuple[float, float] = (1.0, 10.0)  # uniform
+    agent_retention_priority: int = 80
+    agent_retention_duration_s: float = 12.0
+
+    batch_priority: int = 2
+    batch_documents: int = 6
+    batch_document_tokens: Range = (16_000, 32_000)
+    batch_system_tokens: int = 256
+    batch_job_rate: float = 0.05  # jobs per second
+    batch_questions_per_job: Range = (4, 12)
+    batch_question_tokens: Range = (20, 200)
+    batch_output_tokens: Range = (20, 300)
+    batch_job_spread_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("duration_s", "chat_session_rate", "agent_rate", "batch_job_rate"):
+            if getattr(self, name) < 0:
+                raise WorkloadError(f"multi-tenant config: {name} must be >= 0")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple) and not 0 <= value[0] <= value[1]:
+                raise WorkloadError(f"multi-tenant config: {f.name} must be a range lo <= hi, got {value}")
+        if self.batch_documents < 1:
+            raise WorkloadError("multi-tenant config: batch_documents must be >= 1")
+
+
+def generate_multi_tenant(
+    config: MultiTenantConfig | None = None,
+    rng: random.Random | None = None,
+    *,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+) -> list[WorkloadRequest]:
+    """The multi-tenant workload, sorted by arrival; deterministic given ``rng``'s state (default seed 0)."""
+    cfg = config or MultiTenantConfig()
+    rng = rng or random.Random(0)
+    chat_rng, agent_rng, batch_rng = (random.Random(rng.getrandbits(64)) for _ in range(3))
+    requests = _chat(cfg, chat_rng) + _agents(cfg, agent_rng) + _batch(cfg, batch_rng)
+    return scale_and_limit(requests, time_scale, limit)
+
+
+def _seq(rng: random.Random, bounds: Range) -> TokenSeq:
+    return TokenSeq.seeded(rng.getrandbits(63), rng.randint(*bounds))
+
+
+def _poisson(rng: random.Random, rate: float, duration: float) -> list[float]:
+    times: list[float] = []
+    t = 0.0
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        times.append(t)
+    return times
+
+
+def _chat(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
+    system = TokenSeq.seeded(rng.getrandbits(63), cfg.chat_system_tokens)
+    out: list[WorkloadRequest] = []
+    for s, start in enumerate(_poisson(rng, cfg.chat_session_rate, cfg.duration_s)):
+        sid = f"chat-{s}"
+        context = system
+        if rng.random() < cfg.chat_attachment_prob:
+            context = context + _seq(rng, cfg.chat_attachment_tokens)
+        t, think, prev = start, 0.0, None
+        for k in range(rng.randint(*cfg.chat_turns)):
+            prompt = context + _seq(rng, cfg.chat_user_tokens)
+            output = _seq(rng, cfg.chat_output_tokens)
+            rid = f"{sid}-turn-{k}"
+            out.append(
+                WorkloadRequest(
+                    request_id=rid,
+                    arrival_s=t,
+                    prompt=prompt,
+                    output_len=len(output),
+                    priority=cfg.chat_priority,
+                    session_id=sid,
+                    output=output,
+                    after=prev,
+                    think_s=think,
+                )
+            )
+            context, prev = prompt + output, rid
+            think = rng.expovariate(1.0 / cfg.chat_think_s)
+            t += len(output) * cfg.est_s_per_output_token + think
+            if t >= cfg.duration_s:
+                break
+    return out
+
+
+def _agents(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
+    system = TokenSeq.seeded(rng.getrandbits(63), cfg.agent_system_tokens)
+    keep = (RetentionDirective(0, None, cfg.agent_retention_priority, cfg.agent_retention_duration_s),)
+    out: list[WorkloadRequest] = []
+    for a, start in enumerate(_poisson(rng, cfg.agent_rate, cfg.duration_s)):
+        sid = f"agent-{a}"
+        prompt = system + _seq(rng, cfg.agent_task_tokens)
+        t, pause, prev = start, 0.0, None
+        for k in range(rng.randint(*cfg.agent_steps)):
+            output = _seq(rng, cfg.agent_output_tokens)
+            rid = f"{sid}-step-{k}"
+            out.append(
+                WorkloadRequest(
+                    request_id=rid,
+                    arrival_s=t,
+                    prompt=prompt,
+                    output_len=len(output),
+                    priority=cfg.agent_priority,
+                    retention=keep,
+                    session_id=sid,
+                    output=output,
+                    after=prev,
+                    think_s=pause,
+                )
+            )
+            prompt, prev = prompt + output + _seq(rng, cfg.agent_tool_result_tokens), rid
+            pause = rng.uniform(*cfg.agent_tool_pause_s)
+            t += len(output) * cfg.est_s_per_output_token + pause
+            if t >= cfg.duration_s:
+                break
+    return out
+
+
+def _batch(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
+    system = TokenSeq.seeded(rng.getrandbits(63), cfg.batch_system_tokens)
+    documents = [system + _seq(rng, cfg.batch_document_tokens) for _ in range(cfg.batch_documents)]
+    out: list[WorkloadRequest] = []
+    for j, start in enumerate(_poisson(rng, cfg.batch_job_rate, cfg.duration_s)):
+        doc = rng.randrange(len(documents))
+        sid = f"batch-{j}"
+        for q in range(rng.randint(*cfg.batch_questions_per_job)):
+            output = _seq(rng, cfg.batch_output_tokens)
+            out.append(
+                WorkloadRequest(
+                    f"{sid}-doc-{doc}-q-{q}",
+                    start + rng.uniform(0.0, cfg.batch_job_spread_s),
+                    documents[doc] + _seq(rng, cfg.batch_question_tokens),
+                    len(output),
+                    cfg.batch_priority,
+                    session_id=sid,
+                    output=output,
+                )
+            )
+    return out

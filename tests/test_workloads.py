@@ -1,0 +1,298 @@
+"""Workloads: token sequences, trace loaders, priority rules, the multi-tenant generator, working sets."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvretain.engine.sim.catalog import builtin_catalog
+from kvretain.engine.sim.costmodel import CostModel
+from kvretain.workloads import (
+    PRIORITY_RULES,
+    WORKLOADS,
+    MultiTenantConfig,
+    RetentionDirective,
+    TokenSeq,
+    WorkloadError,
+    WorkloadRequest,
+    generate_multi_tenant,
+    load_azure,
+    load_mooncake,
+    tag_priorities,
+    working_set,
+)
+
+# --- TokenSeq -----------------------------------------------------------------------------------------
+
+
+def test_seeded_tokens_are_deterministic_and_prefix_consistent() -> None:
+    a = TokenSeq.seeded(7, 512).materialize()
+    assert a == TokenSeq.seeded(7, 512).materialize()
+    assert TokenSeq.seeded(7, 100).materialize() == a[:100]
+    assert a != TokenSeq.seeded(8, 512).materialize()
+    assert all(0 <= t < 1 << 16 for t in a)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 512])
+def test_blocks_cover_the_sequence(block_size: int) -> None:
+    seq = TokenSeq.seeded(1, 100) + TokenSeq.of(range(13)) + TokenSeq.seeded(2, 300)
+    tokens = seq.materialize()
+    assert len(seq) == len(tokens) == 413
+    full = list(seq.blocks(block_size))
+    assert all(len(b) == block_size for b in full)
+    assert [t for b in full for t in b] == tokens[: len(full) * block_size]
+    with_tail = list(seq.blocks(block_size, partial=True))
+    assert [t for b in with_tail for t in b] == tokens
+
+
+# --- Mooncake -----------------------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 2]},
+    {"timestamp": 250, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 3]},
+    {"timestamp": 500, "input_length": 300, "output_length": 7, "hash_ids": [0]},
+    {
+        "timestamp": 1000,
+        "input_length": 2048,
+        "output_length": 1,
+        "hash_ids": [0, 4, 5, 6],
+        "priority": 3,
+        "session_id": "s1",
+        "cache_salt": "tenant-a",
+        "retention": [{"start": 0, "end": None, "priority": 80, "duration_s": 12.5}],
+    },
+]
+
+
+def test_mooncake_lengths_and_fields(tmp_path: Path) -> None:
+    reqs = load_mooncake(write_jsonl(tmp_path / "t.jsonl", MOONCAKE))
+    assert [r.prompt_len for r in reqs] == [1500, 1100, 300, 2048]
+    assert [len(r.prompt.materialize()) for r in reqs] == [1500, 1100, 300, 2048]
+    assert [r.arrival_s for r in reqs] == [0.0, 0.25, 0.5, 1.0]
+    assert reqs[0].block_ids == (0, 1, 2) and reqs[0].output_len == 10
+    last = reqs[3]
+    assert (last.priority, last.session_id, last.cache_salt) == (3, "s1", "tenant-a")
+    assert last.retention == (RetentionDirective(0, None, 80, 12.5),)
+    assert reqs[0].priority == 0 and reqs[0].retention is None
+
+
+@pytest.mark.parametrize("block_size", [16, 512])
+def test_mooncake_prefix_sharing(tmp_path: Path, block_size: int) -> None:
+    r0, r1, r2, r3 = load_mooncake(write_jsonl(tmp_path / "t.jsonl", MOONCAKE))
+    b0, b1, b2, b3 = (list(r.prompt.blocks(block_size, partial=True)) for r in (r0, r1, r2, r3))
+    per_id = 512 // block_size
+    # r0 and r1 share hash ids [0, 1]: exactly 2 x 512 tokens, then differ.
+    assert b0[: 2 * per_id] == b1[: 2 * per_id]
+    assert b0[2 * per_id] != b1[2 * per_id]
+    t0, t1 = r0.prompt.materialize(), r1.prompt.materialize()
+    assert t0[:1024] == t1[:1024] and t0[1024] != t1[1024]
+    # Every request starts with block 0; r2 (300 tokens) is a prefix of block 0.
+    assert b0[:per_id] == b3[:per_id]
+    assert r2.prompt.materialize() == t0[:300]
+    assert b2[0] == b0[0][:300]
+
+
+def test_mooncake_limit_and_time_scale(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", MOONCAKE)
+    reqs = load_mooncake(path, limit=2, time_scale=0.5)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.125]
+    assert [r.request_id for r in reqs] == ["mooncake-1", "mooncake-2"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "match"),
+    [
+        ({"input_length": "x"}, "field 'input_length'"),
+        ({"hash_ids": [0, 1]}, "field 'hash_ids' has 2 ids but input_length 1500 needs 3"),
+        ({"hash_ids": [0, "a", 2]}, "field 'hash_ids' must be a list of ints"),
+        ({"timestamp": -1}, "field 'timestamp'"),
+        ({"priority": 1.5}, "field 'priority'"),
+        ({"retention": [{"start": 0, "end": None, "priority": 101, "duration_s": 1}]}, "'priority'.*0..100"),
+        ({"retention": [{"start": 5, "end": 5, "priority": 1, "duration_s": 1}]}, "'end'"),
+        ({"colour": "red"}, "unknown field 'colour'"),
+    ],
+)
+def test_mooncake_bad_line_names_line_and_field(tmp_path: Path, patch: dict[str, Any], match: str) -> None:
+    bad = {**MOONCAKE[0], **patch}
+    path = write_jsonl(tmp_path / "t.jsonl", [MOONCAKE[1], MOONCAKE[2], bad])
+    with pytest.raises(WorkloadError, match=match) as info:
+        load_mooncake(path)
+    assert f"{path}:3:" in str(info.value)
+
+
+def test_mooncake_missing_field_and_bad_json(tmp_path: Path) -> None:
+    rec = {k: v for k, v in MOONCAKE[0].items() if k != "output_length"}
+    with pytest.raises(WorkloadError, match=r":1: missing field 'output_length'"):
+        load_mooncake(write_jsonl(tmp_path / "a.jsonl", [rec]))
+    (tmp_path / "b.jsonl").write_text(json.dumps(MOONCAKE[0]) + "\n{not json\n")
+    with pytest.raises(WorkloadError, match=r":2: invalid JSON"):
+        load_mooncake(tmp_path / "b.jsonl")
+    with pytest.raises(WorkloadError, match="not found"):
+        load_mooncake(tmp_path / "missing.jsonl")
+
+
+# --- Azure --------------------------------------------------------------------------------------------
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:16:46.6805900,10,0
+"""
+
+
+def test_azure_loader(tmp_path: Path) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text(AZURE)
+    reqs = load_azure(path, random.Random(0))
+    assert [r.prompt_len for r in reqs] == [374, 396, 10]
+    assert [r.output_len for r in reqs] == [44, 109, 0]
+    assert reqs[0].arrival_s == 0.0
+    assert reqs[1].arrival_s == pytest.approx(4.314579)
+    assert reqs[2].arrival_s == pytest.approx(60.0)
+    # Unique synthetic prompts, reproducible from the seed.
+    assert reqs[0].prompt.materialize()[:16] != reqs[1].prompt.materialize()[:16]
+    again = load_azure(path, random.Random(0))
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    half = load_azure(path, random.Random(0), limit=2, time_scale=2.0)
+    assert [r.arrival_s for r in half] == pytest.approx([0.0, 8.629158])
+
+
+def test_azure_errors(tmp_path: Path) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text(AZURE.replace(",396,", ",many,"))
+    with pytest.raises(WorkloadError, match=r":3: column 'ContextTokens'"):
+        load_azure(path, random.Random(0))
+    path.write_text(AZURE.replace("2023-11-16 18:16:46.6805900", "yesterday"))
+    with pytest.raises(WorkloadError, match=r":4: column 'TIMESTAMP'"):
+        load_azure(path, random.Random(0))
+    path.write_text("a,b,c\n")
+    with pytest.raises(WorkloadError, match="header"):
+        load_azure(path, random.Random(0))
+
+
+# --- priority rules -----------------------------------------------------------------------------------
+
+
+def req(rid: str, block_ids: tuple[int, ...] | None = None, session: str | None = None) -> WorkloadRequest:
+    return WorkloadRequest(rid, 0.0, TokenSeq.of([1, 2, 3]), 1, block_ids=block_ids, session_id=session)
+
+
+def test_reference_rule() -> None:
+    rule = PRIORITY_RULES.create("reference")
+    assert rule(req("a", (0, 8, 9))) == 0  # hash_ids[1] % 4 == 0
+    assert rule(req("b", (0, 9, 8))) == 1
+    assert rule(req("c", (12,))) == 0  # one block: hash_ids[0]
+    assert rule(req("d", (13,))) == 1
+    with pytest.raises(WorkloadError, match="block_ids"):
+        rule(req("e"))
+
+
+def test_other_rules() -> None:
+    reqs = [req(f"r{i}", session=f"s{i % 40}") for i in range(400)]
+    by_session = tag_priorities(reqs, PRIORITY_RULES.create("by-session", fraction=0.25))
+    per_session: dict[str | None, set[int]] = {}
+    for r in by_session:
+        per_session.setdefault(r.session_id, set()).add(r.priority)
+    assert all(len(p) == 1 for p in per_session.values())  # a session keeps one class
+    assert 0 < sum(p == {0} for p in per_session.values()) < 40
+    rand = [r.priority for r in tag_priorities(reqs, PRIORITY_RULES.create("random", random.Random(1)))]
+    assert rand == [
+        r.priority for r in tag_priorities(reqs, PRIORITY_RULES.create("random", random.Random(1)))
+    ]
+    assert 50 < rand.count(0) < 150
+    assert {r.priority for r in tag_priorities(reqs, PRIORITY_RULES.create("none"))} == {0}
+    assert set(PRIORITY_RULES.names()) >= {"reference", "random", "by-session", "none"}
+
+
+# --- multi-tenant -------------------------------------------------------------------------------------
+
+SMALL = MultiTenantConfig(duration_s=120.0)
+
+
+def test_multi_tenant_is_deterministic() -> None:
+    a = generate_multi_tenant(SMALL, random.Random(5))
+    b = generate_multi_tenant(SMALL, random.Random(5))
+    assert a == b
+    assert a != generate_multi_tenant(SMALL, random.Random(6))
+    assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+
+
+def test_multi_tenant_structure() -> None:
+    reqs = generate_multi_tenant(SMALL, random.Random(3))
+    by_id = {r.request_id: r for r in reqs}
+    assert {r.priority for r in reqs} == {0, 1, 2}
+    follow_ups = [r for r in reqs if r.after is not None]
+    assert follow_ups
+    for r in follow_ups:
+        prev = by_id.get(r.after or "")
+        assert prev is not None and prev.output is not None
+        # The next turn's prompt = previous prompt + previous output + new message / tool result.
+        ctx = prev.prompt + prev.output
+        assert r.prompt.chunks[: len(ctx.chunks)] == ctx.chunks
+        assert len(r.prompt) > len(ctx)
+        assert r.arrival_s >= prev.arrival_s + r.think_s
+        assert r.session_id == prev.session_id and r.priority == prev.priority
+    for r in reqs:
+        assert r.output is not None and len(r.output) == r.output_len
+    agents = [r for r in reqs if r.priority == SMALL.agent_priority]
+    for r in agents:
+        assert r.retention is not None
+        (d,) = r.retention
+        assert d.start == 0 and d.end is None and 0 <= d.priority <= 100
+        assert d.duration_s is not None and d.duration_s > SMALL.agent_tool_pause_s[1]
+    # Every chat turn starts with the shared chat system prompt; batch requests share whole documents.
+    chats = [r for r in reqs if r.priority == SMALL.chat_priority]
+    assert len({r.prompt.chunks[0] for r in chats}) == 1
+    batch = [r for r in reqs if r.priority == SMALL.batch_priority]
+    assert len({r.prompt.chunks[:2] for r in batch}) <= SMALL.batch_documents < len(batch)
+
+
+def test_multi_tenant_working_set_exceeds_twice_default_kv_capacity() -> None:
+    cat = builtin_catalog()
+    capacity = CostModel(cat.model("llama-3-8b"), cat.gpu("h100-sxm")).kv_capacity_tokens()
+    reqs = generate_multi_tenant(MultiTenantConfig(), random.Random(0))
+    assert 1_500 <= len(reqs) <= 3_000
+    assert max(r.arrival_s for r in reqs) < MultiTenantConfig().duration_s
+    ws = working_set(reqs)
+    assert ws.peak_tokens > 3 * capacity
+    assert ws.mean_tokens > 2 * capacity
+    assert ws.reused_tokens > ws.distinct_tokens  # most prompt tokens are reusable context
+
+
+def test_workload_registry() -> None:
+    assert {"multi-tenant", "mooncake", "azure"} <= set(WORKLOADS.names())
+    reqs = WORKLOADS.create("multi-tenant", rng=random.Random(0), limit=50, time_scale=2.0, duration_s=60.0)
+    assert len(reqs) == 50
+    with pytest.raises(WorkloadError, match="path"):
+        WORKLOADS.create("mooncake", rng=random.Random(0))
+    with pytest.raises(WorkloadError, match="no_such_option"):
+        WORKLOADS.create("multi-tenant", rng=random.Random(0), no_such_option=1)
+
+
+# --- working set --------------------------------------------------------------------------------------
+
+
+def test_working_set_counts_live_reuse() -> None:
+    shared = TokenSeq.seeded(1, 100)
+    mk = [
+        WorkloadRequest("a", 0.0, shared + TokenSeq.seeded(2, 10), 1),
+        WorkloadRequest("b", 1.0, shared + TokenSeq.seeded(3, 20), 1),
+        WorkloadRequest("c", 2.0, shared + TokenSeq.seeded(2, 10), 1),
+    ]
+    ws = working_set(mk)
+    # Between 1 s and 2 s: the shared 100 tokens and a's 10 tokens await reuse.
+    assert ws.peak_tokens == 110
+    assert ws.distinct_tokens == 130
+    assert ws.reused_tokens == 100 + 100 + 10
+    assert Counter(len(c.materialize()) for c in mk[0].prompt.chunks) == Counter({100: 1, 10: 1})
