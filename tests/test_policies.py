@@ -502,11 +502,6 @@ def test_belady_ties_go_deepest_first() -> None:
     assert sim.evict_all() == [2, 9, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: belady's key -next_use*4096 - depth is -inf for every never-used block, so the documented "
-    "'among blocks never used again, the deepest first' tie-break is lost (push order decides)",
-)
 def test_belady_never_used_again_deepest_first() -> None:
     sim = Sim("belady", 3, PolicyConfig(next_use=lambda h: math.inf))
     sim.run([9])  # depth 0, released first

@@ -67,8 +67,9 @@ class BlockPool:
         return len(self._empty) + self._num_cached_free
 
     def get_num_allocatable(self) -> int:
-        """Blocks an allocation can obtain now (free blocks that are empty or evictable)."""
-        return len(self._empty) + len(self.policy)
+        """Blocks an allocation can obtain: empty plus cached-free ones (for leaf-only policies a cached chain
+        becomes evictable leaf by leaf as its tail goes)."""
+        return len(self._empty) + self._num_cached_free
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
@@ -78,11 +79,16 @@ class BlockPool:
 
     # ------------------------------------------------------------------ allocation
     def get_new_blocks(self, n: int) -> list[int] | None:
-        """``n`` blocks with reference count 1 and no hash, evicting cached blocks if needed; ``None`` (and no
-        change) when fewer than ``n`` can be obtained."""
+        """``n`` blocks with reference count 1 and no hash, evicting cached blocks if needed; ``None`` when
+        fewer than ``n`` can be obtained (then nothing is allocated).
+
+        Every cached-free block can be obtained: for leaf-only policies a chain becomes evictable leaf by leaf,
+        and no free block has an in-use descendant (a block is registered only under its own request's
+        parent block, see :meth:`cache_blocks`).
+        """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._empty) + len(self.policy):
+        if n > len(self._empty) + self._num_cached_free:
             return None
         out: list[int] = []
         empty = self._empty
@@ -91,16 +97,19 @@ class BlockPool:
             if empty:
                 bid = empty.pop()
             else:
-                bid = self._evict_one()
+                victim = self._evict_one()
+                if victim is None:  # pragma: no cover - excluded by the invariant above
+                    raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
+                bid = victim
             ref[bid] = 1
             out.append(bid)
         return out
 
-    def _evict_one(self) -> int:
+    def _evict_one(self) -> int | None:
         now = self.clock()
         bid = self.policy.pop(now)
-        if bid is None:  # pragma: no cover - guarded by the count check in get_new_blocks
-            raise PoolIntegrityError("policy reported evictable blocks but returned none")
+        if bid is None:
+            return None
         self.evictable[bid] = 0
         h = self.block_hash[bid]
         assert h is not None
@@ -138,8 +147,11 @@ class BlockPool:
     ) -> None:
         """Register ``block_ids[i]`` under ``hashes[i]`` for ``start <= i < end`` (a request's newly full blocks).
 
-        A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits). A
-        block whose parent is not cached is not registered (it could never be reached by a prefix lookup).
+        A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits), and
+        so do the blocks after it in that request: a block is registered only when its parent is the request's
+        own previous block. NOTE: vLLM would register such duplicates; refusing them keeps the invariant that
+        every holder of a block also holds its parent, so a free block never has an in-use descendant and
+        every cached-free block can be evicted (leaves first).
         """
         if end > len(hashes) or end > len(block_ids):
             raise ValueError(f"cache_blocks: end={end} beyond {len(block_ids)} blocks / {len(hashes)} hashes")
@@ -159,9 +171,8 @@ class BlockPool:
                 continue
             parent = NO_PARENT
             if i > 0:
-                ph = hashes[i - 1]
-                parent = cached.get(ph, NO_PARENT)
-                if parent == NO_PARENT:
+                parent = block_ids[i - 1]
+                if cached.get(hashes[i - 1]) != parent:
                     continue
             cached[h] = bid
             self.block_hash[bid] = h

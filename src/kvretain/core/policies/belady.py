@@ -12,6 +12,8 @@ from kvretain.core.hashing import BlockHash
 from kvretain.core.policies._lazyheap import LazyHeap
 from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
 
+_NEVER = 1e9  # next-use times (request indices, seconds) stay below this; keeps depth exact in the key
+
 
 @POLICIES.register("belady", "offline oracle: evict the block whose next use is farthest (replay only)")
 class BeladyPolicy(EvictionPolicy):
@@ -37,8 +39,9 @@ class BeladyPolicy(EvictionPolicy):
     def push(self, block_id: int, now: float) -> None:
         h = self._hash[block_id]
         assert h is not None
-        # farthest next use first; among blocks never used again, the deepest first
-        self._heap.push(block_id, -self._next_use(h) * 4096.0 - self._depth[block_id])
+        # farthest next use first; among blocks never used again (next use capped to a finite horizon so the
+        # tie-break survives), the deepest first
+        self._heap.push(block_id, -min(self._next_use(h), _NEVER) * 4096.0 - self._depth[block_id])
 
     def remove(self, block_id: int) -> None:
         self._heap.remove(block_id)

@@ -91,7 +91,13 @@ class UnifiedPolicy(EvictionPolicy):
         self._owner[block_id] = None
 
     def on_release(
-        self, block_id: int, retention: int, duration_s: float | None, scope: str | None, now: float, base: int
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
     ) -> None:
         # NOTE: hot path (once per released block): retention_of/_set_protected/_value are inlined here.
         uses = self._uses[block_id]
@@ -126,7 +132,9 @@ class UnifiedPolicy(EvictionPolicy):
             self._protected[block_id] = p
             self._num_protected += 1 if p else -1
         f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-        self._key[block_id] = self._L + self._weight[cur] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
+        self._key[block_id] = self._L + self._weight[cur] * f * (
+            1.0 + self._depth[block_id] * self._cost_per_block
+        )
 
     def retention_of(self, block_id: int, now: float) -> int:
         r = self._r[block_id]

@@ -1,0 +1,216 @@
+"""Property-based stateful tests: random request lifecycles through a small BlockPool, one machine per policy.
+
+Each step either starts a request (longest cached prefix touched, misses allocated, full blocks cached),
+starts one without a prefix lookup (duplicate content: blocks that stay unhashed, parents held by others),
+finishes a live request with a random retention plan, advances the clock (so durations lapse) or resets the
+prefix cache. After every step the pool's own invariants hold and every block's reference count equals the
+number of live requests holding it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvretain.core import BlockHasher, BlockPool, BlockRetention, PolicyConfig, make_policy
+from kvretain.core.block_pool import NO_PARENT
+from kvretain.core.hashing import BlockHash
+
+BLOCK_SIZE = 2
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # up to 6 blocks, prefixes often shared
+SCOPES = st.sampled_from([None, "a", "b"])
+DURATIONS = st.one_of(st.none(), st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]))
+
+
+def belady_next_use(h: BlockHash) -> float:
+    """A deterministic pseudo-random next use per hash (seeded by the hash itself)."""
+    return float(random.Random(h).randrange(1000))
+
+
+class PoolMachine(RuleBasedStateMachine):
+    POLICY: ClassVar[str] = "lru"
+    CONFIG: ClassVar[PolicyConfig | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.n = 16
+        self.pool = BlockPool(self.n, make_policy(self.POLICY, self.n, self.CONFIG), clock=lambda: self.now)
+        self.hasher = BlockHasher(BLOCK_SIZE)
+        self.live: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    # ------------------------------------------------------------ helpers
+    def _state(self) -> tuple[object, ...]:
+        p = self.pool
+        return (
+            list(p.ref_cnt),
+            list(p.block_hash),
+            dict(p.cached),
+            p.get_num_free_blocks(),
+            p.get_num_allocatable(),
+            p.policy.evictable_ids(),
+            p.num_evictions,
+        )
+
+    def _obtainable(self) -> int:
+        """Blocks an allocation can really obtain: free blocks, except cached ones that are ancestors of a
+        block in use (leaf-only policies never evict those; it happens when a request computed a duplicate
+        of a cached prefix and registered its next block under the cached copy)."""
+        p = self.pool
+        pinned: set[int] = set()
+        for b in range(self.n):
+            if p.ref_cnt[b] > 0:
+                a = p.parent[b]
+                while a != NO_PARENT and a not in pinned:
+                    pinned.add(a)
+                    a = p.parent[a]
+        return sum(1 for b in range(self.n) if p.ref_cnt[b] == 0 and b not in pinned)
+
+    def _allocate(self, num_blocks: int) -> list[int] | None:
+        pool = self.pool
+        obtainable = self._obtainable()
+        assert obtainable <= pool.get_num_allocatable() <= pool.get_num_free_blocks()
+        before = self._state()
+        refs = list(pool.ref_cnt)
+        new = pool.get_new_blocks(num_blocks)
+        if new is None:
+            assert num_blocks > obtainable, (
+                f"None although {obtainable} >= {num_blocks} blocks are obtainable"
+            )
+            assert pool.ref_cnt == refs, "a failed allocation took blocks"
+            if num_blocks > pool.get_num_free_blocks() or obtainable == pool.get_num_free_blocks():
+                assert self._state() == before, "a failed allocation changed the pool"
+            # else: free cached blocks pinned under a block in use made the allocation fail midway; the pool
+            # may have evicted evictable blocks on the way (see test_failed_allocation_with_pinned_blocks)
+            return None
+        assert num_blocks <= obtainable
+        assert len(set(new)) == len(new)
+        for b in new:
+            assert pool.ref_cnt[b] == 1 and pool.block_hash[b] is None
+        return new
+
+    # ------------------------------------------------------------ rules
+    @rule(tokens=TOKENS, base=st.sampled_from([15, 25, 35, 45]))
+    def start_request(self, tokens: list[int], base: int) -> None:
+        pool = self.pool
+        hashes = self.hasher.hash_blocks(tokens)
+        num_blocks = -(-len(tokens) // BLOCK_SIZE)  # the last block may be partial (never hashed)
+        k = 0
+        while k < len(hashes) and hashes[k] in pool.cached:
+            k += 1
+        hits = [pool.cached[h] for h in hashes[:k]]
+        pool.policy.on_lookup(hashes, k, base)
+        pool.touch(hits)
+        new = self._allocate(num_blocks - k)
+        if new is None:
+            pool.free_blocks(hits)
+            return
+        ids = hits + new
+        pool.cache_blocks(ids, hashes, k, len(hashes))
+        for i in range(len(hashes)):
+            # every full block is now served from the cache (by this request's block or an earlier copy)
+            assert hashes[i] in pool.cached or (i > 0 and hashes[i - 1] not in pool.cached)
+        for i, h in enumerate(hashes[:k]):
+            assert pool.cached[h] == ids[i]
+        self.live[self.next_id] = ids
+        self.next_id += 1
+
+    @rule(tokens=TOKENS)
+    def start_without_lookup(self, tokens: list[int]) -> None:
+        hashes = self.hasher.hash_blocks(tokens)
+        num_blocks = -(-len(tokens) // BLOCK_SIZE)
+        new = self._allocate(num_blocks)
+        if new is None:
+            return
+        self.pool.cache_blocks(new, hashes, 0, len(hashes))
+        self.live[self.next_id] = new
+        self.next_id += 1
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def finish_request(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        ids = self.live.pop(rid)
+        n = len(ids)
+        with_plan = data.draw(st.booleans())
+        if with_plan:
+            prios = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+            durs = data.draw(st.lists(DURATIONS, min_size=n, max_size=n))
+            base = data.draw(st.sampled_from([0, 25, 35, 45, 100]))
+            retention = BlockRetention(prios, durs, data.draw(SCOPES), 0, base)
+            self.pool.free_blocks(ids, retention)
+        else:
+            self.pool.free_blocks(ids)
+
+    @rule(dt=st.sampled_from([0.0, 0.25, 1.0, 2.5, 10.0]))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        ok = self.pool.reset_prefix_cache()
+        assert ok == (not self.live)
+        if ok:
+            assert self.pool.cached == {} and self.pool.get_num_free_blocks() == self.n
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def integrity(self) -> None:
+        self.pool.check_integrity()
+
+    @invariant()
+    def reference_counts_match_live_requests(self) -> None:
+        expect = [0] * self.n
+        for ids in self.live.values():
+            for b in ids:
+                expect[b] += 1
+        assert self.pool.ref_cnt == expect
+        held = sum(1 for c in expect if c)
+        assert self.pool.get_num_free_blocks() == self.n - held
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, database=None)
+
+
+class LRUMachine(PoolMachine):
+    POLICY = "lru"
+
+
+class LFUMachine(PoolMachine):
+    POLICY = "lfu"
+    CONFIG = PolicyConfig(frequency_cap=3, ghost_factor=0.5)
+
+
+class PriorityMachine(PoolMachine):
+    POLICY = "priority"
+
+
+class UnifiedMachine(PoolMachine):
+    POLICY = "unified"
+    CONFIG = PolicyConfig(budget=0.5, isolation_goal=0.9, cost_scale_tokens=8.0, block_size=BLOCK_SIZE)
+
+
+class UnifiedFixedBudgetMachine(PoolMachine):
+    POLICY = "unified"
+    CONFIG = PolicyConfig(budget=0.25, isolation_goal=None, frequency_exponent=0.5)
+
+
+class BeladyMachine(PoolMachine):
+    POLICY = "belady"
+    CONFIG = PolicyConfig(next_use=belady_next_use)
+
+
+TestLRU = LRUMachine.TestCase
+TestLFU = LFUMachine.TestCase
+TestPriority = PriorityMachine.TestCase
+TestUnified = UnifiedMachine.TestCase
+TestUnifiedFixedBudget = UnifiedFixedBudgetMachine.TestCase
+TestBelady = BeladyMachine.TestCase
+for _case in (TestLRU, TestLFU, TestPriority, TestUnified, TestUnifiedFixedBudget, TestBelady):
+    _case.settings = SETTINGS
+del _case
