@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "trace", nargs="?", help="Mooncake-format JSONL (omit for the built-in synthetic workload)"
     )
     r.add_argument(
-        "--capacity-blocks", type=int, default=2000, help="pool size in trace blocks (default 2000)"
+        "--capacity-blocks", type=int, default=600, help="pool size in trace blocks (default 600)"
     )
     r.add_argument(
         "--policy", default="all", choices=[*policy_names(), "all"], help="eviction policy (default all)"
