@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from hypothesis import settings
+import pytest
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -22,6 +23,8 @@ from kvretain.core.hashing import BlockHash
 
 BLOCK_SIZE = 2
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # up to 6 blocks, prefixes often shared
+MAX_LIVE = 4  # enough to fill the pool sometimes, few enough that most starts must evict
+LEAF_ONLY = ["lfu", "priority", "unified", "belady"]
 SCOPES = st.sampled_from([None, "a", "b"])
 DURATIONS = st.one_of(st.none(), st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]))
 
@@ -38,7 +41,7 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.n = 16
+        self.n = 12
         self.pool = BlockPool(self.n, make_policy(self.POLICY, self.n, self.CONFIG), clock=lambda: self.now)
         self.hasher = BlockHasher(BLOCK_SIZE)
         self.live: dict[int, list[int]] = {}
@@ -58,9 +61,8 @@ class PoolMachine(RuleBasedStateMachine):
         )
 
     def _obtainable(self) -> int:
-        """Blocks an allocation can really obtain: free blocks, except cached ones that are ancestors of a
-        block in use (leaf-only policies never evict those; it happens when a request computed a duplicate
-        of a cached prefix and registered its next block under the cached copy)."""
+        """Blocks an allocation can really obtain, computed from the parent links: free blocks, except cached
+        ones that are ancestors of a block in use (a leaf-only policy could never evict those)."""
         p = self.pool
         pinned: set[int] = set()
         for b in range(self.n):
@@ -74,7 +76,8 @@ class PoolMachine(RuleBasedStateMachine):
     def _allocate(self, num_blocks: int) -> list[int] | None:
         pool = self.pool
         obtainable = self._obtainable()
-        assert obtainable <= pool.get_num_allocatable() <= pool.get_num_free_blocks()
+        # no free block is pinned under a block in use: every free block can be obtained
+        assert obtainable == pool.get_num_allocatable() == pool.get_num_free_blocks()
         before = self._state()
         refs = list(pool.ref_cnt)
         new = pool.get_new_blocks(num_blocks)
@@ -82,12 +85,12 @@ class PoolMachine(RuleBasedStateMachine):
             assert num_blocks > obtainable, (
                 f"None although {obtainable} >= {num_blocks} blocks are obtainable"
             )
-            assert pool.ref_cnt == refs, "a failed allocation took blocks"
-            if num_blocks > pool.get_num_free_blocks() or obtainable == pool.get_num_free_blocks():
-                assert self._state() == before, "a failed allocation changed the pool"
-            # else: free cached blocks pinned under a block in use made the allocation fail midway; the pool
-            # may have evicted evictable blocks on the way (see test_failed_allocation_with_pinned_blocks)
+            assert self._state() == before, "a failed allocation changed the pool"
+            assert pool.ref_cnt == refs
+            event("allocation refused")
             return None
+        if pool.num_evictions > before[-1]:  # type: ignore[operator]
+            event("allocation evicted")
         assert num_blocks <= obtainable
         assert len(set(new)) == len(new)
         for b in new:
@@ -95,6 +98,7 @@ class PoolMachine(RuleBasedStateMachine):
         return new
 
     # ------------------------------------------------------------ rules
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
     @rule(tokens=TOKENS, base=st.sampled_from([15, 25, 35, 45]))
     def start_request(self, tokens: list[int], base: int) -> None:
         pool = self.pool
@@ -120,6 +124,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.live[self.next_id] = ids
         self.next_id += 1
 
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
     @rule(tokens=TOKENS)
     def start_without_lookup(self, tokens: list[int]) -> None:
         hashes = self.hasher.hash_blocks(tokens)
@@ -164,6 +169,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.check_integrity()
 
     @invariant()
+    def holders_of_a_block_hold_its_parent(self) -> None:
+        parent = self.pool.parent
+        for ids in self.live.values():
+            held = set(ids)
+            for b in ids:
+                assert parent[b] == NO_PARENT or parent[b] in held
+
+    @invariant()
     def reference_counts_match_live_requests(self) -> None:
         expect = [0] * self.n
         for ids in self.live.values():
@@ -174,7 +187,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.get_num_free_blocks() == self.n - held
 
 
-SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, database=None)
+SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None)
 
 
 class LRUMachine(PoolMachine):
@@ -214,3 +227,34 @@ TestBelady = BeladyMachine.TestCase
 for _case in (TestLRU, TestLFU, TestPriority, TestUnified, TestUnifiedFixedBudget, TestBelady):
     _case.settings = SETTINGS
 del _case
+
+
+# ---------------------------------------------------------------- regression examples found by the machines
+
+
+@pytest.mark.parametrize("policy", [*LEAF_ONLY, "lru"])
+def test_duplicate_prefix_pins_nothing(policy: str) -> None:
+    """A request that computed a cached 2-block prefix again (no lookup) must not register its third block
+    under the other request's block: that block, once free, would be pinned under a block in use, and a
+    leaf-only policy could never evict it although the pool counts it as free."""
+    pool = BlockPool(6, make_policy(policy, 6, PolicyConfig(next_use=belady_next_use)))
+    r1 = pool.get_new_blocks(2)
+    assert r1 == [0, 1]
+    pool.cache_blocks(r1, [1, 2], 0, 2)
+    r2 = pool.get_new_blocks(3)
+    assert r2 == [2, 3, 4]
+    pool.cache_blocks(r2, [1, 2, 3], 0, 3)
+    assert pool.cached == {1: 0, 2: 1}
+    pool.free_blocks(r1)
+    r3 = pool.get_new_blocks(1)
+    assert r3 == [5]
+    pool.cache_blocks(r3, [9], 0, 1)
+    pool.free_blocks(r3)
+    pool.check_integrity()
+    assert pool.get_num_free_blocks() == pool.get_num_allocatable() == 3
+    evicted: list[int] = []
+    pool.on_evict = lambda bid, h: evicted.append(bid)
+    got = pool.get_new_blocks(3)
+    assert got is not None and sorted(got) == [0, 1, 5]
+    assert sorted(evicted) == [0, 1, 5]
+    pool.check_integrity()
