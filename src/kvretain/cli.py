@@ -142,9 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "trace", nargs="?", help="Mooncake-format JSONL (omit for the built-in synthetic workload)"
     )
-    r.add_argument(
-        "--capacity-blocks", type=int, default=600, help="pool size in trace blocks (default 600)"
-    )
+    r.add_argument("--capacity-blocks", type=int, default=600, help="pool size in trace blocks (default 600)")
     r.add_argument(
         "--policy", default="all", choices=[*policy_names(), "all"], help="eviction policy (default all)"
     )
