@@ -1,0 +1,266 @@
+"""Block-level trace replay on small synthetic traces written to tmp_path (never the shared traces)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvretain.core import PolicyConfig
+from kvretain.replay import (
+    MOONCAKE_BLOCK_TOKENS,
+    ReplayRequest,
+    TraceError,
+    load_trace,
+    reference_priority,
+    replay,
+)
+
+ONLINE = ["lru", "lfu", "priority", "unified"]
+ALL = [*ONLINE, "belady"]
+
+
+def write_trace(path: Path, rows: list[dict[str, Any]] | list[str]) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def conversations(
+    seed: int, n_conv: int = 24, max_turns: int = 4, important_every: int = 4
+) -> list[dict[str, Any]]:
+    """Multi-turn conversations, every one starting with the shared system-prompt block 0.
+
+    Turn t of conversation c sends ``[0, c1, c2, ..., c(2t+2)]`` (its history grows by two blocks a turn);
+    turns of different conversations interleave at random. Every ``important_every``-th conversation has
+    request priority 0, the rest 1.
+    """
+    rng = random.Random(seed)
+    pending = {c: rng.randint(1, max_turns) for c in range(n_conv)}
+    turn = dict.fromkeys(pending, 0)
+    rows: list[dict[str, Any]] = []
+    t_ms = 0
+    while pending:
+        c = rng.choice(sorted(pending))
+        t = turn[c]
+        ids = [0] + [1000 * (c + 1) + i for i in range(2 * t + 2)]
+        rows.append({"timestamp": t_ms, "hash_ids": ids, "priority": 0 if c % important_every == 0 else 1})
+        t_ms += rng.randint(1, 500)
+        turn[c] += 1
+        if turn[c] == pending[c]:
+            del pending[c]
+    return rows
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> list[ReplayRequest]:
+    return load_trace(write_trace(tmp_path / "conv.jsonl", conversations(seed=7)))
+
+
+# ---------------------------------------------------------------- hit counts
+
+
+def test_lru_hand_checked(tmp_path: Path) -> None:
+    rows = [
+        {"hash_ids": [0, 1]},  # miss 2; queue b1 b0
+        {"hash_ids": [0, 1, 2]},  # hit 2, b2 for hash 2; queue b2 b1 b0
+        {"hash_ids": [0, 3]},  # hit 1, b3 for hash 3; queue b2 b1 b3 b0
+        {"hash_ids": [5, 6]},  # miss 2: evict b2 (2), b1 (1); queue b3 b0 b1(6) b2(5)
+        {"hash_ids": [0, 1, 2]},  # hit 1 (0): evict b3 (3), b1 (6); queue b2(5) b1(2) b3(1) b0
+        {"hash_ids": [5]},  # hit 1
+        {"hash_ids": [6]},  # miss (evicted above)
+    ]
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    res = replay(reqs, 4, "lru", check_every=1)
+    assert (res.requests, res.blocks, res.hit_blocks) == (7, 14, 5)
+    assert res.classes[0].evicted_blocks == 5  # hashes 2, 1, 3, 6, then 2 (b1) for hash 6 in the last one
+    assert res.hit_rate == pytest.approx(5 / 14)
+
+
+def test_everything_fits_every_policy_hits_the_same(trace: list[ReplayRequest]) -> None:
+    distinct = len({h for r in trace for h in r.hash_ids})
+    results = {p: replay(trace, distinct, p, check_every=1) for p in ALL}
+    hits = {p: r.hit_blocks for p, r in results.items()}
+    assert len(set(hits.values())) == 1
+    assert hits["lru"] == sum(len(r.hash_ids) for r in trace) - distinct  # only compulsory misses
+    assert all(c.evicted_blocks == 0 for r in results.values() for c in r.classes.values())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("capacity", [8, 14, 24])
+def test_belady_beats_every_online_policy(tmp_path: Path, seed: int, capacity: int) -> None:
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", conversations(seed)))
+    best = replay(reqs, capacity, "belady", check_every=1).hit_blocks
+    for p in ONLINE:
+        assert replay(reqs, capacity, p).hit_blocks <= best, p
+
+
+def test_priority_and_unified_protect_class_0(trace: list[ReplayRequest]) -> None:
+    capacity = 16
+    lru = replay(trace, capacity, "lru")
+    assert lru.classes[0].blocks > 0 and lru.classes[1].blocks > 0
+    prio = replay(trace, capacity, "priority")
+    uni = replay(trace, capacity, "unified", PolicyConfig(budget=0.8, isolation_goal=None))
+    for res in (prio, uni):
+        assert res.classes[0].hit_rate > lru.classes[0].hit_rate, res.policy
+        assert res.classes[0].blocks == lru.classes[0].blocks
+    # strict priority: class 1 blocks go first
+    assert prio.classes[1].evicted_blocks >= prio.classes[0].evicted_blocks
+
+
+def test_trace_retention_directive_pins_the_system_prompt(tmp_path: Path) -> None:
+    # requests that share block 0, separated by unrelated traffic that would push it out under lru
+    rows: list[dict[str, Any]] = []
+    for i in range(6):
+        rows.append(
+            {
+                "hash_ids": [0, 100 + i],
+                "input_length": 2 * MOONCAKE_BLOCK_TOKENS,
+                "retention": [{"start": 0, "end": MOONCAKE_BLOCK_TOKENS, "priority": 90}],
+            }
+        )
+        rows += [{"hash_ids": [200 + 10 * i + j]} for j in range(4)]
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    assert reqs[0].retention is not None
+    lru = replay(reqs, 4, "lru", check_every=1)
+    prio = replay(reqs, 4, "priority", check_every=1)
+    assert lru.hit_blocks == 0
+    assert prio.hit_blocks == 5  # block 0 hit by every request after the first
+
+
+def test_request_larger_than_the_pool_counts_lookups_and_caches_nothing(tmp_path: Path) -> None:
+    rows = [
+        {"hash_ids": [1, 2]},
+        {"hash_ids": [1, 2, 3, 4]},  # 4 blocks > 3: 2 hits counted, nothing cached
+        {"hash_ids": [1, 2, 3, 4]},
+        {"hash_ids": [1, 2, 3]},  # hash 3 was never cached
+    ]
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    for p in ALL:
+        res = replay(reqs, 3, p, check_every=1)
+        assert res.requests == 4 and res.blocks == 13, p
+        assert res.hit_blocks == 2 + 2 + 2, p
+
+
+def test_replay_errors() -> None:
+    with pytest.raises(ValueError, match="capacity_blocks must be positive, got 0"):
+        replay([ReplayRequest((1,))], 0)
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; choose one of"):
+        replay([ReplayRequest((1,))], 4, "fifo")
+
+
+# ---------------------------------------------------------------- output
+
+
+def test_result_json_shape(trace: list[ReplayRequest]) -> None:
+    res = replay(trace, 12, "unified")
+    out = res.to_json()
+    assert set(out) == {
+        "policy",
+        "capacity_blocks",
+        "requests",
+        "blocks",
+        "hit_blocks",
+        "hit_rate",
+        "classes",
+    }
+    assert out["policy"] == "unified" and out["capacity_blocks"] == 12
+    assert out["requests"] == len(trace)
+    assert out["blocks"] == sum(len(r.hash_ids) for r in trace)
+    assert out["hit_rate"] == round(res.hit_blocks / res.blocks, 6)
+    assert set(out["classes"]) == {"0", "1"}
+    for c in out["classes"].values():
+        assert set(c) == {"requests", "blocks", "hit_blocks", "hit_rate", "evicted_blocks"}
+        assert 0.0 <= c["hit_rate"] <= 1.0
+    assert sum(c["hit_blocks"] for c in out["classes"].values()) == out["hit_blocks"]
+    assert sum(c["requests"] for c in out["classes"].values()) == out["requests"]
+    assert json.loads(json.dumps(out)) == out
+    assert {"protected_blocks", "protected_target", "protected_budget"} <= set(res.policy_stats)
+
+
+def test_empty_replay() -> None:
+    res = replay([], 4)
+    assert res.to_json() == {
+        "policy": "lru",
+        "capacity_blocks": 4,
+        "requests": 0,
+        "blocks": 0,
+        "hit_blocks": 0,
+        "hit_rate": 0.0,
+        "classes": {},
+    }
+
+
+# ---------------------------------------------------------------- trace files
+
+
+def test_load_trace_fields_and_blank_lines(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps({"timestamp": 1500, "input_length": 700, "output_length": 3, "hash_ids": [4, 5]}),
+            "",
+            json.dumps({"hash_ids": [4], "priority": 2, "retention": {"directives": [], "scope": "s"}}),
+        ],
+    )
+    a, b = load_trace(path)
+    assert (a.hash_ids, a.timestamp_s, a.input_length, a.priority, a.retention) == ((4, 5), 1.5, 700, 0, None)
+    assert (b.input_length, b.priority) == (MOONCAKE_BLOCK_TOKENS, 2)
+    assert b.retention is not None and b.retention.scope == "s"
+    assert len(load_trace(path, limit=1)) == 1
+    tagged = load_trace(path, tagger=lambda ids: 7)
+    assert [r.priority for r in tagged] == [7, 7]
+
+
+@pytest.mark.parametrize(
+    ("bad", "pattern"),
+    [
+        ("{not json", r":3: not valid JSON"),
+        ("[1, 2]", r":3: expected a JSON object per line"),
+        ('{"hash_ids": []}', r":3: field 'hash_ids' must be a non-empty list of integers"),
+        ('{"hash_ids": [1, true]}', r":3: field 'hash_ids' must be"),
+        ('{"hash_ids": [1], "timestamp": "now"}', r":3: field 'timestamp' must be a number of milliseconds"),
+        ('{"hash_ids": [1], "priority": 1.5}', r":3: field 'priority' must be an integer"),
+        ('{"hash_ids": [1], "input_length": -1}', r":3: field 'input_length' must be a non-negative integer"),
+        (
+            '{"hash_ids": [1], "retention": [{"start": 0, "priority": 101}]}',
+            r":3: field 'retention': retention_directives\[0\]: priority 101 is out of range",
+        ),
+        ('{"hash_ids": [1], "retention": {"ttl": 3}}', r":3: field 'retention': retention: unknown field"),
+        ('{"hash_ids": [1], "retention": 5}', r":3: field 'retention': retention must be a list"),
+    ],
+)
+def test_bad_line_error_names_the_file_and_line(tmp_path: Path, bad: str, pattern: str) -> None:
+    path = write_trace(tmp_path / "bad.jsonl", ['{"hash_ids": [1]}', "", bad])
+    with pytest.raises(TraceError, match=pattern) as info:
+        load_trace(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_missing_trace_file(tmp_path: Path) -> None:
+    with pytest.raises(
+        TraceError, match=r"trace file not found: .*nope\.jsonl \(pass the path of a Mooncake"
+    ):
+        load_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match="trace file not found"):
+        load_trace(tmp_path)  # a directory is not a trace
+
+
+def test_reference_priority() -> None:
+    assert reference_priority([5, 8, 1]) == 0
+    assert reference_priority([4, 9]) == 1
+    assert reference_priority([12]) == 0
+    assert reference_priority([13]) == 1
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_integrity_every_request_under_pressure(policy: str, tmp_path: Path) -> None:
+    rows = conversations(seed=11, n_conv=30)
+    rows += [{"hash_ids": [0, 1, 2, 3, 4, 5, 6, 7]}] * 2  # bigger than the pool
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    res = replay(reqs, 6, policy, check_every=1)
+    assert res.requests == len(rows)
+    assert 0 < res.hit_blocks < res.blocks
