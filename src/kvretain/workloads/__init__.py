@@ -3,11 +3,12 @@
 Every workload is a list of ``WorkloadRequest`` sorted by arrival, with lazy ``TokenSeq`` prompts.
 """
 
+from kvretain.core.retention import RetentionDirective
 from kvretain.workloads.azure import load_azure
 from kvretain.workloads.mooncake import load_mooncake
 from kvretain.workloads.multi_tenant import MultiTenantConfig, generate_multi_tenant
 from kvretain.workloads.priority import PRIORITY_RULES, PriorityRule, tag_priorities
-from kvretain.workloads.request import RetentionDirective, WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.workloads.request import WorkloadError, WorkloadRequest, parse_directive, scale_and_limit
 from kvretain.workloads.sources import WORKLOADS
 from kvretain.workloads.tokens import LiteralChunk, SeededChunk, TokenSeq
 from kvretain.workloads.working_set import WorkingSet, working_set
@@ -27,6 +28,7 @@ __all__ = [
     "generate_multi_tenant",
     "load_azure",
     "load_mooncake",
+    "parse_directive",
     "scale_and_limit",
     "tag_priorities",
     "working_set",

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.workloads.request import (
-    RetentionDirective,
     WorkloadError,
     WorkloadRequest,
     check_scale_and_limit,
     is_int,
     is_number,
+    parse_directive,
 )
 from kvretain.workloads.tokens import Chunk, SeededChunk, TokenSeq
 
@@ -116,7 +116,7 @@ def _parse(
         raw = rec["retention"]
         if not isinstance(raw, list):
             raise WorkloadError(f"{where}: field 'retention' must be a list of directives")
-        retention = tuple(RetentionDirective.from_dict(d, f"{where}: field 'retention'") for d in raw)
+        retention = tuple(parse_directive(d, f"{where}: field 'retention'") for d in raw)
     session = rec.get("session_id")
     salt = rec.get("cache_salt")
     for name, val in (("session_id", session), ("cache_salt", salt)):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, fields
 
-from kvretain.workloads.request import RetentionDirective, WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.core.retention import RetentionDirective
+from kvretain.workloads.request import WorkloadError, WorkloadRequest, scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
 Range = tuple[int, int]  # inclusive uniform range

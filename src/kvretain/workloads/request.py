@@ -1,4 +1,5 @@
-"""The request a workload hands to a simulator or engine, and its retention directives."""
+"""The request a workload hands to a simulator or engine; retention directives are the core's
+(:class:`kvretain.core.retention.RetentionDirective`), parsed here from trace lines."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvretain.core.retention import RetentionDirective
 from kvretain.workloads.tokens import TokenSeq
 
 
@@ -14,53 +16,34 @@ class WorkloadError(ValueError):
     """A workload file or configuration is malformed; the message names the place and the field."""
 
 
-@dataclass(frozen=True, slots=True)
-class RetentionDirective:
-    """One retention range, as in vLLM RFC #37003 / TensorRT-LLM's ``TokenRangeRetentionConfig``.
+def parse_directive(raw: Any, where: str) -> RetentionDirective:
+    """Parse one ``{start, end, priority, duration_s}`` directive of a trace line into the core
+    :class:`~kvretain.core.retention.RetentionDirective` (RFC #37003 / TensorRT-LLM ranges: prompt tokens
+    ``[start, end)``, ``end=None`` to the end, priority 0-100, ``duration_s`` after release, ``None``: no
+    expiry). Errors are ``WorkloadError`` naming ``where`` and the bad field."""
+    if not isinstance(raw, Mapping):
+        raise WorkloadError(f"{where}: retention directive must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - {"start", "end", "priority", "duration_s"})
+    if unknown:
+        raise WorkloadError(f"{where}: unknown retention field {unknown[0]!r}")
+    start = raw.get("start", 0)
+    end = raw.get("end")
+    priority: Any = raw.get("priority")
+    duration = raw.get("duration_s")
+    if not is_int(start) or start < 0:
+        raise WorkloadError(f"{where}: retention field 'start' must be an int >= 0, got {start!r}")
+    if end is not None and (not is_int(end) or end <= start):
+        raise WorkloadError(f"{where}: retention field 'end' must be null or an int > start, got {end!r}")
+    if not is_int(priority) or not 0 <= priority <= 100:
+        raise WorkloadError(f"{where}: retention field 'priority' must be an int in 0..100, got {priority!r}")
+    if duration is not None and (not is_number(duration) or duration < 0):
+        raise WorkloadError(f"{where}: retention field 'duration_s' must be null or >= 0, got {duration!r}")
+    return RetentionDirective(start, end, priority, None if duration is None else float(duration))
 
-    Prompt tokens ``[start, end)`` (``end=None``: to the end of the request) should be kept with ``priority``
-    (0-100, higher = kept longer) for ``duration_s`` seconds after release (``None``: no expiry).
-    """
 
-    start: int
-    end: int | None
-    priority: int
-    duration_s: float | None
-
-    @classmethod
-    def from_dict(cls, raw: Any, where: str) -> RetentionDirective:
-        """Parse ``{start, end, priority, duration_s}``; errors name ``where`` and the bad field."""
-        if not isinstance(raw, Mapping):
-            raise WorkloadError(f"{where}: retention directive must be an object, got {raw!r}")
-        unknown = sorted(set(raw) - {"start", "end", "priority", "duration_s"})
-        if unknown:
-            raise WorkloadError(f"{where}: unknown retention field {unknown[0]!r}")
-        start = raw.get("start", 0)
-        end = raw.get("end")
-        priority: Any = raw.get("priority")
-        duration = raw.get("duration_s")
-        if not is_int(start) or start < 0:
-            raise WorkloadError(f"{where}: retention field 'start' must be an int >= 0, got {start!r}")
-        if end is not None and (not is_int(end) or end <= start):
-            raise WorkloadError(f"{where}: retention field 'end' must be null or an int > start, got {end!r}")
-        if not is_int(priority) or not 0 <= priority <= 100:
-            raise WorkloadError(
-                f"{where}: retention field 'priority' must be an int in 0..100, got {priority!r}"
-            )
-        if duration is not None and (not is_number(duration) or duration < 0):
-            raise WorkloadError(
-                f"{where}: retention field 'duration_s' must be null or >= 0, got {duration!r}"
-            )
-        return cls(start, end, priority, None if duration is None else float(duration))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The raw form, as in a trace line or ``SamplingParams.extra_args``."""
-        return {
-            "start": self.start,
-            "end": self.end,
-            "priority": self.priority,
-            "duration_s": self.duration_s,
-        }
+def directive_to_dict(d: RetentionDirective) -> dict[str, Any]:
+    """The raw form of a directive, as in a trace line or ``SamplingParams.extra_args``."""
+    return {"start": d.start, "end": d.end, "priority": d.priority, "duration_s": d.duration_s}
 
 
 @dataclass(frozen=True, slots=True)
