@@ -9,13 +9,17 @@ The scheduler talks to the cache only through this contract::
 Requests carry their request priority and retention config; the manager resolves them into per-block
 retention at release time and keeps per-priority statistics (lookups, hit tokens, evictions by the class of
 the evicted block's last user).
+
+Fast path: a request that has a ``block_hashes(block_size, num_blocks)`` method (see
+:class:`HashingRequest`) supplies its own chained block hashes, and its tokens are never read (simulators
+derive hashes from a prompt's structure instead of hashing millions of token ids).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.hashing import BlockHash, BlockHasher, ExtraKeys
@@ -40,6 +44,18 @@ class CacheRequest(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
+class HashingRequest(CacheRequest, Protocol):
+    """A request that hashes its own blocks (optional fast path, found with ``getattr``)."""
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> Sequence[BlockHash]:
+        """Chained hashes of at least the first ``num_blocks`` full blocks of ``all_token_ids``.
+
+        Equal hashes must mean equal tokens, equal prefixes and equal extra keys. The manager may keep the
+        returned sequence, so the request may only append to it, never change an entry.
+        """
+        ...
+
+
 @dataclass(slots=True)
 class ClassCacheStats:
     """Per request-priority class counters."""
@@ -57,7 +73,7 @@ class ClassCacheStats:
 @dataclass(slots=True)
 class _ReqState:
     blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: Sequence[BlockHash] = field(default_factory=list)
     num_cached: int = 0
     looked_up: bool = False
 
@@ -115,8 +131,13 @@ class KVCacheManager:
     def _update_hashes(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
         n_full = num_tokens // self.block_size
         if len(st.hashes) < n_full:
+            own = getattr(req, "block_hashes", None)
+            if own is not None:
+                st.hashes = own(self.block_size, n_full)
+                return
             tokens = req.all_token_ids
-            st.hashes = self.hasher.hash_blocks(tokens[: n_full * self.block_size], req.extra_keys, st.hashes)
+            prefix = cast("Sequence[bytes]", st.hashes)
+            st.hashes = self.hasher.hash_blocks(tokens[: n_full * self.block_size], req.extra_keys, prefix)
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()

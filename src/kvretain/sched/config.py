@@ -1,0 +1,36 @@
+"""Scheduler settings (frozen; validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvretain.sched.queue import QUEUE_POLICIES
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Attributes:
+    policy: waiting-queue policy from ``QUEUE_POLICIES`` (``fcfs`` or ``priority``).
+    max_num_batched_tokens: token budget of one step (prefill chunks plus decode tokens).
+    max_num_seqs: most requests running at once.
+    enable_chunked_prefill: split a prompt over steps to fit the budget; without it a prompt that does not
+        fit the remaining budget waits for a step where it does (and must fit ``max_num_batched_tokens``).
+    waiting_preempts_running: when a waiting request cannot get blocks, preempt running requests that are
+        strictly less important than it (vLLM issue #40004; vLLM itself never does this).
+    """
+
+    policy: str = "priority"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    waiting_preempts_running: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in QUEUE_POLICIES:
+            raise ValueError(
+                f"unknown queue policy {self.policy!r}; choose one of: {', '.join(QUEUE_POLICIES.names())}"
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -1,0 +1,214 @@
+"""Continuous batching with chunked prefill, priority queues and preemption by recompute.
+
+One step (``schedule``), in vLLM v1's order but split by concern:
+
+1. Running requests, in their running order, each get ``min(remaining tokens, budget)`` tokens. When the
+   cache has no blocks for one, the least important running request (largest ``(priority, arrival, id)``
+   under ``priority``; the latest started under ``fcfs``) is preempted by recompute and the allocation is
+   retried; the request may preempt itself.
+2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
+   this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots``. When blocks run out the
+   queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
+   running requests.
+
+Preemption frees the request's blocks through ``KVCacheManager.free`` (they stay cached with its retention,
+so a resume can hit them), resets its computed tokens and puts it back in the waiting queue.
+The scheduler reaches the cache only through the manager's contract and the executor only through
+:class:`~kvretain.sched.output.SchedulerOutput` / :class:`~kvretain.sched.output.RunnerOutput`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvretain.core.kv_cache_manager import KVCacheManager
+from kvretain.sched.config import SchedulerConfig
+from kvretain.sched.output import RunnerOutput, ScheduledChunk, SchedulerOutput
+from kvretain.sched.queue import make_queue
+from kvretain.sched.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Schedules the requests of one model replica over one :class:`KVCacheManager`."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.config = config or SchedulerConfig()
+        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.waiting = make_queue(self.config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._by_priority = self.config.policy == "priority"
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already scheduled")
+        if req.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {req.request_id!r} is {req.status.name}, expected WAITING")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a live request (frees its blocks); returns it, or None if unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.ABORTED
+        req.finish_time = self.clock()
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. Empty when nothing can run."""
+        self.num_steps += 1
+        st = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(st)
+        if not st.preempted:
+            self._schedule_waiting(st)
+        chunks = tuple(st.chunks[r.request_id] for r in st.order if r.request_id in st.chunks)
+        return SchedulerOutput(self.num_steps, chunks, tuple(st.preempted), st.used)
+
+    def _schedule_running(self, st: _Step) -> None:
+        chunked = self.config.enable_chunked_prefill
+        i = 0
+        while i < len(self.running) and st.budget > 0:
+            req = self.running[i]
+            need = req.num_tokens - req.num_computed_tokens
+            n = need if need <= st.budget else (st.budget if chunked else 0)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, n, req.num_computed_tokens) is None:
+                victim = self._victim(self.running)
+                before = self.running.index(victim) < i
+                self._preempt(victim, st)
+                if victim is req:
+                    break
+                if before:
+                    i -= 1
+            else:
+                st.add(req, n, need)
+                i += 1
+                continue
+            # req preempted itself: the list shrank, index i now holds the next request
+
+    def _schedule_waiting(self, st: _Step) -> None:
+        cfg = self.config
+        while len(self.waiting) and st.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            hits, n_cached = self.kv.get_computed_blocks(req)
+            need = req.num_tokens - n_cached
+            if need > st.budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = st.budget
+            else:
+                n = need
+            while self.kv.allocate_slots(req, n, n_cached, hits) is None:
+                victim = self._waiting_victim(req)
+                if victim is None:
+                    return
+                self._preempt(victim, st)
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = n_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+            self.running.append(req)
+            st.add(req, n, need)
+
+    # ------------------------------------------------------------------ preemption
+    def _victim(self, candidates: list[Request]) -> Request:
+        """vLLM's rule: the least important, latest arriving request (priority); the last started (fcfs)."""
+        if self._by_priority:
+            return max(candidates)
+        return candidates[-1]
+
+    def _waiting_victim(self, req: Request) -> Request | None:
+        if not self.config.waiting_preempts_running:
+            return None
+        lower = [r for r in self.running if r.priority > req.priority]
+        return max(lower) if lower else None
+
+    def _preempt(self, victim: Request, st: _Step) -> None:
+        self.running.remove(victim)
+        st.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        st.preempted.append(victim.request_id)
+        self.waiting.add_preempted(victim)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests; returns the finished ones."""
+        now = self.clock()
+        reqs = self.requests
+        for c in out.chunks:
+            req = reqs.get(c.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.num_computed_tokens += c.num_new_tokens
+        finished: list[Request] = []
+        for rid, tok in zip(result.req_ids, result.token_ids, strict=True):
+            req = reqs.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            if req.append_output(tok, now):
+                finished.append(req)
+        for req in finished:
+            self._finish(req, now)
+        return finished
+
+    def _finish(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        del self.requests[req.request_id]
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_time = now
+
+
+class _Step:
+    """Book-keeping of one ``schedule()`` call."""
+
+    __slots__ = ("budget", "chunks", "order", "preempted", "used")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.chunks: dict[str, ScheduledChunk] = {}
+        self.order: list[Request] = []
+        self.preempted: list[str] = []
+
+    def add(self, req: Request, n: int, need: int) -> None:
+        self.chunks[req.request_id] = ScheduledChunk(req.request_id, n, req.num_computed_tokens, n == need)
+        self.order.append(req)
+        self.budget -= n
+        self.used += n
+
+    def remove(self, req: Request) -> None:
+        c = self.chunks.pop(req.request_id, None)
+        if c is not None:
+            self.budget += c.num_new_tokens
+            self.used -= c.num_new_tokens

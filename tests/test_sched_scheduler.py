@@ -1,0 +1,224 @@
+"""Scheduler tests in vLLM's style: small pools, hand-built runner outputs, exact scheduling orders."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvretain.core.kv_cache_manager import KVCacheManager
+from kvretain.sched import (
+    QUEUE_POLICIES,
+    Request,
+    RequestStatus,
+    RunnerOutput,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+BS = 4
+
+
+def make(num_blocks: int = 16, **cfg: object) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size=BS, policy="lru")
+    return Scheduler(kv, SchedulerConfig(**cfg))  # type: ignore[arg-type]
+
+
+def req(rid: str, n: int, out: int = 4, prio: int = 0, t: float = 0.0, base: int | None = None) -> Request:
+    start = (sum(map(ord, rid)) * 1000) if base is None else base
+    return Request(rid, list(range(start, start + n)), out, arrival_time=t, priority=prio)
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    """One step with a hand-built runner output: token 7 for every chunk that samples."""
+    out = s.schedule()
+    sampled = tuple(c.request_id for c in out.chunks if c.samples)
+    s.update_from_output(out, RunnerOutput(sampled, tuple(7 for _ in sampled)))
+    s.kv.check_integrity()
+    return out
+
+
+def ids(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(c.request_id, c.num_new_tokens) for c in out.chunks]
+
+
+def test_queue_registry_and_config_errors() -> None:
+    assert QUEUE_POLICIES.names() == ["fcfs", "priority"]
+    with pytest.raises(ValueError, match="unknown queue policy 'lifo'"):
+        SchedulerConfig(policy="lifo")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request("a", [1, 2], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        Request("a", [], 1)
+
+
+def test_request_total_order_priority_arrival_id() -> None:
+    a = req("a", 4, prio=1, t=0.0)
+    b = req("b", 4, prio=0, t=5.0)
+    c = req("c", 4, prio=0, t=5.0)
+    d = req("d", 4, prio=0, t=1.0)
+    assert sorted([a, b, c, d]) == [d, b, c, a]
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["a", "b", "c", "d"]), ("priority", ["d", "b", "c", "a"])]
+)
+def test_waiting_order(policy: str, order: list[str]) -> None:
+    s = make(64, policy=policy, max_num_seqs=1)
+    for r in (
+        req("a", 4, 1, prio=1, t=0.0),
+        req("b", 4, 1, t=1.0),
+        req("c", 4, 1, t=1.0),
+        req("d", 4, 1, t=0.5),
+    ):
+        s.add_request(r)
+    got = [step(s).chunks[0].request_id for _ in range(4)]
+    assert got == order
+    assert not s.has_unfinished()
+
+
+def test_continuous_batching_running_before_waiting_and_lifecycle() -> None:
+    s = make(64, max_num_batched_tokens=10)
+    a = req("a", 6, out=3)
+    s.add_request(a)
+    assert ids(step(s)) == [("a", 6)]
+    s.add_request(req("b", 8, out=2))
+    # running a decodes first (1 token), then waiting b fits whole (8 of the 9 left)
+    out = step(s)
+    assert ids(out) == [("a", 1), ("b", 8)]
+    assert out.chunks[1] == ScheduledChunk("b", 8, 0, True)
+    assert out.num_scheduled_tokens == 9
+    assert ids(step(s)) == [("a", 1), ("b", 1)]
+    assert a.status is RequestStatus.FINISHED and a.num_output_tokens == 3
+    assert not s.has_unfinished()
+    assert s.kv.get_num_free_blocks() == 64
+
+
+def test_chunked_prefill_splits_the_prompt_and_samples_at_the_end() -> None:
+    s = make(64, max_num_batched_tokens=4)
+    s.add_request(req("a", 10, out=2))
+    chunks = [step(s).chunks[0] for _ in range(4)]
+    assert chunks == [
+        ScheduledChunk("a", 4, 0, False),
+        ScheduledChunk("a", 4, 4, False),
+        ScheduledChunk("a", 2, 8, True),
+        ScheduledChunk("a", 1, 10, True),
+    ]
+    assert not s.has_unfinished()
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room() -> None:
+    s = make(64, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s.add_request(req("a", 6, out=3))
+    s.add_request(req("b", 6, out=1))
+    assert ids(step(s)) == [("a", 6)]  # b (6) does not fit the 2 tokens left
+    assert ids(step(s)) == [("a", 1), ("b", 6)]
+
+
+def test_max_num_seqs_bounds_running_requests() -> None:
+    s = make(64, max_num_seqs=2)
+    for r in "abc":
+        s.add_request(req(r, 4, out=2))
+    assert ids(step(s)) == [("a", 4), ("b", 4)]
+    assert ids(step(s)) == [("a", 1), ("b", 1)]
+    assert ids(step(s)) == [("c", 4)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "start", "chunks", "victim"),
+    [
+        # priority: running order a, c, b; c needs a block, the least important running request (b) goes
+        ("priority", "acb", [("a", 1), ("c", 1)], "b"),
+        # fcfs: b needs a block and the last started request (c) goes, although more important than b
+        ("fcfs", "abc", [("a", 1), ("b", 1)], "c"),
+    ],
+)
+def test_preemption_victim(policy: str, start: str, chunks: list[tuple[str, int]], victim: str) -> None:
+    s = make(10, policy=policy)
+    rs = [req("a", 12, prio=0, t=0.0), req("b", 12, prio=1, t=1.0), req("c", 12, prio=0, t=2.0)]
+    for r in rs:
+        s.add_request(r)
+    assert ids(step(s)) == [(r, 12) for r in start]  # 9 of 10 blocks
+    out = step(s)  # every decode needs a 4th block: only one is free
+    assert ids(out) == chunks
+    assert out.preempted == (victim,)
+    v = s.requests[victim]
+    assert v.status is RequestStatus.PREEMPTED and v.num_computed_tokens == 0 and v.num_preemptions == 1
+    assert s.num_preemptions == 1
+
+
+def test_preempted_blocks_stay_cached_and_the_resume_hits_them() -> None:
+    s = make(8, policy="priority")
+    hi = req("hi", 12, out=5, prio=0)
+    lo = req("lo", 16, out=4, prio=1, t=1.0)
+    s.add_request(hi)
+    s.add_request(lo)
+    assert ids(step(s)) == [("hi", 12), ("lo", 16)]  # 3 + 4 = 7 blocks
+    out = step(s)  # hi takes the 8th block; lo needs a 5th: it preempts itself (least important)
+    assert ids(out) == [("hi", 1)] and out.preempted == ("lo",)
+    # lo's 4 full blocks are cached-free; the resume (17 known tokens) needs them plus one block: it waits
+    # for hi, then hits all 4 (16 tokens) and recomputes one token
+    outs = [step(s) for _ in range(4)]
+    assert [ids(o) for o in outs] == [[("hi", 1)], [("hi", 1)], [("hi", 1)], [("lo", 1)]]
+    assert outs[-1].chunks[0] == ScheduledChunk("lo", 1, 16, True)
+    assert s.kv.stats[1].hit_tokens == 16 and s.kv.stats[1].lookups == 2
+    while s.has_unfinished():
+        step(s)
+    assert lo.num_output_tokens == 4 and lo.num_preemptions == 1
+
+
+def test_waiting_request_preempts_lower_priority_running_only_with_the_option() -> None:
+    for option, chunks, preempted in ((False, [("lo", 1)], ()), (True, [("hi", 12)], ("lo",))):
+        s = make(6, policy="priority", waiting_preempts_running=option)
+        lo = req("lo", 16, out=4, prio=1)
+        s.add_request(lo)
+        step(s)  # 4 blocks
+        s.add_request(req("hi", 12, out=2, prio=0, t=1.0))  # needs 3 blocks; lo's decode takes the 5th
+        out = step(s)
+        assert ids(out) == chunks and out.preempted == preempted
+
+
+def test_waiting_request_never_preempts_equal_or_more_important_running() -> None:
+    s = make(6, policy="priority", waiting_preempts_running=True)
+    s.add_request(req("first", 16, out=4, prio=0))
+    step(s)
+    s.add_request(req("late", 12, out=2, prio=0, t=1.0))
+    out = step(s)
+    assert ids(out) == [("first", 1)] and out.preempted == ()
+
+
+def test_abort_frees_blocks() -> None:
+    s = make(16)
+    a = req("a", 8, out=5)
+    s.add_request(a)
+    s.add_request(req("b", 8, out=5))
+    step(s)
+    assert s.abort("a") is a and a.status is RequestStatus.ABORTED
+    assert s.abort("a") is None
+    assert s.kv.num_blocks_of(a) == 0
+    s.kv.check_integrity()
+    with pytest.raises(ValueError, match="already scheduled"):
+        s.add_request(s.requests["b"])
+
+
+def test_times_are_recorded_from_the_clock() -> None:
+    now = [0.0]
+    kv = KVCacheManager(16, block_size=BS)
+    s = Scheduler(kv, SchedulerConfig(), clock=lambda: now[0])
+    r = req("a", 5, out=3, t=0.0)
+    s.add_request(r)
+    for t in (1.0, 2.0, 3.5):
+        now[0] = t - 0.5
+        out = s.schedule()
+        now[0] = t
+        s.update_from_output(out, RunnerOutput(("a",), (1,)))
+    assert r.first_scheduled_time == 0.5
+    assert r.ttft == 1.0 and r.token_times == [1.0, 2.0, 3.5] and r.finish_time == 3.5
+    assert r.tpot == pytest.approx(1.25) and r.e2e == 3.5 and r.queueing_time == 0.5
+
+
+def test_runner_output_must_pair_ids_and_tokens() -> None:
+    with pytest.raises(ValueError, match="2 request ids but 1 token ids"):
+        RunnerOutput(("a", "b"), (1,))
