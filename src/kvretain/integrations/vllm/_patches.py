@@ -1,0 +1,275 @@
+"""The patches that put a kvretain policy inside vLLM 0.33 (imported only when the plugin is enabled).
+
+vLLM keeps ownership of allocation, hashing, cache hits, KV events and metrics; only the order in which
+cached free blocks are evicted changes, plus the retention information attached when a request releases
+its blocks. Patched in place (classes are imported by name elsewhere in vLLM, so module attributes cannot
+be swapped):
+
+* ``BlockPool.__init__``: install :class:`RetentionFreeQueue` on plain prefix-caching pools.
+* ``BlockPool.cache_full_blocks``: new content and parent/child links for the policy.
+* ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped.
+* ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request.
+* ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
+* ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
+  (engine core, a per-request ``validation_error``): reject bad retention directives.
+
+A patch never raises into vLLM's busy loop: hook errors are logged once and the stock code path continues.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from kvretain.core.policy import make_policy
+from kvretain.integrations.vllm._queue import RetentionFreeQueue
+from kvretain.integrations.vllm.config import PluginConfig, validation_message
+
+logger = logging.getLogger("kvretain.integrations.vllm")
+
+_ORIGINALS: dict[tuple[type, str], Callable[..., Any]] = {}
+_active: PluginConfig | None = None
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.exception(msg)
+
+
+def _orig(cls: type, name: str) -> Callable[..., Any]:
+    return _ORIGINALS[(cls, name)]
+
+
+def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    key = (cls, name)
+    if key in _ORIGINALS:
+        return
+    orig = cls.__dict__[name]
+    wrapper = make(orig)
+    functools.update_wrapper(wrapper, orig)
+    wrapper._kvretain_patched = True  # type: ignore[attr-defined]
+    _ORIGINALS[key] = orig
+    setattr(cls, name, wrapper)
+
+
+def _queue(pool: Any) -> RetentionFreeQueue | None:
+    q = getattr(pool, "free_block_queue", None)
+    return q if type(q) is RetentionFreeQueue else None
+
+
+# ---------------------------------------------------------------- BlockPool
+def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue:
+    """Replace ``pool``'s free queue (all blocks free but the null block) with a policy-backed one."""
+    old = pool.free_block_queue
+    free = old.get_all_free_blocks()
+    num_blocks = len(pool.blocks)
+    pcfg = cfg.policy_config(int(pool.hash_block_size))
+    queue = RetentionFreeQueue(
+        free, pool.blocks, lambda: make_policy(cfg.policy, num_blocks, pcfg), cfg.mapping
+    )
+    pool.free_block_queue = queue
+    return queue
+
+
+def _make_pool_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        cfg = _active
+        if cfg is None or type(self) is not BlockPool or not self.enable_caching:
+            return
+        if self.get_num_free_blocks() != len(self.blocks) - 1:
+            return  # not a fresh pool: leave it stock
+        try:
+            install_queue(self, cfg)
+            logger.info(
+                "kvretain: %s eviction policy installed on a %d-block prefix cache",
+                cfg.policy,
+                len(self.blocks),
+            )
+        except Exception:
+            _warn_once("install", "kvretain: could not install the retention queue; this pool stays stock")
+
+    return __init__
+
+
+def _make_cache_full_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Any = None,
+    ) -> None:
+        orig(
+            self,
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )
+        q = self.free_block_queue
+        if type(q) is RetentionFreeQueue:
+            try:
+                q.on_blocks_cached(blocks, num_cached_blocks, num_full_blocks, block_mask)
+            except Exception:
+                _warn_once("cache", "kvretain: cache_full_blocks hook failed (ignored)")
+
+    return cache_full_blocks
+
+
+def _make_reset(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def reset_prefix_cache(self: Any) -> bool:
+        ok = bool(orig(self))
+        q = _queue(self)
+        if ok and q is not None:
+            q.drain()
+        return ok
+
+    return reset_prefix_cache
+
+
+def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def evict_blocks(self: Any, block_ids: set[int]) -> None:
+        q = _queue(self)
+        if q is None:
+            orig(self, block_ids)
+            return
+        moved = []
+        for bid in block_ids:
+            if 0 <= bid < len(self.blocks):
+                blk = self.blocks[bid]
+                if blk.block_hash is not None and q.forget(blk):
+                    moved.append(blk)
+        orig(self, block_ids)
+        if moved:
+            q.put_unhashed(moved)
+
+    return evict_blocks
+
+
+# ---------------------------------------------------------------- KVCacheManager
+def _block_sizes(manager: Any) -> list[int]:
+    return [int(m.block_size) for m in manager.coordinator.single_type_managers]
+
+
+def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def free(self: Any, request: Any) -> None:
+        q = self.block_pool.free_block_queue
+        if type(q) is RetentionFreeQueue:
+            try:
+                q.on_request_release(
+                    request, self.coordinator.get_blocks(request.request_id), _block_sizes(self)
+                )
+            except Exception:
+                _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")
+        orig(self, request)
+
+    return free
+
+
+def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def pop_blocks_for_free(self: Any, request: Any) -> Any:
+        blocks = orig(self, request)
+        q = self.block_pool.free_block_queue
+        if blocks and type(q) is RetentionFreeQueue:
+            try:
+                sizes = _block_sizes(self)
+                q.on_request_release(request, (blocks,), sizes if len(sizes) == 1 else None)
+            except Exception:
+                _warn_once("pop", "kvretain: release hook failed (blocks released at default retention)")
+        return blocks
+
+    return pop_blocks_for_free
+
+
+def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def record_prefix_cache_stats(self: Any, request: Any, num_hits: int) -> None:
+        orig(self, request, num_hits)
+        pool = self.block_pool
+        q = pool.free_block_queue
+        if type(q) is RetentionFreeQueue and self.prefix_cache_lookup_enabled(request):
+            try:
+                q.on_lookup(request, num_hits, int(pool.hash_block_size))
+            except Exception:
+                _warn_once("lookup", "kvretain: lookup hook failed (ignored)")
+
+    return record_prefix_cache_stats
+
+
+# ---------------------------------------------------------------- validation
+def check_sampling_params(params: Any) -> None:
+    """Raise ``VLLMValidationError`` (-> HTTP 400 / a per-request ``validation_error``) for bad retention
+    fields in ``params.extra_args``."""
+    msg = validation_message(getattr(params, "extra_args", None))
+    if msg is not None:
+        raise VLLMValidationError(msg, parameter="extra_args")
+
+
+def _make_validate_params(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active is not None:
+            check_sampling_params(params)
+        return orig(self, params, *args, **kwargs)
+
+    return _validate_params
+
+
+def _make_preprocess(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def preprocess_add_request(self: Any, request: Any) -> Any:
+        if _active is not None and getattr(request, "sampling_params", None) is not None:
+            check_sampling_params(request.sampling_params)
+        return orig(self, request)
+
+    return preprocess_add_request
+
+
+# ---------------------------------------------------------------- install / remove
+def install(cfg: PluginConfig) -> None:
+    """Activate ``cfg`` for pools built from now on (patches are installed once per process)."""
+    global _active
+    _patch(BlockPool, "__init__", _make_pool_init)
+    _patch(BlockPool, "cache_full_blocks", _make_cache_full_blocks)
+    _patch(BlockPool, "reset_prefix_cache", _make_reset)
+    _patch(BlockPool, "evict_blocks", _make_evict_blocks)
+    _patch(KVCacheManager, "free", _make_free)
+    _patch(KVCacheManager, "pop_blocks_for_free", _make_pop_blocks_for_free)
+    _patch(KVCacheManager, "record_prefix_cache_stats", _make_record_stats)
+    for modname, clsname, meth, make in (
+        ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
+        ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),
+    ):
+        try:
+            import importlib
+
+            cls = getattr(importlib.import_module(modname), clsname)
+            _patch(cls, meth, make)
+        except Exception:
+            _warn_once(f"validate-{clsname}", f"kvretain: cannot validate retention fields in {clsname}")
+    _active = cfg
+
+
+def uninstall() -> None:
+    """Restore every patched method (pools already built keep their queue)."""
+    global _active
+    _active = None
+    for (cls, name), orig in list(_ORIGINALS.items()):
+        setattr(cls, name, orig)
+    _ORIGINALS.clear()
+
+
+def active() -> PluginConfig | None:
+    return _active

@@ -1,0 +1,362 @@
+"""vLLM's free-block queue, with hashed (cached) free blocks ordered by a kvretain policy.
+
+Imported only when the plugin is enabled (it imports vLLM).
+
+``RetentionFreeQueue`` keeps vLLM's intrusive linked list for *unhashed* free blocks (reused first, exactly
+as stock vLLM: initial blocks, blocks freed without a hash) and hands *hashed* free blocks to an
+:class:`~kvretain.core.policy.EvictionPolicy`, which ranks them by block id. ``num_free_blocks`` stays the
+total (list + policy), so ``BlockPool.get_num_free_blocks``, ``get_usage``, the admission checks of
+``allocate_slots`` and the precondition of ``reset_prefix_cache`` are unchanged: cached blocks count as free.
+Eviction still happens in vLLM's ``BlockPool.get_new_blocks`` (``_maybe_evict_cached_block``), so KV events
+(``BlockRemoved``) and the metrics collector keep working.
+
+Leaf-only policies need parent/child links: a block cached at index ``i`` of a request is the child of the
+request's block ``i-1``. A free block with a cached child is *blocked* (not offered to the policy) until the
+child goes. vLLM can register duplicate blocks for one hash, so a request may hold a child whose parent
+block it does not hold; such a parent may be free and blocked while its child is in use. When the policy has
+nothing left to offer, blocked blocks are evicted anyway (their children become unreachable, as in stock
+vLLM), so every free block can always be obtained. Links carry a generation so that a reused parent id
+never receives a stale child's decrement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvretain.core.policy import EvictionPolicy
+from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
+from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm.config import retention_from_extra_args
+
+IN_LIST = 0
+IN_POLICY = 1
+BLOCKED = 2
+NO_PARENT = -1
+
+
+class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+    """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by a kvretain policy."""
+
+    def __init__(
+        self,
+        free_blocks: list[KVCacheBlock],
+        pool_blocks: Sequence[KVCacheBlock],
+        policy_factory: Callable[[], EvictionPolicy],
+        mapping: PriorityMapping,
+    ) -> None:
+        super().__init__(free_blocks)
+        self.pool_blocks = pool_blocks
+        self._policy_factory = policy_factory
+        self.mapping = mapping
+        self.counters = _runtime.COUNTERS
+        self._warned: set[str] = set()
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        n = len(self.pool_blocks)
+        self.policy = self._policy_factory()
+        self._leaf_only = self.policy.leaf_only
+        self._tracks = self.policy.tracks_uses
+        self._where = bytearray(n)
+        self._blocked: dict[int, None] = {}
+        self._held = 0  # blocks in the policy or blocked (the rest of num_free_blocks is the list)
+        self._hash: list[Any] = [None] * n  # the hash the policy knows the block under
+        self._parent = [NO_PARENT] * n
+        self._pgen = [0] * n
+        self._gen = [0] * n
+        self._children = [0] * n
+        self._cls = [0] * n  # request priority of the block's last releaser (eviction counters)
+        self._mapped: dict[int, int] = {}
+
+    # ------------------------------------------------------------ queue interface
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        base = self.num_free_blocks - self._held
+        if n <= base:
+            return super().popleft_n(n)  # type: ignore[no-any-return]
+        if n > self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
+        now = _runtime.now()
+        for _ in range(n - base):
+            ret.append(self._victim(now))
+        return ret
+
+    def remove(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        w = self._where[bid]
+        if w == IN_LIST:
+            super().remove(block)
+            return
+        if w == IN_POLICY:
+            self.policy.remove(bid)
+        else:
+            del self._blocked[bid]
+        self._where[bid] = IN_LIST
+        self._held -= 1
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        plain: list[KVCacheBlock] = []
+        now = -1.0
+        policy = self.policy
+        known = self._hash
+        for b in blocks:
+            h = b.block_hash
+            if h is None:
+                plain.append(b)
+                continue
+            bid = b.block_id
+            if known[bid] is not h and known[bid] != h:
+                self._register(bid, h, b.block_hash_num_tokens or 0)
+            if self._leaf_only and self._children[bid]:
+                self._blocked[bid] = None
+                self._where[bid] = BLOCKED
+            else:
+                if now < 0:
+                    now = _runtime.now()
+                policy.push(bid, now)
+                self._where[bid] = IN_POLICY
+            self._held += 1
+            self.num_free_blocks += 1
+        if plain:
+            super().append_n(plain)
+
+    # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        listed: list[KVCacheBlock] = super().get_all_free_blocks()
+        ids = sorted(self.policy.evictable_ids()) + list(self._blocked)
+        return listed + [self.pool_blocks[i] for i in ids]
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
+        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
+        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------ eviction
+    def _victim(self, now: float) -> KVCacheBlock:
+        bid = self.policy.pop(now)
+        if bid is None:
+            if not self._blocked:  # pragma: no cover - excluded by the count check in popleft_n
+                raise ValueError("No free blocks available")
+            bid = next(iter(self._blocked))
+            del self._blocked[bid]
+        self._where[bid] = IN_LIST
+        self._held -= 1
+        self.num_free_blocks -= 1
+        self._drop(bid, now)
+        return self.pool_blocks[bid]
+
+    def _drop(self, bid: int, now: float) -> None:
+        """``bid``'s content goes (it is about to be evicted by vLLM)."""
+        h = self._hash[bid]
+        if h is None:
+            return
+        self.policy.on_evicted(bid, h)
+        self.counters.get(self._cls[bid]).evicted_blocks += 1
+        self._unlink(bid, now)
+
+    def _unlink(self, bid: int, now: float) -> None:
+        self._hash[bid] = None
+        self._gen[bid] += 1
+        self._children[bid] = 0  # children keep a link of an older generation: they never decrement it
+        p = self._parent[bid]
+        if p != NO_PARENT:
+            self._parent[bid] = NO_PARENT
+            if self._gen[p] == self._pgen[bid]:
+                c = self._children[p] - 1
+                self._children[p] = c
+                if c == 0 and self._where[p] == BLOCKED:
+                    del self._blocked[p]
+                    self._where[p] = IN_POLICY
+                    self.policy.push(p, now)
+
+    def _register(self, bid: int, h: Any, num_tokens: int, depth: int | None = None) -> None:
+        """New content in ``bid`` (no parent link)."""
+        now = _runtime.now()
+        if self._hash[bid] is not None:
+            self._unlink(bid, now)
+        self._hash[bid] = h
+        if depth is None:
+            depth = max(0, num_tokens // max(1, self._block_size_guess()) - 1)
+        self.policy.on_cached(bid, h, depth, now)
+
+    def _block_size_guess(self) -> int:
+        return int(self.policy.config.block_size)
+
+    # ------------------------------------------------------------ hooks called by the patches
+    def on_blocks_cached(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_mask: Sequence[bool] | None,
+    ) -> None:
+        """After ``BlockPool.cache_full_blocks``: tell the policy about new content and link it to its
+        parent (the request's previous block)."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        now = _runtime.now()
+        known = self._hash
+        policy = self.policy
+        leaf_only = self._leaf_only
+        prev = blocks[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        for i in range(num_cached_blocks, num_full_blocks):
+            b = blocks[i]
+            h = b.block_hash
+            if b.is_null or h is None or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                prev = None
+                continue
+            bid = b.block_id
+            if known[bid] is h or known[bid] == h:
+                prev = b
+                continue
+            if known[bid] is not None:
+                self._unlink(bid, now)
+            known[bid] = h
+            policy.on_cached(bid, h, i, now)
+            if leaf_only and prev is not None and not prev.is_null:
+                pid = prev.block_id
+                if known[pid] is not None:
+                    self._parent[bid] = pid
+                    self._pgen[bid] = self._gen[pid]
+                    self._children[pid] += 1
+                    if self._where[pid] == IN_POLICY:  # only with duplicate blocks: parent is free
+                        policy.remove(pid)
+                        self._blocked[pid] = None
+                        self._where[pid] = BLOCKED
+            prev = b
+
+    def _retention(self, request: Any) -> RetentionConfig | None:
+        sp = getattr(request, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        if not extra:
+            return None
+        try:
+            return retention_from_extra_args(extra)
+        except RetentionError as exc:  # validated at input; never fail the engine here
+            self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
+            return None
+
+    def on_request_release(
+        self, request: Any, groups: Sequence[Sequence[KVCacheBlock]], block_sizes: Sequence[int] | None
+    ) -> None:
+        """Before a request's blocks are freed: one release (a use) per hashed block, with the retention
+        priority and duration the request asks for (directives, else its mapped ``priority``)."""
+        prio = int(getattr(request, "priority", 0) or 0)
+        mapped = self._mapped.get(prio)
+        if mapped is None:
+            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+        ret = self._retention(request)
+        scope = ret.scope if ret is not None else None
+        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        now = _runtime.now()
+        known = self._hash
+        cls = self._cls
+        policy = self.policy
+        tracks = self._tracks
+        released = 0
+        for g, blocks in enumerate(groups):
+            n = len(blocks)
+            if not n:
+                continue
+            prios: list[int] | None = None
+            durs: list[float | None] | None = None
+            if use_plan:
+                assert ret is not None and block_sizes is not None
+                prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
+            for i in range(n):
+                b = blocks[i]
+                h = b.block_hash
+                if h is None or b.is_null:
+                    continue
+                bid = b.block_id
+                if known[bid] is not h and known[bid] != h:
+                    self._register(bid, h, 0, depth=i)
+                cls[bid] = prio
+                released += 1
+                if tracks:
+                    if prios is None or durs is None:
+                        policy.on_release(bid, mapped, None, scope, now, mapped)
+                    else:
+                        policy.on_release(bid, prios[i], durs[i], scope, now, mapped)
+        if released:
+            self.counters.get(prio).released_blocks += released
+
+    def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
+        """At admission (``record_prefix_cache_stats``): per-priority counters and the policy's lookup hook."""
+        prio = int(getattr(request, "priority", 0) or 0)
+        c = self.counters.get(prio)
+        if getattr(request, "num_preemptions", 0) > 0:
+            c.preempted_requests += 1
+            c.preempted_hit_tokens += num_hit_tokens
+            return
+        c.requests += 1
+        c.query_tokens += int(request.num_tokens)
+        c.hit_tokens += num_hit_tokens
+        if self._tracks:
+            mapped = self._mapped.get(prio)
+            if mapped is None:
+                mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+            hashes = request.block_hashes
+            self.policy.on_lookup(hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped)
+
+    def forget(self, block: KVCacheBlock) -> bool:
+        """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True
+        when the block was free (the caller then puts it on the unhashed list)."""
+        bid = block.block_id
+        w = self._where[bid]
+        if w == IN_POLICY:
+            self.policy.remove(bid)
+        elif w == BLOCKED:
+            del self._blocked[bid]
+        if w != IN_LIST:
+            self._where[bid] = IN_LIST
+            self._held -= 1
+            self.num_free_blocks -= 1
+        self._drop(bid, _runtime.now())
+        return bool(w != IN_LIST)
+
+    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+
+    def drain(self) -> None:
+        """After a successful ``reset_prefix_cache`` (every hash is gone): move all policy blocks to the
+        unhashed list and start the policy afresh."""
+        ids = sorted(self.policy.evictable_ids() | set(self._blocked))
+        self.num_free_blocks -= len(ids)
+        self._reset_state()
+        super().append_n([self.pool_blocks[i] for i in ids])
+
+    def check(self) -> None:
+        """Consistency check for tests: counts, positions and policy membership agree. O(n)."""
+        in_policy = self.policy.evictable_ids()
+        listed = super().get_all_free_blocks()
+        assert len(in_policy) == len(self.policy)
+        assert self._held == len(in_policy) + len(self._blocked), "held count"
+        assert self.num_free_blocks == len(listed) + self._held, "free count"
+        for b in listed:
+            assert self._where[b.block_id] == IN_LIST and b.block_hash is None, f"listed {b.block_id}"
+            assert b.ref_cnt == 0
+        for bid in in_policy:
+            assert self._where[bid] == IN_POLICY, f"policy {bid}"
+            b = self.pool_blocks[bid]
+            assert b.ref_cnt == 0 and b.block_hash is not None, f"policy block {bid} not cached-free"
+        for bid in self._blocked:
+            assert self._where[bid] == BLOCKED and self._children[bid] > 0
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            import logging
+
+            logging.getLogger("kvretain.integrations.vllm").warning(msg)

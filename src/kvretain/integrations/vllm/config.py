@@ -1,0 +1,153 @@
+"""Plugin configuration and request retention parsing (pure Python: no vLLM import here).
+
+Environment variables (read by :func:`kvretain.integrations.vllm.register`):
+
+``KVRETAIN_POLICY``
+    The eviction policy for vLLM's prefix cache: ``unified`` (recommended), ``priority``, ``lfu`` or ``lru``
+    (vLLM's own order, for A/B checks). Unset, empty, ``off`` or ``none``: the plugin stays inert.
+``KVRETAIN_POLICY_OPTIONS``
+    Comma-separated ``key=value`` options of :class:`~kvretain.core.policy.PolicyConfig`, e.g.
+    ``budget=0.8,isolation_goal=0.92,protect_threshold=35,priority_weight=2`` (``isolation_goal=none``
+    keeps the protected share fixed at ``budget``).
+``KVRETAIN_PRIORITY_MAPPING``
+    How a request ``priority`` maps to a retention priority: ``normal=0,step=10,base=35`` (the default:
+    priority 0 -> 35, 1 -> 25, -1 -> 45) or a table ``0:80,1:35,2:10``
+    (see :class:`~kvretain.core.retention.PriorityMapping`).
+
+Per request (``SamplingParams.extra_args``; over the OpenAI API: ``vllm_xargs``):
+
+``retention_directives``
+    RFC #37003 directives: a list of ``{"start", "end", "priority", "duration"}`` objects, or that list as a
+    JSON string (``vllm_xargs`` only carries strings, numbers and flat lists).
+``retention_scope``
+    An owner id (e.g. a session): only the owner may lower a priority it set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvretain.core.policy import PolicyConfig, policy_names
+from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
+
+ENV_POLICY = "KVRETAIN_POLICY"
+ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
+ENV_MAPPING = "KVRETAIN_PRIORITY_MAPPING"
+
+DIRECTIVES_KEY = "retention_directives"
+SCOPE_KEY = "retention_scope"
+
+_OFF = {"", "off", "none", "0", "false", "disabled"}
+_VLLM_POLICIES = ("unified", "priority", "lfu", "lru")
+"""Policies usable inside vLLM (``belady`` needs the future and is replay-only)."""
+
+
+class PluginConfigError(ValueError):
+    """Invalid plugin configuration (environment variables)."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What the plugin installs: a policy name, its options and the request-priority mapping."""
+
+    policy: str = "unified"
+    options: dict[str, Any] = field(default_factory=dict)
+    mapping: PriorityMapping = field(default_factory=PriorityMapping)
+
+    def __post_init__(self) -> None:
+        if self.policy not in _VLLM_POLICIES:
+            known = ", ".join(p for p in _VLLM_POLICIES if p in policy_names())
+            raise PluginConfigError(f"{ENV_POLICY}={self.policy!r}: unknown policy; choose one of: {known}")
+        self.policy_config(16)  # validate the options now
+
+    def policy_config(self, block_size: int) -> PolicyConfig:
+        opts = dict(self.options)
+        opts.setdefault("block_size", block_size)
+        try:
+            return PolicyConfig(**opts)
+        except (TypeError, ValueError) as exc:
+            raise PluginConfigError(f"{ENV_OPTIONS}: {exc}") from None
+
+
+def parse_options(spec: str) -> dict[str, Any]:
+    """``"budget=0.8,isolation_goal=0.92"`` -> ``{"budget": 0.8, "isolation_goal": 0.92}``."""
+    known = {f.name: f for f in fields(PolicyConfig) if f.name not in ("next_use", "block_size")}
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or key not in known:
+            raise PluginConfigError(
+                f"{ENV_OPTIONS}: bad entry {part!r}; use key=value with keys {', '.join(sorted(known))}"
+            )
+        if raw.lower() in ("none", "null", ""):
+            out[key] = None
+            continue
+        try:
+            num = float(raw)
+        except ValueError:
+            raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} is not a number") from None
+        if not math.isfinite(num):
+            raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} must be finite")
+        out[key] = int(num) if key in ("protect_threshold", "frequency_cap") else num
+    return out
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | None:
+    """The plugin configuration named by the environment, or ``None`` when the plugin is off."""
+    env = os.environ if environ is None else environ
+    name = env.get(ENV_POLICY, "").strip().lower()
+    if name in _OFF:
+        return None
+    options = parse_options(env.get(ENV_OPTIONS, ""))
+    try:
+        mapping = PriorityMapping.parse(env.get(ENV_MAPPING, ""))
+    except RetentionError as exc:
+        raise PluginConfigError(f"{ENV_MAPPING}: {exc}") from None
+    return PluginConfig(policy=name, options=options, mapping=mapping)
+
+
+def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> RetentionConfig | None:
+    """Parse a request's retention fields; ``None`` when it has none. Raises :class:`RetentionError`
+    with a message naming the field and the fix."""
+    if not extra_args:
+        return None
+    raw = extra_args.get(DIRECTIVES_KEY)
+    scope = extra_args.get(SCOPE_KEY)
+    if raw is None and scope is None:
+        return None
+    if isinstance(raw, str | bytes):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise RetentionError(
+                f"{DIRECTIVES_KEY}: not valid JSON ({exc}); pass a list of "
+                '{"start", "end", "priority", "duration"} objects, e.g. '
+                '[{"start": 0, "end": 1024, "priority": 90, "duration": 30}]'
+            ) from None
+    if raw is not None and not isinstance(raw, list | tuple):
+        raise RetentionError(
+            f"{DIRECTIVES_KEY} must be a list of {{start, end, priority, duration}} objects, got {raw!r}"
+        )
+    if scope is not None and not isinstance(scope, str):
+        raise RetentionError(f"{SCOPE_KEY} must be a string (an owner id such as a session), got {scope!r}")
+    return RetentionConfig.from_request_fields(raw, scope=scope)
+
+
+def validation_message(extra_args: Mapping[str, Any] | None) -> str | None:
+    """``None`` when the request's retention fields are valid, else the error message."""
+    if extra_args is not None and not isinstance(extra_args, Mapping):
+        return None
+    try:
+        retention_from_extra_args(extra_args)
+    except RetentionError as exc:
+        return f"invalid retention request: {exc}"
+    return None

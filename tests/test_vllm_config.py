@@ -1,0 +1,84 @@
+"""The vLLM plugin's configuration and request parsing: pure Python, runs without vLLM installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvretain.core.retention import RetentionError
+from kvretain.integrations.vllm.config import (
+    PluginConfig,
+    PluginConfigError,
+    config_from_env,
+    parse_options,
+    retention_from_extra_args,
+    validation_message,
+)
+
+
+def test_off_unless_named() -> None:
+    assert config_from_env({}) is None
+    for off in ("", "off", "none", "0", "false"):
+        assert config_from_env({"KVRETAIN_POLICY": off}) is None
+
+
+def test_env_config() -> None:
+    cfg = config_from_env(
+        {
+            "KVRETAIN_POLICY": "unified",
+            "KVRETAIN_POLICY_OPTIONS": "budget=0.5, isolation_goal=none,protect_threshold=40",
+            "KVRETAIN_PRIORITY_MAPPING": "0:80,1:20",
+        }
+    )
+    assert cfg is not None and cfg.policy == "unified"
+    pc = cfg.policy_config(16)
+    assert (pc.budget, pc.isolation_goal, pc.protect_threshold, pc.block_size) == (0.5, None, 40, 16)
+    assert cfg.mapping.retention_for(0) == 80 and cfg.mapping.retention_for(1) == 20
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVRETAIN_POLICY": "belady"},
+        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=2"},
+        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "bogus=1"},
+        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=lots"},
+        {"KVRETAIN_POLICY": "unified", "KVRETAIN_PRIORITY_MAPPING": "0:x"},
+    ],
+)
+def test_bad_env_config(env: dict[str, str]) -> None:
+    with pytest.raises(PluginConfigError):
+        config_from_env(env)
+
+
+def test_parse_options_empty() -> None:
+    assert parse_options("") == {}
+    assert PluginConfig().policy == "unified"
+
+
+def test_retention_fields() -> None:
+    assert retention_from_extra_args(None) is None
+    assert retention_from_extra_args({"other": 1}) is None
+    d = [{"start": 0, "end": 64, "priority": 90, "duration": 30}]
+    for raw in (d, json.dumps(d)):
+        cfg = retention_from_extra_args({"retention_directives": raw, "retention_scope": "s"})
+        assert cfg is not None and cfg.scope == "s"
+        assert cfg.directives[0].priority == 90 and cfg.directives[0].duration_s == 30
+    with pytest.raises(RetentionError, match="JSON"):
+        retention_from_extra_args({"retention_directives": "[{"})
+    msg = validation_message({"retention_directives": [{"start": 0, "priority": 101}]})
+    assert msg is not None and "retention_directives[0]" in msg
+    assert validation_message({"retention_directives": d}) is None
+
+
+def test_register_without_vllm_is_inert_and_lazy() -> None:
+    code = (
+        "import os, sys; os.environ.pop('KVRETAIN_POLICY', None);"
+        "import kvretain.integrations.vllm as p; p.register(); p.register();"
+        "assert not p.is_enabled() and p.stats()['enabled'] is False;"
+        "assert 'vllm' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,563 @@
+"""The kvretain vLLM plugin against vLLM 0.33.0's real scheduler and KV cache manager, on CPU.
+
+No model and no hub access: a tiny Llama ``config.json`` in a temporary directory satisfies ``ModelConfig``,
+and the model runner's output is built by hand each step (one sampled token for every request whose prefill
+completes in the step or that is decoding). Run by ``scripts/test_vllm.sh`` in ``.venv-vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed in this environment; scripts/test_vllm.sh runs these tests in .venv-vllm",
+)
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvretain.integrations.vllm as plugin
+from kvretain.integrations.vllm.config import PluginConfig, parse_options
+
+BLOCK = 16
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+
+
+# ---------------------------------------------------------------------------- harness
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Iterator[Clock]:
+    c = Clock()
+    plugin.set_clock(c)
+    yield c
+    plugin.set_clock(None)
+
+
+@pytest.fixture(autouse=True)
+def _plugin_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in (plugin.ENV_POLICY, plugin.ENV_OPTIONS, plugin.ENV_MAPPING):
+        monkeypatch.delenv(var, raising=False)
+    plugin.disable()
+    plugin.reset_stats()
+    yield
+    plugin.disable()
+    plugin.reset_stats()
+
+
+def build_scheduler(
+    model_dir: str,
+    num_blocks: int,
+    *,
+    max_num_seqs: int = 8,
+    max_batched: int = 256,
+    max_model_len: int = 1024,
+    kv_events: bool = False,
+) -> Scheduler:
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float32",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            policy="priority",
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn"],
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+@dataclass
+class Spec:
+    """A request to replay: built afresh for every run (vLLM requests are mutable)."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int = 4
+    priority: int = 0
+    extra_args: dict[str, Any] | None = None
+    arrival_step: int = 0
+
+
+_HASHER: dict[str, Any] = {}
+
+
+def make_request(spec: Spec) -> Request:
+    if "h" not in _HASHER:
+        init_none_hash(sha256)
+        _HASHER["h"] = get_request_block_hasher(BLOCK, sha256)
+    return Request(
+        request_id=spec.rid,
+        prompt_token_ids=list(spec.prompt),
+        sampling_params=SamplingParams(
+            max_tokens=spec.max_tokens, ignore_eos=True, extra_args=spec.extra_args
+        ),
+        pooling_params=None,
+        arrival_time=float(spec.arrival_step),
+        priority=spec.priority,
+        block_hasher=_HASHER["h"],
+    )
+
+
+@dataclass
+class Run:
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
+    hits: dict[str, int] = field(default_factory=dict)  # first-schedule hit tokens per request
+    preemptions: int = 0
+    queries: int = 0
+    hit_tokens: int = 0
+    events: list[Any] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+
+
+def run(sched: Scheduler, specs: list[Spec], run_: Run | None = None, max_steps: int = 5000) -> Run:
+    """Drive ``sched`` until every request finished; returns the per-step record."""
+    out_run = run_ or Run()
+    pending = sorted(specs, key=lambda s: s.arrival_step)
+    publisher = getattr(sched, "kv_event_publisher", None)
+    if publisher is not None and not getattr(publisher, "_kvretain_spy", False):
+        publisher.publish = lambda batch: out_run.events.extend(batch.events)
+        publisher._kvretain_spy = True
+    step = 0
+    while pending or sched.has_unfinished_requests():
+        while pending and pending[0].arrival_step <= step:
+            sched.add_request(make_request(pending.pop(0)))
+        out = sched.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        for nr in out.scheduled_new_reqs:
+            out_run.hits.setdefault(nr.req_id, nr.num_computed_tokens)
+        sampled = []
+        for rid in req_ids:
+            r = sched.requests[rid]
+            sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        outs = sched.update_from_output(out, mro)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    out_run.finished.add(o.request_id)
+            st = eco.scheduler_stats
+            if st is not None and st.prefix_cache_stats is not None:
+                out_run.queries += st.prefix_cache_stats.queries
+                out_run.hit_tokens += st.prefix_cache_stats.hits
+        preempted = sorted(out.preempted_req_ids or [])
+        out_run.preemptions += len(preempted)
+        out_run.steps.append(
+            (
+                tuple(sorted(out.num_scheduled_tokens.items())),
+                tuple(preempted),
+                tuple(sorted((nr.req_id, nr.num_computed_tokens) for nr in out.scheduled_new_reqs)),
+            )
+        )
+        step += 1
+        assert step < max_steps, "no progress"
+    return out_run
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [1 + (seed * 7919 + i * 104729) % 997 for i in range(n)]
+
+
+def mixed_workload(n: int = 60) -> list[Spec]:
+    """Shared system prompts, two priority classes, arrivals in bursts: hits, evictions and preemptions."""
+    import random
+
+    rng = random.Random(7)
+    systems = [tokens(1000 + s, 64) for s in range(4)]
+    specs = []
+    for i in range(n):
+        sysp = systems[i % 4]
+        suffix = [rng.randrange(1, 999) for _ in range(rng.randrange(8, 90))]
+        specs.append(
+            Spec(
+                rid=f"r{i:03d}",
+                prompt=sysp + suffix,
+                max_tokens=rng.randrange(2, 24),
+                priority=0 if i % 3 == 0 else 1,
+                arrival_step=i // 3,
+            )
+        )
+    return specs
+
+
+def queue_of(sched: Scheduler) -> Any:
+    return sched.kv_cache_manager.block_pool.free_block_queue
+
+
+def enable(policy: str = "unified", options: str = "", mapping: str = "") -> None:
+    from kvretain.core.retention import PriorityMapping
+
+    plugin.enable(
+        PluginConfig(policy=policy, options=parse_options(options), mapping=PriorityMapping.parse(mapping))
+    )
+
+
+# ---------------------------------------------------------------------------- (a) off = stock
+def test_plugin_off_is_identical_to_stock(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = mixed_workload()
+    stock = run(build_scheduler(model_dir, 48, max_num_seqs=8), specs)
+    assert stock.preemptions > 0 and stock.hit_tokens > 0, "the recorded workload must exercise both"
+
+    monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
+    plugin.register()  # the entry point, with the plugin not enabled
+    plugin.register()  # idempotent
+    assert not plugin.is_enabled()
+    sched = build_scheduler(model_dir, 48, max_num_seqs=8)
+    assert type(queue_of(sched)).__name__ == "FreeKVCacheBlockQueue"
+    off = run(sched, specs)
+    assert off.steps == stock.steps
+    assert (off.preemptions, off.queries, off.hit_tokens) == (
+        stock.preemptions,
+        stock.queries,
+        stock.hit_tokens,
+    )
+
+    # explicitly disabled values are inert too
+    monkeypatch.setenv(plugin.ENV_POLICY, "off")
+    plugin.register()
+    assert not plugin.is_enabled()
+
+
+def test_lru_policy_through_the_plugin_reproduces_stock(model_dir: str) -> None:
+    """The queue machinery itself is transparent: kvretain's ``lru`` inside vLLM gives vLLM's own schedule."""
+    specs = mixed_workload()
+    stock = run(build_scheduler(model_dir, 48, max_num_seqs=8), specs)
+    enable("lru")
+    sched = build_scheduler(model_dir, 48, max_num_seqs=8)
+    assert type(queue_of(sched)).__name__ == "RetentionFreeQueue"
+    got = run(sched, specs)
+    queue_of(sched).check()
+    assert got.steps == stock.steps
+
+
+def test_register_reads_environment_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.ENV_POLICY, "no-such-policy")
+    plugin.register()
+    assert not plugin.is_enabled()
+    monkeypatch.setenv(plugin.ENV_POLICY, "unified")
+    monkeypatch.setenv(plugin.ENV_OPTIONS, "budget=7")
+    plugin.register()
+    assert not plugin.is_enabled()
+    monkeypatch.setenv(plugin.ENV_OPTIONS, "budget=0.8,isolation_goal=0.92")
+    monkeypatch.setenv(plugin.ENV_MAPPING, "0:80,1:20")
+    plugin.register()
+    plugin.register()
+    assert plugin.is_enabled()
+    assert plugin.stats()["policy"] == "unified"
+
+
+# ---------------------------------------------------------------------------- (b) priority protection
+def flood(prefix: str, n: int, start_step: int, blocks: int = 5, priority: int = 1) -> list[Spec]:
+    return [
+        Spec(
+            rid=f"{prefix}{i:03d}",
+            prompt=tokens(50_000 + hash(prefix) % 1000 * 100 + i, blocks * BLOCK),
+            max_tokens=3,
+            priority=priority,
+            arrival_step=start_step + i,
+        )
+        for i in range(n)
+    ]
+
+
+def protection_scenario(model_dir: str) -> tuple[Run, Scheduler]:
+    system = tokens(1, 10 * BLOCK)
+    first = Spec("hi-a", system + tokens(2, 20), priority=0, arrival_step=0)
+    again = Spec("hi-b", system + tokens(3, 20), priority=0, arrival_step=200)
+    sched = build_scheduler(model_dir, 64, max_num_seqs=4)
+    return run(sched, [first, *flood("lo-", 40, 10), again]), sched
+
+
+def test_high_priority_prefix_survives_a_low_priority_flood(model_dir: str) -> None:
+    stock, _ = protection_scenario(model_dir)
+    assert stock.hits["hi-b"] == 0, "the flood must evict the prefix under stock vLLM"
+
+    enable("unified", "budget=0.8,isolation_goal=0.92")
+    got, sched = protection_scenario(model_dir)
+    queue_of(sched).check()
+    assert got.hits["hi-b"] == 10 * BLOCK
+    # the flood itself is unaffected (unique prompts: no hits either way)
+    assert sum(v for k, v in got.hits.items() if k.startswith("lo-")) == 0
+    st = plugin.stats()["by_priority"]
+    assert st[0]["hit_tokens"] == 10 * BLOCK and st[0]["requests"] == 2
+    assert st[1]["evicted_blocks"] > 0 and st[0]["evicted_blocks"] == 0
+    assert st[1]["hit_tokens"] == 0
+
+
+# ---------------------------------------------------------------------------- (c) directives + duration
+def test_directive_duration_protects_until_it_lapses(model_dir: str, clock: Clock) -> None:
+    enable("unified")
+    sched = build_scheduler(model_dir, 64, max_num_seqs=4)
+    system = tokens(11, 10 * BLOCK)
+    directive = {"retention_directives": [{"start": 0, "end": 10 * BLOCK, "priority": 90, "duration": 30}]}
+    # priority 1 maps to retention 25 (below the protection threshold): only the directive protects it
+    owner = Spec("dir-a", system + tokens(12, 20), priority=1, extra_args=directive)
+    rec = run(sched, [owner])
+    clock.t = 10.0  # within the 30 s
+    run(sched, flood("f1-", 40, 0), rec)
+    probe1 = Spec("probe-1", system + tokens(13, 20), priority=1)
+    run(sched, [probe1], rec)
+    assert rec.hits["probe-1"] == 10 * BLOCK, "the directive's range must survive while its duration runs"
+
+    clock.t = 100.0  # the 30 s have lapsed: the range falls back to its mapped priority (25)
+    run(sched, flood("f2-", 60, 0), rec)
+    probe2 = Spec("probe-2", system + tokens(14, 20), priority=1)
+    run(sched, [probe2], rec)
+    assert rec.hits["probe-2"] == 0, "after the duration lapses the range is evicted like any other"
+    queue_of(sched).check()
+
+
+def test_directive_without_plugin_does_not_protect(model_dir: str) -> None:
+    """Control for the test above: stock vLLM ignores the directive and the flood evicts the range."""
+    sched = build_scheduler(model_dir, 64, max_num_seqs=4)
+    system = tokens(11, 10 * BLOCK)
+    directive = {"retention_directives": [{"start": 0, "end": 10 * BLOCK, "priority": 90, "duration": 30}]}
+    rec = run(sched, [Spec("dir-a", system + tokens(12, 20), priority=1, extra_args=directive)])
+    run(sched, flood("f1-", 40, 0), rec)
+    run(sched, [Spec("probe-1", system + tokens(13, 20), priority=1)], rec)
+    assert rec.hits["probe-1"] == 0
+
+
+def test_directives_as_json_string_and_scope(model_dir: str, clock: Clock) -> None:
+    """``vllm_xargs`` carries only strings/numbers: directives may come as a JSON string."""
+    enable("unified")
+    sched = build_scheduler(model_dir, 64, max_num_seqs=4)
+    system = tokens(21, 6 * BLOCK)
+    xargs = {
+        "retention_directives": json.dumps([{"start": 0, "end": 6 * BLOCK, "priority": 95}]),
+        "retention_scope": "session-1",
+    }
+    rec = run(sched, [Spec("s-a", system + tokens(22, 10), priority=1, extra_args=xargs)])
+    run(sched, flood("f-", 40, 0), rec)
+    run(sched, [Spec("s-b", system + tokens(23, 10), priority=1)], rec)
+    assert rec.hits["s-b"] == 6 * BLOCK
+
+
+# ---------------------------------------------------------------------------- (d) bad directives
+BAD = [
+    ({"retention_directives": [{"start": 0, "end": 64, "priority": 150}]}, "priority"),
+    ({"retention_directives": [{"start": 64, "end": 32, "priority": 50}]}, "before end"),
+    ({"retention_directives": "[{not json"}, "not valid JSON"),
+    ({"retention_directives": [{"start": 0, "priority": 50, "ttl": 3}]}, "unknown field"),
+    ({"retention_directives": {"start": 0}}, "must be a list"),
+    ({"retention_scope": 42}, "retention_scope"),
+    ({"retention_directives": [{"start": 0, "end": 64, "priority": 50, "duration": -1}]}, "duration"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), BAD)
+def test_bad_directives_rejected_at_input(extra: dict[str, Any], needle: str) -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    enable("unified")
+    params = SamplingParams(max_tokens=4, extra_args=extra)
+    with pytest.raises(VLLMValidationError, match=needle) as err:
+        InputProcessor._validate_params(object(), params, ("generate",))
+    assert err.value.parameter == "extra_args"
+    assert "retention" in str(err.value)
+
+
+def test_bad_directives_fail_only_their_request(model_dir: str) -> None:
+    """Engine-core path: ``preprocess_add_request`` raises ``VLLMValidationError``, which EngineCoreProc turns
+    into a per-request ``validation_error`` output; the other requests run to completion."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    enable("unified")
+    sched = build_scheduler(model_dir, 64)
+    make_request(Spec("warmup", [1]))  # initialises the hasher
+    fake_core = SimpleNamespace(
+        mm_receiver_cache=None, request_block_hasher=_HASHER["h"], structured_output_manager=None
+    )
+    good = {"retention_directives": [{"start": 0, "end": 32, "priority": 80, "duration": 5}]}
+    incoming = [("ok-1", good), ("bad-1", BAD[0][0]), ("ok-2", None), ("bad-2", BAD[2][0]), ("ok-3", good)]
+    errors: dict[str, str] = {}
+    for rid, extra in incoming:
+        ecr = EngineCoreRequest(
+            request_id=rid,
+            prompt_token_ids=tokens(hash(rid) % 1000, 70),
+            mm_features=None,
+            sampling_params=SamplingParams(max_tokens=3, ignore_eos=True, extra_args=extra),
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        try:
+            req, _wave = EngineCore.preprocess_add_request(fake_core, ecr)
+        except VLLMValidationError as exc:  # what EngineCoreProc._handle_request_validation_error receives
+            errors[rid] = str(exc)
+            continue
+        sched.add_request(req)
+    assert set(errors) == {"bad-1", "bad-2"}
+    assert "retention_directives[0]" in errors["bad-1"] and "[0, 100]" in errors["bad-1"]
+    assert "JSON" in errors["bad-2"]
+    rec = run(sched, [])
+    assert rec.finished == {"ok-1", "ok-2", "ok-3"}
+
+
+def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str) -> None:
+    """Defence in depth: if a bad request bypasses validation, its blocks get default retention."""
+    enable("unified")
+    sched = build_scheduler(model_dir, 64)
+    rec = run(sched, [Spec("sneaky", tokens(5, 70), extra_args=BAD[0][0]), Spec("fine", tokens(6, 70))])
+    assert rec.finished == {"sneaky", "fine"}
+    queue_of(sched).check()
+
+
+# ---------------------------------------------------------------------------- (e) vLLM invariants
+def test_invariants_free_blocks_events_stats_and_reset(model_dir: str) -> None:
+    enable("unified")
+    num_blocks = 48
+    sched = build_scheduler(model_dir, num_blocks, max_num_seqs=8, kv_events=True)
+    kvm = sched.kv_cache_manager
+    pool = kvm.block_pool
+    q = queue_of(sched)
+    assert type(q).__name__ == "RetentionFreeQueue"
+    assert pool.get_num_free_blocks() == num_blocks - 1  # everything but the null block
+
+    rec = run(sched, mixed_workload())
+    q.check()
+    # all requests finished: every block (cached or empty) counts as free again, as in stock vLLM
+    assert pool.get_num_free_blocks() == num_blocks - 1
+    assert kvm.usage == pytest.approx(0.0)
+    assert len(q.policy) > 0, "cached blocks are held by the policy and still count as free"
+    assert rec.preemptions > 0 and rec.hit_tokens > 0 and rec.queries > 0
+
+    stored = [h for e in rec.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    removed = [h for e in rec.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert stored and removed, "BlockStored and BlockRemoved events keep flowing"
+    cached_now = {b.block_hash for b in pool.blocks if b.block_hash is not None}
+    assert len(stored) - len(removed) == len(cached_now)
+    assert len(pool.cached_block_hash_to_block) == len(cached_now)
+
+    # cache hits: a repeat of a finished request's prompt hits its cached blocks
+    prompt = tokens(1000, 64) + tokens(77, 40)
+    rec2 = run(sched, [Spec("warm", prompt), Spec("again", prompt, arrival_step=30)])
+    assert rec2.hits["again"] == 6 * BLOCK
+    assert rec2.hit_tokens >= 6 * BLOCK  # prefix-cache stats (vllm:prefix_cache_hits) see the hits
+
+    # reset_prefix_cache: all hashes gone, the policy is emptied, free count unchanged, AllBlocksCleared sent
+    assert kvm.reset_prefix_cache()
+    q.check()
+    assert len(q.policy) == 0
+    assert pool.get_num_free_blocks() == num_blocks - 1
+    assert all(b.block_hash is None for b in pool.blocks)
+    events = kvm.take_events()
+    assert any(isinstance(e, AllBlocksCleared) for e in events)
+    rec3 = run(sched, [Spec("after-reset", prompt)])
+    assert rec3.hits["after-reset"] == 0
+    run(sched, [Spec("after-reset-2", prompt)], rec3)
+    assert rec3.hits["after-reset-2"] == 6 * BLOCK
+    q.check()
+
+    # reset refuses while blocks are in use, exactly like stock
+    sched.add_request(make_request(Spec("busy", tokens(9, 40), max_tokens=50)))
+    sched.schedule()
+    assert not kvm.reset_prefix_cache()
+    q.check()
+
+
+def test_evict_blocks_of_free_cached_blocks(model_dir: str) -> None:
+    """The KV connector's ``evict_blocks`` path strips hashes of free blocks: they leave the policy."""
+    enable("unified")
+    sched = build_scheduler(model_dir, 32)
+    run(sched, [Spec("x", tokens(3, 80))])
+    pool = sched.kv_cache_manager.block_pool
+    cached = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert cached
+    sched.kv_cache_manager.evict_blocks(set(cached))
+    q = queue_of(sched)
+    q.check()
+    assert len(q.policy) == 0 and pool.get_num_free_blocks() == 31
+    rec = run(sched, [Spec("y", tokens(3, 80))])
+    assert rec.hits["y"] == 0
+    q.check()
+
+
+def test_import_is_lazy() -> None:
+    """``import kvretain.integrations.vllm`` must not import vLLM (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvretain, kvretain.integrations.vllm as p; p.register(); "
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVRETAIN_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
