@@ -1,0 +1,97 @@
+"""Per-class and overall serving metrics of a finished simulation.
+
+Latencies (seconds): TTFT = first token - arrival; TPOT = (last token - first token) / (tokens - 1);
+e2e = finish - arrival; queueing = first schedule - arrival. Each as mean, p50, p90, p99 (linear
+interpolation between order statistics). A request meets its SLO when its TTFT and TPOT are within its
+class's targets (:class:`SLO`); goodput counts those per simulated second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvretain.sched.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Per-class latency targets: TTFT and TPOT in seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+DEFAULT_SLOS: Mapping[int, SLO] = {0: SLO(2.0, 0.1), 1: SLO(5.0, 0.2), 2: SLO(60.0, 0.5)}
+"""Interactive chat (0), agents (1), batch (2 and beyond: the last entry applies to larger classes)."""
+
+
+def parse_slos(spec: str) -> dict[int, SLO]:
+    """``"0=2:0.1,1=5:0.2"``: class=ttft_s:tpot_s, comma separated."""
+    out: dict[int, SLO] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            cls, _, rest = part.partition("=")
+            ttft, _, tpot = rest.partition(":")
+            out[int(cls)] = SLO(float(ttft), float(tpot))
+        except ValueError:
+            raise ValueError(f"SLO entry {part!r}: expected 'class=ttft_s:tpot_s', e.g. '0=2:0.1'") from None
+    return out
+
+
+def slo_for(slos: Mapping[int, SLO], priority: int) -> SLO:
+    if priority in slos:
+        return slos[priority]
+    below = [c for c in slos if c <= priority]
+    return slos[max(below)] if below else slos[min(slos)]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """``q`` in [0, 100]; linear interpolation (numpy's default). NaN for no values."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _stats(prefix: str, values: Iterable[float | None]) -> dict[str, float | None]:
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return {f"{prefix}_{k}": None for k in ("mean_s", "p50_s", "p90_s", "p99_s")}
+    return {
+        f"{prefix}_mean_s": _r(sum(v) / len(v)),
+        f"{prefix}_p50_s": _r(percentile(v, 50)),
+        f"{prefix}_p90_s": _r(percentile(v, 90)),
+        f"{prefix}_p99_s": _r(percentile(v, 99)),
+    }
+
+
+def _r(x: float) -> float:
+    return round(x, 6)
+
+
+def meets_slo(r: Request, slo: SLO) -> bool:
+    ttft, tpot = r.ttft, r.tpot
+    return ttft is not None and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
+
+
+def latency_summary(reqs: Sequence[Request], slos: Mapping[int, SLO], simulated_s: float) -> dict[str, Any]:
+    """Latency, SLO and throughput figures of ``reqs`` (finished requests)."""
+    out: dict[str, Any] = {"requests": len(reqs)}
+    out.update(_stats("ttft", [r.ttft for r in reqs]))
+    out.update(_stats("tpot", [r.tpot for r in reqs]))
+    out.update(_stats("e2e", [r.e2e for r in reqs]))
+    out.update(_stats("queue", [r.queueing_time for r in reqs]))
+    good = [r for r in reqs if meets_slo(r, slo_for(slos, r.priority))]
+    out["slo_attainment"] = _r(len(good) / len(reqs)) if reqs else None
+    span = simulated_s if simulated_s > 0 else math.inf
+    out["goodput_rps"] = _r(len(good) / span)
+    out["output_tokens"] = sum(r.num_output_tokens for r in reqs)
+    out["output_tokens_per_s"] = _r(out["output_tokens"] / span)
+    out["preemptions"] = sum(r.num_preemptions for r in reqs)
+    return out

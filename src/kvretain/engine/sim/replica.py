@@ -1,0 +1,107 @@
+"""One model replica: a KV cache manager, a scheduler and an executor sharing a virtual clock.
+
+:class:`TrackingKVCacheManager` adds the simulator's cache metrics on top of the core manager without
+changing its behaviour: *recomputed tokens* are prompt tokens a lookup misses although their block had been
+cached before and was evicted (every evicted hash is remembered until a lookup misses on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.kv_cache_manager import CacheRequest, KVCacheManager
+from kvretain.core.policy import PolicyConfig
+from kvretain.core.retention import PriorityMapping
+from kvretain.engine.sim.costmodel import CostModel
+from kvretain.engine.sim.executor import SimExecutor
+from kvretain.engine.sim.request import SimRequest
+from kvretain.sched.config import SchedulerConfig
+from kvretain.sched.scheduler import Scheduler
+
+
+class TrackingKVCacheManager(KVCacheManager):
+    """A :class:`KVCacheManager` that also counts recomputed tokens per request-priority class."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: str,
+        config: PolicyConfig,
+        mapping: PriorityMapping,
+        clock: Callable[[], float],
+    ) -> None:
+        super().__init__(num_blocks, block_size, policy, config, mapping, clock=clock)
+        self.evicted: set[BlockHash] = set()
+        self.recomputed_tokens: dict[int, int] = {}
+        self._looked: set[str] = set()
+        inner = self.pool.on_evict
+
+        def on_evict(block_id: int, block_hash: BlockHash) -> None:
+            self.evicted.add(block_hash)
+            if inner is not None:
+                inner(block_id, block_hash)
+
+        self.pool.on_evict = on_evict
+
+    def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
+        hits, n = super().get_computed_blocks(req)
+        rid = req.request_id
+        if rid not in self._looked and isinstance(req, SimRequest):
+            self._looked.add(rid)
+            bs = self.block_size
+            max_blocks = (req.num_tokens - 1) // bs
+            ev = self.evicted
+            if ev and max_blocks > len(hits):
+                hashes: Sequence[BlockHash] = req.block_hashes(bs, max_blocks)
+                missed = [h for h in hashes[len(hits) : max_blocks] if h in ev]
+                if missed:
+                    ev.difference_update(missed)
+                    c = req.priority
+                    self.recomputed_tokens[c] = self.recomputed_tokens.get(c, 0) + len(missed) * bs
+        return hits, n
+
+    def free(self, req: CacheRequest) -> None:
+        self._looked.discard(req.request_id)
+        super().free(req)
+
+    def prefix_match(self, req: SimRequest, max_blocks: int = 64) -> int:
+        """Leading blocks of ``req`` cached here (no statistics; for routing)."""
+        n = min(max_blocks, (req.num_prompt_tokens - 1) // self.block_size)
+        cached = self.pool.cached
+        k = 0
+        for h in req.block_hashes(self.block_size, n)[:n]:
+            if h not in cached:
+                break
+            k += 1
+        return k
+
+
+class Replica:
+    """Scheduler + cache + executor of one replica; ``busy`` while a step is in flight."""
+
+    def __init__(
+        self,
+        index: int,
+        cost: CostModel,
+        num_blocks: int,
+        block_size: int,
+        policy: str,
+        policy_config: PolicyConfig,
+        mapping: PriorityMapping,
+        sched_config: SchedulerConfig,
+        clock: Callable[[], float],
+        requests: dict[str, SimRequest],
+    ) -> None:
+        self.index = index
+        self.kv = TrackingKVCacheManager(num_blocks, block_size, policy, policy_config, mapping, clock)
+        self.scheduler = Scheduler(self.kv, sched_config, clock)
+        self.executor = SimExecutor(cost, requests)
+        self.busy = False
+        self.num_steps = 0
+
+    @property
+    def load(self) -> int:
+        """Requests assigned and not finished (waiting or running)."""
+        return self.scheduler.num_unfinished

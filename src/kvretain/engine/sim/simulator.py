@@ -1,0 +1,258 @@
+"""Discrete-event simulation of a cluster serving a workload, in virtual time.
+
+Events on one heap, ordered by ``(time, kind, sequence)``: a replica's step completing (kind 0) is handled
+before an arrival at the same instant (kind 1). A step starts as soon as its replica is idle and has work;
+it is priced by the cost model, and its sampled tokens and finished requests land when it completes.
+
+Closed loop: a workload request with ``after`` (a follow-up turn or agent step) arrives ``think_s`` after
+the request it follows finishes, not at its open-loop ``arrival_s``; with ``closed_loop=False`` (or when the
+predecessor is not part of the run) the open-loop arrival is used.
+
+Deterministic: no wall clock, no global random state, ties broken by sequence numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvretain.core.policy import PolicyConfig
+from kvretain.core.retention import PriorityMapping
+from kvretain.engine.sim.catalog import Catalog, builtin_catalog
+from kvretain.engine.sim.costmodel import COST_MODELS, CostModel
+from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, latency_summary
+from kvretain.engine.sim.replica import Replica
+from kvretain.engine.sim.request import SimRequest
+from kvretain.engine.sim.router import ROUTERS
+from kvretain.sched.config import SchedulerConfig
+from kvretain.workloads.request import WorkloadRequest
+
+_STEP, _ARRIVAL = 0, 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulation needs besides the workload.
+
+    ``kv_blocks`` (per replica) defaults to what the cost model leaves after weights at
+    ``gpu_mem_utilization``. ``policy`` is the eviction policy, ``sched`` holds the queue policy and
+    batching limits.
+    """
+
+    model: str = "llama-3-8b"
+    gpu: str = "h100-sxm"
+    tp: int | None = None
+    cost_model: str = "roofline"
+    replicas: int = 1
+    router: str = "least-loaded"
+    kv_blocks: int | None = None
+    gpu_mem_utilization: float = 0.9
+    block_size: int = 16
+    policy: str = "lru"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    mapping: PriorityMapping = field(default_factory=PriorityMapping)
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    closed_loop: bool = True
+    slos: Mapping[int, SLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    catalog: Catalog | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks must be >= 1, got {self.kv_blocks}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of: {', '.join(ROUTERS.names())}")
+
+    def cost(self) -> CostModel:
+        cat = self.catalog or builtin_catalog()
+        try:
+            model, gpu = cat.model(self.model), cat.gpu(self.gpu)
+        except KeyError as e:
+            raise ValueError(str(e.args[0])) from None
+        return COST_MODELS.create(self.cost_model, model, gpu, self.tp)
+
+    def blocks_per_replica(self, cost: CostModel) -> int:
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        return cost.kv_capacity_blocks(self.block_size, self.gpu_mem_utilization)
+
+
+class Simulation:
+    """One run: build with a config and a workload, call :meth:`run`, read :meth:`summary`."""
+
+    def __init__(self, config: SimConfig, workload: Sequence[WorkloadRequest]) -> None:
+        self.config = config
+        self.now = 0.0
+        self.cost = config.cost()
+        self.num_blocks = config.blocks_per_replica(self.cost)
+        self.requests: dict[str, SimRequest] = {}
+        clock: Callable[[], float] = lambda: self.now  # noqa: E731
+        self.replicas = [
+            Replica(
+                i,
+                self.cost,
+                self.num_blocks,
+                config.block_size,
+                config.policy,
+                config.policy_config,
+                config.mapping,
+                config.sched,
+                clock,
+                self.requests,
+            )
+            for i in range(config.replicas)
+        ]
+        self.router = ROUTERS.create(config.router)
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._followers: dict[str, list[WorkloadRequest]] = {}
+        self.finished: list[SimRequest] = []
+        self.wall_s = 0.0
+        ids = {w.request_id for w in workload}
+        if len(ids) != len(workload):
+            raise ValueError("workload request ids must be unique")
+        self.num_requests = len(workload)
+        for w in workload:
+            if config.closed_loop and w.after is not None and w.after in ids:
+                self._followers.setdefault(w.after, []).append(w)
+            else:
+                self._push(w.arrival_s, _ARRIVAL, w)
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, obj))
+
+    # ------------------------------------------------------------------ loop
+    def run(self, progress: Callable[[int], None] | None = None) -> Simulation:
+        """Process every event; ``progress(n)`` is called with the number of newly finished requests."""
+        t0 = time.perf_counter()
+        events = self._events
+        pop = heapq.heappop
+        while events:
+            t, kind, _, obj = pop(events)
+            self.now = t
+            if kind == _ARRIVAL:
+                self._arrive(obj)
+            else:
+                n = self._complete(obj)
+                if progress is not None and n:
+                    progress(n)
+        self.wall_s = time.perf_counter() - t0
+        self._check_done()
+        return self
+
+    def _arrive(self, w: WorkloadRequest) -> None:
+        req = SimRequest(w, arrival_time=self.now)
+        self.requests[req.request_id] = req
+        rep = self.replicas[self.router.route(req, self.replicas)]
+        rep.scheduler.add_request(req)
+        if not rep.busy:
+            self._start(rep)
+
+    def _start(self, rep: Replica) -> None:
+        out = rep.scheduler.schedule()
+        if out.is_empty:
+            rep.busy = False
+            return
+        rep.busy = True
+        rep.num_steps += 1
+        self._push(self.now + rep.executor.step_time(out), _STEP, (rep, out))
+
+    def _complete(self, payload: tuple[Replica, Any]) -> int:
+        rep, out = payload
+        done = rep.scheduler.update_from_output(out, rep.executor.execute(out))
+        for r in done:
+            assert isinstance(r, SimRequest)
+            self.finished.append(r)
+            del self.requests[r.request_id]
+            for w in self._followers.pop(r.request_id, ()):
+                self._push(self.now + w.think_s, _ARRIVAL, w)
+        self._start(rep)
+        return len(done)
+
+    def _check_done(self) -> None:
+        """End-of-run invariants: every request finished, every block free, pools consistent."""
+        if self.requests or len(self.finished) != self.num_requests:
+            stuck = sorted(self.requests)[:5]
+            raise RuntimeError(
+                f"simulation ended with {len(self.finished)}/{self.num_requests} requests finished "
+                f"(stuck: {stuck}); a request larger than a replica's KV cache can never be scheduled"
+            )
+        for rep in self.replicas:
+            rep.kv.check_integrity()
+            if rep.kv.get_num_free_blocks() != rep.kv.num_blocks:
+                raise RuntimeError(f"replica {rep.index}: blocks still in use after the run")
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict[str, Any]:
+        """One JSON-ready object (see ``kvretain simulate --json``)."""
+        cfg = self.config
+        reqs = sorted(self.finished, key=lambda r: r.request_id)
+        end = max((r.finish_time or 0.0) for r in reqs) if reqs else 0.0
+        start = min((r.arrival_time for r in reqs), default=0.0)
+        span = end - start
+        classes = sorted({r.priority for r in reqs})
+        stats: dict[int, list[int]] = {c: [0, 0, 0, 0] for c in classes}  # query, hit, evicted, recomputed
+        for rep in self.replicas:
+            for c, st in rep.kv.stats.items():
+                s = stats.setdefault(c, [0, 0, 0, 0])
+                s[0] += st.query_tokens
+                s[1] += st.hit_tokens
+                s[2] += st.evicted_blocks
+            for c, n in rep.kv.recomputed_tokens.items():
+                stats.setdefault(c, [0, 0, 0, 0])[3] += n
+        q = sum(s[0] for s in stats.values())
+        h = sum(s[1] for s in stats.values())
+        overall = latency_summary(reqs, cfg.slos, span)
+        obj: dict[str, Any] = {
+            "policy": cfg.policy,
+            "scheduling": cfg.sched.policy,
+            "requests": len(reqs),
+            "simulated_s": round(span, 6),
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens_per_s": overall["output_tokens_per_s"],
+            "hit_rate": round(h / q, 6) if q else 0.0,
+            "recomputed_tokens": sum(s[3] for s in stats.values()),
+            "preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
+            "evictions": sum(rep.kv.pool.num_evictions for rep in self.replicas),
+            "model": cfg.model,
+            "gpu": cfg.gpu,
+            "replicas": cfg.replicas,
+            "router": cfg.router,
+            "kv_blocks_per_replica": self.num_blocks,
+            "block_size": cfg.block_size,
+            "steps": sum(rep.num_steps for rep in self.replicas),
+            "busy_s": round(sum(rep.executor.busy_s for rep in self.replicas), 6),
+            **{
+                k: v
+                for k, v in overall.items()
+                if k not in ("requests", "output_tokens_per_s", "preemptions")
+            },
+            "classes": {},
+        }
+        for c in classes:
+            creqs = [r for r in reqs if r.priority == c]
+            lat = latency_summary(creqs, cfg.slos, span)
+            s = stats[c]
+            obj["classes"][str(c)] = {
+                **lat,
+                "hit_rate": round(s[1] / s[0], 6) if s[0] else 0.0,
+                "recomputed_tokens": s[3],
+                "evicted_blocks": s[2],
+            }
+        return obj
+
+
+def simulate(
+    config: SimConfig,
+    workload: Sequence[WorkloadRequest],
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``workload`` under ``config``; the summary object."""
+    return Simulation(config, workload).run(progress).summary()

@@ -1,0 +1,172 @@
+"""The discrete-event simulator: invariants, determinism, cost-model timing, closed loop, routing, metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from kvretain.core.kv_cache_manager import KVCacheManager
+from kvretain.engine.sim.catalog import builtin_catalog
+from kvretain.engine.sim.costmodel import CostModel
+from kvretain.engine.sim.metrics import SLO, parse_slos, percentile
+from kvretain.engine.sim.request import SimRequest
+from kvretain.engine.sim.router import ROUTERS
+from kvretain.engine.sim.simulator import SimConfig, Simulation, simulate
+from kvretain.sched import SchedulerConfig
+from kvretain.workloads import MultiTenantConfig, TokenSeq, WorkloadRequest, generate_multi_tenant
+
+SMALL = MultiTenantConfig(
+    duration_s=40.0,
+    chat_session_rate=0.3,
+    chat_attachment_tokens=(500, 3_000),
+    chat_think_s=5.0,
+    agent_rate=0.1,
+    agent_tool_result_tokens=(50, 500),
+    batch_documents=2,
+    batch_document_tokens=(2_000, 4_000),
+    batch_job_rate=0.05,
+)
+
+
+def small_workload(seed: int = 0) -> list[WorkloadRequest]:
+    return generate_multi_tenant(SMALL, random.Random(seed))
+
+
+def wr(rid: str, prompt: TokenSeq, out: int, t: float = 0.0, **kw: Any) -> WorkloadRequest:
+    return WorkloadRequest(rid, t, prompt, out, **kw)
+
+
+def cost() -> CostModel:
+    cat = builtin_catalog()
+    return CostModel(cat.model("llama-3-8b"), cat.gpu("h100-sxm"))
+
+
+@pytest.mark.parametrize("policy", ["lru", "unified"])
+def test_small_multi_tenant_run_keeps_every_invariant(policy: str) -> None:
+    wl = small_workload()
+    sim = Simulation(SimConfig(policy=policy, kv_blocks=1_500), wl)
+    sim.run()  # raises unless every request finished, every block is free and the pools are consistent
+    s = sim.summary()
+    assert s["requests"] == len(wl) and sorted(s["classes"]) == ["0", "1", "2"]
+    assert s["evictions"] > 0 and 0 < s["hit_rate"] < 1
+    assert sum(c["requests"] for c in s["classes"].values()) == len(wl)
+    for r in sim.finished:
+        assert r.num_output_tokens == r.max_tokens and r.ttft is not None and r.e2e is not None
+        assert 0 <= r.queueing_time <= r.ttft <= r.e2e  # type: ignore[operator]
+
+
+def test_two_runs_give_identical_json_except_wall_time() -> None:
+    cfg = SimConfig(policy="unified", kv_blocks=1_200, replicas=2, router="prefix-affinity")
+    a, b = (simulate(cfg, small_workload(3)) for _ in range(2))
+    a.pop("wall_s")
+    b.pop("wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_timing_of_a_lone_request_follows_the_cost_model() -> None:
+    cm = cost()
+    prompt = TokenSeq.seeded(1, 1000)
+    sim = Simulation(SimConfig(), [wr("a", prompt, 3, t=2.0)]).run()
+    (r,) = sim.finished
+    t_prefill = cm.prefill_time(1000)
+    t1, t2 = cm.decode_time([1001]), cm.decode_time([1002])
+    assert r.ttft == pytest.approx(t_prefill)
+    assert r.token_times == pytest.approx([2.0 + t_prefill, 2.0 + t_prefill + t1, 2.0 + t_prefill + t1 + t2])
+    assert r.tpot == pytest.approx((t1 + t2) / 2) and r.queueing_time == 0.0
+    # a 2k-token prompt prefills more slowly than twice a 1k one (attention grows quadratically)
+    assert cm.prefill_time(2000) > 2 * cm.prefill_time(1000) - cm.gpu.step_overhead_s
+
+
+def test_a_follow_up_turn_hits_its_predecessors_prompt_and_decode_blocks() -> None:
+    p1 = TokenSeq.seeded(10, 100)
+    out1 = TokenSeq.seeded(11, 40)
+    p2 = p1 + out1 + TokenSeq.seeded(12, 30)
+    a = SimRequest(wr("a", p1, 40, output=out1))
+    b = SimRequest(wr("b", p2, 5))
+    ha = list(a.block_hashes(16, (100 + 40) // 16))
+    hb = list(b.block_hashes(16, 170 // 16))
+    assert ha == hb[: len(ha)]  # prompt blocks and the decode blocks a generated
+    # a different block size gives other hashes but the same sharing
+    assert (
+        list(SimRequest(wr("a", p1, 40, output=out1)).block_hashes(32, 4))
+        == list(SimRequest(wr("b", p2, 5)).block_hashes(32, 5))[:4]
+    )
+    with pytest.raises(ValueError, match="block size 16"):
+        a.block_hashes(32, 100)
+    # the cache manager takes the fast path: b hits the 6 full prompt blocks that a left cached (a's
+    # outputs were never generated here, so its decode blocks were not registered)
+    kv = KVCacheManager(64, block_size=16)
+    assert kv.allocate_slots(a, 140, 0) is not None
+    kv.free(a)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 96 and len(hits) == 6
+
+
+def test_closed_loop_follow_up_arrives_think_time_after_its_predecessor() -> None:
+    out1 = TokenSeq.seeded(2, 20)
+    first = wr("t0", TokenSeq.seeded(1, 200), 20, output=out1)
+    second = wr(
+        "t1", TokenSeq.seeded(1, 200) + out1 + TokenSeq.seeded(3, 10), 5, t=0.1, after="t0", think_s=3.0
+    )
+    sim = Simulation(SimConfig(), [first, second]).run()
+    a, b = sorted(sim.finished, key=lambda r: r.request_id)
+    assert b.arrival_time == pytest.approx(a.finish_time + 3.0)  # type: ignore[operator]
+    assert sim.replicas[0].kv.stats[0].hit_tokens == 208  # 13 of its 14 blocks: prompt and decode blocks
+    open_loop = Simulation(SimConfig(closed_loop=False), [first, second]).run()
+    assert min(r.arrival_time for r in open_loop.finished if r.request_id == "t1") == 0.1
+
+
+def test_recomputed_tokens_count_misses_on_evicted_blocks() -> None:
+    doc = TokenSeq.seeded(5, 320)  # 20 blocks
+    reqs = [
+        wr("a", doc + TokenSeq.seeded(6, 8), 1, t=0.0),
+        wr("flood", TokenSeq.seeded(7, 480), 1, t=1.0),  # 30 blocks: evicts most of a's cache in 40
+        wr("b", doc + TokenSeq.seeded(8, 8), 1, t=2.0),
+    ]
+    small = simulate(SimConfig(kv_blocks=40), reqs)
+    big = simulate(SimConfig(kv_blocks=400), reqs)
+    assert big["recomputed_tokens"] == 0 and big["classes"]["0"]["hit_rate"] > 0
+    assert small["recomputed_tokens"] > 0 and small["recomputed_tokens"] % 16 == 0
+    assert small["evictions"] > 0
+
+
+def test_routers() -> None:
+    assert ROUTERS.names() == ["least-loaded", "prefix-affinity", "round-robin"]
+    wl = small_workload(1)
+    base = dict(policy="lru", kv_blocks=2_000, replicas=3)
+    rr_steps = [r.num_steps for r in Simulation(SimConfig(router="round-robin", **base), wl).run().replicas]  # type: ignore[arg-type]
+    assert all(s > 0 for s in rr_steps)
+    rr = Simulation(SimConfig(router="round-robin", **base), wl).run()  # type: ignore[arg-type]
+    pa = Simulation(SimConfig(router="prefix-affinity", **base), wl).run()  # type: ignore[arg-type]
+    assert pa.summary()["hit_rate"] > rr.summary()["hit_rate"]
+
+
+def test_bad_input_is_reported() -> None:
+    with pytest.raises(ValueError, match="unknown router"):
+        SimConfig(router="random")
+    with pytest.raises(ValueError, match="replicas"):
+        SimConfig(replicas=0)
+    with pytest.raises(ValueError, match="unknown model"):
+        SimConfig(model="gpt-9").cost()
+    with pytest.raises(RuntimeError, match="larger than a replica's KV cache"):
+        Simulation(SimConfig(kv_blocks=4), [wr("big", TokenSeq.seeded(1, 200), 2)]).run()
+    with pytest.raises(ValueError, match="unique"):
+        Simulation(SimConfig(), [wr("x", TokenSeq.seeded(1, 5), 1), wr("x", TokenSeq.seeded(1, 5), 1)])
+
+
+def test_waiting_preempts_running_and_fcfs_options_run_clean() -> None:
+    wl = small_workload(2)
+    for sched in (SchedulerConfig(policy="fcfs"), SchedulerConfig(waiting_preempts_running=True)):
+        s = simulate(SimConfig(kv_blocks=900, sched=sched), wl)
+        assert s["requests"] == len(wl)
+
+
+def test_metrics_helpers() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert parse_slos("0=1:0.05, 2=30:1") == {0: SLO(1.0, 0.05), 2: SLO(30.0, 1.0)}
+    with pytest.raises(ValueError, match="class=ttft_s:tpot_s"):
+        parse_slos("0=fast")
