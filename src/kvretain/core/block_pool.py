@@ -93,38 +93,43 @@ class BlockPool:
         out: list[int] = []
         empty = self._empty
         ref = self.ref_cnt
-        for _ in range(n):
-            if empty:
-                bid = empty.pop()
-            else:
-                victim = self._evict_one()
-                if victim is None:  # pragma: no cover - excluded by the invariant above
-                    raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
-                bid = victim
+        k = min(n, len(empty))
+        for _ in range(k):
+            bid = empty.pop()
             ref[bid] = 1
             out.append(bid)
+        if k < n:
+            now = self.clock()
+            for _ in range(n - k):
+                bid = self._evict_one(now)
+                ref[bid] = 1
+                out.append(bid)
         return out
 
-    def _evict_one(self) -> int | None:
-        now = self.clock()
-        bid = self.policy.pop(now)
-        if bid is None:
-            return None
+    def _evict_one(self, now: float) -> int:
+        policy = self.policy
+        bid = policy.pop(now)
+        if bid is None:  # pragma: no cover - excluded by the invariant in get_new_blocks
+            raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
         self.evictable[bid] = 0
-        h = self.block_hash[bid]
+        hashes = self.block_hash
+        h = hashes[bid]
         assert h is not None
         del self.cached[h]
-        self.block_hash[bid] = None
+        hashes[bid] = None
         self._num_cached_free -= 1
         self.num_evictions += 1
-        p = self.parent[bid]
+        parents = self.parent
+        p = parents[bid]
         if p != NO_PARENT:
-            self.parent[bid] = NO_PARENT
-            self.num_children[p] -= 1
-            if self.num_children[p] == 0 and self.ref_cnt[p] == 0 and self.block_hash[p] is not None:
+            parents[bid] = NO_PARENT
+            children = self.num_children
+            c = children[p] - 1
+            children[p] = c
+            if c == 0 and self.ref_cnt[p] == 0 and hashes[p] is not None:
                 self.evictable[p] = 1
-                self.policy.push(p, now)
-        self.policy.on_evicted(bid, h)
+                policy.push(p, now)
+        policy.on_evicted(bid, h)
         if self.on_evict is not None:
             self.on_evict(bid, h)
         return bid
@@ -158,13 +163,17 @@ class BlockPool:
         now = self.clock()
         cached = self.cached
         policy = self.policy
+        ref = self.ref_cnt
+        hashes_of = self.block_hash
+        leaf_only = self._leaf_only
         for i in range(start, end):
             bid = block_ids[i]
-            if self.ref_cnt[bid] <= 0:
+            if ref[bid] <= 0:
                 raise ValueError(f"cache_blocks: block {bid} is not in use")
             h = hashes[i]
-            if self.block_hash[bid] is not None:
-                if self.block_hash[bid] != h:
+            cur = hashes_of[bid]
+            if cur is not None:
+                if cur != h:
                     raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
                 continue
             if h in cached:
@@ -175,8 +184,8 @@ class BlockPool:
                 if cached.get(hashes[i - 1]) != parent:
                     continue
             cached[h] = bid
-            self.block_hash[bid] = h
-            if self._leaf_only and parent != NO_PARENT:
+            hashes_of[bid] = h
+            if leaf_only and parent != NO_PARENT:
                 self.parent[bid] = parent
                 self.num_children[parent] += 1
                 if self.evictable[parent]:
@@ -199,27 +208,36 @@ class BlockPool:
         durs = retention.durations if retention is not None else None
         scope = retention.scope if retention is not None else None
         base = retention.base_priority if retention is not None else DEFAULT_RETENTION_PRIORITY
+        have_plan = prios is not None and durs is not None
+        n_plan = len(prios) if prios is not None else 0
+        leaf_only = self._leaf_only
+        children = self.num_children
+        evictable = self.evictable
+        release = policy.release
+        empty = self._empty
         for i in range(len(block_ids) - 1, -1, -1):
             bid = block_ids[i]
             c = ref[bid]
             if c <= 0:
                 raise ValueError(f"block {bid} freed more times than it was taken (double free)")
             ref[bid] = c - 1
-            h = hashes[bid]
-            if h is None:
+            if hashes[bid] is None:
                 if c == 1:
-                    self._empty.append(bid)
+                    empty.append(bid)
                 continue
-            if track:
-                if prios is not None and durs is not None and i < len(prios):
-                    policy.on_release(bid, prios[i], durs[i], scope, now, base)
-                else:
-                    policy.on_release(bid, base, None, scope, now, base)
+            ev = False
             if c == 1:
                 self._num_cached_free += 1
-                if not self._leaf_only or self.num_children[bid] == 0:
-                    self.evictable[bid] = 1
-                    policy.push(bid, now)
+                if not leaf_only or children[bid] == 0:
+                    evictable[bid] = 1
+                    ev = True
+            if track:
+                if have_plan and i < n_plan:
+                    release(bid, prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]
+                else:
+                    release(bid, base, None, scope, now, base, ev)
+            elif ev:
+                policy.push(bid, now)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block's hash (only when no block is in use, as vLLM); returns success."""

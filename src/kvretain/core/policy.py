@@ -106,6 +106,22 @@ class EvictionPolicy(ABC):
         (None: no expiry), on behalf of ``scope``; ``base`` is what its request priority maps to (the level a
         lapsed duration may fall back to)."""
 
+    def release(
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
+        evictable: bool,
+    ) -> None:
+        """``on_release`` followed by ``push`` when the release made the block evictable (one call on the hot
+        path; policies may override it with a fused version)."""
+        self.on_release(block_id, retention, duration_s, scope, now, base)
+        if evictable:
+            self.push(block_id, now)
+
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:  # noqa: B027
         """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached."""
 

@@ -32,12 +32,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies._lazyheap import LazyHeap
+from kvretain.core.policies._lazyheap import BucketQueue
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policy import INF, POLICIES, EvictionPolicy, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 _UNSET = -1
+_KEY_UNIT = 1.0 / 16.0  # key resolution of the bucket queues (the smallest value is ~0.09)
 
 
 @POLICIES.register(
@@ -49,7 +50,12 @@ class UnifiedPolicy(EvictionPolicy):
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         super().__init__(num_blocks, config)
         cfg = self.config
-        self._heaps = (LazyHeap(num_blocks), LazyHeap(num_blocks))  # 0: protected, 1: unprotected
+        # Two bucket queues keyed by H (0 protected, 1 unprotected), exact to _KEY_UNIT and FIFO within it.
+        # ``_stamp[b]`` is the stamp of b's live entry (0: not evictable); older entries are skipped.
+        self._stamp = [0] * num_blocks
+        self._queues = (BucketQueue(self._stamp, _KEY_UNIT), BucketQueue(self._stamp, _KEY_UNIT))
+        self._seq = 0
+        self._hash: list[BlockHash | None] = [None] * num_blocks
         self._tier = [1] * num_blocks
         self._r = [_UNSET] * num_blocks
         self._base = [_UNSET] * num_blocks
@@ -62,6 +68,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
         self._ghost = GhostTable(int(cfg.ghost_factor * num_blocks))
+        self._ghost_pop = self._ghost.table.pop
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
@@ -83,7 +90,8 @@ class UnifiedPolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
-        self._uses[block_id] = self._ghost.take(block_hash)
+        self._uses[block_id] = self._ghost_pop(block_hash, 0)
+        self._hash[block_id] = block_hash
         self._depth[block_id] = depth
         self._r[block_id] = _UNSET
         self._base[block_id] = _UNSET
@@ -99,7 +107,37 @@ class UnifiedPolicy(EvictionPolicy):
         now: float,
         base: int,
     ) -> None:
-        # NOTE: hot path (once per released block): retention_of/_set_protected/_value are inlined here.
+        self.release(block_id, retention, duration_s, scope, now, base, False)
+
+    def release(
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
+        evictable: bool,
+    ) -> None:
+        # NOTE: hot path (once per released block): retention_of/_set_protected/_value/push are inlined here.
+        r = self._r[block_id]
+        if (
+            r == retention
+            and duration_s is None
+            and self._expiry[block_id] == INF
+            and base <= self._base[block_id]
+        ):
+            # steady state: the same priority again, nothing to expire; only uses and the key change
+            uses = self._uses[block_id]
+            if uses < self._cap:
+                uses += 1
+                self._uses[block_id] = uses
+            f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
+            key = self._L + self._weight[r] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
+            self._key[block_id] = key
+            if evictable:
+                self._push(block_id, 1 - self._protected[block_id], key)
+            return
         uses = self._uses[block_id]
         if uses < self._cap:
             uses += 1
@@ -107,7 +145,6 @@ class UnifiedPolicy(EvictionPolicy):
         b = self._base[block_id]
         if base > b:
             self._base[block_id] = b = base
-        r = self._r[block_id]
         expiry = self._expiry[block_id]
         if r == _UNSET:
             cur = b
@@ -132,9 +169,10 @@ class UnifiedPolicy(EvictionPolicy):
             self._protected[block_id] = p
             self._num_protected += 1 if p else -1
         f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-        self._key[block_id] = self._L + self._weight[cur] * f * (
-            1.0 + self._depth[block_id] * self._cost_per_block
-        )
+        key = self._L + self._weight[cur] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
+        self._key[block_id] = key
+        if evictable:
+            self._push(block_id, 1 - p, key)
 
     def retention_of(self, block_id: int, now: float) -> int:
         r = self._r[block_id]
@@ -181,13 +219,23 @@ class UnifiedPolicy(EvictionPolicy):
             * (1.0 + self._depth[block_id] * self._cost_per_block)
         )
 
-    def push(self, block_id: int, now: float) -> None:
-        tier = 0 if self._protected[block_id] else 1
+    def _push(self, block_id: int, tier: int, key: float) -> None:
+        self._seq += 1
+        seq = self._seq
+        if self._stamp[block_id]:
+            self._queues[self._tier[block_id]].removed()
+        self._stamp[block_id] = seq
         self._tier[block_id] = tier
-        self._heaps[tier].push(block_id, self._key[block_id])
+        self._queues[tier].push(block_id, key, seq)
+
+    def push(self, block_id: int, now: float) -> None:
+        self._push(block_id, 0 if self._protected[block_id] else 1, self._key[block_id])
 
     def remove(self, block_id: int) -> None:
-        self._heaps[self._tier[block_id]].remove(block_id)
+        if not self._stamp[block_id]:
+            raise KeyError(block_id)
+        self._stamp[block_id] = 0
+        self._queues[self._tier[block_id]].removed()
 
     def _expire(self, now: float) -> None:
         exp = self._expiries
@@ -199,44 +247,51 @@ class UnifiedPolicy(EvictionPolicy):
             self._r[bid] = self._base[bid]
             self._set_protected(bid, now)
             self._key[bid] = self._L + self._value(bid, now)
-            heap = self._heaps[self._tier[bid]]
-            if bid in heap:
-                heap.remove(bid)
+            if self._stamp[bid]:
                 self.push(bid, now)
 
     def pop(self, now: float) -> int | None:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
-        prot, unprot = self._heaps
-        if self._num_protected > self._target and prot._n and unprot._n:
-            a = prot.peek()
-            b = unprot.peek()
-            assert a is not None and b is not None
-            heap = prot if a[0] < b[0] else unprot
-        elif unprot._n:
-            heap = unprot
-        elif prot._n:
-            heap = prot
+        q0, q1 = self._queues
+        if q1.n and (self._num_protected <= self._target or not q0.n):
+            bid = q1.pop()
+        elif q0.n and q1.n:
+            # over the protected target: the two tiers compete on their keys
+            s0, b0 = q0.head()
+            s1, b1 = q1.head()
+            bid = q0.pop() if (s0, self._key[b0]) < (s1, self._key[b1]) else q1.pop()
+        elif q0.n:
+            bid = q0.pop()
         else:
             return None
-        top = heap.pop()
-        assert top is not None
-        if top[0] > self._L:
-            self._L = top[0]
-        return top[1]
+        key = self._key[bid]
+        if key > self._L:
+            self._L = key
+        # eviction bookkeeping fused here (hot path); on_evicted only handles blocks dropped without a pop
+        h = self._hash[bid]
+        if h is not None:
+            self._hash[bid] = None
+            self._ghost.put(h, self._uses[bid])
+        if self._protected[bid]:
+            self._protected[bid] = 0
+            self._num_protected -= 1
+        return bid
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         # per-block metadata is reset in on_cached when the block gets new content
-        self._ghost.put(block_hash, self._uses[block_id])
-        if self._protected[block_id]:
-            self._protected[block_id] = 0
-            self._num_protected -= 1
+        if self._hash[block_id] is not None:
+            self._hash[block_id] = None
+            self._ghost.put(block_hash, self._uses[block_id])
+            if self._protected[block_id]:
+                self._protected[block_id] = 0
+                self._num_protected -= 1
 
     def __len__(self) -> int:
-        return len(self._heaps[0]) + len(self._heaps[1])
+        return self._queues[0].n + self._queues[1].n
 
     def evictable_ids(self) -> set[int]:
-        return self._heaps[0].ids() | self._heaps[1].ids()
+        return {b for b, st in enumerate(self._stamp) if st}
 
     def stats(self) -> dict[str, float]:
         return {
