@@ -1,4 +1,5 @@
-"""The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``.
+"""The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``; ``simulate`` and ``compare``
+live in :mod:`kvretain.cli_sim`.
 
 Choices (policies, priority rules) are listed from the registries.
 """
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=cmd_policies)
+
+    from kvretain.cli_sim import add_subcommands
+
+    add_subcommands(sub)
     return p
 
 
@@ -188,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (TraceError, RetentionError, ValueError) as exc:
+    except (TraceError, RetentionError, ValueError, KeyError) as exc:
         print(f"kvretain: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,81 @@
+"""``kvretain simulate`` / ``kvretain compare``: JSON shape, table, trace input, report folder, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvretain.cli import main
+
+KEYS = {"policy", "requests", "simulated_s", "wall_s", "output_tokens_per_s", "hit_rate"}
+KEYS |= {"recomputed_tokens", "preemptions", "classes"}
+CLASS_KEYS = {"requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_mean_s", "e2e_p99_s"}
+CLASS_KEYS |= {"hit_rate", "recomputed_tokens", "preemptions", "slo_attainment"}
+SMALL = ["--limit", "60", "--kv-blocks", "2000", "--no-progress"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(["simulate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    obj = json.loads(out[0])
+    assert isinstance(obj, dict)
+    return obj
+
+
+def test_simulate_json_shape_and_determinism(capsys: pytest.CaptureFixture[str]) -> None:
+    a = run_json(capsys, "--policy", "lru", *SMALL)
+    assert set(a) >= KEYS and a["policy"] == "lru" and a["requests"] == 60
+    classes = a["classes"]
+    assert isinstance(classes, dict) and set(classes) <= {"0", "1", "2"}
+    for c in classes.values():
+        assert set(c) >= CLASS_KEYS
+    b = run_json(capsys, "--policy", "lru", *SMALL)
+    a.pop("wall_s")
+    b.pop("wall_s")
+    assert a == b
+
+
+def test_simulate_table_and_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "policy unified" in out and "ttft_p99_s" in out
+    lines = [
+        {
+            "timestamp": i * 500,
+            "input_length": 1600,
+            "output_length": 20,
+            "hash_ids": [0, i % 3, 10 + i, 50 + i],
+        }
+        for i in range(12)
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    obj = run_json(capsys, str(trace), "--priority-rule", "reference", "--replicas", "2", "--no-progress")
+    assert obj["requests"] == 12 and set(obj["classes"]) == {"0", "1"}  # type: ignore[arg-type]
+
+
+def test_compare_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rep"
+    argv = ["compare", *SMALL, "--policies", "lru,unified", "--budgets", "0.3,0.8", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["label"] for r in summary] == ["lru", "unified", "unified-b0.3", "unified-b0.8"]
+    assert all(set(r) >= KEYS for r in summary)
+    assert (out / "runs.csv").read_text().count("\n") == 5
+    assert "| run |" in (out / "summary.md").read_text()
+    assert (out / "ttft_by_class.png").stat().st_size > 0 and (out / "frontier.png").stat().st_size > 0
+    capsys.readouterr()
+
+
+def test_bad_input_gives_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "gpt-9", *SMALL]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+    bad = tmp_path / "x.txt"
+    bad.write_text("")
+    assert main(["simulate", str(bad)]) == 2
+    assert "--workload" in capsys.readouterr().err
+    assert main(["simulate", "--slo", "0=fast", *SMALL]) == 2
+    assert "ttft_s:tpot_s" in capsys.readouterr().err
