@@ -82,9 +82,51 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if n > self.num_free_blocks:
             raise ValueError("No free blocks available")
         ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
+        # NOTE: hot path (one iteration per evicted block): _drop/_unlink are inlined.
+        k = n - base
+        self._held -= k
+        self.num_free_blocks -= k
         now = _runtime.now()
-        for _ in range(n - base):
-            ret.append(self._victim(now))
+        policy = self.policy
+        pop = policy.pop
+        on_evicted = policy.on_evicted
+        where = self._where
+        known = self._hash
+        parent = self._parent
+        gen = self._gen
+        pgen = self._pgen
+        children = self._children
+        cls = self._cls
+        blocks = self.pool_blocks
+        evicted: dict[int, int] = {}
+        for _ in range(k):
+            bid = pop(now)
+            if bid is None:  # only blocked blocks are left (duplicates, see the module docstring)
+                bid = next(iter(self._blocked))
+                del self._blocked[bid]
+            where[bid] = IN_LIST
+            h = known[bid]
+            if h is not None:
+                on_evicted(bid, h)
+                c = cls[bid]
+                evicted[c] = evicted.get(c, 0) + 1
+                known[bid] = None
+                gen[bid] += 1
+                if children[bid]:
+                    children[bid] = 0
+                p = parent[bid]
+                if p != NO_PARENT:
+                    parent[bid] = NO_PARENT
+                    if gen[p] == pgen[bid]:
+                        c = children[p] - 1
+                        children[p] = c
+                        if c == 0 and where[p] == BLOCKED:
+                            del self._blocked[p]
+                            where[p] = IN_POLICY
+                            policy.push(p, now)
+            ret.append(blocks[bid])
+        for c, cnt in evicted.items():
+            self.counters.get(c).evicted_blocks += cnt
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -110,7 +152,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         policy = self.policy
         known = self._hash
         for b in blocks:
-            h = b.block_hash
+            h = b._block_hash  # (the block_hash property, without the call)
             if h is None:
                 plain.append(b)
                 continue
@@ -143,19 +185,6 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ eviction
-    def _victim(self, now: float) -> KVCacheBlock:
-        bid = self.policy.pop(now)
-        if bid is None:
-            if not self._blocked:  # pragma: no cover - excluded by the count check in popleft_n
-                raise ValueError("No free blocks available")
-            bid = next(iter(self._blocked))
-            del self._blocked[bid]
-        self._where[bid] = IN_LIST
-        self._held -= 1
-        self.num_free_blocks -= 1
-        self._drop(bid, now)
-        return self.pool_blocks[bid]
-
     def _drop(self, bid: int, now: float) -> None:
         """``bid``'s content goes (it is about to be evicted by vLLM)."""
         h = self._hash[bid]
@@ -212,7 +241,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         prev = blocks[num_cached_blocks - 1] if num_cached_blocks > 0 else None
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
-            h = b.block_hash
+            h = b._block_hash
             if b.is_null or h is None or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 prev = None
                 continue
@@ -276,7 +305,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
             for i in range(n):
                 b = blocks[i]
-                h = b.block_hash
+                h = b._block_hash
                 if h is None or b.is_null:
                     continue
                 bid = b.block_id
