@@ -30,8 +30,22 @@ class PoolIntegrityError(AssertionError):
     """The pool's invariants do not hold (a bug, never a user error)."""
 
 
+class _Block:
+    """One block's pool state. NOTE: one object per block (not parallel lists) keeps a block's fields
+    together in memory; at 10^5-10^6 blocks that is several times faster in CPython."""
+
+    __slots__ = ("block_hash", "evictable", "num_children", "parent", "ref_cnt")
+
+    def __init__(self) -> None:
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.parent = NO_PARENT
+        self.num_children = 0
+        self.evictable = False
+
+
 class BlockPool:
-    """Blocks ``0..num_blocks-1``. Block ids are plain ints; per-block state lives in parallel lists."""
+    """Blocks ``0..num_blocks-1``, addressed by int ids."""
 
     def __init__(
         self,
@@ -46,11 +60,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.policy = policy
         self.clock: Callable[[], float] = clock or (lambda: 0.0)
-        self.ref_cnt: list[int] = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self.parent: list[int] = [NO_PARENT] * num_blocks
-        self.num_children: list[int] = [0] * num_blocks
-        self.evictable: bytearray = bytearray(num_blocks)
+        self._blocks = [_Block() for _ in range(num_blocks)]
         self.cached: dict[BlockHash, int] = {}
         # empty blocks: a stack, so the lowest ids are used first on a fresh pool
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -60,6 +70,33 @@ class BlockPool:
         self.num_evictions = 0
         self.on_evict: Callable[[int, BlockHash], None] | None = None
         """Optional observer (statistics, KV events) called with the victim's id and hash."""
+
+    # ------------------------------------------------------------------ inspection (O(n) snapshots)
+    @property
+    def ref_cnt(self) -> list[int]:
+        return [b.ref_cnt for b in self._blocks]
+
+    @property
+    def block_hash(self) -> list[BlockHash | None]:
+        return [b.block_hash for b in self._blocks]
+
+    @property
+    def parent(self) -> list[int]:
+        return [b.parent for b in self._blocks]
+
+    @property
+    def num_children(self) -> list[int]:
+        return [b.num_children for b in self._blocks]
+
+    @property
+    def evictable(self) -> list[bool]:
+        return [b.evictable for b in self._blocks]
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_cnt
+
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._blocks[block_id].block_hash
 
     # ------------------------------------------------------------------ queries
     def get_num_free_blocks(self) -> int:
@@ -88,64 +125,62 @@ class BlockPool:
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._empty) + self._num_cached_free:
-            return None
-        out: list[int] = []
         empty = self._empty
-        ref = self.ref_cnt
+        if n > len(empty) + self._num_cached_free:
+            return None
+        blocks = self._blocks
+        out: list[int] = []
         k = min(n, len(empty))
         for _ in range(k):
             bid = empty.pop()
-            ref[bid] = 1
+            blocks[bid].ref_cnt = 1
             out.append(bid)
         if k < n:
             now = self.clock()
+            policy = self.policy
+            cached = self.cached
+            on_evict = self.on_evict
             for _ in range(n - k):
-                bid = self._evict_one(now)
-                ref[bid] = 1
+                victim = policy.pop(now)
+                if victim is None:  # pragma: no cover - excluded by the invariant above
+                    raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
+                bid = victim
+                blk = blocks[bid]
+                h = blk.block_hash
+                assert h is not None
+                del cached[h]
+                blk.block_hash = None
+                blk.evictable = False
+                blk.ref_cnt = 1
+                p = blk.parent
+                if p != NO_PARENT:
+                    blk.parent = NO_PARENT
+                    pb = blocks[p]
+                    pb.num_children -= 1
+                    if pb.num_children == 0 and pb.ref_cnt == 0 and pb.block_hash is not None:
+                        pb.evictable = True
+                        policy.push(p, now)
+                policy.on_evicted(bid, h)
+                if on_evict is not None:
+                    on_evict(bid, h)
                 out.append(bid)
+            self._num_cached_free -= n - k
+            self.num_evictions += n - k
         return out
-
-    def _evict_one(self, now: float) -> int:
-        policy = self.policy
-        bid = policy.pop(now)
-        if bid is None:  # pragma: no cover - excluded by the invariant in get_new_blocks
-            raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
-        self.evictable[bid] = 0
-        hashes = self.block_hash
-        h = hashes[bid]
-        assert h is not None
-        del self.cached[h]
-        hashes[bid] = None
-        self._num_cached_free -= 1
-        self.num_evictions += 1
-        parents = self.parent
-        p = parents[bid]
-        if p != NO_PARENT:
-            parents[bid] = NO_PARENT
-            children = self.num_children
-            c = children[p] - 1
-            children[p] = c
-            if c == 0 and self.ref_cnt[p] == 0 and hashes[p] is not None:
-                self.evictable[p] = 1
-                policy.push(p, now)
-        policy.on_evicted(bid, h)
-        if self.on_evict is not None:
-            self.on_evict(bid, h)
-        return bid
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cache hits (removing free ones from the eviction order)."""
-        ref = self.ref_cnt
+        blocks = self._blocks
         for bid in block_ids:
-            if ref[bid] == 0:
-                if self.block_hash[bid] is None:
+            blk = blocks[bid]
+            if blk.ref_cnt == 0:
+                if blk.block_hash is None:
                     raise ValueError(f"block {bid} is empty; only cached blocks can be touched")
-                if self.evictable[bid]:
-                    self.evictable[bid] = 0
+                if blk.evictable:
+                    blk.evictable = False
                     self.policy.remove(bid)
                 self._num_cached_free -= 1
-            ref[bid] += 1
+            blk.ref_cnt += 1
 
     def cache_blocks(
         self, block_ids: Sequence[int], hashes: Sequence[BlockHash], start: int, end: int
@@ -163,15 +198,15 @@ class BlockPool:
         now = self.clock()
         cached = self.cached
         policy = self.policy
-        ref = self.ref_cnt
-        hashes_of = self.block_hash
+        blocks = self._blocks
         leaf_only = self._leaf_only
         for i in range(start, end):
             bid = block_ids[i]
-            if ref[bid] <= 0:
+            blk = blocks[bid]
+            if blk.ref_cnt <= 0:
                 raise ValueError(f"cache_blocks: block {bid} is not in use")
             h = hashes[i]
-            cur = hashes_of[bid]
+            cur = blk.block_hash
             if cur is not None:
                 if cur != h:
                     raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
@@ -184,12 +219,13 @@ class BlockPool:
                 if cached.get(hashes[i - 1]) != parent:
                     continue
             cached[h] = bid
-            hashes_of[bid] = h
+            blk.block_hash = h
             if leaf_only and parent != NO_PARENT:
-                self.parent[bid] = parent
-                self.num_children[parent] += 1
-                if self.evictable[parent]:
-                    self.evictable[parent] = 0
+                blk.parent = parent
+                pb = blocks[parent]
+                pb.num_children += 1
+                if pb.evictable:
+                    pb.evictable = False
                     policy.remove(parent)
             policy.on_cached(bid, h, i, now)
 
@@ -200,62 +236,59 @@ class BlockPool:
         releasing request asks for; without it blocks are released at the default priority (35).
         """
         now = self.clock()
-        ref = self.ref_cnt
-        hashes = self.block_hash
+        blocks = self._blocks
         policy = self.policy
         track = self._tracks_uses
         prios = retention.priorities if retention is not None else None
         durs = retention.durations if retention is not None else None
         scope = retention.scope if retention is not None else None
         base = retention.base_priority if retention is not None else DEFAULT_RETENTION_PRIORITY
-        have_plan = prios is not None and durs is not None
-        n_plan = len(prios) if prios is not None else 0
+        n_plan = min(len(prios), len(durs)) if prios is not None and durs is not None else 0
         leaf_only = self._leaf_only
-        children = self.num_children
-        evictable = self.evictable
         release = policy.release
         empty = self._empty
+        freed_cached = 0
         for i in range(len(block_ids) - 1, -1, -1):
             bid = block_ids[i]
-            c = ref[bid]
+            blk = blocks[bid]
+            c = blk.ref_cnt
             if c <= 0:
                 raise ValueError(f"block {bid} freed more times than it was taken (double free)")
-            ref[bid] = c - 1
-            if hashes[bid] is None:
+            blk.ref_cnt = c - 1
+            if blk.block_hash is None:
                 if c == 1:
                     empty.append(bid)
                 continue
             ev = False
             if c == 1:
-                self._num_cached_free += 1
-                if not leaf_only or children[bid] == 0:
-                    evictable[bid] = 1
-                    ev = True
+                freed_cached += 1
+                if not leaf_only or blk.num_children == 0:
+                    blk.evictable = ev = True
             if track:
-                if have_plan and i < n_plan:
+                if i < n_plan:
                     release(bid, prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]
                 else:
                     release(bid, base, None, scope, now, base, ev)
             elif ev:
                 policy.push(bid, now)
+        self._num_cached_free += freed_cached
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block's hash (only when no block is in use, as vLLM); returns success."""
-        if any(self.ref_cnt):
+        blocks = self._blocks
+        if any(b.ref_cnt for b in blocks):
             return False
         now = self.clock()
         while len(self.policy):
             bid = self.policy.pop(now)
             assert bid is not None
-            self.evictable[bid] = 0
+            blocks[bid].evictable = False
         for h, bid in list(self.cached.items()):
             self.policy.on_evicted(bid, h)
             if self.on_evict is not None:
                 self.on_evict(bid, h)
         self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
-        self.parent = [NO_PARENT] * self.num_blocks
-        self.num_children = [0] * self.num_blocks
+        self._blocks = [_Block() for _ in range(self.num_blocks)]
         self._empty = list(range(self.num_blocks - 1, -1, -1))
         self._num_cached_free = 0
         return True
@@ -268,13 +301,15 @@ class BlockPool:
             raise PoolIntegrityError(msg)
 
         n = self.num_blocks
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        parent, num_children, evictable = self.parent, self.num_children, self.evictable
         empty = set(self._empty)
         if len(empty) != len(self._empty):
             fail("a block appears twice in the empty list")
-        in_use = {b for b in range(n) if self.ref_cnt[b] > 0}
-        if any(self.ref_cnt[b] < 0 for b in range(n)):
+        in_use = {b for b in range(n) if ref_cnt[b] > 0}
+        if any(ref_cnt[b] < 0 for b in range(n)):
             fail("negative reference count")
-        cached_free = {b for b in range(n) if self.ref_cnt[b] == 0 and self.block_hash[b] is not None}
+        cached_free = {b for b in range(n) if ref_cnt[b] == 0 and block_hash[b] is not None}
         if len(empty) + len(cached_free) + len(in_use) != n:
             fail(f"empty {len(empty)} + cached {len(cached_free)} + in use {len(in_use)} != total {n}")
         if empty & (in_use | cached_free):
@@ -284,21 +319,21 @@ class BlockPool:
         if self.get_num_free_blocks() != len(empty) + len(cached_free):
             fail("free count mismatch")
         for h, b in self.cached.items():
-            if self.block_hash[b] != h:
+            if block_hash[b] != h:
                 fail(f"hash index points to block {b} which holds another hash")
-        if sum(1 for b in range(n) if self.block_hash[b] is not None) != len(self.cached):
+        if sum(1 for b in range(n) if block_hash[b] is not None) != len(self.cached):
             fail("a hashed block is missing from the hash index")
         children = [0] * n
         for b in range(n):
-            p = self.parent[b]
+            p = parent[b]
             if p != NO_PARENT:
-                if self.block_hash[b] is None or self.block_hash[p] is None:
+                if block_hash[b] is None or block_hash[p] is None:
                     fail(f"parent link {b}->{p} on an unhashed block")
                 children[p] += 1
-        if children != self.num_children:
+        if children != num_children:
             fail("child counts disagree with parent links")
-        expect = {b for b in cached_free if not self._leaf_only or self.num_children[b] == 0}
-        flags = {b for b in range(n) if self.evictable[b]}
+        expect = {b for b in cached_free if not self._leaf_only or num_children[b] == 0}
+        flags = {b for b in range(n) if evictable[b]}
         if flags != expect:
             fail(f"evictable flags wrong: {sorted(flags ^ expect)[:10]}")
         got = self.policy.evictable_ids()

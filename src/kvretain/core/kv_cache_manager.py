@@ -203,8 +203,8 @@ class KVCacheManager:
         held = len(st.blocks) + len(new_computed_blocks)
         n_new = max(0, -(-total_tokens // self.block_size) - held)
         # touching free hits takes them out of the allocatable set: check both together
-        ref = self.pool.ref_cnt
-        free_hits = sum(1 for b in new_computed_blocks if ref[b] == 0)
+        ref_count = self.pool.ref_count
+        free_hits = sum(1 for b in new_computed_blocks if ref_count(b) == 0)
         if n_new + free_hits > self.pool.get_num_allocatable():
             return None
         if new_computed_blocks:
@@ -262,6 +262,7 @@ class KVCacheManager:
         for st in self._reqs.values():
             for b in st.blocks:
                 holders[b] += 1
-        if holders != self.pool.ref_cnt:
-            bad = [b for b in range(self.pool.num_blocks) if holders[b] != self.pool.ref_cnt[b]]
+        refs = self.pool.ref_cnt
+        if holders != refs:
+            bad = [b for b in range(self.pool.num_blocks) if holders[b] != refs[b]]
             raise AssertionError(f"reference counts disagree with live requests on blocks {bad[:10]}")

@@ -28,17 +28,116 @@ and the rest of the pool serves overall reuse. Leaves only: a block never goes b
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies._lazyheap import BucketQueue
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policy import INF, POLICIES, EvictionPolicy, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 _UNSET = -1
 _KEY_UNIT = 1.0 / 16.0  # key resolution of the bucket queues (the smallest value is ~0.09)
+
+
+class _Meta:
+    """Per-block state of the unified policy (one object per block keeps a block's fields together)."""
+
+    __slots__ = (
+        "base",
+        "block_hash",
+        "block_id",
+        "depth",
+        "expiry",
+        "key",
+        "owner",
+        "protected",
+        "r",
+        "stamp",
+        "tier",
+        "uses",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.block_hash: BlockHash | None = None
+        self.uses = 0
+        self.depth = 0
+        self.r = (
+            _UNSET  # retention asked for (highest wins, owner may lower); _UNSET before the first release
+        )
+        self.base = _UNSET  # highest mapped request priority of the block's users (where a lapse falls back)
+        self.expiry = INF
+        self.owner: str | None = None
+        self.key = 0.0  # GreedyDual key fixed at the last release (a parent that becomes a leaf keeps it)
+        self.protected = 0
+        self.stamp = 0  # sequence number of the live queue entry; 0 = not evictable
+        self.tier = 1
+
+
+class _Queue:
+    """Evictable blocks of one tier by key: buckets of width ``_KEY_UNIT`` (FIFO inside), non-empty bucket
+    indices in a small heap. Removal is lazy: an entry ``(stamp, meta)`` is live while ``meta.stamp`` equals
+    it. Amortized O(1) per operation; rebuilt when dead entries outnumber live ones."""
+
+    __slots__ = ("_buckets", "_entries", "_slots", "n")
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, deque[tuple[int, _Meta]]] = {}
+        self._slots: list[int] = []
+        self._entries = 0
+        self.n = 0
+
+    def push(self, m: _Meta, seq: int) -> None:
+        s = int(m.key * 16.0)
+        q = self._buckets.get(s)
+        if q is None:
+            q = self._buckets[s] = deque()
+            heapq.heappush(self._slots, s)
+        q.append((seq, m))
+        self.n += 1
+        self._entries += 1
+        if self._entries > 2 * self.n + 1024:
+            kept: dict[int, deque[tuple[int, _Meta]]] = {}
+            for slot, bq in self._buckets.items():
+                live = deque(e for e in bq if e[1].stamp == e[0])
+                if live:
+                    kept[slot] = live
+            self._buckets = kept
+            self._slots = sorted(kept)
+            self._entries = self.n
+
+    def head(self) -> tuple[int, _Meta]:
+        """``(bucket, meta)`` of the first live entry; the queue must not be empty."""
+        buckets = self._buckets
+        slots = self._slots
+        while True:
+            s = slots[0]
+            q = buckets[s]
+            while q:
+                seq, m = q[0]
+                if m.stamp == seq:
+                    return s, m
+                q.popleft()
+                self._entries -= 1
+            del buckets[s]
+            heapq.heappop(slots)
+
+    def pop(self) -> _Meta:
+        s, m = self.head()
+        return self.pop_head(s, m)
+
+    def pop_head(self, s: int, m: _Meta) -> _Meta:
+        """Remove the head ``m`` found by :meth:`head` in bucket ``s``."""
+        q = self._buckets[s]
+        q.popleft()
+        m.stamp = 0
+        self.n -= 1
+        self._entries -= 1
+        if not q:
+            del self._buckets[s]
+            heapq.heappop(self._slots)
+        return m
 
 
 @POLICIES.register(
@@ -50,21 +149,9 @@ class UnifiedPolicy(EvictionPolicy):
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         super().__init__(num_blocks, config)
         cfg = self.config
-        # Two bucket queues keyed by H (0 protected, 1 unprotected), exact to _KEY_UNIT and FIFO within it.
-        # ``_stamp[b]`` is the stamp of b's live entry (0: not evictable); older entries are skipped.
-        self._stamp = [0] * num_blocks
-        self._queues = (BucketQueue(self._stamp, _KEY_UNIT), BucketQueue(self._stamp, _KEY_UNIT))
+        self._meta = [_Meta(b) for b in range(num_blocks)]
+        self._queues = (_Queue(), _Queue())  # 0: protected, 1: unprotected
         self._seq = 0
-        self._hash: list[BlockHash | None] = [None] * num_blocks
-        self._tier = [1] * num_blocks
-        self._r = [_UNSET] * num_blocks
-        self._base = [_UNSET] * num_blocks
-        self._expiry = [INF] * num_blocks
-        self._owner: list[str | None] = [None] * num_blocks
-        self._uses = [0] * num_blocks
-        self._depth = [0] * num_blocks
-        self._key = [0.0] * num_blocks  # H fixed at the last release (a parent that becomes a leaf keeps it)
-        self._protected = bytearray(num_blocks)
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
         self._ghost = GhostTable(int(cfg.ghost_factor * num_blocks))
@@ -90,13 +177,14 @@ class UnifiedPolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
-        self._uses[block_id] = self._ghost_pop(block_hash, 0)
-        self._hash[block_id] = block_hash
-        self._depth[block_id] = depth
-        self._r[block_id] = _UNSET
-        self._base[block_id] = _UNSET
-        self._expiry[block_id] = INF
-        self._owner[block_id] = None
+        m = self._meta[block_id]
+        m.uses = self._ghost_pop(block_hash, 0)
+        m.block_hash = block_hash
+        m.depth = depth
+        m.r = _UNSET
+        m.base = _UNSET
+        m.expiry = INF
+        m.owner = None
 
     def on_release(
         self,
@@ -119,73 +207,59 @@ class UnifiedPolicy(EvictionPolicy):
         base: int,
         evictable: bool,
     ) -> None:
-        # NOTE: hot path (once per released block): retention_of/_set_protected/_value/push are inlined here.
-        r = self._r[block_id]
-        if (
-            r == retention
-            and duration_s is None
-            and self._expiry[block_id] == INF
-            and base <= self._base[block_id]
-        ):
-            # steady state: the same priority again, nothing to expire; only uses and the key change
-            uses = self._uses[block_id]
-            if uses < self._cap:
-                uses += 1
-                self._uses[block_id] = uses
-            f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-            key = self._L + self._weight[r] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
-            self._key[block_id] = key
-            if evictable:
-                self._push(block_id, 1 - self._protected[block_id], key)
-            return
-        uses = self._uses[block_id]
+        # NOTE: hot path (once per released block): retention_of, protection and the key are inlined here.
+        m = self._meta[block_id]
+        uses = m.uses
         if uses < self._cap:
             uses += 1
-            self._uses[block_id] = uses
-        b = self._base[block_id]
-        if base > b:
-            self._base[block_id] = b = base
-        expiry = self._expiry[block_id]
-        if r == _UNSET:
-            cur = b
-        elif expiry <= now:
-            cur = b if b > 0 else 0
+            m.uses = uses
+        r = m.r
+        if r == retention and duration_s is None and m.expiry == INF and base <= m.base:
+            cur = r  # steady state: the same priority again, nothing to expire
         else:
-            cur = r
-        exp = INF if duration_s is None else now + duration_s
-        if retention > cur or (retention < cur and scope is not None and scope == self._owner[block_id]):
-            self._r[block_id] = cur = retention
-            self._expiry[block_id] = exp
-            if scope is not None:
-                self._owner[block_id] = scope
-            if exp != INF and retention > b:
-                heapq.heappush(self._expiries, (exp, block_id))
-        elif retention == cur and exp > expiry:
-            self._expiry[block_id] = exp  # refresh on reuse at the same priority
-            if exp != INF:
-                heapq.heappush(self._expiries, (exp, block_id))
-        p = 1 if cur >= self._threshold else 0
-        if p != self._protected[block_id]:
-            self._protected[block_id] = p
-            self._num_protected += 1 if p else -1
+            b = m.base
+            if base > b:
+                m.base = b = base
+            expiry = m.expiry
+            if r == _UNSET:
+                cur = b
+            elif expiry <= now:
+                cur = b if b > 0 else 0
+            else:
+                cur = r
+            exp = INF if duration_s is None else now + duration_s
+            if retention > cur or (retention < cur and scope is not None and scope == m.owner):
+                m.r = cur = retention
+                m.expiry = exp
+                if scope is not None:
+                    m.owner = scope
+                if exp != INF and retention > b:
+                    heapq.heappush(self._expiries, (exp, block_id))
+            elif retention == cur and exp > expiry:
+                m.expiry = exp  # refresh on reuse at the same priority
+                if exp != INF:
+                    heapq.heappush(self._expiries, (exp, block_id))
+            p = 1 if cur >= self._threshold else 0
+            if p != m.protected:
+                m.protected = p
+                self._num_protected += 1 if p else -1
         f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-        key = self._L + self._weight[cur] * f * (1.0 + self._depth[block_id] * self._cost_per_block)
-        self._key[block_id] = key
+        m.key = self._L + self._weight[cur] * f * (1.0 + m.depth * self._cost_per_block)
         if evictable:
-            self._push(block_id, 1 - p, key)
+            self._push(m)
 
     def retention_of(self, block_id: int, now: float) -> int:
-        r = self._r[block_id]
-        if r == _UNSET:
-            return DEFAULT_RETENTION_PRIORITY if self._base[block_id] == _UNSET else self._base[block_id]
-        if self._expiry[block_id] <= now:
-            return max(self._base[block_id], 0)
-        return r
+        m = self._meta[block_id]
+        if m.r == _UNSET:
+            return DEFAULT_RETENTION_PRIORITY if m.base == _UNSET else m.base
+        if m.expiry <= now:
+            return max(m.base, 0)
+        return m.r
 
-    def _set_protected(self, block_id: int, now: float) -> None:
-        p = 1 if self.retention_of(block_id, now) >= self._threshold else 0
-        if p != self._protected[block_id]:
-            self._protected[block_id] = p
+    def _set_protected(self, m: _Meta, now: float) -> None:
+        p = 1 if self.retention_of(m.block_id, now) >= self._threshold else 0
+        if p != m.protected:
+            m.protected = p
             self._num_protected += 1 if p else -1
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
@@ -210,88 +284,85 @@ class UnifiedPolicy(EvictionPolicy):
             self._target = max(0.0, self._target - self._step)
 
     # ----------------------------------------------------------------- order
-    def _value(self, block_id: int, now: float) -> float:
-        u = self._uses[block_id]
-        f = float(u) if self._exp == 1.0 else float(u**self._exp)
+    def _value(self, m: _Meta, now: float) -> float:
+        f = float(m.uses) if self._exp == 1.0 else float(m.uses**self._exp)
         return (
-            self._weight[self.retention_of(block_id, now)]
+            self._weight[self.retention_of(m.block_id, now)]
             * (f if f > 0.0 else 0.5)
-            * (1.0 + self._depth[block_id] * self._cost_per_block)
+            * (1.0 + m.depth * self._cost_per_block)
         )
 
-    def _push(self, block_id: int, tier: int, key: float) -> None:
+    def _push(self, m: _Meta) -> None:
         self._seq += 1
-        seq = self._seq
-        if self._stamp[block_id]:
-            self._queues[self._tier[block_id]].removed()
-        self._stamp[block_id] = seq
-        self._tier[block_id] = tier
-        self._queues[tier].push(block_id, key, seq)
+        if m.stamp:
+            self._queues[m.tier].n -= 1
+        m.stamp = self._seq
+        tier = m.tier = 1 - m.protected
+        self._queues[tier].push(m, self._seq)
 
     def push(self, block_id: int, now: float) -> None:
-        self._push(block_id, 0 if self._protected[block_id] else 1, self._key[block_id])
+        m = self._meta[block_id]
+        self._seq += 1
+        if m.stamp:
+            self._queues[m.tier].n -= 1
+        m.stamp = self._seq
+        tier = m.tier = 1 - m.protected
+        self._queues[tier].push(m, self._seq)
 
     def remove(self, block_id: int) -> None:
-        if not self._stamp[block_id]:
+        m = self._meta[block_id]
+        if not m.stamp:
             raise KeyError(block_id)
-        self._stamp[block_id] = 0
-        self._queues[self._tier[block_id]].removed()
+        m.stamp = 0
+        self._queues[m.tier].n -= 1
 
     def _expire(self, now: float) -> None:
         exp = self._expiries
         while exp and exp[0][0] <= now:
             t, bid = heapq.heappop(exp)
-            if self._expiry[bid] != t:
+            m = self._meta[bid]
+            if m.expiry != t:
                 continue
-            self._expiry[bid] = INF
-            self._r[bid] = self._base[bid]
-            self._set_protected(bid, now)
-            self._key[bid] = self._L + self._value(bid, now)
-            if self._stamp[bid]:
-                self.push(bid, now)
+            m.expiry = INF
+            m.r = m.base
+            self._set_protected(m, now)
+            m.key = self._L + self._value(m, now)
+            if m.stamp:
+                self._push(m)
 
     def pop(self, now: float) -> int | None:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         q0, q1 = self._queues
         if q1.n and (self._num_protected <= self._target or not q0.n):
-            bid = q1.pop()
+            m = q1.pop()
         elif q0.n and q1.n:
             # over the protected target: the two tiers compete on their keys
-            s0, b0 = q0.head()
-            s1, b1 = q1.head()
-            bid = q0.pop() if (s0, self._key[b0]) < (s1, self._key[b1]) else q1.pop()
+            s0, m0 = q0.head()
+            s1, m1 = q1.head()
+            m = q0.pop_head(s0, m0) if (s0, m0.key) < (s1, m1.key) else q1.pop_head(s1, m1)
         elif q0.n:
-            bid = q0.pop()
+            m = q0.pop()
         else:
             return None
-        key = self._key[bid]
-        if key > self._L:
-            self._L = key
-        # eviction bookkeeping fused here (hot path); on_evicted only handles blocks dropped without a pop
-        h = self._hash[bid]
-        if h is not None:
-            self._hash[bid] = None
-            self._ghost.put(h, self._uses[bid])
-        if self._protected[bid]:
-            self._protected[bid] = 0
-            self._num_protected -= 1
-        return bid
+        if m.key > self._L:
+            self._L = m.key
+        return m.block_id
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         # per-block metadata is reset in on_cached when the block gets new content
-        if self._hash[block_id] is not None:
-            self._hash[block_id] = None
-            self._ghost.put(block_hash, self._uses[block_id])
-            if self._protected[block_id]:
-                self._protected[block_id] = 0
-                self._num_protected -= 1
+        m = self._meta[block_id]
+        m.block_hash = None
+        self._ghost.put(block_hash, m.uses)
+        if m.protected:
+            m.protected = 0
+            self._num_protected -= 1
 
     def __len__(self) -> int:
         return self._queues[0].n + self._queues[1].n
 
     def evictable_ids(self) -> set[int]:
-        return {b for b, st in enumerate(self._stamp) if st}
+        return {m.block_id for m in self._meta if m.stamp}
 
     def stats(self) -> dict[str, float]:
         return {
