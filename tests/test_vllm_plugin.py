@@ -8,6 +8,8 @@ completes in the step or that is decoding). Run by ``scripts/test_vllm.sh`` in `
 from __future__ import annotations
 
 import json
+import random
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,13 +230,13 @@ def run(sched: Scheduler, specs: list[Spec], run_: Run | None = None, max_steps:
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return [1 + (seed * 7919 + i * 104729) % 997 for i in range(n)]
+    """``n`` deterministic pseudo-random token ids (distinct seeds share no block in practice)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
 
 
 def mixed_workload(n: int = 60) -> list[Spec]:
     """Shared system prompts, two priority classes, arrivals in bursts: hits, evictions and preemptions."""
-    import random
-
     rng = random.Random(7)
     systems = [tokens(1000 + s, 64) for s in range(4)]
     specs = []
@@ -324,7 +326,7 @@ def flood(prefix: str, n: int, start_step: int, blocks: int = 5, priority: int =
     return [
         Spec(
             rid=f"{prefix}{i:03d}",
-            prompt=tokens(50_000 + hash(prefix) % 1000 * 100 + i, blocks * BLOCK),
+            prompt=tokens(1_000_000 + zlib.crc32(prefix.encode()) % 1000 * 1000 + i, blocks * BLOCK),
             max_tokens=3,
             priority=priority,
             arrival_step=start_step + i,
@@ -449,7 +451,7 @@ def test_bad_directives_fail_only_their_request(model_dir: str) -> None:
     for rid, extra in incoming:
         ecr = EngineCoreRequest(
             request_id=rid,
-            prompt_token_ids=tokens(hash(rid) % 1000, 70),
+            prompt_token_ids=tokens(zlib.crc32(rid.encode()), 70),
             mm_features=None,
             sampling_params=SamplingParams(max_tokens=3, ignore_eos=True, extra_args=extra),
             pooling_params=None,

@@ -172,7 +172,10 @@ def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
         if type(q) is RetentionFreeQueue:
             try:
                 q.on_request_release(
-                    request, self.coordinator.get_blocks(request.request_id), _block_sizes(self)
+                    request,
+                    self.coordinator.get_blocks(request.request_id),
+                    _block_sizes(self),
+                    freeing_now=True,
                 )
             except Exception:
                 _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")

@@ -157,6 +157,10 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 plain.append(b)
                 continue
             bid = b.block_id
+            if self._where[bid] == IN_POLICY:  # pushed by the fused release in on_request_release
+                self._held += 1
+                self.num_free_blocks += 1
+                continue
             if known[bid] is not h and known[bid] != h:
                 self._register(bid, h, b.block_hash_num_tokens or 0)
             if self._leaf_only and self._children[bid]:
@@ -277,10 +281,18 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             return None
 
     def on_request_release(
-        self, request: Any, groups: Sequence[Sequence[KVCacheBlock]], block_sizes: Sequence[int] | None
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool = False,
     ) -> None:
         """Before a request's blocks are freed: one release (a use) per hashed block, with the retention
-        priority and duration the request asks for (directives, else its mapped ``priority``)."""
+        priority and duration the request asks for (directives, else its mapped ``priority``).
+
+        ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so a
+        block whose last reference goes is pushed here in one fused ``policy.release`` call and
+        ``append_n`` only counts it."""
         prio = int(getattr(request, "priority", 0) or 0)
         mapped = self._mapped.get(prio)
         if mapped is None:
@@ -293,6 +305,10 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         cls = self._cls
         policy = self.policy
         tracks = self._tracks
+        fuse = freeing_now and tracks
+        where = self._where
+        children = self._children
+        release = policy.release
         released = 0
         for g, blocks in enumerate(groups):
             n = len(blocks)
@@ -313,7 +329,15 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     self._register(bid, h, 0, depth=i)
                 cls[bid] = prio
                 released += 1
-                if tracks:
+                if fuse:
+                    last = b.ref_cnt == 1 and not children[bid] and where[bid] == IN_LIST
+                    if last:
+                        where[bid] = IN_POLICY
+                    if prios is None or durs is None:
+                        release(bid, mapped, None, scope, now, mapped, last)
+                    else:
+                        release(bid, prios[i], durs[i], scope, now, mapped, last)
+                elif tracks:
                     if prios is None or durs is None:
                         policy.on_release(bid, mapped, None, scope, now, mapped)
                     else:
