@@ -1,0 +1,325 @@
+"""Stock vLLM 0.33 against vLLM with the kvretain plugin, on the Mooncake conversation trace.
+
+Replays the first N requests (default 2,000) through vLLM's real v1 ``Scheduler`` and ``KVCacheManager`` on
+CPU with a fake model runner (one sampled token per request whose prefill completes in the step or that is
+decoding), once stock and once with the plugin enabled (``unified``, default options), and prints per-class
+prefix hit tokens, preemptions and the scheduler's wall time per step. The last line is JSON.
+
+Workload: priority 0 when ``hash_ids[1] % 4 == 0`` (``hash_ids[0]`` for one-block requests), else 1 (the
+reference rule); every trace hash id stands for 512 deterministic tokens (``SeededChunk(hash_id, 512)``,
+truncated to the request's ``input_length``), so requests sharing hash ids share exactly those tokens and
+vLLM's own block hashing finds the reuse. Arrivals follow the trace timestamps, ``--step-ms`` of trace time
+per scheduler step. The KV cache holds ``--pool-blocks`` blocks of ``--block-size`` tokens.
+
+    .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE_BLOCK = 512
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 65536,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+
+
+@dataclass
+class TraceRequest:
+    rid: str
+    arrival_step: int
+    hash_ids: list[int]
+    input_length: int
+    output_length: int
+    priority: int
+
+
+def reference_priority(hash_ids: list[int]) -> int:
+    key = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
+    return 0 if key % 4 == 0 else 1
+
+
+def load_trace(path: Path, limit: int, step_ms: float, max_output: int) -> list[TraceRequest]:
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= limit:
+                break
+            rec = json.loads(line)
+            ids = list(rec["hash_ids"])
+            out.append(
+                TraceRequest(
+                    rid=f"m{i:05d}",
+                    arrival_step=int(rec["timestamp"] / step_ms),
+                    hash_ids=ids,
+                    input_length=min(int(rec["input_length"]), TRACE_BLOCK * len(ids)),
+                    output_length=max(1, min(int(rec["output_length"]), max_output)),
+                    priority=reference_priority(ids),
+                )
+            )
+    out.sort(key=lambda r: r.arrival_step)
+    return out
+
+
+def prompt_tokens(req: TraceRequest) -> list[int]:
+    from kvretain.workloads import SeededChunk
+
+    toks: list[int] = []
+    for k, hid in enumerate(req.hash_ids):
+        n = min(TRACE_BLOCK, req.input_length - TRACE_BLOCK * k)
+        if n <= 0:
+            break
+        toks.extend(SeededChunk(hid, TRACE_BLOCK).materialize()[:n])
+    return toks
+
+
+def build_scheduler(model_dir: str, args: argparse.Namespace) -> Any:
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    max_len = 131072
+    model_config = ModelConfig(
+        model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="float32"
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            max_model_len=max_len,
+            policy="priority",
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),
+        cache_config=CacheConfig(block_size=args.block_size, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = args.pool_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=args.pool_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn"],
+                FullAttentionSpec(
+                    block_size=args.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=args.block_size,
+        log_stats=True,
+    )
+
+
+@dataclass
+class Result:
+    name: str
+    steps: int = 0
+    step_times: list[float] = field(default_factory=list)
+    hit_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    prompt_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    preemptions: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    vllm_queries: int = 0
+    vllm_hits: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def mean_step_ms(self) -> float:
+        return 1000.0 * statistics.fmean(self.step_times) if self.step_times else 0.0
+
+
+def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace) -> Result:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(args.block_size, sha256)
+    sched = build_scheduler(model_dir, args)
+    res = Result(name)
+    prio_of = {r.rid: r.priority for r in reqs}
+    seen: set[str] = set()
+    pending = list(reqs)
+    pos = 0
+    step = 0
+    perf = time.perf_counter
+    t_start = perf()
+    gc.collect()
+    while pos < len(pending) or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and pos < len(pending):
+            step = max(step, pending[pos].arrival_step)  # idle: jump to the next arrival
+        while pos < len(pending) and pending[pos].arrival_step <= step:
+            r = pending[pos]
+            pos += 1
+            sched.add_request(
+                Request(
+                    request_id=r.rid,
+                    prompt_token_ids=prompt_tokens(r),
+                    sampling_params=SamplingParams(max_tokens=r.output_length, ignore_eos=True),
+                    pooling_params=None,
+                    arrival_time=float(r.arrival_step),
+                    priority=r.priority,
+                    block_hasher=hasher,
+                )
+            )
+        t0 = perf()
+        out = sched.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        requests = sched.requests
+        sampled = []
+        for rid in req_ids:
+            q = requests[rid]
+            sampled.append([7] if q.num_computed_tokens >= q.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        outs = sched.update_from_output(out, mro)
+        res.step_times.append(perf() - t0)
+        for nr in out.scheduled_new_reqs:
+            if nr.req_id not in seen:  # first schedule (resumes after preemption are not new lookups)
+                seen.add(nr.req_id)
+                p = prio_of[nr.req_id]
+                res.hit_tokens[p] += nr.num_computed_tokens
+                res.prompt_tokens[p] += len(nr.prompt_token_ids or ())
+                res.requests[p] += 1
+        for rid in out.preempted_req_ids or ():
+            res.preemptions[prio_of[rid]] += 1
+        for eco in outs.values():
+            st = eco.scheduler_stats
+            if st is not None and st.prefix_cache_stats is not None:
+                res.vllm_queries += st.prefix_cache_stats.queries
+                res.vllm_hits += st.prefix_cache_stats.hits
+        step += 1
+    res.steps = len(res.step_times)
+    res.wall_s = perf() - t_start
+    return res
+
+
+def report(res: Result) -> None:
+    total_hits = sum(res.hit_tokens.values())
+    total_prompt = sum(res.prompt_tokens.values())
+    print(
+        f"{res.name:>7}: steps {res.steps}, scheduler wall time per step {res.mean_step_ms:.3f} ms "
+        f"(median {1000 * statistics.median(res.step_times):.3f} ms), run {res.wall_s:.1f} s"
+    )
+    for p in sorted(res.requests):
+        print(
+            f"         class {p}: {res.requests[p]:5d} requests, prefix hit tokens {res.hit_tokens[p]:>10,} "
+            f"of {res.prompt_tokens[p]:>11,} ({res.hit_tokens[p] / max(1, res.prompt_tokens[p]):.4f}), "
+            f"preemptions {res.preemptions.get(p, 0)}"
+        )
+    print(
+        f"         all    : hit tokens {total_hits:,} of {total_prompt:,} ({total_hits / max(1, total_prompt):.4f}); "
+        f"vLLM PrefixCacheStats hits {res.vllm_hits:,} / queries {res.vllm_queries:,}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM tokens per KV block")
+    ap.add_argument(
+        "--pool-blocks", type=int, default=65536, help="KV cache size in vLLM blocks (incl. null)"
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget per scheduler step")
+    ap.add_argument("--step-ms", type=float, default=100.0, help="trace milliseconds per scheduler step")
+    ap.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
+    ap.add_argument("--options", default="", help="KVRETAIN_POLICY_OPTIONS for the plugin run")
+    ap.add_argument("--policy", default="unified")
+    args = ap.parse_args()
+
+    if not args.trace.is_file():
+        sys.exit(f"trace not found: {args.trace} (pass --trace)")
+    os.environ.pop("KVRETAIN_POLICY", None)
+    import kvretain.integrations.vllm as plugin
+    from kvretain.core.retention import PriorityMapping
+    from kvretain.integrations.vllm.config import PluginConfig, parse_options
+
+    reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
+    model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA))
+    print(
+        f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
+        f"block size {args.block_size}, pool {args.pool_blocks} blocks "
+        f"({args.pool_blocks * args.block_size / TRACE_BLOCK:.0f} trace blocks), max_num_seqs {args.max_num_seqs}, "
+        f"{args.max_batched_tokens} tokens/step, {args.step_ms:g} ms of trace per step, output <= {args.max_output}"
+    )
+    build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per machine
+
+    stock = replay("stock", model_dir, reqs, args)
+    report(stock)
+    plugin.enable(
+        PluginConfig(policy=args.policy, options=parse_options(args.options), mapping=PriorityMapping())
+    )
+    try:
+        plug = replay("plugin", model_dir, reqs, args)
+    finally:
+        plugin.disable()
+    report(plug)
+    print(f"plugin counters: {json.dumps(plugin.stats()['by_priority'])}")
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 4) if b else float("inf")
+
+    result = {
+        "class0_hit_tokens_vs_stock": ratio(plug.hit_tokens[0], stock.hit_tokens[0]),
+        "class1_hit_tokens_vs_stock": ratio(plug.hit_tokens[1], stock.hit_tokens[1]),
+        "overall_hit_tokens_vs_stock": ratio(sum(plug.hit_tokens.values()), sum(stock.hit_tokens.values())),
+        "step_time_vs_stock": ratio(plug.mean_step_ms, stock.mean_step_ms),
+        "stock_hit_tokens": dict(sorted(stock.hit_tokens.items())),
+        "plugin_hit_tokens": dict(sorted(plug.hit_tokens.items())),
+        "stock_preemptions": sum(stock.preemptions.values()),
+        "plugin_preemptions": sum(plug.preemptions.values()),
+        "stock_step_ms": round(stock.mean_step_ms, 4),
+        "plugin_step_ms": round(plug.mean_step_ms, 4),
+        "stock_steps": stock.steps,
+        "plugin_steps": plug.steps,
+        "policy": args.policy,
+        "requests": len(reqs),
+        "block_size": args.block_size,
+        "pool_blocks": args.pool_blocks,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
