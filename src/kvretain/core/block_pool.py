@@ -140,6 +140,7 @@ class BlockPool:
             policy = self.policy
             cached = self.cached
             on_evict = self.on_evict
+            on_evicted = None if policy.forgets_on_pop else policy.on_evicted
             for _ in range(n - k):
                 victim = policy.pop(now)
                 if victim is None:  # pragma: no cover - excluded by the invariant above
@@ -160,7 +161,8 @@ class BlockPool:
                     if pb.num_children == 0 and pb.ref_cnt == 0 and pb.block_hash is not None:
                         pb.evictable = True
                         policy.push(p, now)
-                policy.on_evicted(bid, h)
+                if on_evicted is not None:
+                    on_evicted(bid, h)
                 if on_evict is not None:
                     on_evict(bid, h)
                 out.append(bid)
@@ -200,6 +202,7 @@ class BlockPool:
         policy = self.policy
         blocks = self._blocks
         leaf_only = self._leaf_only
+        prev_registered = False  # block i-1 was registered by this call (so it is the cached parent)
         for i in range(start, end):
             bid = block_ids[i]
             blk = blocks[bid]
@@ -210,14 +213,17 @@ class BlockPool:
             if cur is not None:
                 if cur != h:
                     raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
+                prev_registered = False
                 continue
             if h in cached:
+                prev_registered = False
                 continue
             parent = NO_PARENT
             if i > 0:
                 parent = block_ids[i - 1]
-                if cached.get(hashes[i - 1]) != parent:
+                if not prev_registered and cached.get(hashes[i - 1]) != parent:
                     continue
+            prev_registered = True
             cached[h] = bid
             blk.block_hash = h
             if leaf_only and parent != NO_PARENT:

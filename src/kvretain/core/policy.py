@@ -85,6 +85,9 @@ class EvictionPolicy(ABC):
     """When True the pool offers only blocks without cached children (no orphaned descendants)."""
     tracks_uses: ClassVar[bool] = True
     """When False the pool skips ``on_release`` calls (pure-recency policies)."""
+    forgets_on_pop: ClassVar[bool] = False
+    """When True ``pop`` already does what ``on_evicted`` would for the victim, and the pool skips that call
+    after a ``pop`` (it still calls ``on_evicted`` for blocks dropped otherwise, e.g. by a prefix-cache reset)."""
 
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         self.num_blocks = num_blocks

@@ -20,26 +20,26 @@ class GhostTable:
     table is a heuristic, so this approximation is accepted.
     """
 
-    __slots__ = ("_capacity", "_pos", "_ring", "table")
+    __slots__ = ("capacity", "pos", "ring", "table")
 
     def __init__(self, capacity: int) -> None:
-        self._capacity = max(0, capacity)
+        self.capacity = max(0, capacity)
         self.table: dict[BlockHash, int] = {}
-        self._ring: list[BlockHash | None] = [None] * self._capacity
-        self._pos = 0
+        self.ring: list[BlockHash | None] = [None] * self.capacity
+        self.pos = 0
 
     def put(self, block_hash: BlockHash, uses: int) -> None:
-        if not self._capacity:
+        if not self.capacity:
             return
-        ring = self._ring
-        pos = self._pos
+        ring = self.ring
+        pos = self.pos
         old = ring[pos]
         if old is not None:
             self.table.pop(old, None)
         ring[pos] = block_hash
         self.table[block_hash] = uses
         pos += 1
-        self._pos = 0 if pos == self._capacity else pos
+        self.pos = 0 if pos == self.capacity else pos
 
     def take(self, block_hash: BlockHash) -> int:
         return self.table.pop(block_hash, 0)

@@ -145,6 +145,7 @@ class _Queue:
 )
 class UnifiedPolicy(EvictionPolicy):
     name = "unified"
+    forgets_on_pop = True
 
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         super().__init__(num_blocks, config)
@@ -347,16 +348,22 @@ class UnifiedPolicy(EvictionPolicy):
             return None
         if m.key > self._L:
             self._L = m.key
+        self._forget(m)
         return m.block_id
 
-    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        # per-block metadata is reset in on_cached when the block gets new content
-        m = self._meta[block_id]
+    def _forget(self, m: _Meta) -> None:
+        h = m.block_hash
+        if h is None:
+            return
         m.block_hash = None
-        self._ghost.put(block_hash, m.uses)
+        self._ghost.put(h, m.uses)
         if m.protected:
             m.protected = 0
             self._num_protected -= 1
+
+    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        # per-block metadata is reset in on_cached when the block gets new content
+        self._forget(self._meta[block_id])
 
     def __len__(self) -> int:
         return self._queues[0].n + self._queues[1].n
