@@ -1,6 +1,6 @@
 """Simulation speed on the whole Mooncake conversation trace (12,031 requests, one hour of traffic).
 
-    python bench/sim_speed.py [TRACE] [--policy unified] [--replicas 4]
+    python bench/sim_speed.py [TRACE] [--policy unified] [--replicas 6]
 
 Reference priority rule, priority scheduling, Llama-3-8B on H100-SXM replicas behind the prefix-affinity
 router. Prints the simulate summary, then as its last line JSON
@@ -26,7 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
     ap.add_argument("--policy", default="unified")
-    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=6)
     ap.add_argument("--router", default="prefix-affinity")
     ap.add_argument("--limit", type=int, default=None)
     args = ap.parse_args()

@@ -117,6 +117,16 @@ class SimRequest(Request):
             self._out_tokens = self._output.materialize()
         return self._out_tokens[index]
 
+    def extend_planned_output(self, n: int, times: Sequence[float]) -> None:
+        """Append the next ``n`` planned output tokens, sampled at ``times``, and count their KV as computed
+        (``n`` decode steps at once; see :mod:`kvretain.engine.sim.fastforward`)."""
+        if self._out_tokens is None:
+            self._out_tokens = self._output.materialize()
+        o = len(self.output_token_ids)
+        self.output_token_ids.extend(self._out_tokens[o : o + n])
+        self.token_times.extend(times)
+        self.num_computed_tokens += n
+
     def block_hashes(self, block_size: int, num_blocks: int) -> Sequence[BlockHash]:
         """Chained hashes of the first ``num_blocks`` full blocks (extends a list it keeps)."""
         h = self._hashes

@@ -1,8 +1,12 @@
 """Discrete-event simulation of a cluster serving a workload, in virtual time.
 
-Events on one heap, ordered by ``(time, kind, sequence)``: a replica's step completing (kind 0) is handled
-before an arrival at the same instant (kind 1). A step starts as soon as its replica is idle and has work;
-it is priced by the cost model, and its sampled tokens and finished requests land when it completes.
+Events on one heap: a replica's step completing (kind 0, ties by replica index) is handled before an
+arrival at the same instant (kind 1, ties in push order). A step starts as soon as its replica is idle and has
+work; it is priced by the cost model, and its sampled tokens and finished requests land when it completes.
+
+Fast-forward (``SimConfig.fast_forward``, on by default): runs of decode-only steps are planned at once
+and advanced lazily (:mod:`kvretain.engine.sim.fastforward`); the results are identical to step-by-step
+simulation, which ``fast_forward=False`` keeps for checking.
 
 Closed loop: a workload request with ``after`` (a follow-up turn or agent step) arrives ``think_s`` after
 the request it follows finishes, not at its open-loop ``arrival_s``; with ``closed_loop=False`` (or when the
@@ -23,6 +27,7 @@ from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import PriorityMapping
 from kvretain.engine.sim.catalog import Catalog, builtin_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, CostModel
+from kvretain.engine.sim.fastforward import DecodeRun, plan_decode_run
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, latency_summary
 from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
@@ -39,7 +44,7 @@ class SimConfig:
 
     ``kv_blocks`` (per replica) defaults to what the cost model leaves after weights at
     ``gpu_mem_utilization``. ``policy`` is the eviction policy, ``sched`` holds the queue policy and
-    batching limits.
+    batching limits. ``fast_forward=False`` simulates every decode step one by one (same results, slower).
     """
 
     model: str = "llama-3-8b"
@@ -56,6 +61,7 @@ class SimConfig:
     mapping: PriorityMapping = field(default_factory=PriorityMapping)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     closed_loop: bool = True
+    fast_forward: bool = True
     slos: Mapping[int, SLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     catalog: Catalog | None = None
 
@@ -109,8 +115,10 @@ class Simulation:
             for i in range(config.replicas)
         ]
         self.router = ROUTERS.create(config.router)
-        self._events: list[tuple[float, int, int, Any]] = []
+        self._events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
+        self._runs: dict[int, DecodeRun] = {}  # replica index -> its fast-forward run in flight
+        self.fast_forwarded_steps = 0  # steps simulated inside decode runs (not part of the summary)
         self._followers: dict[str, list[WorkloadRequest]] = {}
         self.finished: list[SimRequest] = []
         self.wall_s = 0.0
@@ -125,8 +133,18 @@ class Simulation:
                 self._push(w.arrival_s, _ARRIVAL, w)
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
+        """An arrival (ties: push order)."""
         self._seq += 1
-        heapq.heappush(self._events, (t, kind, self._seq, obj))
+        heapq.heappush(self._events, (t, kind, self._seq, 0, obj))
+
+    def _push_step(self, t: float, rep: Replica, payload: Any) -> None:
+        """A step (or run) of ``rep`` completing at ``t`` (ties: replica index, so the order does not
+        depend on how many steps were pushed before)."""
+        self._seq += 1
+        heapq.heappush(self._events, (t, _STEP, rep.index, self._seq, (rep, payload)))
+
+    def _set_now(self, t: float) -> None:
+        self.now = t
 
     # ------------------------------------------------------------------ loop
     def run(self, progress: Callable[[int], None] | None = None) -> Simulation:
@@ -135,7 +153,7 @@ class Simulation:
         events = self._events
         pop = heapq.heappop
         while events:
-            t, kind, _, obj = pop(events)
+            t, kind, _, _, obj = pop(events)
             self.now = t
             if kind == _ARRIVAL:
                 self._arrive(obj)
@@ -148,25 +166,51 @@ class Simulation:
         return self
 
     def _arrive(self, w: WorkloadRequest) -> None:
-        req = SimRequest(w, arrival_time=self.now)
+        now = self.now
+        req = SimRequest(w, arrival_time=now)
         self.requests[req.request_id] = req
+        runs = self._runs
+        if runs:  # routers read every replica's cache and load: bring runs in flight up to now
+            for r in runs.values():
+                r.advance(now, self._set_now)
+            self.now = now
         rep = self.replicas[self.router.route(req, self.replicas)]
         rep.scheduler.add_request(req)
-        if not rep.busy:
+        run = runs.get(rep.index)
+        if run is not None:
+            if run.cut():  # the next schedule must see the new request: end after the step in flight
+                self._push_step(run.end_time, rep, (run, run.k))
+        elif not rep.busy:
             self._start(rep)
 
     def _start(self, rep: Replica) -> None:
+        if self.config.fast_forward:
+            planned = plan_decode_run(rep, self.now)
+            if planned is not None:
+                rep.busy = True
+                self._runs[rep.index] = planned
+                planned.advance(self.now, self._set_now)
+                self._push_step(planned.end_time, rep, (planned, planned.k))
+                return
         out = rep.scheduler.schedule()
         if out.is_empty:
             rep.busy = False
             return
         rep.busy = True
         rep.num_steps += 1
-        self._push(self.now + rep.executor.step_time(out), _STEP, (rep, out))
+        self._push_step(self.now + rep.executor.step_time(out), rep, out)
 
     def _complete(self, payload: tuple[Replica, Any]) -> int:
         rep, out = payload
-        done = rep.scheduler.update_from_output(out, rep.executor.execute(out))
+        if isinstance(out, tuple):
+            run: DecodeRun = out[0]
+            if run.k != out[1] or self._runs.get(rep.index) is not run:
+                return 0  # a run that was cut short: its new end event is elsewhere in the heap
+            del self._runs[rep.index]
+            self.fast_forwarded_steps += run.k
+            done = run.finish(self._set_now, self.now)
+        else:
+            done = rep.scheduler.update_from_output(out, rep.executor.execute(out))
         for r in done:
             assert isinstance(r, SimRequest)
             self.finished.append(r)

@@ -1,0 +1,97 @@
+"""Fast-forward of decode-only runs gives exactly the step-by-step results (summaries and every token time)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvretain.engine.sim.catalog import builtin_catalog
+from kvretain.engine.sim.costmodel import CostModel
+from kvretain.engine.sim.simulator import SimConfig, Simulation
+from kvretain.sched import SchedulerConfig
+from kvretain.workloads import MultiTenantConfig, TokenSeq, WorkloadRequest, generate_multi_tenant
+
+SMALL = MultiTenantConfig(
+    duration_s=40.0,
+    chat_session_rate=0.3,
+    chat_think_s=5.0,
+    chat_attachment_tokens=(500, 3_000),
+    agent_rate=0.1,
+    agent_tool_result_tokens=(50, 500),
+    batch_documents=2,
+    batch_document_tokens=(2_000, 4_000),
+    batch_job_rate=0.1,
+)
+
+
+def multi_tenant(seed: int = 1) -> list[WorkloadRequest]:
+    return generate_multi_tenant(SMALL, random.Random(seed))
+
+
+def contended() -> list[WorkloadRequest]:
+    """Long outputs in a small pool: decode allocations fail mid-run and preempt."""
+    return [
+        WorkloadRequest(
+            f"r{i}",
+            0.1 * i,
+            TokenSeq.seeded(i % 3, 500) + TokenSeq.seeded(100 + i, 30 * i + 1),
+            700 + 37 * i,
+            priority=i % 3,
+        )
+        for i in range(8)
+    ]
+
+
+def run(cfg: SimConfig, wl: list[WorkloadRequest]) -> tuple[dict[str, Any], dict[str, Any]]:
+    sim = Simulation(cfg, wl).run()
+    s = sim.summary()
+    s.pop("wall_s")
+    per = {r.request_id: (tuple(r.token_times), r.num_preemptions, r.finish_time) for r in sim.finished}
+    return s, per
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("multi-tenant", {"kv_blocks": 1_500}),
+    ("multi-tenant", {"kv_blocks": 900, "replicas": 2, "router": "prefix-affinity"}),
+    ("multi-tenant", {"kv_blocks": 3_000, "replicas": 3, "router": "least-loaded"}),
+    ("multi-tenant", {"kv_blocks": 700, "sched": SchedulerConfig(max_num_seqs=4)}),
+    ("contended", {"kv_blocks": 300}),
+    ("contended", {"kv_blocks": 260, "sched": SchedulerConfig(waiting_preempts_running=True)}),
+    ("contended", {"kv_blocks": 300, "sched": SchedulerConfig(policy="fcfs")}),
+    ("contended", {"kv_blocks": 520, "block_size": 4, "replicas": 2, "router": "prefix-affinity"}),
+    ("contended", {"kv_blocks": 2_000, "block_size": 1}),
+    ("contended", {"kv_blocks": 1_000, "block_size": 2}),
+]
+
+
+@pytest.mark.parametrize("policy", ["lru", "unified"])
+@pytest.mark.parametrize(("workload", "kw"), CASES)
+def test_fast_forward_equals_step_by_step(policy: str, workload: str, kw: dict[str, Any]) -> None:
+    wl = multi_tenant() if workload == "multi-tenant" else contended()
+    slow, slow_reqs = run(SimConfig(policy=policy, fast_forward=False, **kw), wl)
+    fast, fast_reqs = run(SimConfig(policy=policy, fast_forward=True, **kw), wl)
+    assert fast == slow
+    assert fast_reqs == slow_reqs
+    if workload == "contended":
+        assert slow["preemptions"] > 0  # the runs really were cut by failing allocations
+
+
+def test_fast_forward_covers_most_decode_steps() -> None:
+    wl = contended()
+    slow, fast = (Simulation(SimConfig(kv_blocks=2_000, fast_forward=ff), wl).run() for ff in (False, True))
+    steps = slow.summary()["steps"]
+    assert fast.summary()["steps"] == steps
+    assert slow.fast_forwarded_steps == 0 and fast.fast_forwarded_steps > 0.9 * steps
+
+
+def test_decode_step_time_is_bit_identical_to_step_time() -> None:
+    cat = builtin_catalog()
+    for model, gpu, tp in (("llama-3-8b", "h100-sxm", 1), ("llama-3-70b", "a100-80gb", 4)):
+        cm = CostModel(cat.model(model), cat.gpu(gpu), tp)
+        rng = random.Random(7)
+        for _ in range(200):
+            ctxs = [rng.randint(2, 40_000) for _ in range(rng.randint(1, 64))]
+            assert cm.decode_step_time(len(ctxs), sum(ctxs)) == cm.step_time((), ctxs)
+        assert cm.decode_step_time(0, 0) == 0.0
