@@ -86,7 +86,7 @@ def run_kvretain(policy: str, num_blocks: int, warm: list, timed: list) -> tuple
         plan = plans.get(key)
         if plan is None:
             r = 35 - 10 * prio
-            plan = plans[key] = BlockRetention([r] * n, [None] * n, None, prio, r)
+            plan = plans[key] = BlockRetention([], [], None, prio, r)  # uniform, as KVCacheManager builds it
         pool.free_blocks(ids, plan)
         return n
 

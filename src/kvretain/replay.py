@@ -267,7 +267,7 @@ def replay(
             key = (n, base, req.priority)
             plan = plans.get(key)
             if plan is None:
-                plan = plans[key] = BlockRetention([base] * n, [None] * n, None, req.priority, base)
+                plan = plans[key] = BlockRetention([], [], None, req.priority, base)
         else:
             prios, durs = req.retention.block_plan(
                 n, block_tokens, req.input_length or n * block_tokens, base

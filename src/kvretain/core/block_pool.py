@@ -250,6 +250,9 @@ class BlockPool:
         scope = retention.scope if retention is not None else None
         base = retention.base_priority if retention is not None else DEFAULT_RETENTION_PRIORITY
         n_plan = min(len(prios), len(durs)) if prios is not None and durs is not None else 0
+        batch = track and n_plan == 0  # uniform retention: one batched policy call after the loop
+        run_ids: list[int] = []
+        run_evs: list[bool] = []
         leaf_only = self._leaf_only
         release = policy.release
         empty = self._empty
@@ -270,7 +273,10 @@ class BlockPool:
                 freed_cached += 1
                 if not leaf_only or blk.num_children == 0:
                     blk.evictable = ev = True
-            if track:
+            if batch:
+                run_ids.append(bid)
+                run_evs.append(ev)
+            elif track:
                 if i < n_plan:
                     release(bid, prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]
                 else:
@@ -278,6 +284,8 @@ class BlockPool:
             elif ev:
                 policy.push(bid, now)
         self._num_cached_free += freed_cached
+        if run_ids:
+            policy.release_run(run_ids, run_evs, base, scope, now, base)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block's hash (only when no block is in use, as vLLM); returns success."""

@@ -242,9 +242,7 @@ class KVCacheManager:
         n = len(st.blocks)
         ret = req.retention
         if ret is None or ret.is_default:
-            plan = BlockRetention(
-                [base] * n, [None] * n, None if ret is None else ret.scope, req.priority, base
-            )
+            plan = BlockRetention([], [], None if ret is None else ret.scope, req.priority, base)
         else:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)

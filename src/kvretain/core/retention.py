@@ -297,7 +297,11 @@ def validate_directive_list(raw: Sequence[Mapping[str, Any]]) -> tuple[Retention
 
 @dataclass(frozen=True, slots=True)
 class BlockRetention:
-    """What a request says about its blocks when it releases them (computed once per request)."""
+    """What a request says about its blocks when it releases them (computed once per request).
+
+    Empty ``priorities`` means every block at ``base_priority`` without expiry (the common case, which the
+    pool releases in one batched policy call).
+    """
 
     priorities: list[int] = field(default_factory=list)
     durations: list[float | None] = field(default_factory=list)

@@ -249,6 +249,43 @@ class UnifiedPolicy(EvictionPolicy):
         if evictable:
             self._push(m)
 
+    def release_run(
+        self,
+        block_ids: Sequence[int],
+        evictable: Sequence[bool],
+        retention: int,
+        scope: str | None,
+        now: float,
+        base: int,
+    ) -> None:
+        # NOTE: the steady state of ``release`` (same priority again, no expiry) as one loop; anything else
+        # goes through ``release``.
+        meta = self._meta
+        cap = self._cap
+        linear = self._exp == 1.0
+        L = self._L
+        cost = self._cost_per_block
+        w = self._weight[retention]
+        queues = self._queues
+        for bid, ev in zip(block_ids, evictable, strict=True):
+            m = meta[bid]
+            if m.r != retention or m.expiry != INF or base > m.base:
+                self.release(bid, retention, None, scope, now, base, ev)
+                continue
+            uses = m.uses
+            if uses < cap:
+                uses += 1
+                m.uses = uses
+            f = float(uses) if linear else float(uses**self._exp)
+            m.key = L + w * f * (1.0 + m.depth * cost)
+            if ev:
+                self._seq += 1
+                if m.stamp:
+                    queues[m.tier].n -= 1
+                m.stamp = self._seq
+                tier = m.tier = 1 - m.protected
+                queues[tier].push(m, self._seq)
+
     def retention_of(self, block_id: int, now: float) -> int:
         m = self._meta[block_id]
         if m.r == _UNSET:
