@@ -67,7 +67,7 @@ def main() -> None:
         }
         if not args.no_frontier:
             pts = []
-            for budget in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8):
+            for budget in (0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.9, 1.0):
                 res = replay(
                     reqs, cap, "unified", PolicyConfig(block_size=512, budget=budget, isolation_goal=None)
                 )
@@ -84,6 +84,12 @@ def main() -> None:
                     flush=True,
                 )
             out["frontier"][str(cap)] = pts
+            ok = [
+                p["budget"]
+                for p in pts
+                if p["class0"] >= 0.9 * ref and p["hit_rate"] >= row["lru"]["hit_rate"]
+            ]
+            out["checks"][str(cap)]["fixed_budgets_meeting_both"] = ok
     print(json.dumps(out))
 
 

@@ -11,6 +11,7 @@ Public contract::
 
 from kvretain.core.block_pool import BlockPool, PoolIntegrityError
 from kvretain.core.hashing import BlockHash, BlockHasher, ExtraKeys
+from kvretain.core.kv_cache_manager import CacheRequest, KVCacheManager
 from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig, make_policy, policy_names
 from kvretain.core.retention import (
     DEFAULT_RETENTION_PRIORITY,
@@ -28,8 +29,10 @@ __all__ = [
     "BlockHasher",
     "BlockPool",
     "BlockRetention",
+    "CacheRequest",
     "EvictionPolicy",
     "ExtraKeys",
+    "KVCacheManager",
     "PolicyConfig",
     "PoolIntegrityError",
     "PriorityMapping",
