@@ -240,6 +240,8 @@ class UnifiedPolicy(EvictionPolicy):
                 m.expiry = exp  # refresh on reuse at the same priority
                 if exp != INF:
                     heapq.heappush(self._expiries, (exp, block_id))
+            elif r == _UNSET:
+                m.r = cur  # the first release at the mapped priority: record it (enables the fast path)
             p = 1 if cur >= self._threshold else 0
             if p != m.protected:
                 m.protected = p
@@ -267,9 +269,16 @@ class UnifiedPolicy(EvictionPolicy):
         cost = self._cost_per_block
         w = self._weight[retention]
         queues = self._queues
+        protect = 1 if retention >= self._threshold else 0
         for bid, ev in zip(block_ids, evictable, strict=True):
             m = meta[bid]
-            if m.r != retention or m.expiry != INF or base > m.base:
+            if m.r == _UNSET and m.base == _UNSET and retention == base:
+                # first release of new content at its request's mapped priority
+                m.r = m.base = retention
+                if protect != m.protected:
+                    m.protected = protect
+                    self._num_protected += 1 if protect else -1
+            elif m.r != retention or m.expiry != INF or base > m.base:
                 self.release(bid, retention, None, scope, now, base, ev)
                 continue
             uses = m.uses
