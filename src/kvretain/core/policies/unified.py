@@ -387,14 +387,24 @@ class UnifiedPolicy(EvictionPolicy):
             # over the protected target: the two tiers compete on their keys
             s0, m0 = q0.head()
             s1, m1 = q1.head()
-            m = q0.pop_head(s0, m0) if (s0, m0.key) < (s1, m1.key) else q1.pop_head(s1, m1)
+            if s0 < s1 or (s0 == s1 and m0.key < m1.key):
+                m = q0.pop_head(s0, m0)
+            else:
+                m = q1.pop_head(s1, m1)
         elif q0.n:
             m = q0.pop()
         else:
             return None
         if m.key > self._L:
             self._L = m.key
-        self._forget(m)
+        # NOTE: _forget inlined (eviction hot path)
+        h = m.block_hash
+        if h is not None:
+            m.block_hash = None
+            self._ghost.put(h, m.uses)
+            if m.protected:
+                m.protected = 0
+                self._num_protected -= 1
         return m.block_id
 
     def _forget(self, m: _Meta) -> None:
