@@ -179,6 +179,11 @@ def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
                 )
             except Exception:
                 _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")
+            try:
+                orig(self, request)
+            finally:
+                q._expect = -1  # the fused release's placement is for this free only
+            return
         orig(self, request)
 
     return free

@@ -21,6 +21,8 @@ never receives a stale child's decrement.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -60,6 +62,9 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self.policy = self._policy_factory()
         self._leaf_only = self.policy.leaf_only
         self._tracks = self.policy.tracks_uses
+        # the policy's on_evicted after a pop, unless its pop already forgets the victim
+        self._on_evicted_after_pop = None if self.policy.forgets_on_pop else self.policy.on_evicted
+        self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
         self._where = bytearray(n)
         self._blocked: dict[int, None] = {}
         self._held = 0  # blocks in the policy or blocked (the rest of num_free_blocks is the list)
@@ -82,56 +87,57 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if n > self.num_free_blocks:
             raise ValueError("No free blocks available")
         ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
-        # NOTE: hot path (one iteration per evicted block): _drop/_unlink are inlined.
+        # NOTE: hot path (one iteration per evicted block): the unlink is inlined, locals only.
         k = n - base
         self._held -= k
         self.num_free_blocks -= k
         now = _runtime.now()
         policy = self.policy
         pop = policy.pop
-        on_evicted = policy.on_evicted
+        push = policy.push
+        on_evicted = self._on_evicted_after_pop
         where = self._where
         known = self._hash
         parent = self._parent
         gen = self._gen
         pgen = self._pgen
         children = self._children
-        cls = self._cls
-        blocks = self.pool_blocks
-        evicted: dict[int, int] = {}
+        blocked = self._blocked
+        ids: list[int] = []
+        append = ids.append
         for _ in range(k):
             bid = pop(now)
             if bid is None:  # only blocked blocks are left (duplicates, see the module docstring)
-                bid = next(iter(self._blocked))
-                del self._blocked[bid]
+                bid = next(iter(blocked))
+                del blocked[bid]
             where[bid] = IN_LIST
-            h = known[bid]
-            if h is not None:
-                on_evicted(bid, h)
-                c = cls[bid]
-                evicted[c] = evicted.get(c, 0) + 1
-                known[bid] = None
+            if on_evicted is not None:
+                on_evicted(bid, known[bid])
+            known[bid] = None
+            if children[bid]:  # a blocked block evicted anyway: its children's links go stale
+                children[bid] = 0
                 gen[bid] += 1
-                if children[bid]:
-                    children[bid] = 0
-                p = parent[bid]
-                if p != NO_PARENT:
-                    parent[bid] = NO_PARENT
-                    if gen[p] == pgen[bid]:
-                        c = children[p] - 1
-                        children[p] = c
-                        if c == 0 and where[p] == BLOCKED:
-                            del self._blocked[p]
-                            where[p] = IN_POLICY
-                            policy.push(p, now)
-            ret.append(blocks[bid])
-        for c, cnt in evicted.items():
-            self.counters.get(c).evicted_blocks += cnt
+            p = parent[bid]
+            if p >= 0:
+                parent[bid] = NO_PARENT
+                if gen[p] == pgen[bid]:
+                    c = children[p] - 1
+                    children[p] = c
+                    if c == 0 and where[p] == BLOCKED:
+                        del blocked[p]
+                        where[p] = IN_POLICY
+                        push(p, now)
+            append(bid)
+        ret.extend(map(self.pool_blocks.__getitem__, ids))
+        get = self.counters.get
+        for c, cnt in Counter(map(self._cls.__getitem__, ids)).items():
+            get(c).evicted_blocks += cnt
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
         bid = block.block_id
-        w = self._where[bid]
+        where = self._where
+        w = where[bid]
         if w == IN_LIST:
             super().remove(block)
             return
@@ -139,7 +145,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             self.policy.remove(bid)
         else:
             del self._blocked[bid]
-        self._where[bid] = IN_LIST
+        where[bid] = IN_LIST
         self._held -= 1
         self.num_free_blocks -= 1
 
@@ -147,32 +153,45 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        expected = self._expect
+        if expected >= 0:
+            # right after on_request_release(freeing_now=True) placed exactly these blocks (the hashed ones
+            # whose last reference goes): only the counts change
+            self._expect = -1
+            if expected == len(blocks):
+                self._held += expected
+                self.num_free_blocks += expected
+                return
         plain: list[KVCacheBlock] = []
         now = -1.0
         policy = self.policy
         known = self._hash
+        where = self._where
+        children = self._children
+        leaf_only = self._leaf_only
+        held = 0
         for b in blocks:
             h = b._block_hash  # (the block_hash property, without the call)
             if h is None:
                 plain.append(b)
                 continue
             bid = b.block_id
-            if self._where[bid] == IN_POLICY:  # pushed by the fused release in on_request_release
-                self._held += 1
-                self.num_free_blocks += 1
+            held += 1
+            if where[bid] != IN_LIST:  # placed by the fused release in on_request_release
                 continue
-            if known[bid] is not h and known[bid] != h:
+            k = known[bid]
+            if k is not h and k != h:
                 self._register(bid, h, b.block_hash_num_tokens or 0)
-            if self._leaf_only and self._children[bid]:
+            if leaf_only and children[bid]:
                 self._blocked[bid] = None
-                self._where[bid] = BLOCKED
+                where[bid] = BLOCKED
             else:
                 if now < 0:
                     now = _runtime.now()
                 policy.push(bid, now)
-                self._where[bid] = IN_POLICY
-            self._held += 1
-            self.num_free_blocks += 1
+                where[bid] = IN_POLICY
+        self._held += held
+        self.num_free_blocks += held
         if plain:
             super().append_n(plain)
 
@@ -238,36 +257,45 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         parent (the request's previous block)."""
         if num_cached_blocks >= num_full_blocks:
             return
+        # NOTE: hot path (one iteration per newly cached block): locals only, the link is inlined.
         now = _runtime.now()
         known = self._hash
-        policy = self.policy
-        leaf_only = self._leaf_only
-        prev = blocks[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        on_cached = self.policy.on_cached
+        link = self._leaf_only
+        parent = self._parent
+        pgen = self._pgen
+        gen = self._gen
+        children = self._children
+        where = self._where
+        pid = NO_PARENT
+        if num_cached_blocks > 0 and link:
+            prev = blocks[num_cached_blocks - 1]
+            if prev._block_hash is not None and known[prev.block_id] is not None:
+                pid = prev.block_id
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
             h = b._block_hash
-            if b.is_null or h is None or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                prev = None
+            if h is None or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                pid = NO_PARENT  # (null blocks carry no hash)
                 continue
             bid = b.block_id
-            if known[bid] is h or known[bid] == h:
-                prev = b
-                continue
-            if known[bid] is not None:
+            k = known[bid]
+            if k is not None:
+                if k is h or k == h:
+                    pid = bid
+                    continue
                 self._unlink(bid, now)
             known[bid] = h
-            policy.on_cached(bid, h, i, now)
-            if leaf_only and prev is not None and not prev.is_null:
-                pid = prev.block_id
-                if known[pid] is not None:
-                    self._parent[bid] = pid
-                    self._pgen[bid] = self._gen[pid]
-                    self._children[pid] += 1
-                    if self._where[pid] == IN_POLICY:  # only with duplicate blocks: parent is free
-                        policy.remove(pid)
-                        self._blocked[pid] = None
-                        self._where[pid] = BLOCKED
-            prev = b
+            on_cached(bid, h, i, now)
+            if pid >= 0 and link:
+                parent[bid] = pid
+                pgen[bid] = gen[pid]
+                children[pid] += 1
+                if where[pid] == IN_POLICY:  # only with duplicate blocks: the parent is free
+                    self.policy.remove(pid)
+                    self._blocked[pid] = None
+                    where[pid] = BLOCKED
+            pid = bid
 
     def _retention(self, request: Any) -> RetentionConfig | None:
         sp = getattr(request, "sampling_params", None)
@@ -288,11 +316,27 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         freeing_now: bool = False,
     ) -> None:
         """Before a request's blocks are freed: one release (a use) per hashed block, with the retention
-        priority and duration the request asks for (directives, else its mapped ``priority``).
+        priority and duration the request asks for (directives, else its mapped ``priority``), deepest block
+        first (vLLM's free order).
 
         ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so a
-        block whose last reference goes is pushed here in one fused ``policy.release`` call and
-        ``append_n`` only counts it."""
+        block whose last reference goes is placed here (pushed by the fused ``policy.release`` /
+        ``release_run``, or blocked behind a cached child) and the ``append_n`` that follows only counts
+        it. Without directives the whole request is one ``policy.release_run`` call."""
+        try:
+            self._release(request, groups, block_sizes, freeing_now)
+        except Exception:
+            if freeing_now:
+                self._unplace(groups)  # the append_n that follows places the blocks
+            raise
+
+    def _release(
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool,
+    ) -> None:
         prio = int(getattr(request, "priority", 0) or 0)
         mapped = self._mapped.get(prio)
         if mapped is None:
@@ -300,50 +344,111 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ret = self._retention(request)
         scope = ret.scope if ret is not None else None
         use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        tracks = self._tracks
+        fuse = freeing_now and tracks
+        if freeing_now and not fuse:
+            self._expect = -1
         now = _runtime.now()
         known = self._hash
         cls = self._cls
         policy = self.policy
-        tracks = self._tracks
-        fuse = freeing_now and tracks
         where = self._where
         children = self._children
-        release = policy.release
+        blocked = self._blocked
+        leaf_only = self._leaf_only
         released = 0
+        placed = 0
+        run_ids: list[int] = []
+        run_evs: list[bool] = []
         for g, blocks in enumerate(groups):
             n = len(blocks)
             if not n:
+                continue
+            if fuse and not use_plan:
+                # NOTE: hot path (one iteration per released block); the policy sees one call per request
+                ids_append = run_ids.append
+                evs_append = run_evs.append
+                for i in range(n - 1, -1, -1):
+                    b = blocks[i]
+                    h = b._block_hash
+                    if h is None:  # (also the null block)
+                        continue
+                    bid = b.block_id
+                    k = known[bid]
+                    if k is not h and k != h:
+                        self._register(bid, h, 0, depth=i)
+                    cls[bid] = prio
+                    ev = False
+                    if b.ref_cnt == 1 and where[bid] == IN_LIST:  # the last reference goes now
+                        placed += 1
+                        if leaf_only and children[bid]:
+                            blocked[bid] = None
+                            where[bid] = BLOCKED
+                        else:
+                            where[bid] = IN_POLICY
+                            ev = True
+                    ids_append(bid)
+                    evs_append(ev)
                 continue
             prios: list[int] | None = None
             durs: list[float | None] | None = None
             if use_plan:
                 assert ret is not None and block_sizes is not None
                 prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
-            for i in range(n):
+            for i in range(n - 1, -1, -1):
                 b = blocks[i]
                 h = b._block_hash
-                if h is None or b.is_null:
+                if h is None:
                     continue
                 bid = b.block_id
-                if known[bid] is not h and known[bid] != h:
+                k = known[bid]
+                if k is not h and k != h:
                     self._register(bid, h, 0, depth=i)
                 cls[bid] = prio
                 released += 1
                 if fuse:
-                    last = b.ref_cnt == 1 and not children[bid] and where[bid] == IN_LIST
-                    if last:
-                        where[bid] = IN_POLICY
+                    ev = False
+                    if b.ref_cnt == 1 and where[bid] == IN_LIST:
+                        placed += 1
+                        if leaf_only and children[bid]:
+                            blocked[bid] = None
+                            where[bid] = BLOCKED
+                        else:
+                            where[bid] = IN_POLICY
+                            ev = True
                     if prios is None or durs is None:
-                        release(bid, mapped, None, scope, now, mapped, last)
+                        policy.release(bid, mapped, None, scope, now, mapped, ev)
                     else:
-                        release(bid, prios[i], durs[i], scope, now, mapped, last)
+                        policy.release(bid, prios[i], durs[i], scope, now, mapped, ev)
                 elif tracks:
                     if prios is None or durs is None:
                         policy.on_release(bid, mapped, None, scope, now, mapped)
                     else:
                         policy.on_release(bid, prios[i], durs[i], scope, now, mapped)
+        if run_ids:
+            released += len(run_ids)
+            policy.release_run(run_ids, run_evs, mapped, scope, now, mapped)
+        if fuse:
+            self._expect = placed
         if released:
             self.counters.get(prio).released_blocks += released
+
+    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
+        self._expect = -1
+        where = self._where
+        for blocks in groups:
+            for b in blocks:
+                if b._block_hash is None or b.ref_cnt != 1:
+                    continue
+                bid = b.block_id
+                w = where[bid]
+                if w == IN_POLICY:
+                    with contextlib.suppress(KeyError):
+                        self.policy.remove(bid)
+                elif w == BLOCKED:
+                    self._blocked.pop(bid, None)
+                where[bid] = IN_LIST
 
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the policy's lookup hook."""
