@@ -2,8 +2,8 @@
 
 Replays the first N requests (default 2,000) through vLLM's real v1 ``Scheduler`` and ``KVCacheManager`` on
 CPU with a fake model runner (one sampled token per request whose prefill completes in the step or that is
-decoding), once stock and once with the plugin enabled (``unified``, default options), and prints per-class
-prefix hit tokens, preemptions and the scheduler's wall time per step. The last line is JSON.
+decoding), stock and with the plugin enabled (``unified``, default options), and prints per-class prefix hit
+tokens, preemptions and the scheduler's time per step. The last line is JSON.
 
 Workload: priority 0 when ``hash_ids[1] % 4 == 0`` (``hash_ids[0]`` for one-block requests), else 1 (the
 reference rule); every trace hash id stands for 512 deterministic tokens (``SeededChunk(hash_id, 512)``,
@@ -11,7 +11,19 @@ truncated to the request's ``input_length``), so requests sharing hash ids share
 vLLM's own block hashing finds the reuse. Arrivals follow the trace timestamps, ``--step-ms`` of trace time
 per scheduler step. The KV cache holds ``--pool-blocks`` blocks of ``--block-size`` tokens.
 
+Step time: what one engine step costs the scheduler, i.e. ``Scheduler.schedule()`` plus
+``Scheduler.update_from_output()`` (KV cache allocation, prefix-cache lookups and eviction, caching of full
+blocks, freeing of finished requests); building requests (tokens, block hashes) and the fake runner are
+outside the timed region. It is measured as *process CPU time* (``time.process_time_ns``, so time the shared
+machine gives to other jobs does not count; wall time is reported too) and averaged over all steps of a run.
+Stock and plugin run in the same process, ``--repeats`` times each, interleaved (stock, plugin, plugin,
+stock, ...), each on a freshly built scheduler whose startup heap is frozen for the garbage collector as
+vLLM's ``EngineCore`` does (``gc.freeze()`` after start-up); ``step_time_vs_stock`` is the ratio of the
+fastest run of each (min over repeats; the median ratio is reported as well). Hit tokens and step counts are
+deterministic and must agree across repeats.
+
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
+        [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -148,6 +160,9 @@ class Result:
     name: str
     steps: int = 0
     step_times: list[float] = field(default_factory=list)
+    """Process CPU seconds of each step."""
+    step_wall: list[float] = field(default_factory=list)
+    """Wall seconds of each step."""
     hit_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     prompt_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     requests: dict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -160,26 +175,52 @@ class Result:
     def mean_step_ms(self) -> float:
         return 1000.0 * statistics.fmean(self.step_times) if self.step_times else 0.0
 
+    @property
+    def mean_step_wall_ms(self) -> float:
+        return 1000.0 * statistics.fmean(self.step_wall) if self.step_wall else 0.0
+
+    def outcome(self) -> tuple[Any, ...]:
+        """Everything that must not depend on timing (compared across repeats)."""
+        return (
+            self.steps,
+            sorted(self.hit_tokens.items()),
+            sorted(self.prompt_tokens.items()),
+            sorted(self.preemptions.items()),
+            self.vllm_hits,
+        )
+
 
 def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace) -> Result:
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(args.block_size, sha256)
     sched = build_scheduler(model_dir, args)
     res = Result(name)
+    # as vLLM's EngineCore after start-up: collect, then keep the startup heap out of later collections
+    gc.collect()
+    gc.freeze()
+    try:
+        _drive(sched, hasher, res, reqs)
+    finally:
+        gc.unfreeze()
+    return res
+
+
+def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
     prio_of = {r.rid: r.priority for r in reqs}
     seen: set[str] = set()
     pending = list(reqs)
     pos = 0
     step = 0
     perf = time.perf_counter
+    cpu = time.process_time_ns
     t_start = perf()
-    gc.collect()
     while pos < len(pending) or sched.has_unfinished_requests():
         if not sched.has_unfinished_requests() and pos < len(pending):
             step = max(step, pending[pos].arrival_step)  # idle: jump to the next arrival
@@ -197,8 +238,11 @@ def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.N
                     block_hasher=hasher,
                 )
             )
-        t0 = perf()
+        w0 = perf()
+        c0 = cpu()
         out = sched.schedule()
+        c1 = cpu()
+        w1 = perf()
         req_ids = list(out.num_scheduled_tokens)
         requests = sched.requests
         sampled = []
@@ -210,8 +254,12 @@ def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.N
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+        w2 = perf()
+        c2 = cpu()
         outs = sched.update_from_output(out, mro)
-        res.step_times.append(perf() - t0)
+        c3 = cpu()
+        res.step_times.append((c1 - c0 + c3 - c2) * 1e-9)
+        res.step_wall.append(w1 - w0 + perf() - w2)
         for nr in out.scheduled_new_reqs:
             if nr.req_id not in seen:  # first schedule (resumes after preemption are not new lookups)
                 seen.add(nr.req_id)
@@ -229,15 +277,15 @@ def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.N
         step += 1
     res.steps = len(res.step_times)
     res.wall_s = perf() - t_start
-    return res
 
 
 def report(res: Result) -> None:
     total_hits = sum(res.hit_tokens.values())
     total_prompt = sum(res.prompt_tokens.values())
     print(
-        f"{res.name:>7}: steps {res.steps}, scheduler wall time per step {res.mean_step_ms:.3f} ms "
-        f"(median {1000 * statistics.median(res.step_times):.3f} ms), run {res.wall_s:.1f} s"
+        f"{res.name:>7}: steps {res.steps}, scheduler time per step {res.mean_step_ms:.3f} ms CPU "
+        f"(median {1000 * statistics.median(res.step_times):.3f} ms; wall {res.mean_step_wall_ms:.3f} ms), "
+        f"run {res.wall_s:.1f} s"
     )
     for p in sorted(res.requests):
         print(
@@ -265,6 +313,9 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
     ap.add_argument("--options", default="", help="KVRETAIN_POLICY_OPTIONS for the plugin run")
     ap.add_argument("--policy", default="unified")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="runs of each (interleaved); the fastest of each is compared"
+    )
     args = ap.parse_args()
 
     if not args.trace.is_file():
@@ -285,17 +336,29 @@ def main() -> None:
     )
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per machine
 
-    stock = replay("stock", model_dir, reqs, args)
-    report(stock)
-    plugin.enable(
-        PluginConfig(policy=args.policy, options=parse_options(args.options), mapping=PriorityMapping())
-    )
-    try:
-        plug = replay("plugin", model_dir, reqs, args)
-    finally:
-        plugin.disable()
-    report(plug)
-    print(f"plugin counters: {json.dumps(plugin.stats()['by_priority'])}")
+    cfg = PluginConfig(policy=args.policy, options=parse_options(args.options), mapping=PriorityMapping())
+    runs: dict[str, list[Result]] = {"stock": [], "plugin": []}
+    counters: dict[int, dict[str, int]] = {}
+    for rep in range(max(1, args.repeats)):
+        for name in ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock"):
+            if name == "plugin":
+                plugin.reset_stats()
+                plugin.enable(cfg)
+            try:
+                res = replay(name, model_dir, reqs, args)
+            finally:
+                if name == "plugin":
+                    plugin.disable()
+                    counters = plugin.stats()["by_priority"]
+            report(res)
+            if runs[name] and res.outcome() != runs[name][0].outcome():
+                sys.exit(
+                    f"{name}: repeat {rep} differs from the first run (the replay must be deterministic)"
+                )
+            runs[name].append(res)
+    stock = min(runs["stock"], key=lambda r: r.mean_step_ms)
+    plug = min(runs["plugin"], key=lambda r: r.mean_step_ms)
+    print(f"plugin counters: {json.dumps(counters)}")
 
     def ratio(a: float, b: float) -> float:
         return round(a / b, 4) if b else float("inf")
@@ -305,18 +368,30 @@ def main() -> None:
         "class1_hit_tokens_vs_stock": ratio(plug.hit_tokens[1], stock.hit_tokens[1]),
         "overall_hit_tokens_vs_stock": ratio(sum(plug.hit_tokens.values()), sum(stock.hit_tokens.values())),
         "step_time_vs_stock": ratio(plug.mean_step_ms, stock.mean_step_ms),
+        "step_time_vs_stock_median_run": ratio(
+            statistics.median(r.mean_step_ms for r in runs["plugin"]),
+            statistics.median(r.mean_step_ms for r in runs["stock"]),
+        ),
+        "step_wall_vs_stock": ratio(
+            min(r.mean_step_wall_ms for r in runs["plugin"]), min(r.mean_step_wall_ms for r in runs["stock"])
+        ),
         "stock_hit_tokens": dict(sorted(stock.hit_tokens.items())),
         "plugin_hit_tokens": dict(sorted(plug.hit_tokens.items())),
         "stock_preemptions": sum(stock.preemptions.values()),
         "plugin_preemptions": sum(plug.preemptions.values()),
         "stock_step_ms": round(stock.mean_step_ms, 4),
         "plugin_step_ms": round(plug.mean_step_ms, 4),
+        "stock_step_ms_runs": [round(r.mean_step_ms, 4) for r in runs["stock"]],
+        "plugin_step_ms_runs": [round(r.mean_step_ms, 4) for r in runs["plugin"]],
+        "step_time": "process CPU time of schedule() + update_from_output() per step, mean over a run; "
+        "fastest of the interleaved repeats",
         "stock_steps": stock.steps,
         "plugin_steps": plug.steps,
         "policy": args.policy,
         "requests": len(reqs),
         "block_size": args.block_size,
         "pool_blocks": args.pool_blocks,
+        "repeats": max(1, args.repeats),
     }
     print(json.dumps(result))
 
