@@ -368,15 +368,14 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 # NOTE: hot path (one iteration per released block); the policy sees one call per request
                 ids_append = run_ids.append
                 evs_append = run_evs.append
-                for i in range(n - 1, -1, -1):
-                    b = blocks[i]
+                for b in reversed(blocks):
                     h = b._block_hash
                     if h is None:  # (also the null block)
                         continue
                     bid = b.block_id
                     k = known[bid]
                     if k is not h and k != h:
-                        self._register(bid, h, 0, depth=i)
+                        self._register(bid, h, 0, depth=list(blocks).index(b))
                     cls[bid] = prio
                     ev = False
                     if b.ref_cnt == 1 and where[bid] == IN_LIST:  # the last reference goes now
