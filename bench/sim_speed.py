@@ -3,9 +3,9 @@
     python bench/sim_speed.py [TRACE] [--policy unified] [--replicas 6]
 
 Reference priority rule, priority scheduling, Llama-3-8B on H100-SXM replicas behind the prefix-affinity
-router. Prints the simulate summary, then as its last line JSON
-``{"requests": n, "wall_s": s, "requests_per_wall_s": r}`` (target: under 60 s). ``wall_s`` covers loading
-the trace and simulating it.
+router, the eviction-policy settings of ``kvretain simulate`` (``SIM_POLICY_DEFAULTS``). Prints the
+simulate summary, then as its last line JSON ``{"requests": n, "wall_s": s, "requests_per_wall_s": r}``
+(target: under 60 s). ``wall_s`` covers loading the trace and simulating it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvretain.cli_sim import SIM_POLICY_DEFAULTS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.workloads import PRIORITY_RULES, load_mooncake, tag_priorities
 
@@ -32,7 +33,12 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     reqs = tag_priorities(load_mooncake(args.trace, limit=args.limit), PRIORITY_RULES.create("reference"))
-    cfg = SimConfig(policy=args.policy, replicas=args.replicas, router=args.router)
+    cfg = SimConfig(
+        policy=args.policy,
+        replicas=args.replicas,
+        router=args.router,
+        policy_config=SIM_POLICY_DEFAULTS,  # the settings of `kvretain simulate`
+    )
     summary = Simulation(cfg, reqs).run().summary()
     wall = time.perf_counter() - t0
     print(json.dumps(summary), file=sys.stderr)

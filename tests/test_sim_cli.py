@@ -79,3 +79,20 @@ def test_bad_input_gives_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert "--workload" in capsys.readouterr().err
     assert main(["simulate", "--slo", "0=fast", *SMALL]) == 2
     assert "ttft_s:tpot_s" in capsys.readouterr().err
+
+
+def test_policy_settings_pass_through_and_simulation_defaults() -> None:
+    from kvretain.cli import build_parser
+    from kvretain.cli_sim import SIM_POLICY_DEFAULTS, sim_config
+
+    args = build_parser().parse_args(["simulate"])
+    pc = sim_config(args, "unified").policy_config
+    assert pc == SIM_POLICY_DEFAULTS and pc.priority_weight == 4.0 and pc.isolation_goal == 0.92
+    argv = "simulate --protect-threshold 50 --cost-scale-tokens 28000 --isolation-goal 0"
+    argv += " --priority-weight 2 --budget 0.5 --priority-mapping 0:60,1:35,2:10"
+    args = build_parser().parse_args(argv.split())
+    cfg = sim_config(args, "unified")
+    pc = cfg.policy_config
+    assert (pc.protect_threshold, pc.cost_scale_tokens, pc.isolation_goal) == (50, 28000.0, None)
+    assert (pc.priority_weight, pc.budget) == (2.0, 0.5)
+    assert [cfg.mapping.retention_for(p) for p in (0, 1, 2)] == [60, 35, 10]

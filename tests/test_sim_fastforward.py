@@ -17,6 +17,7 @@ SMALL = MultiTenantConfig(
     duration_s=40.0,
     chat_session_rate=0.3,
     chat_think_s=5.0,
+    chat_rag_tokens=(200, 1_500),
     chat_attachment_tokens=(500, 3_000),
     agent_rate=0.1,
     agent_tool_result_tokens=(50, 500),

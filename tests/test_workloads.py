@@ -217,7 +217,7 @@ def test_other_rules() -> None:
 
 # --- multi-tenant -------------------------------------------------------------------------------------
 
-SMALL = MultiTenantConfig(duration_s=120.0)
+SMALL = MultiTenantConfig(duration_s=120.0, chat_session_rate=0.1, batch_documents=10)
 
 
 def test_multi_tenant_is_deterministic() -> None:
@@ -254,6 +254,12 @@ def test_multi_tenant_structure() -> None:
     # Every chat turn starts with the shared chat system prompt; batch requests share whole documents.
     chats = [r for r in reqs if r.priority == SMALL.chat_priority]
     assert len({r.prompt.chunks[0] for r in chats}) == 1
+    # Later turns add retrieved passages: some follow-ups grow by more than the previous output + a message.
+    by_chat = {r.request_id: r for r in chats}
+    grow = [
+        len(r.prompt) - len(by_chat[r.after].prompt) - by_chat[r.after].output_len for r in chats if r.after
+    ]
+    assert max(grow) > SMALL.chat_user_tokens[1] and min(grow) >= SMALL.chat_user_tokens[0]
     batch = [r for r in reqs if r.priority == SMALL.batch_priority]
     assert len({r.prompt.chunks[:2] for r in batch}) <= SMALL.batch_documents < len(batch)
 
@@ -261,13 +267,45 @@ def test_multi_tenant_structure() -> None:
 def test_multi_tenant_working_set_exceeds_twice_default_kv_capacity() -> None:
     cat = builtin_catalog()
     capacity = CostModel(cat.model("llama-3-8b"), cat.gpu("h100-sxm")).kv_capacity_tokens()
-    reqs = generate_multi_tenant(MultiTenantConfig(), random.Random(0))
-    assert 1_500 <= len(reqs) <= 3_000
-    assert max(r.arrival_s for r in reqs) < MultiTenantConfig().duration_s
+    cfg = MultiTenantConfig()
+    reqs = generate_multi_tenant(cfg, random.Random(0))
+    assert 5_000 <= len(reqs) <= 8_000
+    assert max(r.arrival_s for r in reqs) < cfg.duration_s + cfg.batch_job_spread_s
     ws = working_set(reqs)
     assert ws.peak_tokens > 3 * capacity
     assert ws.mean_tokens > 2 * capacity
     assert ws.reused_tokens > ws.distinct_tokens  # most prompt tokens are reusable context
+    # Chat's own reusable context fits a protected share of the cache (so protection can pay).
+    chat = working_set([r for r in reqs if r.priority == cfg.chat_priority])
+    assert 0.15 * capacity < chat.mean_tokens < 0.5 * capacity
+    assert chat.peak_tokens < 0.8 * capacity
+
+
+def test_multi_tenant_chat_contexts_grow_from_modest_first_turns() -> None:
+    cfg = MultiTenantConfig()
+    reqs = [r for r in generate_multi_tenant(cfg, random.Random(0)) if r.priority == cfg.chat_priority]
+    first = [r for r in reqs if r.after is None]
+    later = [r for r in reqs if r.after is not None]
+    assert len(later) > 4 * len(first)
+    # A first turn is the shared system prompt plus a few thousand new tokens (rarely a pasted document) ...
+    new_first = sorted(len(r.prompt) - cfg.chat_system_tokens for r in first)
+    assert new_first[len(new_first) // 2] < 6_000
+    # ... while the reusable context of later turns is several times longer (what an eviction throws away).
+    by_id = {r.request_id: r for r in reqs}
+    reusable = sorted(len(by_id[r.after].prompt) + by_id[r.after].output_len for r in later)  # type: ignore[index]
+    assert reusable[len(reusable) // 2] > 2.5 * new_first[len(new_first) // 2]
+    assert reusable[int(0.9 * len(reusable))] > 20_000
+
+
+def test_multi_tenant_default_load_is_stable_on_one_replica() -> None:
+    """The first 10 minutes of the defaults on the default replica: served as they arrive (no backlog)."""
+    from kvretain.engine.sim.simulator import SimConfig, simulate
+
+    cfg = MultiTenantConfig(duration_s=600.0)
+    s = simulate(SimConfig(policy="lru"), generate_multi_tenant(cfg, random.Random(0)))
+    assert s["simulated_s"] < cfg.duration_s + 30  # the last request finishes within 30 s of the traffic
+    assert s["queue_p99_s"] < 2.0 and s["preemptions"] == 0
+    assert 0.5 < s["busy_s"] / s["simulated_s"] < 0.95
 
 
 def test_workload_registry() -> None:

@@ -29,6 +29,19 @@ from kvretain.workloads import PRIORITY_RULES, WORKLOADS, WorkloadRequest, tag_p
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
+SIM_POLICY_DEFAULTS = PolicyConfig(priority_weight=4.0)
+"""Eviction-policy settings of ``kvretain simulate`` / ``compare`` (each overridable by a flag).
+
+Core's ``PolicyConfig`` defaults, except ``priority_weight`` 4 instead of 2. With the default request-priority
+mapping (priority 0 -> retention 35, 1 -> 25, 2 -> 15) and ``protect_threshold`` 35, only request priority 0
+is protected (plus blocks under an explicit directive >= 35, such as the agents' 80 for 12 s); the adaptive
+protected share (``budget`` 0.8, ``isolation_goal`` 0.92) sizes itself to what priority 0 needs. Outside
+the protected tier, and when protected blocks exceed their share, blocks compete on GreedyDual keys whose
+value is ``priority_weight ** ((retention - 35) / 10)`` times their use count: weight 4 makes a chat block
+worth 16x a batch block of equal use (weight 2: 4x). Measured on the multi-tenant defaults in
+docs/results.md (both weights); the Mooncake figures there use the same settings.
+"""
+
 
 # ---------------------------------------------------------------------------------------------- args
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -70,8 +83,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: cost model)")
     h.add_argument("--gpu-mem-util", type=float, default=0.9, help="memory share for weights + KV")
     h.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    c = p.add_argument_group("cache")
-    d = PolicyConfig()
+    c = p.add_argument_group("cache (defaults: SIM_POLICY_DEFAULTS, see the module docstring)")
+    d = SIM_POLICY_DEFAULTS
     c.add_argument("--budget", type=float, default=d.budget, help="unified: max protected share")
     c.add_argument(
         "--isolation-goal",
@@ -79,12 +92,30 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=d.isolation_goal or 0.0,
         help="unified: adaptive protection goal (0: fixed budget)",
     )
-    c.add_argument("--priority-weight", type=float, default=d.priority_weight, help="unified: per +10 points")
+    c.add_argument(
+        "--protect-threshold",
+        type=int,
+        default=d.protect_threshold,
+        help="unified: retention priority from which blocks are protected (default 35: request priority 0)",
+    )
+    c.add_argument(
+        "--priority-weight",
+        type=float,
+        default=d.priority_weight,
+        help=f"unified: value factor per +10 retention points (default {d.priority_weight:g})",
+    )
     c.add_argument("--frequency-exponent", type=float, default=d.frequency_exponent)
+    c.add_argument(
+        "--cost-scale-tokens",
+        type=float,
+        default=d.cost_scale_tokens,
+        help="unified: recompute-cost depth scale in tokens (0: off)",
+    )
     c.add_argument(
         "--priority-mapping",
         default="",
-        help="request -> retention priority: 'normal=0,step=10,base=35' (default) or a table '0:60,1:35'",
+        help="request -> retention priority: 'normal=0,step=10,base=35' (default: 0 -> 35, 1 -> 25, 2 -> 15) "
+        "or a table '0:60,1:35'",
     )
     c.add_argument(
         "--slo",
@@ -120,11 +151,14 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         gpu_mem_utilization=args.gpu_mem_util,
         block_size=args.block_size,
         policy=policy,
-        policy_config=PolicyConfig(
+        policy_config=replace(
+            SIM_POLICY_DEFAULTS,
             budget=args.budget,
             isolation_goal=None if args.isolation_goal <= 0 else args.isolation_goal,
+            protect_threshold=args.protect_threshold,
             priority_weight=args.priority_weight,
             frequency_exponent=args.frequency_exponent,
+            cost_scale_tokens=args.cost_scale_tokens,
             block_size=args.block_size,
         ),
         mapping=PriorityMapping.parse(args.priority_mapping),
