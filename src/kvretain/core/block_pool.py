@@ -141,10 +141,8 @@ class BlockPool:
             cached = self.cached
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
-            pending = NO_PARENT  # a parent that just became a leaf, offered with the next pop
             for _ in range(n - k):
-                victim = policy.pop(now) if pending == NO_PARENT else policy.pop_after(pending, now)
-                pending = NO_PARENT
+                victim = policy.pop(now)
                 if victim is None:  # pragma: no cover - excluded by the invariant above
                     raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
                 bid = victim
@@ -162,14 +160,12 @@ class BlockPool:
                     pb.num_children -= 1
                     if pb.num_children == 0 and pb.ref_cnt == 0 and pb.block_hash is not None:
                         pb.evictable = True
-                        pending = p
+                        policy.push(p, now)
                 if on_evicted is not None:
                     on_evicted(bid, h)
                 if on_evict is not None:
                     on_evict(bid, h)
                 out.append(bid)
-            if pending != NO_PARENT:
-                policy.push(pending, now)
             self._num_cached_free -= n - k
             self.num_evictions += n - k
         return out

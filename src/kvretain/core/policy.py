@@ -155,13 +155,6 @@ class EvictionPolicy(ABC):
     def pop(self, now: float) -> int | None:
         """Choose a victim among evictable blocks, remove it from the order, return its id (None if empty)."""
 
-    def pop_after(self, candidate: int, now: float) -> int | None:
-        """``push(candidate)`` then ``pop(now)``: the pool calls it when evicting a block just made its parent a
-        leaf and it needs another victim (chains go leaf by leaf). Policies may override it to take the
-        candidate directly when it would be the victim anyway, saving a push and a pop."""
-        self.push(candidate, now)
-        return self.pop(now)
-
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:  # noqa: B027
         """``block_id``'s content was dropped."""
 

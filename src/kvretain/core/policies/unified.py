@@ -417,48 +417,6 @@ class UnifiedPolicy(EvictionPolicy):
             m.protected = 0
             self._num_protected -= 1
 
-    def pop_after(self, candidate: int, now: float) -> int | None:
-        # NOTE: chains are evicted leaf by leaf, so the freshly exposed parent is usually the next victim:
-        # take it without a queue round trip when ``push`` + ``pop`` would return it (same tie rules).
-        if self._expiries and self._expiries[0][0] <= now:
-            return super().pop_after(candidate, now)
-        c = self._meta[candidate]
-        cs = int(c.key * 16.0)
-        q0, q1 = self._queues
-        h0 = q0.head() if q0.n else None
-        h1 = q1.head() if q1.n else None
-        b0: tuple[int, _Meta] | None
-        b1: tuple[int, _Meta] | None
-        pick: tuple[int, _Meta] | None
-        if c.protected:
-            wins_tier = h0 is None or cs < h0[0]  # FIFO inside a bucket: the queued head goes first
-            b0, b1 = ((cs, c) if wins_tier else h0), h1
-        else:
-            wins_tier = h1 is None or cs < h1[0]
-            b0, b1 = h0, ((cs, c) if wins_tier else h1)
-        if b1 is not None and (self._num_protected <= self._target or b0 is None):
-            pick = b1
-        elif b0 is not None and b1 is not None:
-            pick = b0 if b0[0] < b1[0] or (b0[0] == b1[0] and b0[1].key < b1[1].key) else b1
-        else:
-            pick = b0
-        assert pick is not None
-        if pick[1] is not c:
-            self.push(candidate, now)
-            m = (q0 if pick is h0 else q1).pop_head(pick[0], pick[1])
-        else:
-            m = c
-        if m.key > self._L:
-            self._L = m.key
-        h = m.block_hash
-        if h is not None:
-            m.block_hash = None
-            self._ghost.put(h, m.uses)
-            if m.protected:
-                m.protected = 0
-                self._num_protected -= 1
-        return m.block_id
-
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         # per-block metadata is reset in on_cached when the block gets new content
         self._forget(self._meta[block_id])
