@@ -69,7 +69,9 @@ class BlockPool:
         self._tracks_uses = policy.tracks_uses
         self.num_evictions = 0
         self.on_evict: Callable[[int, BlockHash], None] | None = None
-        """Optional observer (statistics, KV events) called with the victim's id and hash."""
+        """Optional observer (statistics, KV events) called with each victim's id and hash."""
+        self.on_evict_batch: Callable[[list[int], list[BlockHash]], None] | None = None
+        """Optional observer called once per allocation (or reset) with the victims' ids and hashes."""
 
     # ------------------------------------------------------------------ inspection (O(n) snapshots)
     @property
@@ -141,6 +143,9 @@ class BlockPool:
             cached = self.cached
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
+            batch_hook = self.on_evict_batch
+            victims: list[int] = []
+            victim_hashes: list[BlockHash] = []
             for _ in range(n - k):
                 victim = policy.pop(now)
                 if victim is None:  # pragma: no cover - excluded by the invariant above
@@ -165,9 +170,14 @@ class BlockPool:
                     on_evicted(bid, h)
                 if on_evict is not None:
                     on_evict(bid, h)
+                if batch_hook is not None:
+                    victims.append(bid)
+                    victim_hashes.append(h)
                 out.append(bid)
             self._num_cached_free -= n - k
             self.num_evictions += n - k
+            if batch_hook is not None:
+                batch_hook(victims, victim_hashes)
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -301,6 +311,8 @@ class BlockPool:
             self.policy.on_evicted(bid, h)
             if self.on_evict is not None:
                 self.on_evict(bid, h)
+        if self.on_evict_batch is not None and self.cached:
+            self.on_evict_batch(list(self.cached.values()), list(self.cached))
         self.cached.clear()
         self._blocks = [_Block() for _ in range(self.num_blocks)]
         self._empty = list(range(self.num_blocks - 1, -1, -1))

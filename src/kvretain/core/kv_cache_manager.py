@@ -103,18 +103,23 @@ class KVCacheManager:
         self.stats: dict[int, ClassCacheStats] = {}
         self._reqs: dict[str, _ReqState] = {}
         self._block_class: list[int | None] = [None] * num_blocks
-        self.pool.on_evict = self._on_evict
+        self.pool.on_evict_batch = self._on_evict
 
     # ------------------------------------------------------------------ helpers
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        c = self._block_class[block_id]
-        if c is not None:
-            self._class(c).evicted_blocks += 1
-            self._block_class[block_id] = None
+    def _on_evict(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+        classes = self._block_class
+        counts: dict[int, int] = {}
+        for b in block_ids:
+            c = classes[b]
+            if c is not None:
+                counts[c] = counts.get(c, 0) + 1
+                classes[b] = None
+        for c, k in counts.items():
+            self._class(c).evicted_blocks += k
 
     def _class(self, priority: int) -> ClassCacheStats:
         st = self.stats.get(priority)

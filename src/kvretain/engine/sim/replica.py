@@ -36,14 +36,14 @@ class TrackingKVCacheManager(KVCacheManager):
         self.evicted: set[BlockHash] = set()
         self.recomputed_tokens: dict[int, int] = {}
         self._looked: set[str] = set()
-        inner = self.pool.on_evict
+        inner = self.pool.on_evict_batch
 
-        def on_evict(block_id: int, block_hash: BlockHash) -> None:
-            self.evicted.add(block_hash)
+        def on_evict(block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+            self.evicted.update(block_hashes)
             if inner is not None:
-                inner(block_id, block_hash)
+                inner(block_ids, block_hashes)
 
-        self.pool.on_evict = on_evict
+        self.pool.on_evict_batch = on_evict
 
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
         hits, n = super().get_computed_blocks(req)
