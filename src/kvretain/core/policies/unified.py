@@ -124,8 +124,24 @@ class _Queue:
             heapq.heappop(slots)
 
     def pop(self) -> _Meta:
-        s, m = self.head()
-        return self.pop_head(s, m)
+        """Remove and return the first live entry; the queue must not be empty (head + pop_head in one)."""
+        buckets = self._buckets
+        slots = self._slots
+        while True:
+            s = slots[0]
+            q = buckets[s]
+            while q:
+                seq, m = q.popleft()
+                self._entries -= 1
+                if m.stamp == seq:
+                    m.stamp = 0
+                    self.n -= 1
+                    if not q:
+                        del buckets[s]
+                        heapq.heappop(slots)
+                    return m
+            del buckets[s]
+            heapq.heappop(slots)
 
     def pop_head(self, s: int, m: _Meta) -> _Meta:
         """Remove the head ``m`` found by :meth:`head` in bucket ``s``."""
