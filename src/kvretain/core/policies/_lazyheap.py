@@ -8,6 +8,9 @@ live ones, so every operation stays O(log n) amortized.
 from __future__ import annotations
 
 import heapq
+from abc import abstractmethod
+
+from kvretain.core.policy import EvictionPolicy, PolicyConfig
 
 _push = heapq.heappush
 _pop = heapq.heappop
@@ -72,3 +75,31 @@ class LazyHeap:
 
     def ids(self) -> set[int]:
         return {b for b, s in enumerate(self.stamp) if s}
+
+
+class HeapOrderedPolicy(EvictionPolicy):
+    """A policy whose order is one :class:`LazyHeap` keyed by :meth:`_key` (smallest evicted first)."""
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        super().__init__(num_blocks, config)
+        self._heap = LazyHeap(num_blocks)
+
+    @abstractmethod
+    def _key(self, block_id: int, now: float) -> float:
+        """The block's eviction key when it becomes evictable."""
+
+    def push(self, block_id: int, now: float) -> None:
+        self._heap.push(block_id, self._key(block_id, now))
+
+    def remove(self, block_id: int) -> None:
+        self._heap.remove(block_id)
+
+    def pop(self, now: float) -> int | None:
+        top = self._heap.pop()
+        return None if top is None else top[1]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def evictable_ids(self) -> set[int]:
+        return self._heap.ids()

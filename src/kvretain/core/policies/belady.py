@@ -9,14 +9,14 @@ used again, and then it is pushed again, so the key computed at push time stays 
 from __future__ import annotations
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies._lazyheap import LazyHeap
-from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
+from kvretain.core.policies._lazyheap import HeapOrderedPolicy
+from kvretain.core.policy import POLICIES, PolicyConfig
 
 _NEVER = 1e9  # next-use times (request indices, seconds) stay below this; keeps depth exact in the key
 
 
 @POLICIES.register("belady", "offline oracle: evict the block whose next use is farthest (replay only)")
-class BeladyPolicy(EvictionPolicy):
+class BeladyPolicy(HeapOrderedPolicy):
     name = "belady"
     tracks_uses = False
 
@@ -28,7 +28,6 @@ class BeladyPolicy(EvictionPolicy):
                 "trace replay (kvretain replay), not in online serving"
             )
         self._next_use = self.config.next_use
-        self._heap = LazyHeap(num_blocks)
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._depth = [0] * num_blocks
 
@@ -36,25 +35,12 @@ class BeladyPolicy(EvictionPolicy):
         self._hash[block_id] = block_hash
         self._depth[block_id] = depth
 
-    def push(self, block_id: int, now: float) -> None:
+    def _key(self, block_id: int, now: float) -> float:
         h = self._hash[block_id]
         assert h is not None
         # farthest next use first; among blocks never used again (next use capped to a finite horizon so the
         # tie-break survives), the deepest first
-        self._heap.push(block_id, -min(self._next_use(h), _NEVER) * 4096.0 - self._depth[block_id])
-
-    def remove(self, block_id: int) -> None:
-        self._heap.remove(block_id)
-
-    def pop(self, now: float) -> int | None:
-        top = self._heap.pop()
-        return None if top is None else top[1]
+        return -min(self._next_use(h), _NEVER) * 4096.0 - self._depth[block_id]
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         self._hash[block_id] = None
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def evictable_ids(self) -> set[int]:
-        return self._heap.ids()

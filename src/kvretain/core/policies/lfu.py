@@ -8,8 +8,8 @@ Leaves only: a block is never evicted while a cached descendant stays.
 from __future__ import annotations
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies._lazyheap import LazyHeap
-from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
+from kvretain.core.policies._lazyheap import HeapOrderedPolicy
+from kvretain.core.policy import POLICIES, PolicyConfig
 
 
 class GhostTable:
@@ -49,12 +49,11 @@ class GhostTable:
 
 
 @POLICIES.register("lfu", "least frequently used first (uses remembered across eviction), LRU among equals")
-class LFUPolicy(EvictionPolicy):
+class LFUPolicy(HeapOrderedPolicy):
     name = "lfu"
 
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         super().__init__(num_blocks, config)
-        self._heap = LazyHeap(num_blocks)
         self._uses = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._ghost = GhostTable(int(self.config.ghost_factor * num_blocks))
@@ -80,24 +79,11 @@ class LFUPolicy(EvictionPolicy):
         self._tick += 1
         self._released[block_id] = self._tick
 
-    def push(self, block_id: int, now: float) -> None:
+    def _key(self, block_id: int, now: float) -> float:
         # key: uses first, then release order (fixed at release); ticks < 2**40 keep the float exact
-        self._heap.push(block_id, self._uses[block_id] * 1099511627776.0 + self._released[block_id])
-
-    def remove(self, block_id: int) -> None:
-        self._heap.remove(block_id)
-
-    def pop(self, now: float) -> int | None:
-        top = self._heap.pop()
-        return None if top is None else top[1]
+        return self._uses[block_id] * 1099511627776.0 + self._released[block_id]
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         self._ghost.put(block_hash, self._uses[block_id])
         self._uses[block_id] = 0
         self._hash[block_id] = None
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def evictable_ids(self) -> set[int]:
-        return self._heap.ids()

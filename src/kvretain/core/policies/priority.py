@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import heapq
 
-from kvretain.core.policies._lazyheap import LazyHeap
-from kvretain.core.policy import INF, POLICIES, EvictionPolicy, PolicyConfig
+from kvretain.core.policies._lazyheap import HeapOrderedPolicy
+from kvretain.core.policy import INF, POLICIES, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 
 _LEVEL = float(1 << 44)  # release ticks stay below 2**44, so level * _LEVEL + tick is exact in a float
@@ -21,12 +21,11 @@ _LEVEL = float(1 << 44)  # release ticks stay below 2**44, so level * _LEVEL + t
 @POLICIES.register(
     "priority", "strict retention priority (TensorRT-LLM-like): lowest level first, LRU within"
 )
-class StrictPriorityPolicy(EvictionPolicy):
+class StrictPriorityPolicy(HeapOrderedPolicy):
     name = "priority"
 
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         super().__init__(num_blocks, config)
-        self._heap = LazyHeap(num_blocks)
         self._prio = [DEFAULT_RETENTION_PRIORITY] * num_blocks
         self._expiry = [INF] * num_blocks
         self._released = [0] * num_blocks
@@ -59,11 +58,8 @@ class StrictPriorityPolicy(EvictionPolicy):
     def retention_of(self, block_id: int, now: float) -> int:
         return DEFAULT_RETENTION_PRIORITY if self._expiry[block_id] <= now else self._prio[block_id]
 
-    def push(self, block_id: int, now: float) -> None:
-        self._heap.push(block_id, self.retention_of(block_id, now) * _LEVEL + self._released[block_id])
-
-    def remove(self, block_id: int) -> None:
-        self._heap.remove(block_id)
+    def _key(self, block_id: int, now: float) -> float:
+        return self.retention_of(block_id, now) * _LEVEL + self._released[block_id]
 
     def _expire(self, now: float) -> None:
         exp = self._expiries
@@ -80,11 +76,4 @@ class StrictPriorityPolicy(EvictionPolicy):
     def pop(self, now: float) -> int | None:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
-        top = self._heap.pop()
-        return None if top is None else top[1]
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def evictable_ids(self) -> set[int]:
-        return self._heap.ids()
+        return super().pop(now)

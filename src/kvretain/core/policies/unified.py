@@ -124,24 +124,9 @@ class _Queue:
             heapq.heappop(slots)
 
     def pop(self) -> _Meta:
-        """Remove and return the first live entry; the queue must not be empty (head + pop_head in one)."""
-        buckets = self._buckets
-        slots = self._slots
-        while True:
-            s = slots[0]
-            q = buckets[s]
-            while q:
-                seq, m = q.popleft()
-                self._entries -= 1
-                if m.stamp == seq:
-                    m.stamp = 0
-                    self.n -= 1
-                    if not q:
-                        del buckets[s]
-                        heapq.heappop(slots)
-                    return m
-            del buckets[s]
-            heapq.heappop(slots)
+        """Remove and return the first live entry; the queue must not be empty."""
+        s, m = self.head()
+        return self.pop_head(s, m)
 
     def pop_head(self, s: int, m: _Meta) -> _Meta:
         """Remove the head ``m`` found by :meth:`head` in bucket ``s``."""
@@ -284,7 +269,6 @@ class UnifiedPolicy(EvictionPolicy):
         L = self._L
         cost = self._cost_per_block
         w = self._weight[retention]
-        queues = self._queues
         protect = 1 if retention >= self._threshold else 0
         for bid, ev in zip(block_ids, evictable, strict=True):
             m = meta[bid]
@@ -304,12 +288,7 @@ class UnifiedPolicy(EvictionPolicy):
             f = float(uses) if linear else float(uses**self._exp)
             m.key = L + w * f * (1.0 + m.depth * cost)
             if ev:
-                self._seq += 1
-                if m.stamp:
-                    queues[m.tier].n -= 1
-                m.stamp = self._seq
-                tier = m.tier = 1 - m.protected
-                queues[tier].push(m, self._seq)
+                self._push(m)
 
     def retention_of(self, block_id: int, now: float) -> int:
         m = self._meta[block_id]
@@ -364,13 +343,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._queues[tier].push(m, self._seq)
 
     def push(self, block_id: int, now: float) -> None:
-        m = self._meta[block_id]
-        self._seq += 1
-        if m.stamp:
-            self._queues[m.tier].n -= 1
-        m.stamp = self._seq
-        tier = m.tier = 1 - m.protected
-        self._queues[tier].push(m, self._seq)
+        self._push(self._meta[block_id])
 
     def remove(self, block_id: int) -> None:
         m = self._meta[block_id]
@@ -413,14 +386,7 @@ class UnifiedPolicy(EvictionPolicy):
             return None
         if m.key > self._L:
             self._L = m.key
-        # NOTE: _forget inlined (eviction hot path)
-        h = m.block_hash
-        if h is not None:
-            m.block_hash = None
-            self._ghost.put(h, m.uses)
-            if m.protected:
-                m.protected = 0
-                self._num_protected -= 1
+        self._forget(m)  # eviction bookkeeping here, so the pool skips on_evicted (forgets_on_pop)
         return m.block_id
 
     def _forget(self, m: _Meta) -> None:

@@ -121,6 +121,15 @@ class CostModel:
             tokens += n
             pairs += n * p + n * (n + 1) // 2
             kv_tokens += n + p
+        return self._roofline(tokens, pairs, kv_tokens)
+
+    def decode_step_time(self, n: int, ctx_sum: int) -> float:
+        """``step_time((), contexts)`` for ``n`` decode contexts summing to ``ctx_sum``, in O(1) (the same
+        float expression, so the result is bit-identical)."""
+        return self._roofline(n, ctx_sum, ctx_sum)
+
+    def _roofline(self, tokens: int, pairs: int, kv_tokens: int) -> float:
+        """One step: the slower of compute and memory, plus fixed overhead and all-reduce (0 for no tokens)."""
         if tokens == 0:
             return 0.0
         flops = self.linear_flops_per_token * tokens + self.attn_flops_per_pair * pairs
@@ -132,22 +141,6 @@ class CostModel:
             + self._overhead
             + self._ar_fixed
             + self._ar_per_token * tokens
-        )
-
-    def decode_step_time(self, n: int, ctx_sum: int) -> float:
-        """``step_time((), contexts)`` for ``n`` decode contexts summing to ``ctx_sum``, in O(1) (the same
-        float expression, so the result is bit-identical)."""
-        if n == 0:
-            return 0.0
-        flops = self.linear_flops_per_token * n + self.attn_flops_per_pair * ctx_sum
-        nbytes = self._weight_bytes + self._kv_bytes_stored * ctx_sum
-        t_compute = flops * self._sec_per_flop
-        t_memory = nbytes * self._sec_per_byte
-        return (
-            (t_compute if t_compute > t_memory else t_memory)
-            + self._overhead
-            + self._ar_fixed
-            + self._ar_per_token * n
         )
 
     def prefill_time(self, n_new: int, n_cached: int = 0) -> float:
