@@ -477,6 +477,78 @@ def test_unified_ghost_keeps_frequency_across_eviction() -> None:
     assert sim.evict_all() == [3, 1]
 
 
+def _two_chains() -> Sim:
+    sim = unified(6, 1.0)
+    sim.run([1, 2, 3], 25, base=25)  # equal keys: one use each at the same priority
+    sim.run([4, 5, 6], 25, base=25)
+    return sim
+
+
+def test_unified_evicts_a_chain_as_a_unit_tail_first() -> None:
+    # an exposed parent goes first among equal keys: chain 1-2-3 goes whole before chain 4-5-6 starts
+    assert _two_chains().evict_all() == [3, 2, 1, 6, 5, 4]
+
+
+def test_unified_eviction_order_does_not_depend_on_allocation_batches() -> None:
+    one_call = _two_chains().evict(6)
+    two_calls = _two_chains()
+    assert one_call == two_calls.evict(1) + two_calls.evict(4) + two_calls.evict(1)
+
+
+def test_unified_exposed_parent_waits_behind_lower_keys() -> None:
+    sim = unified(3, 1.0)
+    sim.run([1, 2], 25, base=25)
+    sim.run([1], 25, base=25)  # block 1: three uses, block 2: one
+    sim.run([1], 25, base=25)
+    sim.run([3], 25, base=25)  # one use
+    assert sim.evict(3) == [2, 3, 1]  # exposed by 2, block 1 (key 3) waits behind block 3 (key 1)
+
+
+def test_unified_protected_parent_is_not_taken_ahead_of_unprotected_blocks() -> None:
+    sim = unified(4, 1.0)
+    sim.run([1, 2], 35)  # protected chain
+    sim.run([3], 25, base=25)
+    sim.run([4], 25, base=25)
+    # within the budget unprotected blocks go first, also when a protected victim exposed its parent
+    assert sim.evict(4) == [3, 4, 2, 1]
+    sim2 = unified(4, 0.0)  # no budget: the two tiers compete on their keys (35 is worth 2x 25)
+    sim2.run([3], 25, base=25)
+    sim2.run([1, 2], 35)
+    sim2.run([4], 25, base=25)
+    assert sim2.evict(4) == [3, 4, 2, 1]
+
+
+def test_lfu_exposed_parent_keeps_its_release_order() -> None:
+    # lfu's key fixes the release order: a parent released right after its child follows it
+    sim = Sim("lfu", 6)
+    sim.run([1, 2, 3])
+    sim.run([4, 5, 6])
+    assert sim.evict(6) == [3, 2, 1, 6, 5, 4]
+
+
+def test_unified_shadow_samples_one_block_per_256_tokens() -> None:
+    cfg = PolicyConfig(budget=0.8, isolation_goal=0.9, block_size=16)  # stride 16
+    pol = make_policy("unified", 1600, cfg)
+    assert isinstance(pol, UnifiedPolicy)
+    chain = list(range(100))
+    pol.on_lookup(chain, 0, 80)  # cold shadow: estimate 0, shrink
+    t = pol.stats()["protected_target"]
+    pol.on_lookup(chain, 0, 80)  # all 7 sampled blocks (0, 16, ..., 96) in the shadow: estimate 100 -> grow
+    assert pol.stats()["protected_target"] > t
+    assert len(pol._shadow) == 7
+    # a chain that shares the first 40 blocks: sampled 0, 16, 32 hit, 48 misses -> estimate 3 * 16 - 8 = 40
+    other = pol.__class__(1600, cfg)
+    other.on_lookup(chain, 0, 80)
+    other.on_lookup(list(range(40)) + [1000 + i for i in range(60)], 0, 80)
+    assert other._acc_shadow == pytest.approx(40.0)
+    # exact at large blocks (stride 1)
+    exact = make_policy("unified", 100, PolicyConfig(isolation_goal=0.9, block_size=512))
+    assert isinstance(exact, UnifiedPolicy)
+    exact.on_lookup([1, 2, 3], 0, 80)
+    exact.on_lookup([1, 2, 9], 0, 80)
+    assert exact._acc_shadow == pytest.approx(2.0)
+
+
 # ---------------------------------------------------------------- belady
 
 

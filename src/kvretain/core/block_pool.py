@@ -146,8 +146,16 @@ class BlockPool:
             batch_hook = self.on_evict_batch
             victims: list[int] = []
             victim_hashes: list[BlockHash] = []
-            for _ in range(n - k):
-                victim = policy.pop(now)
+            pop = policy.pop
+            pop_exposed = policy.pop_exposed
+            exposed = NO_PARENT  # the last victim's parent, evictable now and not yet given to the policy
+            last = n - k - 1
+            for i in range(n - k):
+                if exposed == NO_PARENT:
+                    victim = pop(now)
+                else:
+                    victim = pop_exposed(exposed, now)
+                    exposed = NO_PARENT
                 if victim is None:  # pragma: no cover - excluded by the invariant above
                     raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
                 bid = victim
@@ -165,7 +173,10 @@ class BlockPool:
                     pb.num_children -= 1
                     if pb.num_children == 0 and pb.ref_cnt == 0 and pb.block_hash is not None:
                         pb.evictable = True
-                        policy.push(p, now)
+                        if i < last:
+                            exposed = p  # the next pop_exposed hands it over (or evicts it at once)
+                        else:
+                            policy.expose(p, now)
                 if on_evicted is not None:
                     on_evicted(bid, h)
                 if on_evict is not None:

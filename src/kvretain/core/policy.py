@@ -12,6 +12,8 @@ Life of a hashed block, as the policy sees it::
     on_release(id, retention...)    a request stopped using it (one "use"; may still be in use by others)
     push(id) / remove(id)           it became evictable / stopped being evictable (hit, or gained a child)
     pop(now) -> id | None           choose and remove a victim; the pool then calls on_evicted(id, hash)
+    expose(parent, now)             a victim's parent lost its last cached child: it is evictable now
+    pop_exposed(parent, now)        expose(parent) + pop(now) in one call
 
 Every method must be O(1) or O(log n) in the pool size.
 """
@@ -154,6 +156,17 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def pop(self, now: float) -> int | None:
         """Choose a victim among evictable blocks, remove it from the order, return its id (None if empty)."""
+
+    def expose(self, block_id: int, now: float) -> None:
+        """``block_id`` became evictable because its last cached child was evicted (default: ``push``)."""
+        self.push(block_id, now)
+
+    def pop_exposed(self, block_id: int, now: float) -> int | None:
+        """``expose(block_id)`` then ``pop(now)``: the pool's eviction loop calls this when the previous
+        victim's parent became evictable and another victim is needed right away. Policies may fuse it (evict
+        the parent directly when it is next in line, without queueing it)."""
+        self.expose(block_id, now)
+        return self.pop(now)
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:  # noqa: B027
         """``block_id``'s content was dropped."""

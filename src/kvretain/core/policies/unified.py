@@ -38,6 +38,9 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PR
 
 _UNSET = -1
 _KEY_UNIT = 1.0 / 16.0  # key resolution of the bucket queues (the smallest value is ~0.09)
+SHADOW_SAMPLE_TOKENS = (
+    256  # the isolation controller's shadow directory samples one block per this many tokens
+)
 
 
 class _Meta:
@@ -88,13 +91,16 @@ class _Queue:
         self._entries = 0
         self.n = 0
 
-    def push(self, m: _Meta, seq: int) -> None:
+    def push(self, m: _Meta, seq: int, front: bool = False) -> None:
         s = int(m.key * 16.0)
         q = self._buckets.get(s)
         if q is None:
             q = self._buckets[s] = deque()
             heapq.heappush(self._slots, s)
-        q.append((seq, m))
+        if front:
+            q.appendleft((seq, m))
+        else:
+            q.append((seq, m))
         self.n += 1
         self._entries += 1
         if self._entries > 2 * self.n + 1024:
@@ -122,6 +128,11 @@ class _Queue:
                 self._entries -= 1
             del buckets[s]
             heapq.heappop(slots)
+
+    def first_slot(self) -> int:
+        """A lower bound of the first live entry's bucket (exact unless that bucket holds only dead entries);
+        the queue must not be empty."""
+        return self._slots[0]
 
     def pop(self) -> _Meta:
         """Remove and return the first live entry; the queue must not be empty."""
@@ -172,6 +183,10 @@ class UnifiedPolicy(EvictionPolicy):
         self._goal = cfg.isolation_goal
         self._target = self._max_target if self._goal is None else 0.5 * self._max_target
         self._shadow: OrderedDict[BlockHash, None] = OrderedDict()
+        # NOTE: the shadow directory tracks one block in ``stride`` (by depth, so a block is always or never
+        # sampled): one per 256 tokens, which keeps it exact for large blocks and 16x cheaper at 16 tokens.
+        self._stride = max(1, SHADOW_SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._shadow_cap = max(1, num_blocks // self._stride)
         self._acc_hits = 0.0
         self._acc_shadow = 0.0
         self._step = 0.002 * num_blocks
@@ -308,18 +323,27 @@ class UnifiedPolicy(EvictionPolicy):
         if self._goal is None or retention < self._threshold or not hashes:
             return
         shadow = self._shadow
-        k = 0
         n = len(hashes)
-        while k < n and hashes[k] in shadow:
+        stride = self._stride
+        sampled = hashes if stride == 1 else hashes[::stride]
+        k = 0
+        ns = len(sampled)
+        while k < ns and sampled[k] in shadow:
             k += 1
-        for i in range(n - 1, -1, -1):  # deepest first, as a release would order them
-            h = hashes[i]
-            shadow[h] = None
-            shadow.move_to_end(h)
-        while len(shadow) > self.num_blocks:
+        # leading shadow hits: exact for stride 1; otherwise the first sampled miss bounds them to a stride
+        est = n if k == ns else (k if stride == 1 else max(0, k * stride - stride // 2))
+        move = shadow.move_to_end
+        for i in range(ns - 1, -1, -1):  # deepest first, as a release would order them
+            h = sampled[i]
+            if h in shadow:
+                move(h)
+            else:
+                shadow[h] = None
+        cap = self._shadow_cap
+        while len(shadow) > cap:
             shadow.popitem(last=False)
         self._acc_hits = self._acc_hits * self._decay + num_hits
-        self._acc_shadow = self._acc_shadow * self._decay + k
+        self._acc_shadow = self._acc_shadow * self._decay + est
         if self._acc_hits < self._goal * self._acc_shadow:
             self._target = min(self._max_target, self._target + self._step)
         else:
@@ -334,16 +358,21 @@ class UnifiedPolicy(EvictionPolicy):
             * (1.0 + m.depth * self._cost_per_block)
         )
 
-    def _push(self, m: _Meta) -> None:
+    def _push(self, m: _Meta, front: bool = False) -> None:
         self._seq += 1
         if m.stamp:
             self._queues[m.tier].n -= 1
         m.stamp = self._seq
         tier = m.tier = 1 - m.protected
-        self._queues[tier].push(m, self._seq)
+        self._queues[tier].push(m, self._seq, front)
 
     def push(self, block_id: int, now: float) -> None:
         self._push(self._meta[block_id])
+
+    def expose(self, block_id: int, now: float) -> None:
+        # an exposed parent goes first among the blocks of its key bucket: a chain is evicted as a unit,
+        # tail first (as vLLM evicts a request's blocks back to back), not one layer of every chain at a time
+        self._push(self._meta[block_id], True)
 
     def remove(self, block_id: int) -> None:
         m = self._meta[block_id]
@@ -389,12 +418,52 @@ class UnifiedPolicy(EvictionPolicy):
         self._forget(m)  # eviction bookkeeping here, so the pool skips on_evicted (forgets_on_pop)
         return m.block_id
 
+    def pop_exposed(self, block_id: int, now: float) -> int | None:
+        # NOTE: hot path (chains are evicted tail first, so most victims expose their parent): ``expose`` then
+        # ``pop`` without queueing the parent when it would be the victim, i.e. when its tier is the one being
+        # evicted and its bucket is not above that queue's first bucket (where ``expose`` puts it in front).
+        m = self._meta[block_id]
+        if not (self._expiries and self._expiries[0][0] <= now):
+            q0, q1 = self._queues
+            s = int(m.key * 16.0)
+            take = False
+            if m.protected:
+                if (not q1.n or self._num_protected > self._target) and (not q0.n or s <= q0.first_slot()):
+                    if q1.n:
+                        s1, m1 = q1.head()
+                        take = s < s1 or (s == s1 and m.key < m1.key)
+                    else:
+                        take = True
+            elif not q1.n or s <= q1.first_slot():
+                if q0.n and self._num_protected > self._target:
+                    s0, m0 = q0.head()
+                    take = not (s0 < s or (s0 == s and m0.key < m.key))
+                else:
+                    take = True
+            if take:
+                if m.key > self._L:
+                    self._L = m.key
+                self._forget(m)
+                return block_id
+        self._push(m, True)
+        return self.pop(now)
+
     def _forget(self, m: _Meta) -> None:
         h = m.block_hash
         if h is None:
             return
         m.block_hash = None
-        self._ghost.put(h, m.uses)
+        g = self._ghost  # GhostTable.put, inlined (once per eviction)
+        if g.capacity:
+            ring = g.ring
+            pos = g.pos
+            old = ring[pos]
+            if old is not None:
+                self._ghost_pop(old, None)
+            ring[pos] = h
+            g.table[h] = m.uses
+            pos += 1
+            g.pos = 0 if pos == g.capacity else pos
         if m.protected:
             m.protected = 0
             self._num_protected -= 1

@@ -94,7 +94,8 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         now = _runtime.now()
         policy = self.policy
         pop = policy.pop
-        push = policy.push
+        pop_exposed = policy.pop_exposed
+        expose = policy.expose
         on_evicted = self._on_evicted_after_pop
         where = self._where
         known = self._hash
@@ -105,8 +106,14 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         blocked = self._blocked
         ids: list[int] = []
         append = ids.append
-        for _ in range(k):
-            bid = pop(now)
+        exposed = NO_PARENT  # the last victim's parent, unblocked and not yet given to the policy
+        last = k - 1
+        for i in range(k):
+            if exposed == NO_PARENT:
+                bid = pop(now)
+            else:
+                bid = pop_exposed(exposed, now)
+                exposed = NO_PARENT
             if bid is None:  # only blocked blocks are left (duplicates, see the module docstring)
                 bid = next(iter(blocked))
                 del blocked[bid]
@@ -126,7 +133,10 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     if c == 0 and where[p] == BLOCKED:
                         del blocked[p]
                         where[p] = IN_POLICY
-                        push(p, now)
+                        if i < last:
+                            exposed = p
+                        else:
+                            expose(p, now)
             append(bid)
         ret.extend(map(self.pool_blocks.__getitem__, ids))
         get = self.counters.get
@@ -230,7 +240,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 if c == 0 and self._where[p] == BLOCKED:
                     del self._blocked[p]
                     self._where[p] = IN_POLICY
-                    self.policy.push(p, now)
+                    self.policy.expose(p, now)
 
     def _register(self, bid: int, h: Any, num_tokens: int, depth: int | None = None) -> None:
         """New content in ``bid`` (no parent link)."""
