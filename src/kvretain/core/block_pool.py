@@ -144,7 +144,6 @@ class BlockPool:
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
             batch_hook = self.on_evict_batch
-            victims: list[int] = []
             victim_hashes: list[BlockHash] = []
             pop = policy.pop
             pop_exposed = policy.pop_exposed
@@ -182,13 +181,12 @@ class BlockPool:
                 if on_evict is not None:
                     on_evict(bid, h)
                 if batch_hook is not None:
-                    victims.append(bid)
                     victim_hashes.append(h)
                 out.append(bid)
             self._num_cached_free -= n - k
             self.num_evictions += n - k
             if batch_hook is not None:
-                batch_hook(victims, victim_hashes)
+                batch_hook(out[k:], victim_hashes)
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:

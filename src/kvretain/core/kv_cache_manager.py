@@ -17,6 +17,7 @@ derive hashes from a prompt's structure instead of hashing millions of token ids
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -111,15 +112,10 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def _on_evict(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
-        classes = self._block_class
-        counts: dict[int, int] = {}
-        for b in block_ids:
-            c = classes[b]
+        # a block's class is that of its last releaser (set in free); every evicted block was released
+        for c, k in Counter(map(self._block_class.__getitem__, block_ids)).items():
             if c is not None:
-                counts[c] = counts.get(c, 0) + 1
-                classes[b] = None
-        for c, k in counts.items():
-            self._class(c).evicted_blocks += k
+                self._class(c).evicted_blocks += k
 
     def _class(self, priority: int) -> ClassCacheStats:
         st = self.stats.get(priority)

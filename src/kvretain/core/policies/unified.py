@@ -129,11 +129,6 @@ class _Queue:
             del buckets[s]
             heapq.heappop(slots)
 
-    def first_slot(self) -> int:
-        """A lower bound of the first live entry's bucket (exact unless that bucket holds only dead entries);
-        the queue must not be empty."""
-        return self._slots[0]
-
     def pop(self) -> _Meta:
         """Remove and return the first live entry; the queue must not be empty."""
         s, m = self.head()
@@ -422,20 +417,21 @@ class UnifiedPolicy(EvictionPolicy):
         # NOTE: hot path (chains are evicted tail first, so most victims expose their parent): ``expose`` then
         # ``pop`` without queueing the parent when it would be the victim, i.e. when its tier is the one being
         # evicted and its bucket is not above that queue's first bucket (where ``expose`` puts it in front).
+        # ``_slots[0]`` bounds a queue's first live bucket from below (its bucket may hold only dead entries).
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             q0, q1 = self._queues
             s = int(m.key * 16.0)
             take = False
             if m.protected:
-                if (not q1.n or self._num_protected > self._target) and (not q0.n or s <= q0.first_slot()):
-                    if q1.n:
+                if (not q1.n or self._num_protected > self._target) and (not q0.n or s <= q0._slots[0]):
+                    if q1.n and s >= q1._slots[0]:
                         s1, m1 = q1.head()
                         take = s < s1 or (s == s1 and m.key < m1.key)
                     else:
                         take = True
-            elif not q1.n or s <= q1.first_slot():
-                if q0.n and self._num_protected > self._target:
+            elif not q1.n or s <= q1._slots[0]:
+                if q0.n and self._num_protected > self._target and s >= q0._slots[0]:
                     s0, m0 = q0.head()
                     take = not (s0 < s or (s0 == s and m0.key < m.key))
                 else:
