@@ -39,8 +39,9 @@ class PolicyConfig:
     Attributes:
         budget: unified: the largest share of the pool that protected blocks may hold (0..1).
         isolation_goal: unified: when set, the protected share adapts (up to ``budget``) so that protected
-            traffic keeps this fraction of the hit ratio it would get alone in the pool (a shadow LRU
-            directory measures that); ``None`` keeps the protected share fixed at ``budget``.
+            traffic keeps this fraction of the hits it would get alone in the pool, counted over a long
+            window (~100k protected lookups; a shadow LRU directory measures the isolated hits); ``None``
+            keeps the protected share fixed at ``budget``.
         protect_threshold: unified: blocks whose effective retention priority is at least this are protected.
         priority_weight: unified: a block's value is multiplied by this for every 10 retention-priority points
             above 35 (divided below); 1 disables the soft bias and leaves only the protected/unprotected tiers.
@@ -55,8 +56,8 @@ class PolicyConfig:
         next_use: belady only: ``next_use(block_hash) -> time of the next request that uses it`` (inf: never).
     """
 
-    budget: float = 0.8
-    isolation_goal: float | None = 0.92
+    budget: float = 0.95
+    isolation_goal: float | None = 0.9
     protect_threshold: int = DEFAULT_RETENTION_PRIORITY
     priority_weight: float = 2.0
     frequency_exponent: float = 1.0

@@ -184,8 +184,12 @@ class UnifiedPolicy(EvictionPolicy):
         self._shadow_cap = max(1, num_blocks // self._stride)
         self._acc_hits = 0.0
         self._acc_shadow = 0.0
+        # NOTE: an integral controller over a long window: the target moves 0.2% of the pool per protected
+        # lookup until the windowed hits reach the goal. Short windows (decay 0.999) let the target swing
+        # with each burst, and the swings cost more overall reuse than they give protected traffic
+        # (docs/results.md, "the protection frontier").
         self._step = 0.002 * num_blocks
-        self._decay = 0.999
+        self._decay = 0.99999
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
