@@ -4,7 +4,7 @@ Installed with ``pip install 'kvretain[vllm]'``; vLLM finds :func:`register` thr
 ``vllm.general_plugins: kvretain``. The plugin is inert unless ``KVRETAIN_POLICY`` names a policy (see
 :mod:`kvretain.integrations.vllm.config` for every variable)::
 
-    KVRETAIN_POLICY=unified KVRETAIN_POLICY_OPTIONS="budget=0.8,isolation_goal=0.92" \\
+    KVRETAIN_POLICY=unified KVRETAIN_POLICY_OPTIONS="budget=0.8,isolation_goal=0.9" \\
         vllm serve MODEL --enable-prefix-caching --scheduling-policy priority
 
 When enabled, the cached free blocks of vLLM's prefix cache are evicted in the policy's order (vLLM's block

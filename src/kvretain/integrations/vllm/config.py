@@ -7,7 +7,7 @@ Environment variables (read by :func:`kvretain.integrations.vllm.register`):
     (vLLM's own order, for A/B checks). Unset, empty, ``off`` or ``none``: the plugin stays inert.
 ``KVRETAIN_POLICY_OPTIONS``
     Comma-separated ``key=value`` options of :class:`~kvretain.core.policy.PolicyConfig`, e.g.
-    ``budget=0.8,isolation_goal=0.92,protect_threshold=35,priority_weight=2`` (``isolation_goal=none``
+    ``budget=0.8,isolation_goal=0.9,protect_threshold=35,priority_weight=2`` (``isolation_goal=none``
     keeps the protected share fixed at ``budget``).
 ``KVRETAIN_PRIORITY_MAPPING``
     How a request ``priority`` maps to a retention priority: ``normal=0,step=10,base=35`` (the default:
@@ -75,7 +75,7 @@ class PluginConfig:
 
 
 def parse_options(spec: str) -> dict[str, Any]:
-    """``"budget=0.8,isolation_goal=0.92"`` -> ``{"budget": 0.8, "isolation_goal": 0.92}``."""
+    """``"budget=0.8,isolation_goal=0.9"`` -> ``{"budget": 0.8, "isolation_goal": 0.9}``."""
     known = {f.name: f for f in fields(PolicyConfig) if f.name not in ("next_use", "block_size")}
     out: dict[str, Any] = {}
     for part in spec.split(","):
