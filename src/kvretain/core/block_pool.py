@@ -271,7 +271,7 @@ class BlockPool:
         n_plan = min(len(prios), len(durs)) if prios is not None and durs is not None else 0
         batch = track and n_plan == 0  # uniform retention: one batched policy call after the loop
         run_ids: list[int] = []
-        run_evs: list[bool] = []
+        run_evs: list[int] = []  # the blocks of run_ids that became evictable
         leaf_only = self._leaf_only
         release = policy.release
         empty = self._empty
@@ -294,7 +294,8 @@ class BlockPool:
                     blk.evictable = ev = True
             if batch:
                 run_ids.append(bid)
-                run_evs.append(ev)
+                if ev:
+                    run_evs.append(bid)
             elif track:
                 if i < n_plan:
                     release(bid, prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]

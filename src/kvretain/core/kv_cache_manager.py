@@ -247,8 +247,10 @@ class KVCacheManager:
         else:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
+        classes = self._block_class
+        prio = req.priority
         for b in st.blocks:
-            self._block_class[b] = req.priority
+            classes[b] = prio
         self.pool.free_blocks(st.blocks, plan)
 
     def reset_prefix_cache(self) -> bool:

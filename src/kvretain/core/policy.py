@@ -131,17 +131,21 @@ class EvictionPolicy(ABC):
     def release_run(
         self,
         block_ids: Sequence[int],
-        evictable: Sequence[bool],
+        evictable_ids: Sequence[int],
         retention: int,
         scope: str | None,
         now: float,
         base: int,
     ) -> None:
-        """``release`` for each block of ``block_ids`` (in release order), all at ``retention`` without expiry:
-        one call per request on the hot path; policies may override it with a fused loop."""
+        """``release`` for each block of ``block_ids`` (in release order), all at ``retention`` without expiry;
+        ``evictable_ids`` (a subsequence of ``block_ids``) are the blocks the release made evictable, pushed
+        in that order after the releases. One call per request on the hot path; policies may override it
+        with a fused loop."""
         release = self.release
-        for bid, ev in zip(block_ids, evictable, strict=True):
-            release(bid, retention, None, scope, now, base, ev)
+        for bid in block_ids:
+            release(bid, retention, None, scope, now, base, False)
+        for bid in evictable_ids:
+            self.push(bid, now)
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:  # noqa: B027
         """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached."""

@@ -269,7 +269,7 @@ class UnifiedPolicy(EvictionPolicy):
     def release_run(
         self,
         block_ids: Sequence[int],
-        evictable: Sequence[bool],
+        evictable_ids: Sequence[int],
         retention: int,
         scope: str | None,
         now: float,
@@ -284,7 +284,7 @@ class UnifiedPolicy(EvictionPolicy):
         cost = self._cost_per_block
         w = self._weight[retention]
         protect = 1 if retention >= self._threshold else 0
-        for bid, ev in zip(block_ids, evictable, strict=True):
+        for bid in block_ids:
             m = meta[bid]
             if m.r == _UNSET and m.base == _UNSET and retention == base:
                 # first release of new content at its request's mapped priority
@@ -293,7 +293,7 @@ class UnifiedPolicy(EvictionPolicy):
                     m.protected = protect
                     self._num_protected += 1 if protect else -1
             elif m.r != retention or m.expiry != INF or base > m.base:
-                self.release(bid, retention, None, scope, now, base, ev)
+                self.release(bid, retention, None, scope, now, base, False)
                 continue
             uses = m.uses
             if uses < cap:
@@ -301,8 +301,9 @@ class UnifiedPolicy(EvictionPolicy):
                 m.uses = uses
             f = float(uses) if linear else float(uses**self._exp)
             m.key = L + w * f * (1.0 + m.depth * cost)
-            if ev:
-                self._push(m)
+        push = self._push
+        for bid in evictable_ids:
+            push(meta[bid])
 
     def retention_of(self, block_id: int, now: float) -> int:
         m = self._meta[block_id]

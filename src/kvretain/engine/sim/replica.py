@@ -55,7 +55,7 @@ class TrackingKVCacheManager(KVCacheManager):
             ev = self.evicted
             if ev and max_blocks > len(hits):
                 hashes: Sequence[BlockHash] = req.block_hashes(bs, max_blocks)
-                missed = [h for h in hashes[len(hits) : max_blocks] if h in ev]
+                missed = ev.intersection(hashes[len(hits) : max_blocks])
                 if missed:
                     ev.difference_update(missed)
                     c = req.priority

@@ -369,7 +369,7 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         released = 0
         placed = 0
         run_ids: list[int] = []
-        run_evs: list[bool] = []
+        run_evs: list[int] = []  # the blocks of run_ids that became evictable
         for g, blocks in enumerate(groups):
             n = len(blocks)
             if not n:
@@ -397,7 +397,8 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                             where[bid] = IN_POLICY
                             ev = True
                     ids_append(bid)
-                    evs_append(ev)
+                    if ev:
+                        evs_append(bid)
                 continue
             prios: list[int] | None = None
             durs: list[float | None] | None = None
