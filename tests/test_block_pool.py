@@ -87,6 +87,26 @@ def test_constructor_errors() -> None:
         BlockPool(10, make_policy("lru", 8))
 
 
+def test_pool_keeps_its_state_in_the_policys_block_objects() -> None:
+    from kvretain.core.policies.unified import UnifiedPolicy
+    from kvretain.core.policy import BlockState
+
+    pol = make_policy("unified", N)
+    assert isinstance(pol, UnifiedPolicy)
+    pool = BlockPool(N, pol)
+    assert all(a is b for a, b in zip(pool._blocks, pol._meta, strict=True))  # one object per block
+    run(pool, [1, 2])
+    assert pool.ref_count(0) == 0 and pool.hash_of(1) == 2
+    assert type(new_pool("lru")._blocks[0]) is BlockState
+
+    class Short(type(make_policy("lru", N))):  # type: ignore[misc]
+        def block_states(self) -> list[BlockState]:
+            return [BlockState() for _ in range(N - 1)]
+
+    with pytest.raises(ValueError, match="policy offered 9 block states for 10 blocks"):
+        BlockPool(N, Short(N))
+
+
 def test_fresh_pool_hands_out_lowest_ids_first() -> None:
     pool = new_pool()
     assert pool.get_num_free_blocks() == N and pool.usage() == 0.0

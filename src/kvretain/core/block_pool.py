@@ -20,28 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policy import EvictionPolicy
+from kvretain.core.policy import NO_PARENT, BlockState, EvictionPolicy
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
-
-NO_PARENT = -1
 
 
 class PoolIntegrityError(AssertionError):
     """The pool's invariants do not hold (a bug, never a user error)."""
-
-
-class _Block:
-    """One block's pool state. NOTE: one object per block (not parallel lists) keeps a block's fields
-    together in memory; at 10^5-10^6 blocks that is several times faster in CPython."""
-
-    __slots__ = ("block_hash", "evictable", "num_children", "parent", "ref_cnt")
-
-    def __init__(self) -> None:
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.parent = NO_PARENT
-        self.num_children = 0
-        self.evictable = False
 
 
 class BlockPool:
@@ -60,7 +44,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.policy = policy
         self.clock: Callable[[], float] = clock or (lambda: 0.0)
-        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._blocks: list[BlockState] = policy.block_states()
+        if len(self._blocks) != num_blocks:
+            raise ValueError(f"policy offered {len(self._blocks)} block states for {num_blocks} blocks")
         self.cached: dict[BlockHash, int] = {}
         # empty blocks: a stack, so the lowest ids are used first on a fresh pool
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -324,7 +310,12 @@ class BlockPool:
         if self.on_evict_batch is not None and self.cached:
             self.on_evict_batch(list(self.cached.values()), list(self.cached))
         self.cached.clear()
-        self._blocks = [_Block() for _ in range(self.num_blocks)]
+        for b in blocks:  # in place: the objects may be shared with the policy (block_states)
+            b.ref_cnt = 0
+            b.block_hash = None
+            b.parent = NO_PARENT
+            b.num_children = 0
+            b.evictable = False
         self._empty = list(range(self.num_blocks - 1, -1, -1))
         self._num_cached_free = 0
         return True

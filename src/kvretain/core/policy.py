@@ -30,6 +30,25 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 from kvretain.registry import Registry
 
 INF = float("inf")
+NO_PARENT = -1
+
+
+class BlockState:
+    """A block's pool state (reference count, hash, parent link, evictable flag), one slotted object per block.
+
+    NOTE: a policy may subclass it to keep its own per-block fields in the same object (see
+    :meth:`EvictionPolicy.block_states`): the pool and the policy then touch one object per block instead of
+    two, which at 10^5-10^6 blocks saves a cache miss per block on every hot path.
+    """
+
+    __slots__ = ("block_hash", "evictable", "num_children", "parent", "ref_cnt")
+
+    def __init__(self) -> None:
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.parent = NO_PARENT
+        self.num_children = 0
+        self.evictable = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +202,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evictable_ids(self) -> set[int]:
         """The evictable block ids (integrity checks; O(n))."""
+
+    def block_states(self) -> list[BlockState]:
+        """The per-block objects a :class:`~kvretain.core.block_pool.BlockPool` keeps its state in (called once,
+        when the pool is built): fresh :class:`BlockState` objects, or the policy's own per-block objects when
+        they subclass it (one object per block for both)."""
+        return [BlockState() for _ in range(self.num_blocks)]
 
     def retention_of(self, block_id: int, now: float) -> int:
         """The block's effective retention priority now (policies without one report the default)."""

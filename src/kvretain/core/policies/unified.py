@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policy import INF, POLICIES, EvictionPolicy, PolicyConfig
+from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 _UNSET = -1
@@ -43,13 +43,14 @@ SHADOW_SAMPLE_TOKENS = (
 )
 
 
-class _Meta:
-    """Per-block state of the unified policy (one object per block keeps a block's fields together)."""
+class _Meta(BlockState):
+    """Per-block state of the unified policy, in the same object as the pool's state of the block
+    (:meth:`UnifiedPolicy.block_states`)."""
 
     __slots__ = (
         "base",
-        "block_hash",
         "block_id",
+        "content",
         "depth",
         "expiry",
         "key",
@@ -62,8 +63,9 @@ class _Meta:
     )
 
     def __init__(self, block_id: int) -> None:
+        super().__init__()
         self.block_id = block_id
-        self.block_hash: BlockHash | None = None
+        self.content: BlockHash | None = None  # the hash the policy knows (the pool's block_hash is separate)
         self.uses = 0
         self.depth = 0
         self.r = (
@@ -195,7 +197,7 @@ class UnifiedPolicy(EvictionPolicy):
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
         m = self._meta[block_id]
         m.uses = self._ghost_pop(block_hash, 0)
-        m.block_hash = block_hash
+        m.content = block_hash
         m.depth = depth
         m.r = _UNSET
         m.base = _UNSET
@@ -450,10 +452,10 @@ class UnifiedPolicy(EvictionPolicy):
         return self.pop(now)
 
     def _forget(self, m: _Meta) -> None:
-        h = m.block_hash
+        h = m.content
         if h is None:
             return
-        m.block_hash = None
+        m.content = None
         g = self._ghost  # GhostTable.put, inlined (once per eviction)
         if g.capacity:
             ring = g.ring
@@ -472,6 +474,9 @@ class UnifiedPolicy(EvictionPolicy):
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         # per-block metadata is reset in on_cached when the block gets new content
         self._forget(self._meta[block_id])
+
+    def block_states(self) -> list[BlockState]:
+        return list(self._meta)
 
     def __len__(self) -> int:
         return self._queues[0].n + self._queues[1].n
