@@ -526,6 +526,27 @@ def test_lfu_exposed_parent_keeps_its_release_order() -> None:
     assert sim.evict(6) == [3, 2, 1, 6, 5, 4]
 
 
+def test_unified_ghost_keeps_one_use_count_per_256_token_segment() -> None:
+    cfg = PolicyConfig(budget=1.0, isolation_goal=None, block_size=16)  # one sampled block per 16
+    sim = Sim("unified", 20, cfg)
+    pol = sim.policy
+    assert isinstance(pol, UnifiedPolicy)
+    chain = list(range(1000, 1020))  # 20 blocks: segment heads at depth 0 and 16
+    for _ in range(3):
+        sim.run(chain, 35)
+    assert len(sim.evict_all()) == 20
+    assert len(pol._ghost) == 2  # only the two segment heads are remembered
+    sim.pool.free_blocks(list(range(20)))  # (evict_all holds the blocks it allocated)
+    ids = sim.start(chain)  # the chain comes back: heads restore 3, the blocks after them inherit it
+    assert [pol._meta[ids[d]].uses for d in (0, 1, 15, 16, 17, 19)] == [3, 3, 3, 3, 3, 3]
+    # a block inside a segment that is not cached right after its predecessor starts from zero
+    pol.on_cached(ids[7], 2000, 7, 0.0)
+    assert pol._meta[ids[7]].uses == 0
+    # exact for large blocks: every block has its own entry
+    big = make_policy("unified", 8, PolicyConfig(isolation_goal=None, block_size=512))
+    assert isinstance(big, UnifiedPolicy) and big._stride == 1
+
+
 def test_unified_shadow_samples_one_block_per_256_tokens() -> None:
     cfg = PolicyConfig(budget=0.8, isolation_goal=0.9, block_size=16)  # stride 16
     pol = make_policy("unified", 1600, cfg)

@@ -29,10 +29,10 @@ from kvretain.workloads import PRIORITY_RULES, WORKLOADS, WorkloadRequest, tag_p
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
-SIM_POLICY_DEFAULTS = PolicyConfig(priority_weight=6.0, budget=0.8)
+SIM_POLICY_DEFAULTS = PolicyConfig(priority_weight=8.0, budget=0.8)
 """Eviction-policy settings of ``kvretain simulate`` / ``compare`` (each overridable by a flag).
 
-Core's ``PolicyConfig`` defaults, except ``priority_weight`` 6 instead of 2 and ``budget`` 0.8 instead of 0.95.
+Core's ``PolicyConfig`` defaults, except ``priority_weight`` 8 instead of 2 and ``budget`` 0.8 instead of 0.95.
 With the default request-priority mapping (priority 0 -> retention 35, 1 -> 25, 2 -> 15) and
 ``protect_threshold`` 35, only request priority 0 is protected (plus blocks under an explicit directive >= 35,
 such as the agents' 80 for 12 s); the adaptive protected share (``isolation_goal`` 0.9) sizes itself to what
@@ -40,7 +40,7 @@ priority 0 needs, up to ``budget``. On the multi-tenant workload priority 0 stay
 share sits at the budget: 0.8 leaves a fifth of the pool to the other tenants (0.9 and 0.95 raised class-0
 p99 TTFT at seed 0 without helping other seeds). Outside the protected tier, and when protected blocks
 exceed their share, blocks compete on GreedyDual keys whose value is
-``priority_weight ** ((retention - 35) / 10)`` times their use count: weight 6 makes a chat block worth 36x a
+``priority_weight ** ((retention - 35) / 10)`` times their use count: weight 8 makes a chat block worth 64x a
 batch block of equal use (weight 2: 4x). Measured on the multi-tenant defaults in docs/results.md; the
 Mooncake figures there use the same settings.
 """

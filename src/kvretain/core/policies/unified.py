@@ -28,6 +28,7 @@ and the rest of the pool serves overall reuse. Leaves only: a block never goes b
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -38,9 +39,8 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PR
 
 _UNSET = -1
 _KEY_UNIT = 1.0 / 16.0  # key resolution of the bucket queues (the smallest value is ~0.09)
-SHADOW_SAMPLE_TOKENS = (
-    256  # the isolation controller's shadow directory samples one block per this many tokens
-)
+SAMPLE_TOKENS = 256
+"""The shadow directory and the ghost table keep one block per this many tokens (exact for larger blocks)."""
 
 
 class _Meta(BlockState):
@@ -164,8 +164,15 @@ class UnifiedPolicy(EvictionPolicy):
         self._seq = 0
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
-        self._ghost = GhostTable(int(cfg.ghost_factor * num_blocks))
+        # NOTE: the shadow directory and the ghost table track one block in ``stride`` (by depth, so a block
+        # is always or never sampled): one per 256 tokens, exact for blocks of 256 tokens or more and 16x
+        # cheaper at 16. A block inside a 256-token segment that is cached right after its predecessor takes
+        # the predecessor's restored use count (a segment's blocks are used together).
+        self._stride = stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
         self._ghost_pop = self._ghost.table.pop
+        self._last_depth = -2  # depth and restored use count of the block cached last
+        self._last_uses = 0
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
@@ -180,10 +187,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._goal = cfg.isolation_goal
         self._target = self._max_target if self._goal is None else 0.5 * self._max_target
         self._shadow: OrderedDict[BlockHash, None] = OrderedDict()
-        # NOTE: the shadow directory tracks one block in ``stride`` (by depth, so a block is always or never
-        # sampled): one per 256 tokens, which keeps it exact for large blocks and 16x cheaper at 16 tokens.
-        self._stride = max(1, SHADOW_SAMPLE_TOKENS // max(1, cfg.block_size))
-        self._shadow_cap = max(1, num_blocks // self._stride)
+        self._shadow_cap = max(1, num_blocks // stride)
         self._acc_hits = 0.0
         self._acc_shadow = 0.0
         # NOTE: an integral controller over a long window: the target moves 0.2% of the pool per protected
@@ -196,7 +200,15 @@ class UnifiedPolicy(EvictionPolicy):
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
         m = self._meta[block_id]
-        m.uses = self._ghost_pop(block_hash, 0)
+        if depth % self._stride == 0:
+            uses = self._ghost_pop(block_hash, 0)
+        elif depth == self._last_depth + 1:
+            uses = self._last_uses  # the previous block of its segment, cached just before
+        else:
+            uses = 0
+        self._last_depth = depth
+        self._last_uses = uses
+        m.uses = uses
         m.content = block_hash
         m.depth = depth
         m.r = _UNSET
@@ -456,8 +468,8 @@ class UnifiedPolicy(EvictionPolicy):
         if h is None:
             return
         m.content = None
-        g = self._ghost  # GhostTable.put, inlined (once per eviction)
-        if g.capacity:
+        g = self._ghost  # GhostTable.put, inlined (once per sampled eviction)
+        if g.capacity and m.depth % self._stride == 0:
             ring = g.ring
             pos = g.pos
             old = ring[pos]
