@@ -89,7 +89,7 @@ def test_policy_settings_pass_through_and_simulation_defaults() -> None:
     pc = sim_config(args, "unified").policy_config
     assert (
         pc == SIM_POLICY_DEFAULTS
-        and pc.priority_weight == 6.0
+        and pc.priority_weight == 8.0
         and pc.budget == 0.8
         and pc.isolation_goal == 0.9
     )
