@@ -9,8 +9,8 @@ important and unimportant traffic from being downgraded by whoever touched it la
 runs from the release; when it lapses ``r`` falls back to the highest *mapped* request priority of the
 block's users.
 
-Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in two GreedyDual heaps
-(protected, unprotected) keyed by ``H = L + value``, where::
+Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in two GreedyDual queues
+(protected, unprotected; buckets of key width 1/16, FIFO inside) keyed by ``H = L + value``, where::
 
     value = priority_weight ** ((r - 35) / 10)      # retention weight: +10 points doubles it by default
           * min(uses, frequency_cap) ** frequency_exponent   # reuse frequency (remembered across eviction)
@@ -19,10 +19,16 @@ Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in 
 and ``L`` rises to the key of each victim, so blocks that stop being used age out (GreedyDual-Size-Frequency).
 Unprotected blocks are evicted first while protected blocks hold at most ``target`` blocks; above it the two
 heaps compete on ``H``. ``target`` is the protection budget (``budget`` x pool), or, with ``isolation_goal``,
-it adapts inside that budget: a shadow LRU directory of the protected requests' lookups measures the hit
-ratio they would get alone in the pool, and the target grows while they get less than ``isolation_goal`` of
-it and shrinks otherwise, so protection is spent only where it buys important traffic its isolated hit ratio
-and the rest of the pool serves overall reuse. Leaves only: a block never goes before its cached descendants.
+it adapts inside that budget: a shadow LRU directory of the protected requests' lookups measures the hits
+they would get alone in the pool, and the target grows while their hits over a long window are below
+``isolation_goal`` of that and shrinks otherwise (an integral controller), so protection is spent only where it
+buys important traffic its isolated hit ratio and the rest of the pool serves overall reuse.
+
+Leaves only: a block never goes before its cached descendants. A chain is evicted as a unit, tail first: a
+parent exposed by its child's eviction goes first among the blocks of its key bucket (``expose``), and
+``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
+ghost table, and the shadow directory and the ghost table keep one block per 256 tokens (exact for blocks of
+256 tokens or more).
 """
 
 from __future__ import annotations
