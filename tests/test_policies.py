@@ -518,6 +518,23 @@ def test_unified_protected_parent_is_not_taken_ahead_of_unprotected_blocks() -> 
     assert sim2.evict(4) == [3, 4, 2, 1]
 
 
+def _tie_across_tiers() -> Sim:
+    sim = unified(3, 0.0, priority_weight=1.0)  # no budget: the tiers compete on keys; equal weights
+    sim.run([1, 2], 35)  # protected chain: both keys 1
+    sim.run([1], 35)  # block 1: two uses, key 2 (not queued: it has a cached child)
+    sim.run([9], 25, base=25)
+    sim.run([9], 25, base=25)  # unprotected block 9: key 2
+    return sim
+
+
+def test_unified_over_budget_ties_go_to_the_unprotected_block_also_for_an_exposed_parent() -> None:
+    # 2 (key 1) goes first and exposes 1 (key 2, protected), which ties with 9: the unprotected block goes
+    # first, as pop decides ties, whether the blocks are evicted in one allocation or one at a time
+    assert _tie_across_tiers().evict(3) == [2, 9, 1]
+    one_by_one = _tie_across_tiers()
+    assert one_by_one.evict(1) + one_by_one.evict(1) + one_by_one.evict(1) == [2, 9, 1]
+
+
 def test_lfu_exposed_parent_keeps_its_release_order() -> None:
     # lfu's key fixes the release order: a parent released right after its child follows it
     sim = Sim("lfu", 6)

@@ -1,0 +1,97 @@
+"""``UnifiedPolicy.pop_exposed`` evicts an exposed parent without queueing it; it must choose exactly the victim
+that ``expose`` followed by ``pop`` would choose. Random request programs run through two pools, one with the
+fused path and one with the contract's plain ``expose`` + ``pop``, and must evict the same blocks in the same
+order, with the same cache afterwards.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
+from kvretain.core.policies import UnifiedPolicy
+from kvretain.core.policy import EvictionPolicy
+
+
+class _Unfused(UnifiedPolicy):
+    """``unified`` without the fused path: the contract's default ``pop_exposed``."""
+
+    def pop_exposed(self, block_id: int, now: float) -> int | None:
+        return EvictionPolicy.pop_exposed(self, block_id, now)
+
+
+STEP = st.one_of(
+    st.tuples(
+        st.just("start"),
+        st.builds(  # a chain: one of a few shared prefixes, then its own blocks
+            lambda head, tail: head + tail,
+            st.sampled_from([[0], [0, 1], [0, 1, 2], [3], [3, 4]]),
+            st.lists(st.integers(0, 5), max_size=6),
+        ),
+        st.sampled_from([15, 25, 35, 45, 80]),  # retention priority of the release
+        st.one_of(st.none(), st.sampled_from([0.5, 2.0])),  # duration
+    ),
+    st.tuples(st.just("finish"), st.just([]), st.integers(0, 7), st.none()),  # which live request
+    st.tuples(st.just("tick"), st.just([]), st.just(0), st.none()),
+)
+CONFIGS = st.sampled_from(
+    [
+        PolicyConfig(budget=0.0, isolation_goal=None),  # tiers always compete on keys
+        PolicyConfig(budget=0.3, isolation_goal=None),
+        PolicyConfig(budget=1.0, isolation_goal=None),  # unprotected always first
+        PolicyConfig(budget=0.5, isolation_goal=0.9, block_size=512),
+        PolicyConfig(budget=0.0, isolation_goal=None, priority_weight=1.0),  # equal keys across the tiers
+        PolicyConfig(budget=0.3, isolation_goal=None, priority_weight=1.0),
+    ]
+)
+
+
+def _run(
+    policy: EvictionPolicy, program: list[tuple[str, list[int], int, float | None]]
+) -> tuple[list, dict]:
+    n = policy.num_blocks
+    now = [0.0]
+    pool = BlockPool(n, policy, clock=lambda: now[0])
+    evicted: list[int] = []
+    pool.on_evict = lambda bid, h: evicted.append(int(h))
+    live: list[tuple[list[int], int, float | None]] = []
+    for op, chain, prio, dur in program:
+        if op == "start":
+            if len(live) >= 3:  # at most three requests run at once: the rest of the pool is cached
+                ids0, prio0, dur0 = live.pop(0)
+                pool.free_blocks(ids0, BlockRetention([prio0] * len(ids0), [dur0] * len(ids0), None, 0, 35))
+            hashes = []
+            h = 0
+            for x in chain:  # chained: a block's hash depends on its whole prefix
+                h = h * 7 + x + 1
+                hashes.append(h)
+            k = 0
+            while k < len(hashes) and hashes[k] in pool.cached:
+                k += 1
+            hits = [pool.cached[x] for x in hashes[:k]]
+            pool.touch(hits)
+            new = pool.get_new_blocks(len(hashes) - k)
+            if new is None:
+                pool.free_blocks(hits)
+                continue
+            ids = hits + new
+            pool.cache_blocks(ids, hashes, k, len(hashes))
+            live.append((ids, prio, dur))
+        elif op == "finish" and live:
+            ids, prio, dur = live.pop(prio % len(live))  # (prio: the index drawn for this step)
+            pool.free_blocks(ids, BlockRetention([prio] * len(ids), [dur] * len(ids), None, 0, 35))
+        elif op == "tick":
+            now[0] += 0.75
+        pool.check_integrity()
+    return evicted, dict(pool.cached)
+
+
+@settings(max_examples=1500, deadline=None, database=None)
+@given(program=st.lists(STEP, min_size=1, max_size=80), config=CONFIGS)
+def test_fused_pop_exposed_evicts_exactly_what_expose_then_pop_would(
+    program: list[tuple[str, list[int], int, float | None]], config: PolicyConfig
+) -> None:
+    fused = make_policy("unified", 12, config)
+    assert type(fused) is UnifiedPolicy
+    assert _run(fused, program) == _run(_Unfused(12, config), program)
