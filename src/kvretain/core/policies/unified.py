@@ -176,7 +176,6 @@ class UnifiedPolicy(EvictionPolicy):
         # the predecessor's restored use count (a segment's blocks are used together).
         self._stride = stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
-        self._ghost_pop = self._ghost.table.pop
         self._last_depth = -2  # depth and restored use count of the block cached last
         self._last_uses = 0
         self._L = 0.0
@@ -207,7 +206,7 @@ class UnifiedPolicy(EvictionPolicy):
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
         m = self._meta[block_id]
         if depth % self._stride == 0:
-            uses = self._ghost_pop(block_hash, 0)
+            uses = self._ghost.take(block_hash)
         elif depth == self._last_depth + 1:
             uses = self._last_uses  # the previous block of its segment, cached just before
         else:
@@ -474,17 +473,8 @@ class UnifiedPolicy(EvictionPolicy):
         if h is None:
             return
         m.content = None
-        g = self._ghost  # GhostTable.put, inlined (once per sampled eviction)
-        if g.capacity and m.depth % self._stride == 0:
-            ring = g.ring
-            pos = g.pos
-            old = ring[pos]
-            if old is not None:
-                self._ghost_pop(old, None)
-            ring[pos] = h
-            g.table[h] = m.uses
-            pos += 1
-            g.pos = 0 if pos == g.capacity else pos
+        if m.depth % self._stride == 0:  # the ghost keeps one count per 256-token segment
+            self._ghost.put(h, m.uses)
         if m.protected:
             m.protected = 0
             self._num_protected -= 1

@@ -370,45 +370,21 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         placed = 0
         run_ids: list[int] = []
         run_evs: list[int] = []  # the blocks of run_ids that became evictable
+        batch = fuse and not use_plan  # the policy sees one release_run call per request
         for g, blocks in enumerate(groups):
             n = len(blocks)
             if not n:
-                continue
-            if fuse and not use_plan:
-                # NOTE: hot path (one iteration per released block); the policy sees one call per request
-                ids_append = run_ids.append
-                evs_append = run_evs.append
-                for b in reversed(blocks):
-                    h = b._block_hash
-                    if h is None:  # (also the null block)
-                        continue
-                    bid = b.block_id
-                    k = known[bid]
-                    if k is not h and k != h:
-                        self._register(bid, h, 0, depth=list(blocks).index(b))
-                    cls[bid] = prio
-                    ev = False
-                    if b.ref_cnt == 1 and where[bid] == IN_LIST:  # the last reference goes now
-                        placed += 1
-                        if leaf_only and children[bid]:
-                            blocked[bid] = None
-                            where[bid] = BLOCKED
-                        else:
-                            where[bid] = IN_POLICY
-                            ev = True
-                    ids_append(bid)
-                    if ev:
-                        evs_append(bid)
                 continue
             prios: list[int] | None = None
             durs: list[float | None] | None = None
             if use_plan:
                 assert ret is not None and block_sizes is not None
                 prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
+            # NOTE: hot path (one iteration per released block), deepest block first
             for i in range(n - 1, -1, -1):
                 b = blocks[i]
                 h = b._block_hash
-                if h is None:
+                if h is None:  # (also the null block)
                     continue
                 bid = b.block_id
                 k = known[bid]
@@ -416,16 +392,20 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     self._register(bid, h, 0, depth=i)
                 cls[bid] = prio
                 released += 1
-                if fuse:
-                    ev = False
-                    if b.ref_cnt == 1 and where[bid] == IN_LIST:
-                        placed += 1
-                        if leaf_only and children[bid]:
-                            blocked[bid] = None
-                            where[bid] = BLOCKED
-                        else:
-                            where[bid] = IN_POLICY
-                            ev = True
+                ev = False
+                if fuse and b.ref_cnt == 1 and where[bid] == IN_LIST:  # the last reference goes now
+                    placed += 1
+                    if leaf_only and children[bid]:
+                        blocked[bid] = None
+                        where[bid] = BLOCKED
+                    else:
+                        where[bid] = IN_POLICY
+                        ev = True
+                if batch:
+                    run_ids.append(bid)
+                    if ev:
+                        run_evs.append(bid)
+                elif fuse:
                     if prios is None or durs is None:
                         policy.release(bid, mapped, None, scope, now, mapped, ev)
                     else:
@@ -436,7 +416,6 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     else:
                         policy.on_release(bid, prios[i], durs[i], scope, now, mapped)
         if run_ids:
-            released += len(run_ids)
             policy.release_run(run_ids, run_evs, mapped, scope, now, mapped)
         if fuse:
             self._expect = placed
