@@ -573,18 +573,18 @@ def test_unified_shadow_samples_one_block_per_256_tokens() -> None:
     t = pol.stats()["protected_target"]
     pol.on_lookup(chain, 0, 80)  # all 7 sampled blocks (0, 16, ..., 96) in the shadow: estimate 100 -> grow
     assert pol.stats()["protected_target"] > t
-    assert len(pol._shadow) == 7
+    assert len(pol._ctl._shadow) == 7
     # a chain that shares the first 40 blocks: sampled 0, 16, 32 hit, 48 misses -> estimate 3 * 16 - 8 = 40
     other = pol.__class__(1600, cfg)
     other.on_lookup(chain, 0, 80)
     other.on_lookup(list(range(40)) + [1000 + i for i in range(60)], 0, 80)
-    assert other._acc_shadow == pytest.approx(40.0)
+    assert other._ctl._acc_shadow == pytest.approx(40.0)
     # exact at large blocks (stride 1)
     exact = make_policy("unified", 100, PolicyConfig(isolation_goal=0.9, block_size=512))
     assert isinstance(exact, UnifiedPolicy)
     exact.on_lookup([1, 2, 3], 0, 80)
     exact.on_lookup([1, 2, 9], 0, 80)
-    assert exact._acc_shadow == pytest.approx(2.0)
+    assert exact._ctl._acc_shadow == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------- belady

@@ -86,6 +86,79 @@ class _Meta(BlockState):
         self.tier = 1
 
 
+class IsolationController:
+    """The protection budget's controller: how many blocks protected traffic may hold (``target``).
+
+    ``target`` is ``budget`` x pool, or, with ``isolation_goal``, adapts inside that budget: a shadow LRU
+    directory of the protected requests' lookups (one block per 256 tokens) measures the hits they would get
+    alone in the pool, and the target grows while their hits over a long window are below ``isolation_goal`` of
+    that and shrinks otherwise (an integral controller). Shared by :class:`UnifiedPolicy` and the vLLM plugin's
+    run-granular queue.
+    """
+
+    __slots__ = (
+        "_acc_hits",
+        "_acc_shadow",
+        "_decay",
+        "_goal",
+        "_shadow",
+        "_shadow_cap",
+        "_step",
+        "_stride",
+        "max_target",
+        "target",
+        "threshold",
+    )
+
+    def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
+        self._stride = stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self.threshold = cfg.protect_threshold
+        self.max_target = cfg.budget * num_blocks
+        self._goal = cfg.isolation_goal
+        self.target = self.max_target if self._goal is None else 0.5 * self.max_target
+        self._shadow: OrderedDict[BlockHash, None] = OrderedDict()
+        self._shadow_cap = max(1, num_blocks // stride)
+        self._acc_hits = 0.0
+        self._acc_shadow = 0.0
+        # NOTE: an integral controller over a long window: the target moves 0.2% of the pool per protected
+        # lookup until the windowed hits reach the goal. Short windows (decay 0.999) let the target swing
+        # with each burst, and the swings cost more overall reuse than they give protected traffic
+        # (docs/results.md, "the protection frontier").
+        self._step = 0.002 * num_blocks
+        self._decay = 0.99999
+
+    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
+        """A request at ``retention`` looked up its ``hashes`` and hit its first ``num_hits`` blocks."""
+        if self._goal is None or retention < self.threshold or not hashes:
+            return
+        shadow = self._shadow
+        n = len(hashes)
+        stride = self._stride
+        sampled = hashes if stride == 1 else hashes[::stride]
+        k = 0
+        ns = len(sampled)
+        while k < ns and sampled[k] in shadow:
+            k += 1
+        # leading shadow hits: exact for stride 1; otherwise the first sampled miss bounds them to a stride
+        est = n if k == ns else (k if stride == 1 else max(0, k * stride - stride // 2))
+        move = shadow.move_to_end
+        for i in range(ns - 1, -1, -1):  # deepest first, as a release would order them
+            h = sampled[i]
+            if h in shadow:
+                move(h)
+            else:
+                shadow[h] = None
+        cap = self._shadow_cap
+        while len(shadow) > cap:
+            shadow.popitem(last=False)
+        self._acc_hits = self._acc_hits * self._decay + num_hits
+        self._acc_shadow = self._acc_shadow * self._decay + est
+        if self._acc_hits < self._goal * self._acc_shadow:
+            self.target = min(self.max_target, self.target + self._step)
+        else:
+            self.target = max(0.0, self.target - self._step)
+
+
 class _Queue:
     """Evictable blocks of one tier by key: buckets of width ``_KEY_UNIT`` (FIFO inside), non-empty bucket
     indices in a small heap. Removal is lazy: an entry ``(stamp, meta)`` is live while ``meta.stamp`` equals
@@ -188,19 +261,7 @@ class UnifiedPolicy(EvictionPolicy):
         ]
         scale = cfg.cost_scale_tokens
         self._cost_per_block = (cfg.block_size / scale) if scale > 0 else 0.0
-        self._max_target = cfg.budget * num_blocks
-        self._goal = cfg.isolation_goal
-        self._target = self._max_target if self._goal is None else 0.5 * self._max_target
-        self._shadow: OrderedDict[BlockHash, None] = OrderedDict()
-        self._shadow_cap = max(1, num_blocks // stride)
-        self._acc_hits = 0.0
-        self._acc_shadow = 0.0
-        # NOTE: an integral controller over a long window: the target moves 0.2% of the pool per protected
-        # lookup until the windowed hits reach the goal. Short windows (decay 0.999) let the target swing
-        # with each burst, and the swings cost more overall reuse than they give protected traffic
-        # (docs/results.md, "the protection frontier").
-        self._step = 0.002 * num_blocks
-        self._decay = 0.99999
+        self._ctl = IsolationController(num_blocks, cfg)
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -339,34 +400,7 @@ class UnifiedPolicy(EvictionPolicy):
             self._num_protected += 1 if p else -1
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
-        if self._goal is None or retention < self._threshold or not hashes:
-            return
-        shadow = self._shadow
-        n = len(hashes)
-        stride = self._stride
-        sampled = hashes if stride == 1 else hashes[::stride]
-        k = 0
-        ns = len(sampled)
-        while k < ns and sampled[k] in shadow:
-            k += 1
-        # leading shadow hits: exact for stride 1; otherwise the first sampled miss bounds them to a stride
-        est = n if k == ns else (k if stride == 1 else max(0, k * stride - stride // 2))
-        move = shadow.move_to_end
-        for i in range(ns - 1, -1, -1):  # deepest first, as a release would order them
-            h = sampled[i]
-            if h in shadow:
-                move(h)
-            else:
-                shadow[h] = None
-        cap = self._shadow_cap
-        while len(shadow) > cap:
-            shadow.popitem(last=False)
-        self._acc_hits = self._acc_hits * self._decay + num_hits
-        self._acc_shadow = self._acc_shadow * self._decay + est
-        if self._acc_hits < self._goal * self._acc_shadow:
-            self._target = min(self._max_target, self._target + self._step)
-        else:
-            self._target = max(0.0, self._target - self._step)
+        self._ctl.on_lookup(hashes, num_hits, retention)
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:
@@ -418,7 +452,7 @@ class UnifiedPolicy(EvictionPolicy):
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         q0, q1 = self._queues
-        if q1.n and (self._num_protected <= self._target or not q0.n):
+        if q1.n and (self._num_protected <= self._ctl.target or not q0.n):
             m = q1.pop()
         elif q0.n and q1.n:
             # over the protected target: the two tiers compete on their keys
@@ -448,14 +482,14 @@ class UnifiedPolicy(EvictionPolicy):
             s = int(m.key * 16.0)
             take = False
             if m.protected:
-                if (not q1.n or self._num_protected > self._target) and (not q0.n or s <= q0._slots[0]):
+                if (not q1.n or self._num_protected > self._ctl.target) and (not q0.n or s <= q0._slots[0]):
                     if q1.n and s >= q1._slots[0]:
                         s1, m1 = q1.head()
                         take = s < s1 or (s == s1 and m.key < m1.key)
                     else:
                         take = True
             elif not q1.n or s <= q1._slots[0]:
-                if q0.n and self._num_protected > self._target and s >= q0._slots[0]:
+                if q0.n and self._num_protected > self._ctl.target and s >= q0._slots[0]:
                     s0, m0 = q0.head()
                     take = not (s0 < s or (s0 == s and m0.key < m.key))
                 else:
@@ -495,6 +529,6 @@ class UnifiedPolicy(EvictionPolicy):
     def stats(self) -> dict[str, float]:
         return {
             "protected_blocks": float(self._num_protected),
-            "protected_target": self._target,
-            "protected_budget": self._max_target,
+            "protected_target": self._ctl.target,
+            "protected_budget": self._ctl.max_target,
         }
