@@ -314,6 +314,12 @@ def main() -> None:
     ap.add_argument("--options", default="", help="KVRETAIN_POLICY_OPTIONS for the plugin run")
     ap.add_argument("--policy", default="unified")
     ap.add_argument(
+        "--granularity",
+        default="run",
+        choices=["run", "block"],
+        help="what unified ranks inside vLLM (KVRETAIN_GRANULARITY): runs (default) or single blocks",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=3, help="runs of each (interleaved); the fastest of each is compared"
     )
     args = ap.parse_args()
@@ -336,7 +342,12 @@ def main() -> None:
     )
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per machine
 
-    cfg = PluginConfig(policy=args.policy, options=parse_options(args.options), mapping=PriorityMapping())
+    cfg = PluginConfig(
+        policy=args.policy,
+        options=parse_options(args.options),
+        mapping=PriorityMapping(),
+        granularity=args.granularity,
+    )
     runs: dict[str, list[Result]] = {"stock": [], "plugin": []}
     counters: dict[int, dict[str, int]] = {}
     for rep in range(max(1, args.repeats)):
@@ -388,6 +399,7 @@ def main() -> None:
         "stock_steps": stock.steps,
         "plugin_steps": plug.steps,
         "policy": args.policy,
+        "granularity": args.granularity if args.policy == "unified" else "block",
         "requests": len(reqs),
         "block_size": args.block_size,
         "pool_blocks": args.pool_blocks,

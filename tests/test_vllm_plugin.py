@@ -259,12 +259,22 @@ def queue_of(sched: Scheduler) -> Any:
     return sched.kv_cache_manager.block_pool.free_block_queue
 
 
-def enable(policy: str = "unified", options: str = "", mapping: str = "") -> None:
+def enable(policy: str = "unified", options: str = "", mapping: str = "", granularity: str = "run") -> None:
     from kvretain.core.retention import PriorityMapping
 
     plugin.enable(
-        PluginConfig(policy=policy, options=parse_options(options), mapping=PriorityMapping.parse(mapping))
+        PluginConfig(
+            policy=policy,
+            options=parse_options(options),
+            mapping=PriorityMapping.parse(mapping),
+            granularity=granularity,
+        )
     )
+
+
+QUEUE_CLASS = {"run": "RunFreeQueue", "block": "RetentionFreeQueue"}
+GRANULARITY = pytest.mark.parametrize("granularity", ["run", "block"])
+"""``unified`` runs at both granularities: runs (the plugin's default) and per block (exact)."""
 
 
 # ---------------------------------------------------------------------------- (a) off = stock
@@ -343,11 +353,12 @@ def protection_scenario(model_dir: str) -> tuple[Run, Scheduler]:
     return run(sched, [first, *flood("lo-", 40, 10), again]), sched
 
 
-def test_high_priority_prefix_survives_a_low_priority_flood(model_dir: str) -> None:
+@GRANULARITY
+def test_high_priority_prefix_survives_a_low_priority_flood(model_dir: str, granularity: str) -> None:
     stock, _ = protection_scenario(model_dir)
     assert stock.hits["hi-b"] == 0, "the flood must evict the prefix under stock vLLM"
 
-    enable("unified", "budget=0.8,isolation_goal=0.92")
+    enable("unified", "budget=0.8,isolation_goal=0.92", granularity=granularity)
     got, sched = protection_scenario(model_dir)
     queue_of(sched).check()
     assert got.hits["hi-b"] == 10 * BLOCK
@@ -360,8 +371,9 @@ def test_high_priority_prefix_survives_a_low_priority_flood(model_dir: str) -> N
 
 
 # ---------------------------------------------------------------------------- (c) directives + duration
-def test_directive_duration_protects_until_it_lapses(model_dir: str, clock: Clock) -> None:
-    enable("unified")
+@GRANULARITY
+def test_directive_duration_protects_until_it_lapses(model_dir: str, clock: Clock, granularity: str) -> None:
+    enable("unified", granularity=granularity)
     sched = build_scheduler(model_dir, 64, max_num_seqs=4)
     system = tokens(11, 10 * BLOCK)
     directive = {"retention_directives": [{"start": 0, "end": 10 * BLOCK, "priority": 90, "duration": 30}]}
@@ -393,9 +405,10 @@ def test_directive_without_plugin_does_not_protect(model_dir: str) -> None:
     assert rec.hits["probe-1"] == 0
 
 
-def test_directives_as_json_string_and_scope(model_dir: str, clock: Clock) -> None:
+@GRANULARITY
+def test_directives_as_json_string_and_scope(model_dir: str, clock: Clock, granularity: str) -> None:
     """``vllm_xargs`` carries only strings/numbers: directives may come as a JSON string."""
-    enable("unified")
+    enable("unified", granularity=granularity)
     sched = build_scheduler(model_dir, 64, max_num_seqs=4)
     system = tokens(21, 6 * BLOCK)
     xargs = {
@@ -473,9 +486,10 @@ def test_bad_directives_fail_only_their_request(model_dir: str) -> None:
     assert rec.finished == {"ok-1", "ok-2", "ok-3"}
 
 
-def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str) -> None:
+@GRANULARITY
+def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str, granularity: str) -> None:
     """Defence in depth: if a bad request bypasses validation, its blocks get default retention."""
-    enable("unified")
+    enable("unified", granularity=granularity)
     sched = build_scheduler(model_dir, 64)
     rec = run(sched, [Spec("sneaky", tokens(5, 70), extra_args=BAD[0][0]), Spec("fine", tokens(6, 70))])
     assert rec.finished == {"sneaky", "fine"}
@@ -483,14 +497,15 @@ def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str) 
 
 
 # ---------------------------------------------------------------------------- (e) vLLM invariants
-def test_invariants_free_blocks_events_stats_and_reset(model_dir: str) -> None:
-    enable("unified")
+@GRANULARITY
+def test_invariants_free_blocks_events_stats_and_reset(model_dir: str, granularity: str) -> None:
+    enable("unified", granularity=granularity)
     num_blocks = 48
     sched = build_scheduler(model_dir, num_blocks, max_num_seqs=8, kv_events=True)
     kvm = sched.kv_cache_manager
     pool = kvm.block_pool
     q = queue_of(sched)
-    assert type(q).__name__ == "RetentionFreeQueue"
+    assert type(q).__name__ == QUEUE_CLASS[granularity]
     assert pool.get_num_free_blocks() == num_blocks - 1  # everything but the null block
 
     rec = run(sched, mixed_workload())
@@ -498,7 +513,7 @@ def test_invariants_free_blocks_events_stats_and_reset(model_dir: str) -> None:
     # all requests finished: every block (cached or empty) counts as free again, as in stock vLLM
     assert pool.get_num_free_blocks() == num_blocks - 1
     assert kvm.usage == pytest.approx(0.0)
-    assert len(q.policy) > 0, "cached blocks are held by the policy and still count as free"
+    assert q._held > 0, "cached blocks are held by the policy and still count as free"
     assert rec.preemptions > 0 and rec.hit_tokens > 0 and rec.queries > 0
 
     stored = [h for e in rec.events if isinstance(e, BlockStored) for h in e.block_hashes]
@@ -517,7 +532,7 @@ def test_invariants_free_blocks_events_stats_and_reset(model_dir: str) -> None:
     # reset_prefix_cache: all hashes gone, the policy is emptied, free count unchanged, AllBlocksCleared sent
     assert kvm.reset_prefix_cache()
     q.check()
-    assert len(q.policy) == 0
+    assert q._held == 0
     assert pool.get_num_free_blocks() == num_blocks - 1
     assert all(b.block_hash is None for b in pool.blocks)
     events = kvm.take_events()
@@ -535,9 +550,10 @@ def test_invariants_free_blocks_events_stats_and_reset(model_dir: str) -> None:
     q.check()
 
 
-def test_evict_blocks_of_free_cached_blocks(model_dir: str) -> None:
+@GRANULARITY
+def test_evict_blocks_of_free_cached_blocks(model_dir: str, granularity: str) -> None:
     """The KV connector's ``evict_blocks`` path strips hashes of free blocks: they leave the policy."""
-    enable("unified")
+    enable("unified", granularity=granularity)
     sched = build_scheduler(model_dir, 32)
     run(sched, [Spec("x", tokens(3, 80))])
     pool = sched.kv_cache_manager.block_pool
@@ -546,7 +562,7 @@ def test_evict_blocks_of_free_cached_blocks(model_dir: str) -> None:
     sched.kv_cache_manager.evict_blocks(set(cached))
     q = queue_of(sched)
     q.check()
-    assert len(q.policy) == 0 and pool.get_num_free_blocks() == 31
+    assert q._held == 0 and pool.get_num_free_blocks() == 31
     rec = run(sched, [Spec("y", tokens(3, 80))])
     assert rec.hits["y"] == 0
     q.check()

@@ -26,6 +26,7 @@ from typing import Any
 from kvretain.integrations.vllm._runtime import COUNTERS, set_clock
 from kvretain.integrations.vllm.config import (
     DIRECTIVES_KEY,
+    ENV_GRANULARITY,
     ENV_MAPPING,
     ENV_OPTIONS,
     ENV_POLICY,
@@ -39,6 +40,7 @@ from kvretain.integrations.vllm.config import (
 
 __all__ = [
     "DIRECTIVES_KEY",
+    "ENV_GRANULARITY",
     "ENV_MAPPING",
     "ENV_OPTIONS",
     "ENV_POLICY",

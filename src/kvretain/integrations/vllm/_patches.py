@@ -29,6 +29,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
+from kvretain.integrations.vllm._runs import RunFreeQueue
 from kvretain.integrations.vllm.config import PluginConfig, validation_message
 
 logger = logging.getLogger("kvretain.integrations.vllm")
@@ -60,21 +61,28 @@ def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[.
     setattr(cls, name, wrapper)
 
 
-def _queue(pool: Any) -> RetentionFreeQueue | None:
+QUEUE_TYPES = (RetentionFreeQueue, RunFreeQueue)
+
+
+def _queue(pool: Any) -> RetentionFreeQueue | RunFreeQueue | None:
     q = getattr(pool, "free_block_queue", None)
-    return q if type(q) is RetentionFreeQueue else None
+    return q if type(q) in QUEUE_TYPES else None
 
 
 # ---------------------------------------------------------------- BlockPool
-def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue:
+def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQueue:
     """Replace ``pool``'s free queue (all blocks free but the null block) with a policy-backed one."""
     old = pool.free_block_queue
     free = old.get_all_free_blocks()
     num_blocks = len(pool.blocks)
     pcfg = cfg.policy_config(int(pool.hash_block_size))
-    queue = RetentionFreeQueue(
-        free, pool.blocks, lambda: make_policy(cfg.policy, num_blocks, pcfg), cfg.mapping
-    )
+    queue: RetentionFreeQueue | RunFreeQueue
+    if cfg.policy == "unified" and cfg.granularity == "run":
+        queue = RunFreeQueue(free, pool.blocks, pcfg, cfg.mapping)
+    else:
+        queue = RetentionFreeQueue(
+            free, pool.blocks, lambda: make_policy(cfg.policy, num_blocks, pcfg), cfg.mapping
+        )
     pool.free_block_queue = queue
     return queue
 
@@ -122,7 +130,7 @@ def _make_cache_full_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             block_mask,
         )
         q = self.free_block_queue
-        if type(q) is RetentionFreeQueue:
+        if type(q) is RetentionFreeQueue:  # (the run queue registers content at release)
             try:
                 q.on_blocks_cached(blocks, num_cached_blocks, num_full_blocks, block_mask)
             except Exception:
@@ -169,7 +177,7 @@ def _block_sizes(manager: Any) -> list[int]:
 def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         q = self.block_pool.free_block_queue
-        if type(q) is RetentionFreeQueue:
+        if type(q) in QUEUE_TYPES:
             try:
                 q.on_request_release(
                     request,
@@ -193,7 +201,7 @@ def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def pop_blocks_for_free(self: Any, request: Any) -> Any:
         blocks = orig(self, request)
         q = self.block_pool.free_block_queue
-        if blocks and type(q) is RetentionFreeQueue:
+        if blocks and type(q) in QUEUE_TYPES:
             try:
                 sizes = _block_sizes(self)
                 q.on_request_release(request, (blocks,), sizes if len(sizes) == 1 else None)
@@ -209,7 +217,7 @@ def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
         orig(self, request, num_hits)
         pool = self.block_pool
         q = pool.free_block_queue
-        if type(q) is RetentionFreeQueue and self.prefix_cache_lookup_enabled(request):
+        if type(q) in QUEUE_TYPES and self.prefix_cache_lookup_enabled(request):
             try:
                 q.on_lookup(request, num_hits, int(pool.hash_block_size))
             except Exception:

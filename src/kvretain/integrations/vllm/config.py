@@ -9,6 +9,12 @@ Environment variables (read by :func:`kvretain.integrations.vllm.register`):
     Comma-separated ``key=value`` options of :class:`~kvretain.core.policy.PolicyConfig`, e.g.
     ``budget=0.8,isolation_goal=0.9,protect_threshold=35,priority_weight=2`` (``isolation_goal=none``
     keeps the protected share fixed at ``budget``).
+``KVRETAIN_GRANULARITY``
+    ``run`` (the default) or ``block``: what ``unified`` ranks inside vLLM. ``run``: the blocks one request
+    release frees, evicted tail first (one Python step per block on vLLM's hot paths instead of three policy
+    calls; see :mod:`kvretain.integrations.vllm._runs`); ``block``: every block on its own, exactly as
+    :class:`~kvretain.core.policies.unified.UnifiedPolicy` in kvretain's own pool. Other policies are per
+    block.
 ``KVRETAIN_PRIORITY_MAPPING``
     How a request ``priority`` maps to a retention priority: ``normal=0,step=10,base=35`` (the default:
     priority 0 -> 35, 1 -> 25, -1 -> 45) or a table ``0:80,1:35,2:10``
@@ -38,6 +44,8 @@ from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionE
 ENV_POLICY = "KVRETAIN_POLICY"
 ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
 ENV_MAPPING = "KVRETAIN_PRIORITY_MAPPING"
+ENV_GRANULARITY = "KVRETAIN_GRANULARITY"
+GRANULARITIES = ("run", "block")
 
 DIRECTIVES_KEY = "retention_directives"
 SCOPE_KEY = "retention_scope"
@@ -58,8 +66,14 @@ class PluginConfig:
     policy: str = "unified"
     options: dict[str, Any] = field(default_factory=dict)
     mapping: PriorityMapping = field(default_factory=PriorityMapping)
+    granularity: str = "run"
+    """``unified`` only: ``run`` (the plugin's fast queue) or ``block`` (exact per-block ``unified``)."""
 
     def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise PluginConfigError(
+                f"{ENV_GRANULARITY}={self.granularity!r}: choose one of: {', '.join(GRANULARITIES)}"
+            )
         if self.policy not in _VLLM_POLICIES:
             known = ", ".join(p for p in _VLLM_POLICIES if p in policy_names())
             raise PluginConfigError(f"{ENV_POLICY}={self.policy!r}: unknown policy; choose one of: {known}")
@@ -112,7 +126,8 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | 
         mapping = PriorityMapping.parse(env.get(ENV_MAPPING, ""))
     except RetentionError as exc:
         raise PluginConfigError(f"{ENV_MAPPING}: {exc}") from None
-    return PluginConfig(policy=name, options=options, mapping=mapping)
+    granularity = env.get(ENV_GRANULARITY, "").strip().lower() or "run"
+    return PluginConfig(policy=name, options=options, mapping=mapping, granularity=granularity)
 
 
 def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> RetentionConfig | None:

@@ -1,0 +1,757 @@
+"""vLLM's free-block queue with the ``unified`` policy at *run* granularity (the plugin's default for ``unified``).
+
+Imported only when the plugin is enabled (it imports vLLM).
+
+Why runs: vLLM frees a finished request's blocks in one call, deepest first, and evicts blocks a hundred at a
+time. Ranking every 16-token block on its own costs the scheduler a Python call per block on each of three
+paths (cache, release, evict) -- several times what vLLM's own free list costs. :class:`RunFreeQueue` ranks
+*runs* instead: the blocks one release makes evictable, deepest first, split where the retention priority or
+the use count's power of two changes. A run is keyed and queued as :class:`~kvretain.core.policies.unified.
+UnifiedPolicy` keys a block (GreedyDual ``H = L + value`` with the value of the run's tail, the block evicted
+first; protected and unprotected tiers; the protection budget with the same
+:class:`~kvretain.core.policies.unified.IsolationController`) and is evicted tail first, so a chain goes as a
+unit, as under ``unified``'s chain order. Per block there is only flat-list bookkeeping (content, remembered
+retention, use count), done in the release loop; there is no per-block hook at caching.
+
+Rules kept from ``unified``: the highest retention any request asked for a block wins (its owner scope may
+lower it); a directive's duration lapses to the highest mapped request priority of its users; use counts are
+remembered across eviction for one block per 256 tokens (the ghost table), and the blocks of a 256-token
+segment cached together share its count. What differs: there are no parent/child links. A run is evicted tail
+first, so a chain never loses a block before its descendants *in the same run*; a parent released later (by a
+request still holding it) sits in a later run with a later key, so it normally outlives its children, but
+nothing forbids the opposite (stock vLLM's LRU has the same property). ``KVRETAIN_GRANULARITY=block`` selects
+the exact per-block ``unified`` (:class:`~kvretain.integrations.vllm._queue.RetentionFreeQueue`).
+
+A run holds its block ids; a block belongs to the run ``_run_of[id]`` names, so a cache hit (``remove``) is
+O(1) and the run skips the block lazily when it is evicted. ``num_free_blocks`` stays the total (unhashed
+list + runs): cached blocks count as free, and eviction still happens in vLLM's ``BlockPool.get_new_blocks``
+(KV events and metrics unchanged).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvretain.core.policies.lfu import GhostTable
+from kvretain.core.policies.unified import SAMPLE_TOKENS, IsolationController
+from kvretain.core.policy import INF, PolicyConfig
+from kvretain.core.retention import (
+    DEFAULT_RETENTION_PRIORITY,
+    MAX_RETENTION_PRIORITY,
+    PriorityMapping,
+    RetentionConfig,
+    RetentionError,
+)
+from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm.config import retention_from_extra_args
+
+NEW = -1
+"""Remembered retention of content that no request has released yet."""
+
+
+class _Run:
+    """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
+    eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
+
+    __slots__ = ("cls", "i", "ids", "key", "live", "r", "tier")
+
+    def __init__(self, ids: list[int], key: float, r: int, tier: int, cls: int) -> None:
+        self.ids = ids
+        self.i = 0
+        self.live = len(ids)  # (a run built in place sets it when it is queued)
+        self.key = key
+        self.r = r
+        self.tier = tier
+        self.cls = cls
+
+
+class _RunQueue:
+    """Runs of one tier by key: buckets of key width 1/16 (FIFO inside), non-empty bucket indices in a heap.
+    ``n`` counts live blocks; runs whose blocks all left are dropped lazily, and the buckets are rebuilt when
+    dead runs outnumber live ones."""
+
+    __slots__ = ("_buckets", "_slots", "live_runs", "n", "runs")
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, deque[_Run]] = {}
+        self._slots: list[int] = []
+        self.n = 0
+        self.runs = 0
+        self.live_runs = 0
+
+    def push(self, run: _Run) -> None:
+        s = int(run.key * 16.0)
+        q = self._buckets.get(s)
+        if q is None:
+            q = self._buckets[s] = deque()
+            heapq.heappush(self._slots, s)
+        q.append(run)
+        self.n += run.live
+        self.runs += 1
+        self.live_runs += 1
+
+    def died(self) -> None:
+        """A run of this queue lost its last block."""
+        self.live_runs -= 1
+        if self.runs > 2 * self.live_runs + 1024:
+            kept: dict[int, deque[_Run]] = {}
+            for s, q in self._buckets.items():
+                live = deque(r for r in q if r.live)
+                if live:
+                    kept[s] = live
+            self._buckets = kept
+            self._slots = sorted(kept)
+            self.runs = self.live_runs
+
+    def head(self) -> _Run:
+        """The first run with live blocks; the queue must not be empty (``n > 0``)."""
+        buckets = self._buckets
+        slots = self._slots
+        while True:
+            s = slots[0]
+            q = buckets[s]
+            while q:
+                run = q[0]
+                if run.live:
+                    return run
+                q.popleft()
+                self.runs -= 1
+            del buckets[s]
+            heapq.heappop(slots)
+
+    def live(self) -> Iterator[_Run]:
+        for q in self._buckets.values():
+            for run in q:
+                if run.live:
+                    yield run
+
+
+class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+    """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by ``unified`` over runs."""
+
+    def __init__(
+        self,
+        free_blocks: list[KVCacheBlock],
+        pool_blocks: Sequence[KVCacheBlock],
+        config: PolicyConfig,
+        mapping: PriorityMapping,
+    ) -> None:
+        super().__init__(free_blocks)
+        self.pool_blocks = pool_blocks
+        self.config = config
+        self.mapping = mapping
+        self.counters = _runtime.COUNTERS
+        self._warned: set[str] = set()
+        cfg = config
+        self._threshold = cfg.protect_threshold
+        self._cap = cfg.frequency_cap
+        self._exp = cfg.frequency_exponent
+        self._weight: list[float] = [
+            cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
+            for r in range(MAX_RETENTION_PRIORITY + 1)
+        ]
+        scale = cfg.cost_scale_tokens
+        self._cost_per_block = (cfg.block_size / scale) if scale > 0 else 0.0
+        self._stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
+        self._mapped: dict[int, int] = {}
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        n = len(self.pool_blocks)
+        cfg = self.config
+        self._run_of: list[_Run | None] = [None] * n
+        self._known: list[Any] = [None] * n  # the hash the policy knows the block's content under
+        self._r = [NEW] * n  # remembered retention priority (highest wins)
+        self._uses = [0] * n
+        self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
+        # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
+        # evictions under their run's class)
+        self._cls = [0] * n
+        # blocks whose retention a directive set away from the highest mapped priority of their users:
+        # id -> (expiry (INF: none), that mapped priority (what a lapse falls back to))
+        self._lapse: dict[int, tuple[float, int]] = {}
+        self._owner: dict[int, str] = {}
+        self._expiries: list[tuple[float, int]] = []
+        self._queues = (_RunQueue(), _RunQueue())  # 0: protected, 1: unprotected
+        self._held = 0  # blocks in runs (the rest of num_free_blocks is vLLM's list of unhashed blocks)
+        self._num_protected = 0  # cached blocks whose retention is protected
+        self._L = 0.0
+        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
+        self._ctl = IsolationController(n, cfg)
+        self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
+
+    # ------------------------------------------------------------ runs
+    def _value(self, r: int, uses: int, depth: int) -> float:
+        f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
+        return self._weight[r] * (f if f > 0.0 else 0.5) * (1.0 + depth * self._cost_per_block)
+
+    def _push_run(self, ids: list[int], r: int, depth: int, cls: int) -> None:
+        """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``."""
+        run = _Run(
+            ids, self._L + self._value(r, self._uses[ids[0]], depth), r, 0 if r >= self._threshold else 1, cls
+        )
+        run_of = self._run_of
+        for bid in ids:
+            run_of[bid] = run
+        self._queues[run.tier].push(run)
+
+    def _enqueue(self, ids: list[int]) -> None:
+        """Queue blocks (deepest first) from their per-block state: one run per stretch of equal retention,
+        use-count power of two and releasing class. (The slow path: ``append_n`` without a fused release,
+        lapses.)"""
+        if not ids:
+            return
+        rr = self._r
+        uses = self._uses
+        ub = self._ub
+        cls = self._cls
+        start = 0
+        first = ids[0]
+        cur = (rr[first], ub[uses[first]], cls[first])
+        for j in range(1, len(ids)):
+            bid = ids[j]
+            key = (rr[bid], ub[uses[bid]], cls[bid])
+            if key != cur:
+                self._push_run(ids[start:j], cur[0], 0, cur[2])
+                start = j
+                cur = key
+        self._push_run(ids[start:], cur[0], 0, cur[2])
+
+    def _take_from_list(self, run: _Run) -> None:
+        """``run`` lost one block that is still counted in its queue (the caller cleared ``_run_of``)."""
+        run.live -= 1
+        q = self._queues[run.tier]
+        q.n -= 1
+        if not run.live:
+            q.died()
+
+    # ------------------------------------------------------------ queue interface
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        base = self.num_free_blocks - self._held
+        if n <= base:
+            return super().popleft_n(n)  # type: ignore[no-any-return]
+        if n > self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
+        k = n - base
+        self._held -= k
+        self.num_free_blocks -= k
+        now = _runtime.now()
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire(now)
+        ids: list[int] = []
+        append = ids.append
+        run_of = self._run_of
+        known = self._known
+        sampled = self._sampled
+        uses = self._uses
+        put = self._ghost.put
+        lapse = self._lapse
+        owner = self._owner
+        q0, q1 = self._queues
+        ctl = self._ctl
+        get = self.counters.get
+        while k:
+            if q1.n and (self._num_protected <= ctl.target or not q0.n):
+                q = q1
+                run = q1.head()
+            elif q0.n and q1.n:
+                # over the protected target: the two tiers compete on their keys
+                r0 = q0.head()
+                r1 = q1.head()
+                q, run = (q0, r0) if r0.key < r1.key else (q1, r1)
+            else:
+                q = q0
+                run = q0.head()
+            # NOTE: hot path (one iteration per evicted block): locals only
+            rids = run.ids
+            i = run.i
+            m = len(rids)
+            if run.live <= k and run.live == m - i:  # the whole rest, no block left it
+                chunk = rids[i:] if i else rids
+                for bid in chunk:
+                    run_of[bid] = None
+                    if sampled[bid]:
+                        put(known[bid], uses[bid])
+                        sampled[bid] = 0
+                    known[bid] = None
+                ids.extend(chunk)
+                taken = m - i
+                i = m
+            else:
+                taken = 0
+                while i < m and taken < k:
+                    bid = rids[i]
+                    i += 1
+                    if run_of[bid] is run:
+                        run_of[bid] = None
+                        if sampled[bid]:
+                            put(known[bid], uses[bid])
+                            sampled[bid] = 0
+                        known[bid] = None
+                        append(bid)
+                        taken += 1
+            if lapse:
+                for bid in rids[run.i : i]:
+                    if bid in lapse and known[bid] is None:
+                        del lapse[bid]
+            if owner:
+                for bid in rids[run.i : i]:
+                    if known[bid] is None:
+                        owner.pop(bid, None)
+            run.i = i
+            run.live -= taken
+            q.n -= taken
+            if not run.live:
+                q.died()
+            k -= taken
+            if run.key > self._L:
+                self._L = run.key
+            if run.tier == 0:
+                self._num_protected -= taken
+            get(run.cls).evicted_blocks += taken
+        ret.extend(map(self.pool_blocks.__getitem__, ids))
+        return ret
+
+    def remove(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        run = self._run_of[bid]
+        if run is None:
+            super().remove(block)
+            return
+        self._run_of[bid] = None
+        self._take_from_list(run)
+        self._held -= 1
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        expected = self._expect
+        if expected >= 0:
+            # right after on_request_release(freeing_now=True) placed exactly these blocks (the hashed ones
+            # whose last reference goes): only the counts change
+            self._expect = -1
+            if expected == len(blocks):
+                self._held += expected
+                self.num_free_blocks += expected
+                return
+        plain: list[KVCacheBlock] = []
+        todo: list[int] = []
+        run_of = self._run_of
+        known = self._known
+        held = 0
+        for b in blocks:
+            h = b._block_hash
+            if h is None:
+                plain.append(b)
+                continue
+            bid = b.block_id
+            held += 1
+            if run_of[bid] is not None:  # placed by the fused release in on_request_release
+                continue
+            k = known[bid]
+            if k is not h and k != h:  # never released: register it at the default retention of its class
+                self._register(bid, h, 0)
+                self._set_retention(bid, self._mapped_for(self._cls[bid]))
+            todo.append(bid)
+        self._enqueue(todo)
+        self._held += held
+        self.num_free_blocks += held
+        if plain:
+            super().append_n(plain)
+
+    # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        listed: list[KVCacheBlock] = super().get_all_free_blocks()
+        ids = sorted(self._held_ids())
+        return listed + [self.pool_blocks[i] for i in ids]
+
+    def _held_ids(self) -> set[int]:
+        run_of = self._run_of
+        return {
+            bid for q in self._queues for run in q.live() for bid in run.ids[run.i :] if run_of[bid] is run
+        }
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
+        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
+        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------ per-block state
+    def _mapped_for(self, prio: int) -> int:
+        mapped = self._mapped.get(prio)
+        if mapped is None:
+            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+        return mapped
+
+    def _register(self, bid: int, h: Any, depth: int, uses: int = 0) -> None:
+        """New content in ``bid`` (its old content, if the policy still knew one, is dropped)."""
+        if self._known[bid] is not None:
+            self._drop(bid)
+        self._known[bid] = h
+        self._r[bid] = NEW
+        self._uses[bid] = uses
+        self._sampled[bid] = 1 if depth % self._stride == 0 else 0
+
+    def _set_retention(self, bid: int, r: int) -> None:
+        old = self._r[bid]
+        thr = self._threshold
+        if (old >= thr) != (r >= thr):
+            self._num_protected += 1 if r >= thr else -1
+        self._r[bid] = r
+
+    def _retain(
+        self, bid: int, retention: int, duration_s: float | None, scope: str | None, now: float, mapped: int
+    ) -> int:
+        """One release of ``bid`` asking for ``retention`` (a directive, or the mapped request priority) for
+        ``duration_s``; returns the block's retention after it. The rules of ``UnifiedPolicy.release``."""
+        r = self._r[bid]
+        ent = self._lapse.get(bid)
+        if ent is not None:
+            expiry, base = ent
+        else:
+            expiry, base = INF, r  # without a directive, the retention is the highest mapped priority
+        if mapped > base:
+            base = mapped
+        if r == NEW:
+            cur = base
+        elif expiry <= now:
+            cur = base
+            expiry = INF
+        else:
+            cur = r
+        exp = INF if duration_s is None else now + duration_s
+        if retention > cur or (retention < cur and scope is not None and scope == self._owner.get(bid)):
+            cur = retention
+            expiry = exp
+            if scope is not None:
+                self._owner[bid] = scope
+        elif retention == cur and exp > expiry:
+            expiry = exp  # refresh on reuse at the same priority
+        if cur != base:
+            self._lapse[bid] = (expiry, base)
+            if expiry != INF:
+                heapq.heappush(self._expiries, (expiry, bid))
+        else:
+            self._lapse.pop(bid, None)
+        self._set_retention(bid, cur)
+        return cur
+
+    def _expire(self, now: float) -> None:
+        exp = self._expiries
+        lapse = self._lapse
+        while exp and exp[0][0] <= now:
+            t, bid = heapq.heappop(exp)
+            ent = lapse.get(bid)
+            if ent is None or ent[0] != t:
+                continue
+            del lapse[bid]
+            self._set_retention(bid, ent[1])
+            run = self._run_of[bid]
+            if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
+                self._run_of[bid] = None
+                self._take_from_list(run)
+                self._push_run([bid], ent[1], 0, run.cls)
+
+    def _drop(self, bid: int, cls: int | None = None) -> None:
+        """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
+        h = self._known[bid]
+        if h is None:
+            return
+        if self._sampled[bid]:
+            self._ghost.put(h, self._uses[bid])
+            self._sampled[bid] = 0
+        self._known[bid] = None
+        if self._r[bid] >= self._threshold:
+            self._num_protected -= 1
+        self._r[bid] = NEW
+        self._lapse.pop(bid, None)
+        self._owner.pop(bid, None)
+        self.counters.get(self._cls[bid] if cls is None else cls).evicted_blocks += 1
+
+    # ------------------------------------------------------------ hooks called by the patches
+    def on_blocks_cached(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_mask: Sequence[bool] | None,
+    ) -> None:
+        """Nothing to do: content is registered when a request releases it."""
+
+    def _retention(self, request: Any) -> RetentionConfig | None:
+        sp = getattr(request, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        if not extra:
+            return None
+        try:
+            return retention_from_extra_args(extra)
+        except RetentionError as exc:  # validated at input; never fail the engine here
+            self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
+            return None
+
+    def on_request_release(
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool = False,
+    ) -> None:
+        """Before a request's blocks are freed: one release (a use) per hashed block at the retention the
+        request asks for (directives, else its mapped ``priority``), deepest block first.
+
+        ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so the
+        blocks whose last reference goes are queued here, as runs, and the ``append_n`` that follows only
+        counts them."""
+        try:
+            self._release(request, groups, block_sizes, freeing_now)
+        except Exception:
+            if freeing_now:
+                self._unplace(groups)  # the append_n that follows places the blocks
+            raise
+
+    def _release(
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool,
+    ) -> None:
+        prio = int(getattr(request, "priority", 0) or 0)
+        mapped = self._mapped_for(prio)
+        ret = self._retention(request)
+        scope = ret.scope if ret is not None else None
+        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        slow = use_plan or scope is not None
+        if freeing_now:
+            self._expect = -1
+        now = _runtime.now()
+        known = self._known
+        rr = self._r
+        uses = self._uses
+        cls = self._cls
+        run_of = self._run_of
+        sampled = self._sampled
+        lapse = self._lapse
+        ub = self._ub
+        cap = self._cap
+        stride = self._stride
+        thr = self._threshold
+        take = self._ghost.take
+        value = self._value
+        L = self._L
+        protect = mapped >= thr
+        new_protected = 0
+        total = 0
+        skipped = 0
+        runs: list[_Run] = []
+        try:
+            for g, blocks in enumerate(groups):
+                n = len(blocks)
+                if not n:
+                    continue
+                total += n
+                prios: list[int] | None = None
+                durs: list[float | None] | None = None
+                if use_plan:
+                    assert ret is not None and block_sizes is not None
+                    prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
+                seg = n  # the first depth of the 256-token segment of the last new block
+                su = 1  # that segment's use count (restored from the ghost) after this release
+                cur: _Run | None = None  # the run being built (evictable blocks, deepest first)
+                add = None
+                run_r = run_u = -1
+                # NOTE: hot path (one iteration per released block), deepest block first: flat lists only, and
+                # the common cases (new content, the same priority again) without calls
+                for i in range(n - 1, -1, -1):
+                    b = blocks[i]
+                    h = b._block_hash
+                    if h is None:  # (also the null block)
+                        skipped += 1
+                        continue
+                    bid = b.block_id
+                    k = known[bid]
+                    if k is h or (k is not None and k == h):
+                        u = uses[bid] + 1
+                        if u > cap:
+                            u = cap
+                        if slow:
+                            if prios is None or durs is None:
+                                r = self._retain(bid, mapped, None, scope, now, mapped)
+                            else:
+                                r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                        else:
+                            r = rr[bid]
+                            if r != mapped:
+                                if r < mapped:  # highest wins
+                                    if r < thr <= mapped:
+                                        new_protected += 1
+                                    rr[bid] = r = mapped
+                                    if lapse:
+                                        lapse.pop(bid, None)
+                                elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
+                                    r = self._retain(bid, mapped, None, None, now, mapped)
+                    else:  # new content: registered here, not when vLLM cached it
+                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
+                            seg = i - i % stride
+                            hh = blocks[seg]._block_hash
+                            su = 1 + (
+                                take(hh) if hh is not None and known[blocks[seg].block_id] is not hh else 0
+                            )
+                            if su > cap:
+                                su = cap
+                        if k is not None:
+                            self._drop(bid)
+                        known[bid] = h
+                        if i == seg:
+                            sampled[bid] = 1
+                        u = su
+                        if slow:
+                            rr[bid] = NEW
+                            uses[bid] = u
+                            if prios is None or durs is None:
+                                r = self._retain(bid, mapped, None, scope, now, mapped)
+                            else:
+                                r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                        else:
+                            rr[bid] = r = mapped
+                            if protect:
+                                new_protected += 1
+                    uses[bid] = u
+                    if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
+                        x = ub[u]
+                        if r != run_r or x != run_u:
+                            cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
+                            runs.append(cur)
+                            add = cur.ids.append
+                            run_r = r
+                            run_u = x
+                        add(bid)  # type: ignore[misc]
+                        run_of[bid] = cur
+        finally:  # (also on an error: every block that names a run is in a queued run)
+            self._num_protected += new_protected
+            placed = 0
+            queues = self._queues
+            for run in runs:
+                run.live = len(run.ids)
+                placed += run.live
+                queues[run.tier].push(run)
+        if freeing_now:
+            self._expect = placed
+        else:  # the append_n that places these blocks later needs their releaser's class
+            for blocks in groups:
+                for b in blocks:
+                    if b._block_hash is not None:
+                        cls[b.block_id] = prio
+        released = total - skipped
+        if released:
+            self.counters.get(prio).released_blocks += released
+
+    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
+        self._expect = -1
+        run_of = self._run_of
+        for blocks in groups:
+            for b in blocks:
+                if b._block_hash is None or b.ref_cnt != 1:
+                    continue
+                bid = b.block_id
+                run = run_of[bid]
+                if run is not None:
+                    run_of[bid] = None
+                    self._take_from_list(run)
+
+    def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
+        """At admission (``record_prefix_cache_stats``): per-priority counters and the isolation controller."""
+        prio = int(getattr(request, "priority", 0) or 0)
+        c = self.counters.get(prio)
+        if getattr(request, "num_preemptions", 0) > 0:
+            c.preempted_requests += 1
+            c.preempted_hit_tokens += num_hit_tokens
+            return
+        c.requests += 1
+        c.query_tokens += int(request.num_tokens)
+        c.hit_tokens += num_hit_tokens
+        hashes = request.block_hashes
+        self._ctl.on_lookup(
+            hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), self._mapped_for(prio)
+        )
+
+    def forget(self, block: KVCacheBlock) -> bool:
+        """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of its run. Returns True
+        when the block was free (the caller then puts it on the unhashed list)."""
+        bid = block.block_id
+        run = self._run_of[bid]
+        if run is not None:
+            self._run_of[bid] = None
+            self._take_from_list(run)
+            self._held -= 1
+            self.num_free_blocks -= 1
+        self._drop(bid, run.cls if run is not None else None)
+        return run is not None
+
+    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+
+    def drain(self) -> None:
+        """After a successful ``reset_prefix_cache`` (every hash is gone): move all queued blocks to the
+        unhashed list and start afresh."""
+        ids = sorted(self._held_ids())
+        self.num_free_blocks -= len(ids)
+        self._reset_state()
+        super().append_n([self.pool_blocks[i] for i in ids])
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "protected_blocks": float(self._num_protected),
+            "protected_target": self._ctl.target,
+            "protected_budget": self._ctl.max_target,
+        }
+
+    def check(self) -> None:
+        """Consistency check for tests: counts, run membership and retention bookkeeping agree. O(n)."""
+        held = self._held_ids()
+        listed = super().get_all_free_blocks()
+        assert self._held == len(held), "held count"
+        assert sum(q.n for q in self._queues) == len(held), "queue counts"
+        assert self.num_free_blocks == len(listed) + self._held, "free count"
+        for q in self._queues:
+            runs = list(q.live())
+            assert q.live_runs == len(runs), "live runs"
+            for run in runs:
+                members = [b for b in run.ids[run.i :] if self._run_of[b] is run]
+                assert run.live == len(members), "run live count"
+                assert run.tier == (0 if run.r >= self._threshold else 1)
+                for b in members:
+                    assert self._r[b] == run.r, f"block {b} retention differs from its run's"
+        for b in listed:
+            assert self._run_of[b.block_id] is None and b.block_hash is None, f"listed {b.block_id}"
+            assert b.ref_cnt == 0
+        for bid in held:
+            b = self.pool_blocks[bid]
+            assert b.ref_cnt == 0 and b.block_hash is not None, f"queued block {bid} not cached-free"
+            assert self._known[bid] is not None
+        known = [i for i, h in enumerate(self._known) if h is not None]
+        assert self._num_protected == sum(1 for i in known if self._r[i] >= self._threshold), (
+            "protected count"
+        )
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            import logging
+
+            logging.getLogger("kvretain.integrations.vllm").warning(msg)
