@@ -167,7 +167,10 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         n = len(self.pool_blocks)
         cfg = self.config
         self._run_of: list[_Run | None] = [None] * n
-        self._known: list[Any] = [None] * n  # the hash the policy knows the block's content under
+        # 1 while the block holds content the queue knows (registered at its first release, cleared when it is
+        # evicted). NOTE: a flag, not the hash: storing the hash object would touch its reference count, a
+        # cache miss per block on every path; the ghost reads the hash from vLLM's block when one is evicted.
+        self._has = bytearray(n)
         self._r = [NEW] * n  # remembered retention priority (highest wins)
         self._uses = [0] * n
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
@@ -252,10 +255,11 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ids: list[int] = []
         append = ids.append
         run_of = self._run_of
-        known = self._known
+        has = self._has
         sampled = self._sampled
         uses = self._uses
         put = self._ghost.put
+        blocks = self.pool_blocks
         lapse = self._lapse
         owner = self._owner
         q0, q1 = self._queues
@@ -277,17 +281,17 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             rids = run.ids
             i = run.i
             m = len(rids)
-            if run.live <= k and run.live == m - i:  # the whole rest, no block left it
-                chunk = rids[i:] if i else rids
+            if run.live == m - i:  # no block left the rest of the run: take the next ones as they are
+                taken = k if k < run.live else run.live
+                chunk = rids[i : i + taken] if i or taken < m else rids
                 for bid in chunk:
                     run_of[bid] = None
                     if sampled[bid]:
-                        put(known[bid], uses[bid])
+                        put(blocks[bid]._block_hash, uses[bid])
                         sampled[bid] = 0
-                    known[bid] = None
+                    has[bid] = 0
                 ids.extend(chunk)
-                taken = m - i
-                i = m
+                i += taken
             else:
                 taken = 0
                 while i < m and taken < k:
@@ -296,18 +300,18 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     if run_of[bid] is run:
                         run_of[bid] = None
                         if sampled[bid]:
-                            put(known[bid], uses[bid])
+                            put(blocks[bid]._block_hash, uses[bid])
                             sampled[bid] = 0
-                        known[bid] = None
+                        has[bid] = 0
                         append(bid)
                         taken += 1
             if lapse:
                 for bid in rids[run.i : i]:
-                    if bid in lapse and known[bid] is None:
+                    if bid in lapse and not has[bid]:
                         del lapse[bid]
             if owner:
                 for bid in rids[run.i : i]:
-                    if known[bid] is None:
+                    if not has[bid]:
                         owner.pop(bid, None)
             run.i = i
             run.live -= taken
@@ -320,7 +324,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if run.tier == 0:
                 self._num_protected -= taken
             get(run.cls).evicted_blocks += taken
-        ret.extend(map(self.pool_blocks.__getitem__, ids))
+        ret.extend(map(blocks.__getitem__, ids))
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -350,7 +354,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         plain: list[KVCacheBlock] = []
         todo: list[int] = []
         run_of = self._run_of
-        known = self._known
+        has = self._has
         held = 0
         for b in blocks:
             h = b._block_hash
@@ -361,9 +365,8 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             held += 1
             if run_of[bid] is not None:  # placed by the fused release in on_request_release
                 continue
-            k = known[bid]
-            if k is not h and k != h:  # never released: register it at the default retention of its class
-                self._register(bid, h, 0)
+            if not has[bid]:  # never released: register it at the default retention of its class
+                self._register(bid, 0)
                 self._set_retention(bid, self._mapped_for(self._cls[bid]))
             todo.append(bid)
         self._enqueue(todo)
@@ -397,11 +400,9 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             mapped = self._mapped[prio] = self.mapping.retention_for(prio)
         return mapped
 
-    def _register(self, bid: int, h: Any, depth: int, uses: int = 0) -> None:
-        """New content in ``bid`` (its old content, if the policy still knew one, is dropped)."""
-        if self._known[bid] is not None:
-            self._drop(bid)
-        self._known[bid] = h
+    def _register(self, bid: int, depth: int, uses: int = 0) -> None:
+        """New content in ``bid`` at block depth ``depth``."""
+        self._has[bid] = 1
         self._r[bid] = NEW
         self._uses[bid] = uses
         self._sampled[bid] = 1 if depth % self._stride == 0 else 0
@@ -468,13 +469,14 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
-        h = self._known[bid]
-        if h is None:
+        if not self._has[bid]:
             return
+        h = self.pool_blocks[bid]._block_hash
         if self._sampled[bid]:
-            self._ghost.put(h, self._uses[bid])
+            if h is not None:
+                self._ghost.put(h, self._uses[bid])
             self._sampled[bid] = 0
-        self._known[bid] = None
+        self._has[bid] = 0
         if self._r[bid] >= self._threshold:
             self._num_protected -= 1
         self._r[bid] = NEW
@@ -539,7 +541,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if freeing_now:
             self._expect = -1
         now = _runtime.now()
-        known = self._known
+        has = self._has
         rr = self._r
         uses = self._uses
         cls = self._cls
@@ -583,8 +585,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         skipped += 1
                         continue
                     bid = b.block_id
-                    k = known[bid]
-                    if k is h or (k is not None and k == h):
+                    if has[bid]:
                         u = uses[bid] + 1
                         if u > cap:
                             u = cap
@@ -608,14 +609,10 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
                             hh = blocks[seg]._block_hash
-                            su = 1 + (
-                                take(hh) if hh is not None and known[blocks[seg].block_id] is not hh else 0
-                            )
+                            su = 1 + (take(hh) if hh is not None and not has[blocks[seg].block_id] else 0)
                             if su > cap:
                                 su = cap
-                        if k is not None:
-                            self._drop(bid)
-                        known[bid] = h
+                        has[bid] = 1
                         if i == seg:
                             sampled[bid] = 1
                         u = su
@@ -743,8 +740,13 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         for bid in held:
             b = self.pool_blocks[bid]
             assert b.ref_cnt == 0 and b.block_hash is not None, f"queued block {bid} not cached-free"
-            assert self._known[bid] is not None
-        known = [i for i, h in enumerate(self._known) if h is not None]
+            assert self._has[bid]
+        for i in range(len(self._has)):
+            if self._has[i]:
+                assert self.pool_blocks[i].block_hash is not None, (
+                    f"block {i}: content known, no hash in vLLM"
+                )
+        known = [i for i in range(len(self._has)) if self._has[i]]
         assert self._num_protected == sum(1 for i in known if self._r[i] >= self._threshold), (
             "protected count"
         )
