@@ -167,11 +167,11 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         n = len(self.pool_blocks)
         cfg = self.config
         self._run_of: list[_Run | None] = [None] * n
-        # 1 while the block holds content the queue knows (registered at its first release, cleared when it is
-        # evicted). NOTE: a flag, not the hash: storing the hash object would touch its reference count, a
-        # cache miss per block on every path; the ghost reads the hash from vLLM's block when one is evicted.
-        self._has = bytearray(n)
-        self._r = [NEW] * n  # remembered retention priority (highest wins)
+        # remembered retention priority (highest wins); NEW while the queue knows no content in the block (it
+        # registers content at its first release and forgets it when the block is evicted). NOTE: no hash per
+        # block: holding the hash object would touch its reference count, a cache miss per block on every
+        # path; the ghost reads the hash from vLLM's block when a sampled block is evicted.
+        self._r = [NEW] * n
         self._uses = [0] * n
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
         # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
@@ -255,7 +255,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ids: list[int] = []
         append = ids.append
         run_of = self._run_of
-        has = self._has
+        rr = self._r
         sampled = self._sampled
         uses = self._uses
         put = self._ghost.put
@@ -289,7 +289,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     if sampled[bid]:
                         put(blocks[bid]._block_hash, uses[bid])
                         sampled[bid] = 0
-                    has[bid] = 0
+                    rr[bid] = NEW
                 ids.extend(chunk)
                 i += taken
             else:
@@ -302,16 +302,16 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         if sampled[bid]:
                             put(blocks[bid]._block_hash, uses[bid])
                             sampled[bid] = 0
-                        has[bid] = 0
+                        rr[bid] = NEW
                         append(bid)
                         taken += 1
             if lapse:
                 for bid in rids[run.i : i]:
-                    if bid in lapse and not has[bid]:
+                    if bid in lapse and rr[bid] == NEW:
                         del lapse[bid]
             if owner:
                 for bid in rids[run.i : i]:
-                    if not has[bid]:
+                    if rr[bid] == NEW:
                         owner.pop(bid, None)
             run.i = i
             run.live -= taken
@@ -354,7 +354,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         plain: list[KVCacheBlock] = []
         todo: list[int] = []
         run_of = self._run_of
-        has = self._has
+        rr = self._r
         held = 0
         for b in blocks:
             h = b._block_hash
@@ -365,7 +365,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             held += 1
             if run_of[bid] is not None:  # placed by the fused release in on_request_release
                 continue
-            if not has[bid]:  # never released: register it at the default retention of its class
+            if rr[bid] == NEW:  # never released: register it at the default retention of its class
                 self._register(bid, 0)
                 self._set_retention(bid, self._mapped_for(self._cls[bid]))
             todo.append(bid)
@@ -402,7 +402,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def _register(self, bid: int, depth: int, uses: int = 0) -> None:
         """New content in ``bid`` at block depth ``depth``."""
-        self._has[bid] = 1
         self._r[bid] = NEW
         self._uses[bid] = uses
         self._sampled[bid] = 1 if depth % self._stride == 0 else 0
@@ -469,14 +468,13 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
-        if not self._has[bid]:
+        if self._r[bid] == NEW:
             return
         h = self.pool_blocks[bid]._block_hash
         if self._sampled[bid]:
             if h is not None:
                 self._ghost.put(h, self._uses[bid])
             self._sampled[bid] = 0
-        self._has[bid] = 0
         if self._r[bid] >= self._threshold:
             self._num_protected -= 1
         self._r[bid] = NEW
@@ -541,7 +539,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if freeing_now:
             self._expect = -1
         now = _runtime.now()
-        has = self._has
         rr = self._r
         uses = self._uses
         cls = self._cls
@@ -585,7 +582,8 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         skipped += 1
                         continue
                     bid = b.block_id
-                    if has[bid]:
+                    r = rr[bid]
+                    if r != NEW:
                         u = uses[bid] + 1
                         if u > cap:
                             u = cap
@@ -594,30 +592,26 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                                 r = self._retain(bid, mapped, None, scope, now, mapped)
                             else:
                                 r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
-                        else:
-                            r = rr[bid]
-                            if r != mapped:
-                                if r < mapped:  # highest wins
-                                    if r < thr <= mapped:
-                                        new_protected += 1
-                                    rr[bid] = r = mapped
-                                    if lapse:
-                                        lapse.pop(bid, None)
-                                elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
-                                    r = self._retain(bid, mapped, None, None, now, mapped)
+                        elif r != mapped:
+                            if r < mapped:  # highest wins
+                                if r < thr <= mapped:
+                                    new_protected += 1
+                                rr[bid] = r = mapped
+                                if lapse:
+                                    lapse.pop(bid, None)
+                            elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
+                                r = self._retain(bid, mapped, None, None, now, mapped)
                     else:  # new content: registered here, not when vLLM cached it
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
                             hh = blocks[seg]._block_hash
-                            su = 1 + (take(hh) if hh is not None and not has[blocks[seg].block_id] else 0)
+                            su = 1 + (take(hh) if hh is not None and rr[blocks[seg].block_id] == NEW else 0)
                             if su > cap:
                                 su = cap
-                        has[bid] = 1
                         if i == seg:
                             sampled[bid] = 1
                         u = su
                         if slow:
-                            rr[bid] = NEW
                             uses[bid] = u
                             if prios is None or durs is None:
                                 r = self._retain(bid, mapped, None, scope, now, mapped)
@@ -740,13 +734,13 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         for bid in held:
             b = self.pool_blocks[bid]
             assert b.ref_cnt == 0 and b.block_hash is not None, f"queued block {bid} not cached-free"
-            assert self._has[bid]
-        for i in range(len(self._has)):
-            if self._has[i]:
+            assert self._r[bid] != NEW
+        for i in range(len(self._r)):
+            if self._r[i] != NEW:
                 assert self.pool_blocks[i].block_hash is not None, (
                     f"block {i}: content known, no hash in vLLM"
                 )
-        known = [i for i in range(len(self._has)) if self._has[i]]
+        known = [i for i in range(len(self._r)) if self._r[i] != NEW]
         assert self._num_protected == sum(1 for i in known if self._r[i] >= self._threshold), (
             "protected count"
         )
