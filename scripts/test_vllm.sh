@@ -17,7 +17,7 @@ quiet() {  # run quietly; show the output only when it fails
     exit 1
   fi
 }
-if ! "$VENV/bin/python" -c "import torch, pytest, vllm.v1.core.block_pool; assert __import__('vllm').__version__ == '0.33.0'" \
+if ! "$VENV/bin/python" -c "import torch, pytest, hypothesis, vllm.v1.core.block_pool; assert __import__('vllm').__version__ == '0.33.0'" \
   >/dev/null 2>&1; then
   echo "== setting up $VENV (torch 2.13.0 CPU, vllm 0.33.0 --no-deps, $REQS)"
   start=$(date +%s)
@@ -25,7 +25,7 @@ if ! "$VENV/bin/python" -c "import torch, pytest, vllm.v1.core.block_pool; asser
   quiet "$VENV/bin/python" -m pip install -q torch==2.13.0
   quiet "$VENV/bin/python" -m pip install -q --no-deps vllm==0.33.0
   quiet "$VENV/bin/python" -m pip install -q -r "$REQS"  # pip's dependency-conflict report is expected
-  quiet "$VENV/bin/python" -m pip install -q pytest
+  quiet "$VENV/bin/python" -m pip install -q pytest hypothesis
   echo "   done in $(( $(date +%s) - start )) s"
 fi
 # kvretain itself, editable and without dependencies (vLLM brings what the plugin needs)
@@ -36,4 +36,4 @@ sys.exit(pathlib.Path(m.__file__).resolve().is_relative_to(pathlib.Path('src').r
   quiet "$VENV/bin/python" -m pip install -q --no-deps -e .
 fi
 echo "== pytest (vLLM plugin, $VENV)"
-"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py "$@"

@@ -1,0 +1,288 @@
+"""The vLLM plugin's run queue (``RunFreeQueue``) driven directly, the way vLLM's ``BlockPool`` drives its free
+queue: random admit (prefix lookup, hits, allocation with eviction, caching) / finish / ``evict_blocks`` /
+prefix-cache reset / clock sequences, with the queue's consistency check and vLLM's free-count invariant after
+every step; and the eviction order the queue promises."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.core.kv_cache_utils", reason="vLLM 0.33 is tested in .venv-vllm (scripts/test_vllm.sh)"
+)
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvretain.core.policy import PolicyConfig
+from kvretain.core.retention import PriorityMapping
+from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm._runs import RunFreeQueue
+
+BLOCK = 16
+
+
+class Pool:
+    """What vLLM's ``BlockPool`` and ``KVCacheManager`` do to the free queue (block 0 is the null block)."""
+
+    def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.q = RunFreeQueue(self.blocks[1:], self.blocks, cfg, PriorityMapping())
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    def lookup(self, hashes: list[bytes]) -> list[KVCacheBlock]:
+        hits = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def admit(self, req: Any, hashes: list[bytes], partial: bool) -> list[KVCacheBlock] | None:
+        hits = self.lookup(hashes[:-1])  # never the whole prompt, as vLLM
+        need = len(hashes) - len(hits) + (1 if partial else 0)
+        if need + sum(1 for b in hits if b.ref_cnt == 0) > self.q.num_free_blocks:
+            return None
+        for b in hits:  # BlockPool.touch
+            if b.ref_cnt == 0:
+                self.q.remove(b)
+            b.ref_cnt += 1
+        new = self.q.popleft_n(need) if need else []
+        for b in new:  # BlockPool.get_new_blocks: _maybe_evict_cached_block, then a reference
+            assert b.ref_cnt == 0
+            self._strip(b)
+            b.ref_cnt = 1
+        blocks = hits + new
+        for i in range(len(hits), len(hashes)):  # BlockPool.cache_full_blocks
+            b = blocks[i]
+            b._block_hash = hashes[i]
+            self.cached.setdefault(hashes[i], b)  # (a duplicate keeps the first block in the index)
+        req.block_hashes = hashes
+        return blocks
+
+    def free(self, req: Any, blocks: list[KVCacheBlock]) -> None:
+        """KVCacheManager.free with the plugin: the release hook, then BlockPool.free_blocks (deepest first)."""
+        self.q.on_request_release(req, (blocks,), [BLOCK], freeing_now=True)
+        ordered = list(reversed(blocks))
+        for b in ordered:
+            b.ref_cnt -= 1
+        self.q.append_n([b for b in ordered if b.ref_cnt == 0])
+        self.q._expect = -1
+
+    def evict_blocks(self, ids: set[int]) -> None:
+        """BlockPool.evict_blocks as patched: the queue forgets, vLLM strips the hashes, free ones move."""
+        moved = [
+            self.blocks[i]
+            for i in ids
+            if self.blocks[i].block_hash is not None and self.q.forget(self.blocks[i])
+        ]
+        for i in ids:
+            self._strip(self.blocks[i])
+        if moved:
+            self.q.put_unhashed(moved)
+
+    def reset(self) -> None:
+        for b in self.blocks:
+            self._strip(b)
+        self.q.drain()
+
+    def _strip(self, b: KVCacheBlock) -> None:
+        h = b._block_hash
+        if h is not None:
+            if self.cached.get(h) is b:
+                del self.cached[h]
+            b._block_hash = None
+
+
+def request(rid: str, priority: int, extra: dict[str, Any] | None = None, tokens: int = 0) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        priority=priority,
+        sampling_params=SimpleNamespace(extra_args=extra),
+        num_prompt_tokens=tokens,
+        num_tokens=tokens,
+        num_preemptions=0,
+        block_hashes=[],
+    )
+
+
+def chain(session: int, n: int, tail: int) -> list[bytes]:
+    """A session's shared chain of ``n`` blocks, then ``tail`` blocks of this request only."""
+    own = [b"s%d-%d" % (session, i) for i in range(n)]
+    return own + [b"s%d-%d-t%d" % (session, n, i) for i in range(tail)]
+
+
+class RunQueueMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = [0.0]
+        _runtime.set_clock(lambda: self.t[0])
+        self.pool = Pool(41, PolicyConfig(budget=0.5, isolation_goal=0.9, block_size=BLOCK))
+        self.running: list[tuple[Any, list[KVCacheBlock]]] = []
+        self.serial = 0
+
+    def teardown(self) -> None:
+        _runtime.set_clock(None)
+
+    @rule(
+        session=st.integers(0, 3),
+        shared=st.integers(0, 12),
+        tail=st.integers(1, 6),
+        priority=st.integers(-1, 2),
+        partial=st.booleans(),
+        directive=st.sampled_from([None, "dur", "perm", "scoped-low"]),
+    )
+    def admit(
+        self, session: int, shared: int, tail: int, priority: int, partial: bool, directive: str | None
+    ) -> None:
+        self.serial += 1
+        extra: dict[str, Any] | None = None
+        if directive == "dur":
+            extra = {"retention_directives": [{"start": 0, "end": 4 * BLOCK, "priority": 90, "duration": 5}]}
+        elif directive == "perm":
+            extra = {"retention_directives": [{"start": 0, "end": None, "priority": 60}]}
+        elif directive == "scoped-low":
+            extra = {
+                "retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}],
+                "retention_scope": f"s{session}",
+            }
+        hashes = chain(session, shared, tail)
+        req = request(f"r{self.serial}", priority, extra, tokens=len(hashes) * BLOCK + (5 if partial else 0))
+        blocks = self.pool.admit(req, hashes, partial)
+        if blocks is not None:
+            self.running.append((req, blocks))
+
+    @precondition(lambda self: self.running)
+    @rule(which=st.integers(0, 100))
+    def finish(self, which: int) -> None:
+        req, blocks = self.running.pop(which % len(self.running))
+        self.pool.free(req, blocks)
+
+    @rule(ids=st.sets(st.integers(1, 40), max_size=4))
+    def evict_blocks(self, ids: set[int]) -> None:
+        self.pool.evict_blocks(ids)
+
+    @precondition(lambda self: not self.running)
+    @rule()
+    def reset(self) -> None:
+        self.pool.reset()
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 10.0]))
+    def tick(self, dt: float) -> None:
+        self.t[0] += dt
+
+    @invariant()
+    def consistent(self) -> None:
+        q = self.pool.q
+        q.check()
+        free = [b for b in self.pool.blocks[1:] if b.ref_cnt == 0]
+        assert q.num_free_blocks == len(free), (
+            "vLLM's free count: every block with no reference, cached or not"
+        )
+        assert q._held == sum(1 for b in free if b.block_hash is not None), "cached free blocks are in runs"
+
+
+TestRunQueueMachine = RunQueueMachine.TestCase
+TestRunQueueMachine.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# ---------------------------------------------------------------------------- the order it promises
+def fixed_pool(num_blocks: int = 17) -> Pool:
+    # a fixed budget as large as the pool: unprotected blocks go first whenever there are any
+    return Pool(num_blocks, PolicyConfig(budget=1.0, isolation_goal=None, block_size=BLOCK))
+
+
+def test_unprotected_runs_go_first_and_each_run_tail_first() -> None:
+    pool = fixed_pool()
+    hi, lo = request("hi", 0), request("lo", 1)  # retention 35 (protected at the default threshold), 25
+    hb = pool.admit(hi, chain(0, 4, 0), False)
+    lb = pool.admit(lo, chain(1, 4, 0), False)
+    assert hb is not None and lb is not None
+    pool.free(hi, hb)
+    pool.free(lo, lb)
+    pool.q.popleft_n(16 - 8)  # the never-used blocks first (the unhashed list, as stock vLLM)
+    got = [b.block_id for b in pool.q.popleft_n(5)]
+    assert got == [b.block_id for b in reversed(lb)] + [hb[-1].block_id]
+    pool.q.check()
+
+
+def test_a_shared_prefix_keeps_the_highest_retention_of_its_users() -> None:
+    pool = fixed_pool()
+    hi, lo = request("hi", 0), request("lo", 1)
+    hb = pool.admit(hi, chain(0, 3, 0), False)  # p0 p1 p2
+    assert hb is not None
+    pool.free(hi, hb)
+    lb = pool.admit(lo, chain(0, 3, 2), False)  # hits p0 p1 p2 (retention 35), adds two blocks of its own
+    assert lb is not None and lb[:3] == hb
+    pool.free(lo, lb)
+    q = pool.q
+    assert [q._r[b.block_id] for b in lb] == [35, 35, 35, 25, 25]
+    q.popleft_n(16 - 5)
+    got = [b.block_id for b in q.popleft_n(5)]
+    assert got == [b.block_id for b in reversed(lb)], "its own blocks (25) first, then the shared prefix (35)"
+    q.check()
+
+
+def test_a_lapsed_directive_falls_back_and_its_blocks_requeue() -> None:
+    t = [0.0]
+    _runtime.set_clock(lambda: t[0])
+    try:
+        pool = fixed_pool()
+        d = {"retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 90, "duration": 30}]}
+        a, b = request("a", 1, d, tokens=3 * BLOCK), request("b", 1)
+        ab = pool.admit(a, chain(0, 3, 0), False)
+        bb = pool.admit(b, chain(1, 3, 0), False)
+        assert ab is not None and bb is not None
+        pool.free(b, bb)
+        pool.free(a, ab)
+        q = pool.q
+        assert [q._r[x.block_id] for x in ab] == [90, 90, 25]
+        assert q.stats()["protected_blocks"] == 2
+        q.popleft_n(16 - 6)
+        t[0] = 31.0  # the directive lapses: its two blocks fall back to 25 and queue behind the others
+        got = [x.block_id for x in q.popleft_n(6)]
+        assert got[:4] == [x.block_id for x in reversed(bb)] + [ab[2].block_id]
+        assert set(got[4:]) == {ab[0].block_id, ab[1].block_id}
+        assert q.stats()["protected_blocks"] == 0
+        q.check()
+    finally:
+        _runtime.set_clock(None)
+
+
+def test_hits_leave_a_run_and_eviction_skips_them() -> None:
+    pool = fixed_pool()
+    a = request("a", 1)
+    ab = pool.admit(a, chain(0, 6, 0), False)
+    assert ab is not None
+    pool.free(a, ab)
+    b = request("b", 1)
+    bb = pool.admit(b, chain(0, 3, 0), False)  # hits the first two (never the whole prompt), recomputes none
+    assert bb is not None and bb[:2] == ab[:2]
+    q = pool.q
+    q.popleft_n(16 - 6)
+    got = [x.block_id for x in q.popleft_n(q.num_free_blocks)]
+    assert ab[0].block_id not in got and ab[1].block_id not in got
+    q.check()
+
+
+def test_a_more_important_user_raises_a_cached_prefix() -> None:
+    pool = fixed_pool()
+    lo, hi = request("lo", 1), request("hi", 0)
+    lb = pool.admit(lo, chain(0, 3, 0), False)
+    assert lb is not None
+    pool.free(lo, lb)
+    assert [pool.q._r[b.block_id] for b in lb] == [25, 25, 25]
+    hb = pool.admit(hi, chain(0, 3, 1), False)  # hits all three, adds one
+    assert hb is not None and hb[:3] == lb
+    pool.free(hi, hb)
+    assert [pool.q._r[b.block_id] for b in hb] == [35, 35, 35, 35]
+    assert pool.q.stats()["protected_blocks"] == 4
+    pool.q.check()
