@@ -554,9 +554,11 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         L = self._L
         protect = mapped >= thr
         new_protected = 0
+        other = 0  # released blocks that are not new content on the fast path (the rest is counted below)
         total = 0
         skipped = 0
         runs: list[_Run] = []
+        completed = False
         try:
             for g, blocks in enumerate(groups):
                 n = len(blocks)
@@ -584,6 +586,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     bid = b.block_id
                     r = rr[bid]
                     if r != NEW:
+                        other += 1
                         u = uses[bid] + 1
                         if u > cap:
                             u = cap
@@ -604,14 +607,18 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     else:  # new content: registered here, not when vLLM cached it
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
-                            hh = blocks[seg]._block_hash
-                            su = 1 + (take(hh) if hh is not None and rr[blocks[seg].block_id] == NEW else 0)
-                            if su > cap:
-                                su = cap
-                        if i == seg:
-                            sampled[bid] = 1
+                            head = blocks[seg]
+                            hh = head._block_hash
+                            hid = head.block_id
+                            su = 1
+                            if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
+                                su += take(hh)
+                                sampled[hid] = 1
+                                if su > cap:
+                                    su = cap
                         u = su
                         if slow:
+                            other += 1
                             uses[bid] = u
                             if prios is None or durs is None:
                                 r = self._retain(bid, mapped, None, scope, now, mapped)
@@ -619,8 +626,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                                 r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
                         else:
                             rr[bid] = r = mapped
-                            if protect:
-                                new_protected += 1
                     uses[bid] = u
                     if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
                         x = ub[u]
@@ -632,7 +637,10 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                             run_u = x
                         add(bid)  # type: ignore[misc]
                         run_of[bid] = cur
+            completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
+            if protect and completed:  # new content at a protected mapped priority
+                new_protected += total - skipped - other
             self._num_protected += new_protected
             placed = 0
             queues = self._queues
