@@ -68,7 +68,10 @@ class Pool:
 
     def free(self, req: Any, blocks: list[KVCacheBlock]) -> None:
         """KVCacheManager.free with the plugin: the release hook, then BlockPool.free_blocks (deepest first)."""
-        self.q.on_request_release(req, (blocks,), [BLOCK], freeing_now=True)
+        # num_cached: vLLM's count of the request's cached blocks (not updated when evict_blocks strips one)
+        self.q.on_request_release(
+            req, (blocks,), [BLOCK], freeing_now=True, num_cached=[len(req.block_hashes)]
+        )
         ordered = list(reversed(blocks))
         for b in ordered:
             b.ref_cnt -= 1

@@ -26,6 +26,7 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
@@ -174,17 +175,32 @@ def _block_sizes(manager: Any) -> list[int]:
     return [int(m.block_size) for m in manager.coordinator.single_type_managers]
 
 
+def _num_cached(manager: Any, request_id: str) -> list[int] | None:
+    """How many leading blocks of the request vLLM has cached (they carry a hash), for a single full-attention
+    group; ``None`` otherwise (sparse managers pad with null blocks or skip blocks)."""
+    managers = manager.coordinator.single_type_managers
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return None
+    return [int(managers[0].num_cached_block.get(request_id, 0))]
+
+
 def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         q = self.block_pool.free_block_queue
         if type(q) in QUEUE_TYPES:
             try:
-                q.on_request_release(
-                    request,
-                    self.coordinator.get_blocks(request.request_id),
-                    _block_sizes(self),
-                    freeing_now=True,
-                )
+                rid = request.request_id
+                blocks = self.coordinator.get_blocks(rid)
+                if type(q) is RunFreeQueue:
+                    q.on_request_release(
+                        request,
+                        blocks,
+                        _block_sizes(self),
+                        freeing_now=True,
+                        num_cached=_num_cached(self, rid),
+                    )
+                else:
+                    q.on_request_release(request, blocks, _block_sizes(self), freeing_now=True)
             except Exception:
                 _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")
             try:

@@ -189,6 +189,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
         self._ctl = IsolationController(n, cfg)
         self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
+        self._stripped = False  # evict_blocks took a hash from a block in use: num_cached is not trusted
 
     # ------------------------------------------------------------ runs
     def _value(self, r: int, uses: int, depth: int) -> float:
@@ -357,14 +358,14 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         rr = self._r
         held = 0
         for b in blocks:
-            h = b._block_hash
-            if h is None:
+            bid = b.block_id
+            if run_of[bid] is not None:  # placed by the fused release in on_request_release
+                held += 1
+                continue
+            if b._block_hash is None:
                 plain.append(b)
                 continue
-            bid = b.block_id
             held += 1
-            if run_of[bid] is not None:  # placed by the fused release in on_request_release
-                continue
             if rr[bid] == NEW:  # never released: register it at the default retention of its class
                 self._register(bid, 0)
                 self._set_retention(bid, self._mapped_for(self._cls[bid]))
@@ -509,15 +510,18 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         groups: Sequence[Sequence[KVCacheBlock]],
         block_sizes: Sequence[int] | None,
         freeing_now: bool = False,
+        num_cached: Sequence[int] | None = None,
     ) -> None:
         """Before a request's blocks are freed: one release (a use) per hashed block at the retention the
         request asks for (directives, else its mapped ``priority``), deepest block first.
 
         ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so the
         blocks whose last reference goes are queued here, as runs, and the ``append_n`` that follows only
-        counts them."""
+        counts them. ``num_cached``: per group, how many leading blocks vLLM's manager has cached (its
+        ``num_cached_block``, full attention only): those carry a hash, so only the blocks after them are
+        checked for one."""
         try:
-            self._release(request, groups, block_sizes, freeing_now)
+            self._release(request, groups, block_sizes, freeing_now, num_cached)
         except Exception:
             if freeing_now:
                 self._unplace(groups)  # the append_n that follows places the blocks
@@ -529,6 +533,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         groups: Sequence[Sequence[KVCacheBlock]],
         block_sizes: Sequence[int] | None,
         freeing_now: bool,
+        num_cached: Sequence[int] | None,
     ) -> None:
         prio = int(getattr(request, "priority", 0) or 0)
         mapped = self._mapped_for(prio)
@@ -570,6 +575,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 if use_plan:
                     assert ret is not None and block_sizes is not None
                     prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
+                nc = 0 if num_cached is None or self._stripped else min(n, num_cached[g])
                 seg = n  # the first depth of the 256-token segment of the last new block
                 su = 1  # that segment's use count (restored from the ghost) after this release
                 cur: _Run | None = None  # the run being built (evictable blocks, deepest first)
@@ -579,8 +585,9 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 # the common cases (new content, the same priority again) without calls
                 for i in range(n - 1, -1, -1):
                     b = blocks[i]
-                    h = b._block_hash
-                    if h is None:  # (also the null block)
+                    # NOTE: below nc the hash is known to be there: not reading it saves a cache miss per
+                    # block (the hash object's reference count)
+                    if i >= nc and b._block_hash is None:  # (also the null block)
                         skipped += 1
                         continue
                     bid = b.block_id
@@ -699,6 +706,8 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             self._take_from_list(run)
             self._held -= 1
             self.num_free_blocks -= 1
+        elif block.ref_cnt > 0:
+            self._stripped = True
         self._drop(bid, run.cls if run is not None else None)
         return run is not None
 
