@@ -580,7 +580,9 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 su = 1  # that segment's use count (restored from the ghost) after this release
                 cur: _Run | None = None  # the run being built (evictable blocks, deepest first)
                 add = None
-                run_r = run_u = -1
+                # a run is one stretch of equal tag = retention * 16 + log2 of the use count
+                run_tag = -1
+                stag = mapped * 16 + ub[1]  # the tag of new content on the fast path in this segment
                 # NOTE: hot path (one iteration per released block), deepest block first: flat lists only, and
                 # the common cases (new content, the same priority again) without calls
                 for i in range(n - 1, -1, -1):
@@ -611,6 +613,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                                     lapse.pop(bid, None)
                             elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
                                 r = self._retain(bid, mapped, None, None, now, mapped)
+                        tag = r * 16 + ub[u]
                     else:  # new content: registered here, not when vLLM cached it
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
@@ -623,6 +626,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                                 sampled[hid] = 1
                                 if su > cap:
                                     su = cap
+                            stag = mapped * 16 + ub[su]
                         u = su
                         if slow:
                             other += 1
@@ -631,17 +635,17 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                                 r = self._retain(bid, mapped, None, scope, now, mapped)
                             else:
                                 r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                            tag = r * 16 + ub[u]
                         else:
                             rr[bid] = r = mapped
+                            tag = stag
                     uses[bid] = u
                     if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
-                        x = ub[u]
-                        if r != run_r or x != run_u:
+                        if tag != run_tag:
                             cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
                             runs.append(cur)
                             add = cur.ids.append
-                            run_r = r
-                            run_u = x
+                            run_tag = tag
                         add(bid)  # type: ignore[misc]
                         run_of[bid] = cur
             completed = True
