@@ -583,9 +583,48 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 # a run is one stretch of equal tag = retention * 16 + log2 of the use count
                 run_tag = -1
                 stag = mapped * 16 + ub[1]  # the tag of new content on the fast path in this segment
+                start = n - 1
+                if freeing_now and not slow:
+                    # NOTE: the hottest path: the request's own new blocks, deepest first, up to the first block
+                    # whose content is known (the prefix it hit); per block only the flat-list writes, the run
+                    # split decided once per 256-token segment
+                    tier = 0 if mapped >= thr else 1
+                    for i in range(n - 1, -1, -1):
+                        b = blocks[i]
+                        if i >= nc and b._block_hash is None:
+                            skipped += 1
+                            continue
+                        bid = b.block_id
+                        if rr[bid] != NEW:
+                            start = i
+                            break
+                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
+                            seg = i - i % stride
+                            head = blocks[seg]
+                            hh = head._block_hash
+                            hid = head.block_id
+                            su = 1
+                            if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
+                                su += take(hh)
+                                sampled[hid] = 1
+                                if su > cap:
+                                    su = cap
+                            stag = mapped * 16 + ub[su]
+                            if stag != run_tag:
+                                cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
+                                runs.append(cur)
+                                add = cur.ids.append
+                                run_tag = stag
+                        rr[bid] = mapped
+                        uses[bid] = su
+                        if b.ref_cnt == 1:  # its last reference goes now
+                            add(bid)  # type: ignore[misc]
+                            run_of[bid] = cur
+                    else:
+                        start = -1
                 # NOTE: hot path (one iteration per released block), deepest block first: flat lists only, and
                 # the common cases (new content, the same priority again) without calls
-                for i in range(n - 1, -1, -1):
+                for i in range(start, -1, -1):
                     b = blocks[i]
                     # NOTE: below nc the hash is known to be there: not reading it saves a cache miss per
                     # block (the hash object's reference count)
@@ -656,6 +695,8 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             placed = 0
             queues = self._queues
             for run in runs:
+                if not run.ids:  # (opened at a segment whose new blocks were all still shared)
+                    continue
                 run.live = len(run.ids)
                 placed += run.live
                 queues[run.tier].push(run)
