@@ -16,10 +16,11 @@ Step time: what one engine step costs the scheduler, i.e. ``Scheduler.schedule()
 blocks, freeing of finished requests); building requests (tokens, block hashes) and the fake runner are
 outside the timed region. It is measured as *process CPU time* (``time.process_time_ns``, so time the shared
 machine gives to other jobs does not count; wall time is reported too) and averaged over all steps of a run.
-Stock and plugin run in the same process, ``--repeats`` times each, interleaved (stock, plugin, plugin,
-stock, ...), each on a freshly built scheduler whose startup heap is frozen for the garbage collector as
-vLLM's ``EngineCore`` does (``gc.freeze()`` after start-up); ``step_time_vs_stock`` is the ratio of the
-fastest run of each (min over repeats; the median ratio is reported as well). Hit tokens and step counts are
+Stock and plugin run ``--repeats`` times each, interleaved (stock, plugin, plugin, stock, ...), every run in a
+fresh process (the first replay in a process runs faster than later ones, on a fresh heap), on a freshly built
+scheduler whose startup heap is frozen for the garbage collector as vLLM's ``EngineCore`` does
+(``gc.freeze()`` after start-up); ``step_time_vs_stock`` is the ratio of the fastest run of each (min over
+repeats; the median ratio is reported as well). Hit tokens and step counts are
 deterministic and must agree across repeats.
 
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
@@ -33,6 +34,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -299,6 +301,63 @@ def report(res: Result) -> None:
     )
 
 
+def result_to_json(res: Result, counters: dict[Any, Any]) -> str:
+    return json.dumps(
+        {
+            "name": res.name,
+            "steps": res.steps,
+            "step_times": res.step_times,
+            "step_wall": res.step_wall,
+            "hit_tokens": res.hit_tokens,
+            "prompt_tokens": res.prompt_tokens,
+            "requests": res.requests,
+            "preemptions": res.preemptions,
+            "vllm_queries": res.vllm_queries,
+            "vllm_hits": res.vllm_hits,
+            "wall_s": res.wall_s,
+            "counters": counters,
+        }
+    )
+
+
+def result_from_json(text: str) -> tuple[Result, dict[str, Any]]:
+    d = json.loads(text)
+    res = Result(d["name"], steps=d["steps"], step_times=d["step_times"], step_wall=d["step_wall"])
+    for key in ("hit_tokens", "prompt_tokens", "requests", "preemptions"):
+        getattr(res, key).update({int(k): v for k, v in d[key].items()})
+    res.vllm_queries, res.vllm_hits, res.wall_s = d["vllm_queries"], d["vllm_hits"], d["wall_s"]
+    return res, d["counters"]
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """One replay (``--child stock|plugin``) in this fresh process; the result is the last stdout line."""
+    import kvretain.integrations.vllm as plugin
+    from kvretain.core.retention import PriorityMapping
+    from kvretain.integrations.vllm.config import PluginConfig, parse_options
+
+    reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
+    model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA))
+    build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
+    counters: dict[Any, Any] = {}
+    if args.child == "plugin":
+        cfg = PluginConfig(
+            policy=args.policy,
+            options=parse_options(args.options),
+            mapping=PriorityMapping(),
+            granularity=args.granularity,
+        )
+        plugin.reset_stats()
+        plugin.enable(cfg)
+    try:
+        res = replay(args.child, model_dir, reqs, args)
+    finally:
+        if args.child == "plugin":
+            plugin.disable()
+            counters = plugin.stats()["by_priority"]
+    print(result_to_json(res, counters))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -322,45 +381,34 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=3, help="runs of each (interleaved); the fastest of each is compared"
     )
+    ap.add_argument("--child", choices=["stock", "plugin"], help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if not args.trace.is_file():
         sys.exit(f"trace not found: {args.trace} (pass --trace)")
     os.environ.pop("KVRETAIN_POLICY", None)
-    import kvretain.integrations.vllm as plugin
-    from kvretain.core.retention import PriorityMapping
-    from kvretain.integrations.vllm.config import PluginConfig, parse_options
+    if args.child:
+        run_child(args)
+        return
 
     reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
-    model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
-    Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA))
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "
         f"({args.pool_blocks * args.block_size / TRACE_BLOCK:.0f} trace blocks), max_num_seqs {args.max_num_seqs}, "
         f"{args.max_batched_tokens} tokens/step, {args.step_ms:g} ms of trace per step, output <= {args.max_output}"
     )
-    build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per machine
-
-    cfg = PluginConfig(
-        policy=args.policy,
-        options=parse_options(args.options),
-        mapping=PriorityMapping(),
-        granularity=args.granularity,
-    )
+    # NOTE: every run in a fresh process: the first replay in a process ran 4-9% faster than later ones (a fresh
+    # heap), which favoured whichever variant went first
     runs: dict[str, list[Result]] = {"stock": [], "plugin": []}
-    counters: dict[int, dict[str, int]] = {}
+    counters: dict[str, Any] = {}
     for rep in range(max(1, args.repeats)):
         for name in ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock"):
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            res, got = result_from_json(out.strip().splitlines()[-1])
             if name == "plugin":
-                plugin.reset_stats()
-                plugin.enable(cfg)
-            try:
-                res = replay(name, model_dir, reqs, args)
-            finally:
-                if name == "plugin":
-                    plugin.disable()
-                    counters = plugin.stats()["by_priority"]
+                counters = got
             report(res)
             if runs[name] and res.outcome() != runs[name][0].outcome():
                 sys.exit(

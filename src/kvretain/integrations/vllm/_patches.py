@@ -5,10 +5,12 @@ cached free blocks are evicted changes, plus the retention information attached 
 its blocks. Patched in place (classes are imported by name elsewhere in vLLM, so module attributes cannot
 be swapped):
 
-* ``BlockPool.__init__``: install :class:`RetentionFreeQueue` on plain prefix-caching pools.
-* ``BlockPool.cache_full_blocks``: new content and parent/child links for the policy.
+* ``BlockPool.__init__``: install the retention queue on plain prefix-caching pools: :class:`RunFreeQueue`
+  (``unified`` at run granularity, the default) or :class:`RetentionFreeQueue` (any policy, per block).
+* ``BlockPool.cache_full_blocks`` (per-block queue only): new content and parent/child links for the policy.
 * ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped.
-* ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request.
+* ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request (and, for
+  the run queue, new content is registered there).
 * ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
 * ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives.
@@ -274,7 +276,8 @@ def install(cfg: PluginConfig) -> None:
     """Activate ``cfg`` for pools built from now on (patches are installed once per process)."""
     global _active
     _patch(BlockPool, "__init__", _make_pool_init)
-    _patch(BlockPool, "cache_full_blocks", _make_cache_full_blocks)
+    if not (cfg.policy == "unified" and cfg.granularity == "run"):  # the run queue registers at release
+        _patch(BlockPool, "cache_full_blocks", _make_cache_full_blocks)
     _patch(BlockPool, "reset_prefix_cache", _make_reset)
     _patch(BlockPool, "evict_blocks", _make_evict_blocks)
     _patch(KVCacheManager, "free", _make_free)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -150,7 +151,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._warned: set[str] = set()
         cfg = config
         self._threshold = cfg.protect_threshold
-        self._cap = cfg.frequency_cap
+        self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
         self._exp = cfg.frequency_exponent
         self._weight: list[float] = [
             cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
@@ -171,8 +172,9 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         # registers content at its first release and forgets it when the block is evicted). NOTE: no hash per
         # block: holding the hash object would touch its reference count, a cache miss per block on every
         # path; the ghost reads the hash from vLLM's block when a sampled block is evicted.
-        self._r = [NEW] * n
-        self._uses = [0] * n
+        # NOTE: bytes, not lists: 1 MB instead of 8 MB per array at 10^6 blocks, fewer cache lines touched
+        self._r = array("b", [NEW]) * n
+        self._uses = bytearray(n)
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
         # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
         # evictions under their run's class)
