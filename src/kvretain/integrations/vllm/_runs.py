@@ -557,6 +557,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         stride = self._stride
         thr = self._threshold
         take = self._ghost.take
+        ghost = self._ghost.capacity > 0
         value = self._value
         L = self._L
         protect = mapped >= thr
@@ -602,15 +603,16 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                             break
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
-                            head = blocks[seg]
-                            hh = head._block_hash
-                            hid = head.block_id
                             su = 1
-                            if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
-                                su += take(hh)
-                                sampled[hid] = 1
-                                if su > cap:
-                                    su = cap
+                            if ghost:
+                                head = blocks[seg]
+                                hh = head._block_hash
+                                hid = head.block_id
+                                if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
+                                    su += take(hh)
+                                    sampled[hid] = 1
+                                    if su > cap:
+                                        su = cap
                             stag = mapped * 16 + ub[su]
                             if stag != run_tag:
                                 cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
@@ -658,15 +660,16 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     else:  # new content: registered here, not when vLLM cached it
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
-                            head = blocks[seg]
-                            hh = head._block_hash
-                            hid = head.block_id
                             su = 1
-                            if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
-                                su += take(hh)
-                                sampled[hid] = 1
-                                if su > cap:
-                                    su = cap
+                            if ghost:
+                                head = blocks[seg]
+                                hh = head._block_hash
+                                hid = head.block_id
+                                if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
+                                    su += take(hh)
+                                    sampled[hid] = 1
+                                    if su > cap:
+                                        su = cap
                             stag = mapped * 16 + ub[su]
                         u = su
                         if slow:
