@@ -86,6 +86,17 @@ class _Meta(BlockState):
         self.tier = 1
 
 
+def value_terms(cfg: PolicyConfig) -> tuple[list[float], float]:
+    """The retention weight of every retention priority (``priority_weight ** ((r - 35) / 10)``, r = 0..100) and
+    the recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
+    weights = [
+        cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
+        for r in range(MAX_RETENTION_PRIORITY + 1)
+    ]
+    scale = cfg.cost_scale_tokens
+    return weights, (cfg.block_size / scale) if scale > 0 else 0.0
+
+
 class IsolationController:
     """The protection budget's controller: how many blocks protected traffic may hold (``target``).
 
@@ -255,12 +266,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
         self._exp = cfg.frequency_exponent
-        self._weight: list[float] = [
-            cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
-            for r in range(MAX_RETENTION_PRIORITY + 1)
-        ]
-        scale = cfg.cost_scale_tokens
-        self._cost_per_block = (cfg.block_size / scale) if scale > 0 else 0.0
+        self._weight, self._cost_per_block = value_terms(cfg)
         self._ctl = IsolationController(num_blocks, cfg)
 
     # ----------------------------------------------------------------- metadata

@@ -192,17 +192,13 @@ def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
         if type(q) in QUEUE_TYPES:
             try:
                 rid = request.request_id
-                blocks = self.coordinator.get_blocks(rid)
-                if type(q) is RunFreeQueue:
-                    q.on_request_release(
-                        request,
-                        blocks,
-                        _block_sizes(self),
-                        freeing_now=True,
-                        num_cached=_num_cached(self, rid),
-                    )
-                else:
-                    q.on_request_release(request, blocks, _block_sizes(self), freeing_now=True)
+                q.on_request_release(
+                    request,
+                    self.coordinator.get_blocks(rid),
+                    _block_sizes(self),
+                    freeing_now=True,
+                    num_cached=_num_cached(self, rid),
+                )
             except Exception:
                 _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")
             try:

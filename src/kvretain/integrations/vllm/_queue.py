@@ -21,17 +21,16 @@ never receives a stale child's decrement.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policy import EvictionPolicy
-from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
+from kvretain.core.retention import PriorityMapping
 from kvretain.integrations.vllm import _runtime
-from kvretain.integrations.vllm.config import retention_from_extra_args
+from kvretain.integrations.vllm._base import HookedFreeQueue
 
 IN_LIST = 0
 IN_POLICY = 1
@@ -39,7 +38,7 @@ BLOCKED = 2
 NO_PARENT = -1
 
 
-class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+class RetentionFreeQueue(HookedFreeQueue):
     """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by a kvretain policy."""
 
     def __init__(
@@ -49,12 +48,8 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         policy_factory: Callable[[], EvictionPolicy],
         mapping: PriorityMapping,
     ) -> None:
-        super().__init__(free_blocks)
-        self.pool_blocks = pool_blocks
+        super().__init__(free_blocks, pool_blocks, mapping)
         self._policy_factory = policy_factory
-        self.mapping = mapping
-        self.counters = _runtime.COUNTERS
-        self._warned: set[str] = set()
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -77,21 +72,8 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._mapped: dict[int, int] = {}
 
     # ------------------------------------------------------------ queue interface
-    def popleft(self) -> KVCacheBlock:
-        return self.popleft_n(1)[0]
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        base = self.num_free_blocks - self._held
-        if n <= base:
-            return super().popleft_n(n)  # type: ignore[no-any-return]
-        if n > self.num_free_blocks:
-            raise ValueError("No free blocks available")
-        ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
+    def _evict(self, k: int, now: float) -> list[int]:
         # NOTE: hot path (one iteration per evicted block): the unlink is inlined, locals only.
-        k = n - base
-        self._held -= k
-        self.num_free_blocks -= k
-        now = _runtime.now()
         policy = self.policy
         pop = policy.pop
         pop_exposed = policy.pop_exposed
@@ -138,40 +120,26 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         else:
                             expose(p, now)
             append(bid)
-        ret.extend(map(self.pool_blocks.__getitem__, ids))
         get = self.counters.get
         for c, cnt in Counter(map(self._cls.__getitem__, ids)).items():
             get(c).evicted_blocks += cnt
-        return ret
+        return ids
 
-    def remove(self, block: KVCacheBlock) -> None:
-        bid = block.block_id
+    def _take_out(self, bid: int) -> bool:
         where = self._where
         w = where[bid]
         if w == IN_LIST:
-            super().remove(block)
-            return
+            return False
+        where[bid] = IN_LIST
         if w == IN_POLICY:
             self.policy.remove(bid)
         else:
             del self._blocked[bid]
-        where[bid] = IN_LIST
-        self._held -= 1
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        self.append_n([block])
+        return True
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        expected = self._expect
-        if expected >= 0:
-            # right after on_request_release(freeing_now=True) placed exactly these blocks (the hashed ones
-            # whose last reference goes): only the counts change
-            self._expect = -1
-            if expected == len(blocks):
-                self._held += expected
-                self.num_free_blocks += expected
-                return
+        if self._placed_by_release(len(blocks)):
+            return
         plain: list[KVCacheBlock] = []
         now = -1.0
         policy = self.policy
@@ -205,17 +173,10 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if plain:
             super().append_n(plain)
 
-    # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
-
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         listed: list[KVCacheBlock] = super().get_all_free_blocks()
         ids = sorted(self.policy.evictable_ids()) + list(self._blocked)
         return listed + [self.pool_blocks[i] for i in ids]
-
-    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
-        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
-        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ eviction
     def _drop(self, bid: int, now: float) -> None:
@@ -307,53 +268,15 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     where[pid] = BLOCKED
             pid = bid
 
-    def _retention(self, request: Any) -> RetentionConfig | None:
-        sp = getattr(request, "sampling_params", None)
-        extra = getattr(sp, "extra_args", None) if sp is not None else None
-        if not extra:
-            return None
-        try:
-            return retention_from_extra_args(extra)
-        except RetentionError as exc:  # validated at input; never fail the engine here
-            self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
-            return None
-
-    def on_request_release(
-        self,
-        request: Any,
-        groups: Sequence[Sequence[KVCacheBlock]],
-        block_sizes: Sequence[int] | None,
-        freeing_now: bool = False,
-    ) -> None:
-        """Before a request's blocks are freed: one release (a use) per hashed block, with the retention
-        priority and duration the request asks for (directives, else its mapped ``priority``), deepest block
-        first (vLLM's free order).
-
-        ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so a
-        block whose last reference goes is placed here (pushed by the fused ``policy.release`` /
-        ``release_run``, or blocked behind a cached child) and the ``append_n`` that follows only counts
-        it. Without directives the whole request is one ``policy.release_run`` call."""
-        try:
-            self._release(request, groups, block_sizes, freeing_now)
-        except Exception:
-            if freeing_now:
-                self._unplace(groups)  # the append_n that follows places the blocks
-            raise
-
     def _release(
         self,
         request: Any,
         groups: Sequence[Sequence[KVCacheBlock]],
         block_sizes: Sequence[int] | None,
         freeing_now: bool,
+        num_cached: Sequence[int] | None,
     ) -> None:
-        prio = int(getattr(request, "priority", 0) or 0)
-        mapped = self._mapped.get(prio)
-        if mapped is None:
-            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
-        ret = self._retention(request)
-        scope = ret.scope if ret is not None else None
-        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         tracks = self._tracks
         fuse = freeing_now and tracks
         if freeing_now and not fuse:
@@ -422,38 +345,10 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if released:
             self.counters.get(prio).released_blocks += released
 
-    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
-        """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
-        self._expect = -1
-        where = self._where
-        for blocks in groups:
-            for b in blocks:
-                if b._block_hash is None or b.ref_cnt != 1:
-                    continue
-                bid = b.block_id
-                w = where[bid]
-                if w == IN_POLICY:
-                    with contextlib.suppress(KeyError):
-                        self.policy.remove(bid)
-                elif w == BLOCKED:
-                    self._blocked.pop(bid, None)
-                where[bid] = IN_LIST
-
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the policy's lookup hook."""
-        prio = int(getattr(request, "priority", 0) or 0)
-        c = self.counters.get(prio)
-        if getattr(request, "num_preemptions", 0) > 0:
-            c.preempted_requests += 1
-            c.preempted_hit_tokens += num_hit_tokens
-            return
-        c.requests += 1
-        c.query_tokens += int(request.num_tokens)
-        c.hit_tokens += num_hit_tokens
-        if self._tracks:
-            mapped = self._mapped.get(prio)
-            if mapped is None:
-                mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+        mapped = self._count_lookup(request, num_hit_tokens)
+        if mapped is not None and self._tracks:
             hashes = request.block_hashes
             self.policy.on_lookup(hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped)
 
@@ -472,9 +367,6 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             self.num_free_blocks -= 1
         self._drop(bid, _runtime.now())
         return bool(w != IN_LIST)
-
-    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
 
     def drain(self) -> None:
         """After a successful ``reset_prefix_cache`` (every hash is gone): move all policy blocks to the
@@ -500,10 +392,3 @@ class RetentionFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             assert b.ref_cnt == 0 and b.block_hash is not None, f"policy block {bid} not cached-free"
         for bid in self._blocked:
             assert self._where[bid] == BLOCKED and self._children[bid] > 0
-
-    def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            import logging
-
-            logging.getLogger("kvretain.integrations.vllm").warning(msg)

@@ -37,20 +37,16 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.unified import SAMPLE_TOKENS, IsolationController
+from kvretain.core.policies.unified import SAMPLE_TOKENS, IsolationController, value_terms
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
-    DEFAULT_RETENTION_PRIORITY,
-    MAX_RETENTION_PRIORITY,
     PriorityMapping,
-    RetentionConfig,
-    RetentionError,
 )
 from kvretain.integrations.vllm import _runtime
-from kvretain.integrations.vllm.config import retention_from_extra_args
+from kvretain.integrations.vllm._base import HookedFreeQueue
 
 NEW = -1
 """Remembered retention of content that no request has released yet."""
@@ -133,7 +129,7 @@ class _RunQueue:
                     yield run
 
 
-class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+class RunFreeQueue(HookedFreeQueue):
     """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by ``unified`` over runs."""
 
     def __init__(
@@ -143,25 +139,15 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         config: PolicyConfig,
         mapping: PriorityMapping,
     ) -> None:
-        super().__init__(free_blocks)
-        self.pool_blocks = pool_blocks
+        super().__init__(free_blocks, pool_blocks, mapping)
         self.config = config
-        self.mapping = mapping
-        self.counters = _runtime.COUNTERS
-        self._warned: set[str] = set()
         cfg = config
         self._threshold = cfg.protect_threshold
         self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
         self._exp = cfg.frequency_exponent
-        self._weight: list[float] = [
-            cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
-            for r in range(MAX_RETENTION_PRIORITY + 1)
-        ]
-        scale = cfg.cost_scale_tokens
-        self._cost_per_block = (cfg.block_size / scale) if scale > 0 else 0.0
+        self._weight, self._cost_per_block = value_terms(cfg)
         self._stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
-        self._mapped: dict[int, int] = {}
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -239,20 +225,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             q.died()
 
     # ------------------------------------------------------------ queue interface
-    def popleft(self) -> KVCacheBlock:
-        return self.popleft_n(1)[0]
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        base = self.num_free_blocks - self._held
-        if n <= base:
-            return super().popleft_n(n)  # type: ignore[no-any-return]
-        if n > self.num_free_blocks:
-            raise ValueError("No free blocks available")
-        ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
-        k = n - base
-        self._held -= k
-        self.num_free_blocks -= k
-        now = _runtime.now()
+    def _evict(self, k: int, now: float) -> list[int]:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         ids: list[int] = []
@@ -327,33 +300,19 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if run.tier == 0:
                 self._num_protected -= taken
             get(run.cls).evicted_blocks += taken
-        ret.extend(map(blocks.__getitem__, ids))
-        return ret
+        return ids
 
-    def remove(self, block: KVCacheBlock) -> None:
-        bid = block.block_id
+    def _take_out(self, bid: int) -> bool:
         run = self._run_of[bid]
         if run is None:
-            super().remove(block)
-            return
+            return False
         self._run_of[bid] = None
         self._take_from_list(run)
-        self._held -= 1
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        self.append_n([block])
+        return True
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        expected = self._expect
-        if expected >= 0:
-            # right after on_request_release(freeing_now=True) placed exactly these blocks (the hashed ones
-            # whose last reference goes): only the counts change
-            self._expect = -1
-            if expected == len(blocks):
-                self._held += expected
-                self.num_free_blocks += expected
-                return
+        if self._placed_by_release(len(blocks)):
+            return
         plain: list[KVCacheBlock] = []
         todo: list[int] = []
         run_of = self._run_of
@@ -378,8 +337,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if plain:
             super().append_n(plain)
 
-    # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
-
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         listed: list[KVCacheBlock] = super().get_all_free_blocks()
         ids = sorted(self._held_ids())
@@ -391,17 +348,18 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             bid for q in self._queues for run in q.live() for bid in run.ids[run.i :] if run_of[bid] is run
         }
 
-    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
-        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
-        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
-
     # ------------------------------------------------------------ per-block state
-    def _mapped_for(self, prio: int) -> int:
-        mapped = self._mapped.get(prio)
-        if mapped is None:
-            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
-        return mapped
+    def _segment_uses(self, blocks: Sequence[KVCacheBlock], seg: int) -> int:
+        """The use count, after this release, of new content in the 256-token segment that starts at depth
+        ``seg``: the count the ghost remembers for the segment's head (when the head is new content too, which
+        makes it the segment's sampled block), plus this use."""
+        head = blocks[seg]
+        hh = head._block_hash
+        hid = head.block_id
+        if hh is None or self._r[hid] != NEW:
+            return 1
+        self._sampled[hid] = 1
+        return min(1 + self._ghost.take(hh), self._cap)
 
     def _register(self, bid: int, depth: int, uses: int = 0) -> None:
         """New content in ``bid`` at block depth ``depth``."""
@@ -486,49 +444,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self.counters.get(self._cls[bid] if cls is None else cls).evicted_blocks += 1
 
     # ------------------------------------------------------------ hooks called by the patches
-    def on_blocks_cached(
-        self,
-        blocks: Sequence[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_mask: Sequence[bool] | None,
-    ) -> None:
-        """Nothing to do: content is registered when a request releases it."""
-
-    def _retention(self, request: Any) -> RetentionConfig | None:
-        sp = getattr(request, "sampling_params", None)
-        extra = getattr(sp, "extra_args", None) if sp is not None else None
-        if not extra:
-            return None
-        try:
-            return retention_from_extra_args(extra)
-        except RetentionError as exc:  # validated at input; never fail the engine here
-            self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
-            return None
-
-    def on_request_release(
-        self,
-        request: Any,
-        groups: Sequence[Sequence[KVCacheBlock]],
-        block_sizes: Sequence[int] | None,
-        freeing_now: bool = False,
-        num_cached: Sequence[int] | None = None,
-    ) -> None:
-        """Before a request's blocks are freed: one release (a use) per hashed block at the retention the
-        request asks for (directives, else its mapped ``priority``), deepest block first.
-
-        ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so the
-        blocks whose last reference goes are queued here, as runs, and the ``append_n`` that follows only
-        counts them. ``num_cached``: per group, how many leading blocks vLLM's manager has cached (its
-        ``num_cached_block``, full attention only): those carry a hash, so only the blocks after them are
-        checked for one."""
-        try:
-            self._release(request, groups, block_sizes, freeing_now, num_cached)
-        except Exception:
-            if freeing_now:
-                self._unplace(groups)  # the append_n that follows places the blocks
-            raise
-
     def _release(
         self,
         request: Any,
@@ -537,11 +452,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         freeing_now: bool,
         num_cached: Sequence[int] | None,
     ) -> None:
-        prio = int(getattr(request, "priority", 0) or 0)
-        mapped = self._mapped_for(prio)
-        ret = self._retention(request)
-        scope = ret.scope if ret is not None else None
-        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         slow = use_plan or scope is not None
         if freeing_now:
             self._expect = -1
@@ -550,13 +461,12 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         uses = self._uses
         cls = self._cls
         run_of = self._run_of
-        sampled = self._sampled
         lapse = self._lapse
         ub = self._ub
         cap = self._cap
         stride = self._stride
         thr = self._threshold
-        take = self._ghost.take
+        segment_uses = self._segment_uses
         ghost = self._ghost.capacity > 0
         value = self._value
         L = self._L
@@ -603,16 +513,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                             break
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
-                            su = 1
-                            if ghost:
-                                head = blocks[seg]
-                                hh = head._block_hash
-                                hid = head.block_id
-                                if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
-                                    su += take(hh)
-                                    sampled[hid] = 1
-                                    if su > cap:
-                                        su = cap
+                            su = segment_uses(blocks, seg) if ghost else 1
                             stag = mapped * 16 + ub[su]
                             if stag != run_tag:
                                 cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
@@ -660,16 +561,7 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                     else:  # new content: registered here, not when vLLM cached it
                         if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
                             seg = i - i % stride
-                            su = 1
-                            if ghost:
-                                head = blocks[seg]
-                                hh = head._block_hash
-                                hid = head.block_id
-                                if hh is not None and rr[hid] == NEW:  # the head is new content too: sampled
-                                    su += take(hh)
-                                    sampled[hid] = 1
-                                    if su > cap:
-                                        su = cap
+                            su = segment_uses(blocks, seg) if ghost else 1
                             stag = mapped * 16 + ub[su]
                         u = su
                         if slow:
@@ -716,35 +608,12 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if released:
             self.counters.get(prio).released_blocks += released
 
-    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
-        """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
-        self._expect = -1
-        run_of = self._run_of
-        for blocks in groups:
-            for b in blocks:
-                if b._block_hash is None or b.ref_cnt != 1:
-                    continue
-                bid = b.block_id
-                run = run_of[bid]
-                if run is not None:
-                    run_of[bid] = None
-                    self._take_from_list(run)
-
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the isolation controller."""
-        prio = int(getattr(request, "priority", 0) or 0)
-        c = self.counters.get(prio)
-        if getattr(request, "num_preemptions", 0) > 0:
-            c.preempted_requests += 1
-            c.preempted_hit_tokens += num_hit_tokens
-            return
-        c.requests += 1
-        c.query_tokens += int(request.num_tokens)
-        c.hit_tokens += num_hit_tokens
-        hashes = request.block_hashes
-        self._ctl.on_lookup(
-            hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), self._mapped_for(prio)
-        )
+        mapped = self._count_lookup(request, num_hit_tokens)
+        if mapped is not None:
+            hashes = request.block_hashes
+            self._ctl.on_lookup(hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped)
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of its run. Returns True
@@ -760,9 +629,6 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             self._stripped = True
         self._drop(bid, run.cls if run is not None else None)
         return run is not None
-
-    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
 
     def drain(self) -> None:
         """After a successful ``reset_prefix_cache`` (every hash is gone): move all queued blocks to the
@@ -811,10 +677,3 @@ class RunFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         assert self._num_protected == sum(1 for i in known if self._r[i] >= self._threshold), (
             "protected count"
         )
-
-    def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            import logging
-
-            logging.getLogger("kvretain.integrations.vllm").warning(msg)

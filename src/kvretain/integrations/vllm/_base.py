@@ -1,0 +1,187 @@
+"""What the plugin's two free queues share (imported only when the plugin is enabled: it imports vLLM).
+
+Both keep vLLM's intrusive list for *unhashed* free blocks (reused first, exactly as stock vLLM) and order the
+hashed (cached) free blocks themselves; ``num_free_blocks`` stays the total, so cached blocks count as free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
+from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm.config import retention_from_extra_args
+
+logger = logging.getLogger("kvretain.integrations.vllm")
+
+
+class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+    """A ``FreeKVCacheBlockQueue`` that the plugin's patches call into (see :mod:`._patches`)."""
+
+    def __init__(
+        self, free_blocks: list[KVCacheBlock], pool_blocks: Sequence[KVCacheBlock], mapping: PriorityMapping
+    ) -> None:
+        super().__init__(free_blocks)
+        self.pool_blocks = pool_blocks
+        self.mapping = mapping
+        self.counters = _runtime.COUNTERS
+        self._warned: set[str] = set()
+        self._mapped: dict[int, int] = {}
+        self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
+        self._held = (
+            0  # cached free blocks the queue orders (the rest of num_free_blocks is the unhashed list)
+        )
+
+    # ------------------------------------------------------------ queue interface
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Unhashed blocks first (as stock vLLM), then cached ones in the queue's eviction order."""
+        base = self.num_free_blocks - self._held
+        if n <= base:
+            return super().popleft_n(n)  # type: ignore[no-any-return]
+        if n > self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        ret: list[KVCacheBlock] = super().popleft_n(base) if base > 0 else []
+        k = n - base
+        self._held -= k
+        self.num_free_blocks -= k
+        ret.extend(map(self.pool_blocks.__getitem__, self._evict(k, _runtime.now())))
+        return ret
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """A free block leaves the queue (a cache hit)."""
+        if not self._take_out(block.block_id):
+            super().remove(block)
+            return
+        self._held -= 1
+        self.num_free_blocks -= 1
+
+    def _placed_by_release(self, n: int) -> bool:
+        """In ``append_n`` of ``n`` blocks: True when the fused release just before placed exactly these (the
+        hashed ones whose last reference goes), so only the counts change."""
+        expected = self._expect
+        if expected < 0:
+            return False
+        self._expect = -1
+        if expected != n:
+            return False
+        self._held += expected
+        self.num_free_blocks += expected
+        return True
+
+    def _evict(self, k: int, now: float) -> list[int]:  # pragma: no cover - overridden
+        """Take ``k`` cached free blocks out in eviction order; their ids."""
+        raise NotImplementedError
+
+    def _take_out(self, bid: int) -> bool:  # pragma: no cover - overridden
+        """Take cached free block ``bid`` out of the queue; False when it is on the unhashed list."""
+        raise NotImplementedError
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
+        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
+        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
+
+    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+
+    # ------------------------------------------------------------ hooks called by the patches
+    def on_request_release(
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool = False,
+        num_cached: Sequence[int] | None = None,
+    ) -> None:
+        """Before a request's blocks are freed: one release (a use) per hashed block, at the retention the
+        request asks for (directives, else its mapped ``priority``), deepest block first (vLLM's free order).
+
+        ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so the
+        blocks whose last reference goes are placed here and the ``append_n`` that follows only counts them.
+        ``num_cached``: per group, how many leading blocks vLLM's manager has cached (full attention only; a
+        hint the queue may use to skip hash reads)."""
+        try:
+            self._release(request, groups, block_sizes, freeing_now, num_cached)
+        except Exception:
+            if freeing_now:
+                self._unplace(groups)  # the append_n that follows places the blocks
+            raise
+
+    def _release(
+        self,
+        request: Any,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        block_sizes: Sequence[int] | None,
+        freeing_now: bool,
+        num_cached: Sequence[int] | None,
+    ) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
+        self._expect = -1
+        for blocks in groups:
+            for b in blocks:
+                if b._block_hash is not None and b.ref_cnt == 1:
+                    with contextlib.suppress(KeyError):  # (the release may have failed before placing it)
+                        self._take_out(b.block_id)
+
+    def _mapped_for(self, prio: int) -> int:
+        """The retention priority request priority ``prio`` maps to (cached)."""
+        mapped = self._mapped.get(prio)
+        if mapped is None:
+            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+        return mapped
+
+    def _request_retention(
+        self, request: Any, block_sizes: Sequence[int] | None
+    ) -> tuple[int, int, RetentionConfig | None, str | None, bool]:
+        """What a release asks for: the request priority, its mapped retention, its directives (if any), its
+        retention scope, and whether the directives need a per-block plan."""
+        prio = int(getattr(request, "priority", 0) or 0)
+        ret = self._retention(request)
+        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        return prio, self._mapped_for(prio), ret, ret.scope if ret is not None else None, use_plan
+
+    def _retention(self, request: Any) -> RetentionConfig | None:
+        sp = getattr(request, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        if not extra:
+            return None
+        try:
+            return retention_from_extra_args(extra)
+        except RetentionError as exc:  # validated at input; never fail the engine here
+            self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
+            return None
+
+    def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
+        """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
+        after preemption (its hits are counted apart, as vLLM does, and it is no new lookup)."""
+        prio = int(getattr(request, "priority", 0) or 0)
+        c = self.counters.get(prio)
+        if getattr(request, "num_preemptions", 0) > 0:
+            c.preempted_requests += 1
+            c.preempted_hit_tokens += num_hit_tokens
+            return None
+        c.requests += 1
+        c.query_tokens += int(request.num_tokens)
+        c.hit_tokens += num_hit_tokens
+        return self._mapped_for(prio)
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
