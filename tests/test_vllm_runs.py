@@ -78,6 +78,15 @@ class Pool:
         self.q.append_n([b for b in ordered if b.ref_cnt == 0])
         self.q._expect = -1
 
+    def free_deferred(self, req: Any, blocks: list[KVCacheBlock]) -> None:
+        """KVCacheManager.pop_blocks_for_free with the plugin (the release hook after vLLM popped the blocks,
+        nothing placed), then BlockPool.free_blocks later: append_n places the blocks itself."""
+        self.q.on_request_release(req, (blocks,), [BLOCK])
+        ordered = list(reversed(blocks))
+        for b in ordered:
+            b.ref_cnt -= 1
+        self.q.append_n([b for b in ordered if b.ref_cnt == 0])
+
     def evict_blocks(self, ids: set[int]) -> None:
         """BlockPool.evict_blocks as patched: the queue forgets, vLLM strips the hashes, free ones move."""
         moved = [
@@ -166,6 +175,12 @@ class RunQueueMachine(RuleBasedStateMachine):
     def finish(self, which: int) -> None:
         req, blocks = self.running.pop(which % len(self.running))
         self.pool.free(req, blocks)
+
+    @precondition(lambda self: self.running)
+    @rule(which=st.integers(0, 100))
+    def finish_deferred(self, which: int) -> None:
+        req, blocks = self.running.pop(which % len(self.running))
+        self.pool.free_deferred(req, blocks)
 
     @rule(ids=st.sets(st.integers(1, 40), max_size=4))
     def evict_blocks(self, ids: set[int]) -> None:
