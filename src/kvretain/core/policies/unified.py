@@ -86,6 +86,11 @@ class _Meta(BlockState):
         self.tier = 1
 
 
+def sample_stride(block_size: int) -> int:
+    """Blocks per sampled block of the shadow directory and the ghost table (one per ``SAMPLE_TOKENS``)."""
+    return max(1, SAMPLE_TOKENS // max(1, block_size))
+
+
 def value_terms(cfg: PolicyConfig) -> tuple[list[float], float]:
     """The retention weight of every retention priority (``priority_weight ** ((r - 35) / 10)``, r = 0..100) and
     the recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
@@ -122,7 +127,7 @@ class IsolationController:
     )
 
     def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
-        self._stride = stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._stride = stride = sample_stride(cfg.block_size)
         self.threshold = cfg.protect_threshold
         self.max_target = cfg.budget * num_blocks
         self._goal = cfg.isolation_goal
@@ -258,7 +263,7 @@ class UnifiedPolicy(EvictionPolicy):
         # is always or never sampled): one per 256 tokens, exact for blocks of 256 tokens or more and 16x
         # cheaper at 16. A block inside a 256-token segment that is cached right after its predecessor takes
         # the predecessor's restored use count (a segment's blocks are used together).
-        self._stride = stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._stride = stride = sample_stride(cfg.block_size)
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
         self._last_depth = -2  # depth and restored use count of the block cached last
         self._last_uses = 0

@@ -57,11 +57,27 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def remove(self, block: KVCacheBlock) -> None:
         """A free block leaves the queue (a cache hit)."""
-        if not self._take_out(block.block_id):
+        if not self._leave(block.block_id):
             super().remove(block)
-            return
+
+    def _leave(self, bid: int) -> bool:
+        """Take cached free block ``bid`` out of the queue and the free count; False when it is not queued."""
+        if not self._take_out(bid):
+            return False
         self._held -= 1
         self.num_free_blocks -= 1
+        return True
+
+    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+
+    def drain(self) -> None:
+        """After a successful ``reset_prefix_cache`` (every hash is gone): move every queued block to the
+        unhashed list and start afresh."""
+        ids = sorted(self._held_ids())
+        self.num_free_blocks -= len(ids)
+        self._reset_state()
+        super().append_n([self.pool_blocks[i] for i in ids])
 
     def _placed_by_release(self, n: int) -> bool:
         """In ``append_n`` of ``n`` blocks: True when the fused release just before placed exactly these (the
@@ -84,6 +100,14 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """Take cached free block ``bid`` out of the queue; False when it is on the unhashed list."""
         raise NotImplementedError
 
+    def _held_ids(self) -> set[int]:  # pragma: no cover - overridden
+        """The cached free blocks the queue holds (O(n); checks and reset)."""
+        raise NotImplementedError
+
+    def _reset_state(self) -> None:  # pragma: no cover - overridden
+        """Forget every queued block and all per-block state."""
+        raise NotImplementedError
+
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
@@ -93,9 +117,6 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
         # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
         return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
-
-    def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
 
     # ------------------------------------------------------------ hooks called by the patches
     def on_request_release(

@@ -80,7 +80,7 @@ def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQ
     num_blocks = len(pool.blocks)
     pcfg = cfg.policy_config(int(pool.hash_block_size))
     queue: RetentionFreeQueue | RunFreeQueue
-    if cfg.policy == "unified" and cfg.granularity == "run":
+    if cfg.uses_run_queue:
         queue = RunFreeQueue(free, pool.blocks, pcfg, cfg.mapping)
     else:
         queue = RetentionFreeQueue(
@@ -272,7 +272,7 @@ def install(cfg: PluginConfig) -> None:
     """Activate ``cfg`` for pools built from now on (patches are installed once per process)."""
     global _active
     _patch(BlockPool, "__init__", _make_pool_init)
-    if not (cfg.policy == "unified" and cfg.granularity == "run"):  # the run queue registers at release
+    if not cfg.uses_run_queue:  # the run queue registers content at release
         _patch(BlockPool, "cache_full_blocks", _make_cache_full_blocks)
     _patch(BlockPool, "reset_prefix_cache", _make_reset)
     _patch(BlockPool, "evict_blocks", _make_evict_blocks)

@@ -355,26 +355,12 @@ class RetentionFreeQueue(HookedFreeQueue):
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True
         when the block was free (the caller then puts it on the unhashed list)."""
-        bid = block.block_id
-        w = self._where[bid]
-        if w == IN_POLICY:
-            self.policy.remove(bid)
-        elif w == BLOCKED:
-            del self._blocked[bid]
-        if w != IN_LIST:
-            self._where[bid] = IN_LIST
-            self._held -= 1
-            self.num_free_blocks -= 1
-        self._drop(bid, _runtime.now())
-        return bool(w != IN_LIST)
+        queued = self._leave(block.block_id)
+        self._drop(block.block_id, _runtime.now())
+        return queued
 
-    def drain(self) -> None:
-        """After a successful ``reset_prefix_cache`` (every hash is gone): move all policy blocks to the
-        unhashed list and start the policy afresh."""
-        ids = sorted(self.policy.evictable_ids() | set(self._blocked))
-        self.num_free_blocks -= len(ids)
-        self._reset_state()
-        super().append_n([self.pool_blocks[i] for i in ids])
+    def _held_ids(self) -> set[int]:
+        return self.policy.evictable_ids() | set(self._blocked)
 
     def check(self) -> None:
         """Consistency check for tests: counts, positions and policy membership agree. O(n)."""

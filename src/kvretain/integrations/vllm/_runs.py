@@ -40,7 +40,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.unified import SAMPLE_TOKENS, IsolationController, value_terms
+from kvretain.core.policies.unified import IsolationController, sample_stride, value_terms
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
     PriorityMapping,
@@ -146,7 +146,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
         self._exp = cfg.frequency_exponent
         self._weight, self._cost_per_block = value_terms(cfg)
-        self._stride = max(1, SAMPLE_TOKENS // max(1, cfg.block_size))
+        self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
         self._reset_state()
 
@@ -229,7 +229,6 @@ class RunFreeQueue(HookedFreeQueue):
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         ids: list[int] = []
-        append = ids.append
         run_of = self._run_of
         rr = self._r
         sampled = self._sampled
@@ -260,35 +259,26 @@ class RunFreeQueue(HookedFreeQueue):
             if run.live == m - i:  # no block left the rest of the run: take the next ones as they are
                 taken = k if k < run.live else run.live
                 chunk = rids[i : i + taken] if i or taken < m else rids
-                for bid in chunk:
-                    run_of[bid] = None
-                    if sampled[bid]:
-                        put(blocks[bid]._block_hash, uses[bid])
-                        sampled[bid] = 0
-                    rr[bid] = NEW
-                ids.extend(chunk)
                 i += taken
-            else:
-                taken = 0
-                while i < m and taken < k:
+            else:  # skip the blocks that left it (cache hits)
+                chunk = []
+                while i < m and len(chunk) < k:
                     bid = rids[i]
                     i += 1
                     if run_of[bid] is run:
-                        run_of[bid] = None
-                        if sampled[bid]:
-                            put(blocks[bid]._block_hash, uses[bid])
-                            sampled[bid] = 0
-                        rr[bid] = NEW
-                        append(bid)
-                        taken += 1
-            if lapse:
-                for bid in rids[run.i : i]:
-                    if bid in lapse and rr[bid] == NEW:
-                        del lapse[bid]
-            if owner:
-                for bid in rids[run.i : i]:
-                    if rr[bid] == NEW:
-                        owner.pop(bid, None)
+                        chunk.append(bid)
+                taken = len(chunk)
+            for bid in chunk:
+                run_of[bid] = None
+                if sampled[bid]:
+                    put(blocks[bid]._block_hash, uses[bid])
+                    sampled[bid] = 0
+                rr[bid] = NEW
+            ids.extend(chunk)
+            if lapse or owner:
+                for bid in chunk:
+                    lapse.pop(bid, None)
+                    owner.pop(bid, None)
             run.i = i
             run.live -= taken
             q.n -= taken
@@ -328,7 +318,7 @@ class RunFreeQueue(HookedFreeQueue):
                 continue
             held += 1
             if rr[bid] == NEW:  # never released: register it at the default retention of its class
-                self._register(bid, 0)
+                self._register(bid)
                 self._set_retention(bid, self._mapped_for(self._cls[bid]))
             todo.append(bid)
         self._enqueue(todo)
@@ -361,11 +351,11 @@ class RunFreeQueue(HookedFreeQueue):
         self._sampled[hid] = 1
         return min(1 + self._ghost.take(hh), self._cap)
 
-    def _register(self, bid: int, depth: int, uses: int = 0) -> None:
-        """New content in ``bid`` at block depth ``depth``."""
-        self._r[bid] = NEW
-        self._uses[bid] = uses
-        self._sampled[bid] = 1 if depth % self._stride == 0 else 0
+    def _register(self, bid: int) -> None:
+        """New content in ``bid`` that no release registered (placed by ``append_n``; its depth is unknown, so it
+        counts as a segment head for the ghost), not used yet."""
+        self._uses[bid] = 0
+        self._sampled[bid] = 1
 
     def _set_retention(self, bid: int, r: int) -> None:
         old = self._r[bid]
@@ -431,8 +421,8 @@ class RunFreeQueue(HookedFreeQueue):
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
         if self._r[bid] == NEW:
             return
-        h = self.pool_blocks[bid]._block_hash
         if self._sampled[bid]:
+            h = self.pool_blocks[bid]._block_hash
             if h is not None:
                 self._ghost.put(h, self._uses[bid])
             self._sampled[bid] = 0
@@ -501,7 +491,7 @@ class RunFreeQueue(HookedFreeQueue):
                     # NOTE: the hottest path: the request's own new blocks, deepest first, up to the first block
                     # whose content is known (the prefix it hit); per block only the flat-list writes, the run
                     # split decided once per 256-token segment
-                    tier = 0 if mapped >= thr else 1
+                    tier = 0 if protect else 1
                     for i in range(n - 1, -1, -1):
                         b = blocks[i]
                         if i >= nc and b._block_hash is None:
@@ -538,17 +528,29 @@ class RunFreeQueue(HookedFreeQueue):
                         continue
                     bid = b.block_id
                     r = rr[bid]
-                    if r != NEW:
-                        other += 1
+                    if r == NEW:  # new content: registered here, not when vLLM cached it
+                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
+                            seg = i - i % stride
+                            su = segment_uses(blocks, seg) if ghost else 1
+                            stag = mapped * 16 + ub[su]
+                        u = su
+                    else:
                         u = uses[bid] + 1
                         if u > cap:
                             u = cap
-                        if slow:
-                            if prios is None or durs is None:
-                                r = self._retain(bid, mapped, None, scope, now, mapped)
-                            else:
-                                r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
-                        elif r != mapped:
+                    if slow:  # directives or a scope: the full rules, per block
+                        other += 1
+                        if prios is None or durs is None:
+                            r = self._retain(bid, mapped, None, scope, now, mapped)
+                        else:
+                            r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                        tag = r * 16 + ub[u]
+                    elif r == NEW:
+                        rr[bid] = r = mapped
+                        tag = stag
+                    else:
+                        other += 1
+                        if r != mapped:
                             if r < mapped:  # highest wins
                                 if r < thr <= mapped:
                                     new_protected += 1
@@ -558,23 +560,6 @@ class RunFreeQueue(HookedFreeQueue):
                             elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
                                 r = self._retain(bid, mapped, None, None, now, mapped)
                         tag = r * 16 + ub[u]
-                    else:  # new content: registered here, not when vLLM cached it
-                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
-                            seg = i - i % stride
-                            su = segment_uses(blocks, seg) if ghost else 1
-                            stag = mapped * 16 + ub[su]
-                        u = su
-                        if slow:
-                            other += 1
-                            uses[bid] = u
-                            if prios is None or durs is None:
-                                r = self._retain(bid, mapped, None, scope, now, mapped)
-                            else:
-                                r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
-                            tag = r * 16 + ub[u]
-                        else:
-                            rr[bid] = r = mapped
-                            tag = stag
                     uses[bid] = u
                     if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
                         if tag != run_tag:
@@ -620,23 +605,11 @@ class RunFreeQueue(HookedFreeQueue):
         when the block was free (the caller then puts it on the unhashed list)."""
         bid = block.block_id
         run = self._run_of[bid]
-        if run is not None:
-            self._run_of[bid] = None
-            self._take_from_list(run)
-            self._held -= 1
-            self.num_free_blocks -= 1
-        elif block.ref_cnt > 0:
+        queued = self._leave(bid)
+        if not queued and block.ref_cnt > 0:
             self._stripped = True
         self._drop(bid, run.cls if run is not None else None)
-        return run is not None
-
-    def drain(self) -> None:
-        """After a successful ``reset_prefix_cache`` (every hash is gone): move all queued blocks to the
-        unhashed list and start afresh."""
-        ids = sorted(self._held_ids())
-        self.num_free_blocks -= len(ids)
-        self._reset_state()
-        super().append_n([self.pool_blocks[i] for i in ids])
+        return queued
 
     def stats(self) -> dict[str, float]:
         return {

@@ -87,10 +87,15 @@ class PluginConfig:
             raise PluginConfigError(f"{ENV_POLICY}={self.policy!r}: unknown policy; choose one of: {known}")
         self.policy_config(16)  # validate the options now
 
+    @property
+    def uses_run_queue(self) -> bool:
+        """``unified`` at run granularity: the plugin installs its run queue (``_runs.RunFreeQueue``)."""
+        return self.policy == "unified" and self.granularity == "run"
+
     def policy_config(self, block_size: int) -> PolicyConfig:
         opts = dict(self.options)
         opts.setdefault("block_size", block_size)
-        if self.policy == "unified" and self.granularity == "run":
+        if self.uses_run_queue:
             for key, value in RUN_QUEUE_DEFAULTS.items():
                 opts.setdefault(key, value)
         try:
