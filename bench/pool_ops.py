@@ -23,6 +23,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,7 +63,20 @@ def make_sequence(num_requests: int, seed: int, num_blocks: int) -> list[tuple[l
     return out
 
 
-def run_kvretain(policy: str, num_blocks: int, warm: list, timed: list) -> tuple[float, int]:
+def _perf_control(fifo: str | None) -> Callable[[str], None]:
+    """Commands for ``perf record --control fifo:FIFO`` (``enable`` / ``disable``), or nothing without a fifo."""
+
+    def send(cmd: str) -> None:
+        if fifo is not None:
+            with open(fifo, "w") as f:
+                f.write(cmd + "\n")
+
+    return send
+
+
+def run_kvretain(
+    policy: str, num_blocks: int, warm: list, timed: list, perf: Callable[[str], None] | None = None
+) -> tuple[float, int]:
     pol = make_policy(policy, num_blocks, PolicyConfig())
     now = [0.0]
     pool = BlockPool(num_blocks, pol, clock=lambda: now[0])
@@ -92,19 +106,24 @@ def run_kvretain(policy: str, num_blocks: int, warm: list, timed: list) -> tuple
 
     for chain, prio in warm:
         one(chain, prio)
+    perf = perf or _perf_control(None)
     gc.collect()
     gc.disable()
+    perf("enable")
     t0 = time.process_time()
     ops = 0
     for chain, prio in timed:
         now[0] += 0.001
         ops += one(chain, prio)
     dt = time.process_time() - t0
+    perf("disable")
     gc.enable()
     return dt, ops
 
 
-def run_vllm(num_blocks: int, warm: list, timed: list) -> tuple[float, int]:
+def run_vllm(
+    num_blocks: int, warm: list, timed: list, perf: Callable[[str], None] | None = None
+) -> tuple[float, int]:
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash
 
@@ -143,13 +162,16 @@ def run_vllm(num_blocks: int, warm: list, timed: list) -> tuple[float, int]:
 
     for bh in warm_v:
         one(bh)
+    perf = perf or _perf_control(None)
     gc.collect()
     gc.disable()
+    perf("enable")
     t0 = time.process_time()
     ops = 0
     for bh in timed_v:
         ops += one(bh)
     dt = time.process_time() - t0
+    perf("disable")
     gc.enable()
     return dt, ops
 
@@ -160,7 +182,14 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=300_000, help="timed block operations per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per pool; the fastest counts")
+    ap.add_argument("--pools", nargs="*", choices=[*POLICIES, "vllm"], help="pools to run (default: all)")
+    ap.add_argument(
+        "--perf-fifo",
+        help="control fifo of `perf record -D -1 --control fifo:PATH`: sample only the timed parts "
+        "(bench/pool_ops_perf.py drives it)",
+    )
     args = ap.parse_args()
+    perf = _perf_control(args.perf_fifo)
     try:
         import vllm.v1.core.block_pool  # noqa: F401
 
@@ -168,7 +197,10 @@ def main() -> None:
     except Exception:
         have_vllm = False
         print("vLLM not importable: comparing kvretain policies only", file=sys.stderr)
-    ns: dict[str, dict[str, float]] = {p: {} for p in [*POLICIES, *(["vllm"] if have_vllm else [])]}
+    pools = args.pools or [*POLICIES, "vllm"]
+    if "vllm" in pools and not have_vllm:
+        pools.remove("vllm")
+    ns: dict[str, dict[str, float]] = {p: {} for p in pools}
     print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + "   (ns per block op)")
     for size in args.sizes:
         avg_len = 25
@@ -179,14 +211,19 @@ def main() -> None:
         row: dict[str, float] = {}
         for _ in range(args.repeats):
             for p in ns:
-                dt, ops = run_vllm(size, warm, timed) if p == "vllm" else run_kvretain(p, size, warm, timed)
+                if p == "vllm":
+                    dt, ops = run_vllm(size, warm, timed, perf)
+                else:
+                    dt, ops = run_kvretain(p, size, warm, timed, perf)
                 row[p] = min(row.get(p, float("inf")), dt / ops * 1e9)
         for p in ns:
             ns[p][str(size)] = row[p]
         print(f"{size:>9} " + " ".join(f"{row[p]:>10.0f}" for p in ns), flush=True)
     ratio = {}
-    if have_vllm:
-        for p in POLICIES:
+    if "vllm" in ns:
+        for p in ns:
+            if p == "vllm":
+                continue
             ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
     flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
     out = {

@@ -1,0 +1,93 @@
+"""Where a block pool's time goes as the pool grows: ``perf`` samples of only the timed part of bench/pool_ops.py.
+
+For each pool and size, one ``bench/pool_ops.py --repeats 1`` process runs under ``perf record -e cpu-clock``
+(a software clock: works in VMs without hardware counters), started disabled and switched on and off around the
+timed operations through perf's control fifo. The table splits each ns/op figure by the interpreter's C
+functions: ``_Py_dict_lookup`` (the hash index: lookups, inserts and deletes of block hashes, plus any other
+dict) against the rest, so the growth from the smallest to the largest pool can be attributed. Needs
+``perf`` (Linux ``linux-perf``) and, for the ``vllm`` pool, the vLLM environment's python.
+
+    .venv-vllm/bin/python bench/pool_ops_perf.py [--pools unified vllm] [--sizes 10000 1000000]
+
+Last line: JSON ``{"<pool>": {"<blocks>": {"ns_per_op", "dict_lookup_ns", "other_ns", "top": {symbol: share}}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def symbol_shares(data: str) -> dict[str, float]:
+    """Share of samples per symbol (self time) in a perf data file."""
+    out = subprocess.run(
+        ["perf", "report", "-i", data, "--no-children", "--sort", "symbol", "--stdio"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    shares: dict[str, float] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].endswith("%") and parts[1] == "[.]":
+            shares[parts[2]] = shares.get(parts[2], 0.0) + float(parts[0][:-1]) / 100.0
+    return shares
+
+
+def profile(pool: str, size: int, ops: int, tmp: str) -> dict[str, object]:
+    fifo = os.path.join(tmp, f"ctl-{pool}-{size}")
+    data = os.path.join(tmp, f"perf-{pool}-{size}.data")
+    os.mkfifo(fifo)
+    cmd = [
+        "perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-D", "-1", "--control", f"fifo:{fifo}",
+        "-o", data, "--",
+        sys.executable, str(ROOT / "bench" / "pool_ops.py"), "--pools", pool, "--sizes", str(size),
+        "--repeats", "1", "--ops", str(ops), "--perf-fifo", fifo,
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"perf run failed for {pool} at {size} blocks:\n{res.stderr[-2000:]}")
+    ns = json.loads(res.stdout.strip().splitlines()[-1])["ns_per_op"][pool][str(size)]
+    shares = symbol_shares(data)
+    dict_share = shares.get("_Py_dict_lookup", 0.0)
+    top = dict(sorted(shares.items(), key=lambda kv: -kv[1])[:6])
+    return {
+        "ns_per_op": ns,
+        "dict_lookup_ns": round(ns * dict_share, 1),
+        "other_ns": round(ns * (1.0 - dict_share), 1),
+        "top": {k: round(v, 4) for k, v in top.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pools", nargs="*", default=["unified", "vllm"])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 1_000_000])
+    ap.add_argument("--ops", type=int, default=1_000_000, help="timed block operations per run")
+    args = ap.parse_args()
+    if shutil.which("perf") is None:
+        raise SystemExit("perf not found: install linux-perf (Debian) to attribute the pool's time")
+    result: dict[str, dict[str, dict[str, object]]] = {}
+    print(f"{'pool':>9} {'blocks':>9} {'ns/op':>7} {'dict lookups':>13} {'rest':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for pool in args.pools:
+            for size in args.sizes:
+                r = profile(pool, size, args.ops, tmp)
+                result.setdefault(pool, {})[str(size)] = r
+                print(
+                    f"{pool:>9} {size:>9} {r['ns_per_op']:>7.0f} {r['dict_lookup_ns']:>13.0f} {r['other_ns']:>7.0f}",
+                    flush=True,
+                )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
