@@ -9,7 +9,8 @@ counts. vLLM's own
 ``BlockPool`` runs the same sequence in the same process when vLLM is importable (see
 ``shared/docs/vllm-on-cpu.md``; run this script with that environment's python).
 
-    python bench/pool_ops.py [--sizes 10000 100000 1000000] [--ops 300000]
+    python bench/pool_ops.py [--sizes 10000 100000 1000000] [--ops 300000] [--pools unified vllm]
+    python bench/pool_ops.py --count-opcodes     # bytecodes per block op instead of time (deterministic)
 
 Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy: r}, "flatness": {...}}``.
 ``ratio_vs_vllm`` is the policy's ns/op over vLLM's, averaged over sizes.
@@ -25,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -63,8 +64,12 @@ def make_sequence(num_requests: int, seed: int, num_blocks: int) -> list[tuple[l
     return out
 
 
-def _perf_control(fifo: str | None) -> Callable[[str], None]:
-    """Commands for ``perf record --control fifo:FIFO`` (``enable`` / ``disable``), or nothing without a fifo."""
+Probe = Callable[[str], None]
+"""Called with ``"enable"`` right before a pool's timed operations and ``"disable"`` right after them."""
+
+
+def _perf_control(fifo: str | None) -> Probe:
+    """A probe that sends its commands to ``perf record --control fifo:FIFO`` (nothing without a fifo)."""
 
     def send(cmd: str) -> None:
         if fifo is not None:
@@ -74,8 +79,38 @@ def _perf_control(fifo: str | None) -> Callable[[str], None]:
     return send
 
 
+class OpcodeCounter:
+    """A probe that counts the bytecodes the interpreter executes between ``enable`` and ``disable``.
+
+    Deterministic, unlike time: bytecodes per block operation measure the pool's Python-level work alone, so a
+    figure flat across pool sizes shows the operations are O(1) there and any growth in ns per operation is the
+    memory hierarchy (work done in C, such as a dict probe or a heap sift, counts as the one bytecode that calls
+    it).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _local(self, frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        if event == "opcode":
+            self.count += 1
+        return self._local
+
+    def _global(self, frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return self._local
+
+    def __call__(self, cmd: str) -> None:
+        if cmd == "enable":
+            self.count = 0
+            sys.settrace(self._global)
+        else:
+            sys.settrace(None)
+
+
 def run_kvretain(
-    policy: str, num_blocks: int, warm: list, timed: list, perf: Callable[[str], None] | None = None
+    policy: str, num_blocks: int, warm: list, timed: list, perf: Probe | None = None
 ) -> tuple[float, int]:
     pol = make_policy(policy, num_blocks, PolicyConfig())
     now = [0.0]
@@ -121,9 +156,7 @@ def run_kvretain(
     return dt, ops
 
 
-def run_vllm(
-    num_blocks: int, warm: list, timed: list, perf: Callable[[str], None] | None = None
-) -> tuple[float, int]:
+def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None) -> tuple[float, int]:
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash
 
@@ -179,7 +212,11 @@ def run_vllm(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--ops", type=int, default=300_000, help="timed block operations per run")
+    ap.add_argument(
+        "--ops",
+        type=int,
+        help="timed block operations per run (default 300,000; 20,000 with --count-opcodes)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per pool; the fastest counts")
     ap.add_argument("--pools", nargs="*", choices=[*POLICIES, "vllm"], help="pools to run (default: all)")
@@ -188,7 +225,17 @@ def main() -> None:
         help="control fifo of `perf record -D -1 --control fifo:PATH`: sample only the timed parts "
         "(bench/pool_ops_perf.py drives it)",
     )
+    ap.add_argument(
+        "--count-opcodes",
+        action="store_true",
+        help="instead of timing, count the bytecodes each pool executes per block operation (one run each; "
+        "deterministic: flat across sizes = O(1) Python-level work)",
+    )
     args = ap.parse_args()
+    if args.ops is None:
+        args.ops = 20_000 if args.count_opcodes else 300_000
+    if args.count_opcodes:
+        args.repeats = 1
     perf = _perf_control(args.perf_fifo)
     try:
         import vllm.v1.core.block_pool  # noqa: F401
@@ -201,7 +248,8 @@ def main() -> None:
     if "vllm" in pools and not have_vllm:
         pools.remove("vllm")
     ns: dict[str, dict[str, float]] = {p: {} for p in pools}
-    print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + "   (ns per block op)")
+    unit = "bytecodes per block op" if args.count_opcodes else "ns per block op"
+    print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + f"   ({unit})")
     for size in args.sizes:
         avg_len = 25
         seq = make_sequence(int(2.5 * size / avg_len) + args.ops // avg_len + 10, args.seed, size)
@@ -211,21 +259,27 @@ def main() -> None:
         row: dict[str, float] = {}
         for _ in range(args.repeats):
             for p in ns:
+                probe: Probe = OpcodeCounter() if args.count_opcodes else perf
                 if p == "vllm":
-                    dt, ops = run_vllm(size, warm, timed, perf)
+                    dt, ops = run_vllm(size, warm, timed, probe)
                 else:
-                    dt, ops = run_kvretain(p, size, warm, timed, perf)
-                row[p] = min(row.get(p, float("inf")), dt / ops * 1e9)
+                    dt, ops = run_kvretain(p, size, warm, timed, probe)
+                value = probe.count / ops if isinstance(probe, OpcodeCounter) else dt / ops * 1e9
+                row[p] = min(row.get(p, float("inf")), value)
         for p in ns:
             ns[p][str(size)] = row[p]
-        print(f"{size:>9} " + " ".join(f"{row[p]:>10.0f}" for p in ns), flush=True)
+        print(f"{size:>9} " + " ".join(f"{row[p]:>10.1f}" for p in ns), flush=True)
+    flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
+    if args.count_opcodes:
+        print(json.dumps({"opcodes_per_op": {p: {s: round(v, 2) for s, v in d.items()} for p, d in ns.items()},
+                          "flatness": flat}))  # fmt: skip
+        return
     ratio = {}
     if "vllm" in ns:
         for p in ns:
             if p == "vllm":
                 continue
             ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
-    flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
     out = {
         "ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
         "ratio_vs_vllm": ratio,
