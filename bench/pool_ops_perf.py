@@ -8,6 +8,11 @@ dict) against the rest, so the growth from the smallest to the largest pool can 
 ``perf`` (Linux ``linux-perf``) and, for the ``vllm`` pool, the vLLM environment's python.
 
     .venv-vllm/bin/python bench/pool_ops_perf.py [--pools unified vllm] [--sizes 10000 1000000]
+    python bench/pool_ops_perf.py --chase   # the machine's side: ns per dependent read among N objects
+
+``--chase`` measures what one dependent read of a cold object costs at each size, without perf: a pointer chase
+through shuffled slotted objects (one object per block, as the pools keep), and an int id resolved through a
+list to its object (how a block id is resolved).
 
 Last line: JSON ``{"<pool>": {"<blocks>": {"ns_per_op", "dict_lookup_ns", "other_ns", "top": {symbol: share}}}}``.
 """
@@ -67,12 +72,62 @@ def profile(pool: str, size: int, ops: int, tmp: str) -> dict[str, object]:
     }
 
 
+class _Obj:
+    __slots__ = ("nxt", *(f"f{i}" for i in range(17)))  # about a pool block's object (18 slots)
+
+
+def chase(sizes: list[int], hops: int = 1_000_000, seed: int = 0) -> dict[str, dict[str, float]]:
+    """ns per hop of a pointer chase and per id -> list -> object read, among ``size`` objects (best of 3)."""
+    import gc
+    import random
+    import time
+
+    out: dict[str, dict[str, float]] = {"pointer_chase_ns": {}, "id_to_object_ns": {}}
+    for size in sizes:
+        rng = random.Random(seed)
+        objs = [_Obj() for _ in range(size)]
+        for o in objs:
+            o.f0 = 0
+        order = list(range(size))
+        rng.shuffle(order)
+        for a, b in zip(order, order[1:] + order[:1], strict=True):
+            objs[a].nxt = objs[b]
+        ids = (order * (hops // size + 1))[:hops]
+        best_chase = best_ids = float("inf")
+        gc.disable()
+        try:
+            for _ in range(3):
+                o = objs[0]
+                t = time.process_time()
+                for _ in range(hops):
+                    o = o.nxt
+                best_chase = min(best_chase, time.process_time() - t)
+                t = time.process_time()
+                for i in ids:
+                    objs[i].f0  # noqa: B018 - the read is what is timed
+                best_ids = min(best_ids, time.process_time() - t)
+        finally:
+            gc.enable()
+        out["pointer_chase_ns"][str(size)] = round(best_chase / hops * 1e9, 1)
+        out["id_to_object_ns"][str(size)] = round(best_ids / hops * 1e9, 1)
+        print(
+            f"{size:>9} objects: pointer chase {best_chase / hops * 1e9:6.1f} ns/hop, "
+            f"id -> list -> object {best_ids / hops * 1e9:6.1f} ns/read",
+            flush=True,
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pools", nargs="*", default=["unified", "vllm"])
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 1_000_000])
     ap.add_argument("--ops", type=int, default=1_000_000, help="timed block operations per run")
+    ap.add_argument("--chase", action="store_true", help="measure the cost of a dependent cold read instead")
     args = ap.parse_args()
+    if args.chase:
+        print(json.dumps(chase(args.sizes)))
+        return
     if shutil.which("perf") is None:
         raise SystemExit("perf not found: install linux-perf (Debian) to attribute the pool's time")
     result: dict[str, dict[str, dict[str, object]]] = {}
