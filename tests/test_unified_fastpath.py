@@ -95,3 +95,64 @@ def test_fused_pop_exposed_evicts_exactly_what_expose_then_pop_would(
     fused = make_policy("unified", 12, config)
     assert type(fused) is UnifiedPolicy
     assert _run(fused, program) == _run(_Unfused(12, config), program)
+
+
+QUEUE_OPS = st.lists(
+    st.one_of(
+        # (op, block, key in 1/16 units, push in front)
+        st.tuples(st.just("push"), st.integers(0, 39), st.integers(0, 400), st.booleans()),
+        st.tuples(st.just("unlink"), st.integers(0, 39), st.just(0), st.just(False)),
+        st.tuples(st.just("pop"), st.just(0), st.just(0), st.just(False)),
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(QUEUE_OPS)
+def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]) -> None:
+    """``unified``'s bucket queue pops by key bucket, FIFO inside a bucket, front pushes first, through any mix of
+    pushes, removals (which empty buckets and trigger compactions) and pops."""
+    from kvretain.core.policies.unified import _Meta, _Queue
+
+    q = _Queue()
+    metas = [_Meta(i) for i in range(40)]
+    model: dict[int, list[int]] = {}  # bucket -> block ids in pop order
+    where: dict[int, int] = {}  # queued block -> bucket
+    for op, b, key, front in ops:
+        if op == "push" and b not in where:
+            metas[b].key = key / 16.0 + 0.01
+            q.push(metas[b], front)
+            s = int(metas[b].key * 16.0)
+            bucket = model.setdefault(s, [])
+            bucket.insert(0 if front else len(bucket), b)
+            where[b] = s
+        elif op == "unlink" and b in where:
+            q.unlink(metas[b])
+            model[where.pop(b)].remove(b)
+        elif op == "pop" and where:
+            s = min(k for k, v in model.items() if v)
+            want = model[s].pop(0)
+            assert q.pop().block_id == want
+            del where[want]
+        assert q.n == len(where)
+        assert all(metas[i].prev is not None for i in where)
+    live = sorted(k for k, v in model.items() if v)
+    assert len(q._buckets) <= len(live) + 64 + len(q._buckets) // 2
+
+
+def test_bucket_queue_compacts_buckets_emptied_by_removals() -> None:
+    """A queue that is never popped while keys keep rising does not keep every bucket it ever opened."""
+    from kvretain.core.policies.unified import _Meta, _Queue
+
+    q = _Queue()
+    keep = _Meta(0)
+    keep.key = 0.0
+    q.push(keep)
+    for i in range(1, 20_000):
+        m = _Meta(i)
+        m.key = float(i)
+        q.push(m)
+        q.unlink(m)
+    assert len(q._buckets) < 200 and len(q._slots) == len(q._buckets)
+    assert q.pop() is keep and q.n == 0

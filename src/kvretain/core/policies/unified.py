@@ -196,15 +196,17 @@ class _Queue:
 
     NOTE: linked in place rather than lazy entries in per-bucket deques: removing a touched block and evicting a
     block then allocate and free nothing, which keeps the cost per operation flat as the pool outgrows the CPU
-    caches (a lazy entry and its stamp were cold objects by the time they were dropped). An emptied bucket stays
-    in the heap until :meth:`head` passes it.
+    caches (a lazy entry and its stamp were cold objects by the time they were dropped). A bucket emptied by a
+    removal stays in the heap until :meth:`head` passes it or, when such buckets outnumber the others (a queue
+    that is rarely popped while keys keep rising), a compaction drops them all: amortized O(1).
     """
 
-    __slots__ = ("_buckets", "_slots", "n")
+    __slots__ = ("_buckets", "_empty", "_slots", "n")
 
     def __init__(self) -> None:
         self._buckets: dict[int, _Link] = {}
         self._slots: list[int] = []
+        self._empty = 0  # buckets in the heap whose list is empty
         self.n = 0
 
     def push(self, m: _Meta, front: bool = False) -> None:
@@ -213,6 +215,8 @@ class _Queue:
         if h is None:
             h = self._buckets[s] = _Link()
             heapq.heappush(self._slots, s)
+        elif h.next is h:
+            self._empty -= 1
         if front:
             nx = h.next
             m.prev = h
@@ -236,6 +240,12 @@ class _Queue:
         nx.prev = pv
         m.prev = m.next = None
         self.n -= 1
+        if pv is nx:  # its bucket is empty now
+            self._empty += 1
+            if self._empty > 64 + len(self._buckets) // 2:
+                self._buckets = {s: h for s, h in self._buckets.items() if h.next is not h}
+                self._slots = sorted(self._buckets)
+                self._empty = 0
 
     def head(self) -> tuple[int, _Meta]:
         """``(bucket, meta)`` of the first block; the queue must not be empty."""
@@ -249,6 +259,7 @@ class _Queue:
                 return s, m  # type: ignore[return-value]
             del buckets[s]
             heapq.heappop(slots)
+            self._empty -= 1
 
     def pop(self) -> _Meta:
         """Remove and return the first block; the queue must not be empty."""
