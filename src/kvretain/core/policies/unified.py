@@ -268,6 +268,7 @@ class _Queue:
 
     def pop_head(self, s: int, m: _Meta) -> _Meta:
         """Remove the head ``m`` found by :meth:`head` in bucket ``s``."""
+        # unlink's pointer surgery, inlined (once per eviction); an emptied bucket goes at once (it is the first)
         h = m.prev
         nx = m.next
         assert h is not None and nx is not None
