@@ -109,6 +109,23 @@ class OpcodeCounter:
             sys.settrace(None)
 
 
+def _timed(ops: Callable[[], int], probe: Probe | None) -> tuple[float, int]:
+    """Process CPU time of ``ops()`` (which returns the block operations it did), with the GC off and ``probe``
+    enabled around it only."""
+    probe = probe or _perf_control(None)
+    gc.collect()
+    gc.disable()
+    probe("enable")
+    t0 = time.process_time()
+    try:
+        n = ops()
+    finally:
+        dt = time.process_time() - t0
+        probe("disable")
+        gc.enable()
+    return dt, n
+
+
 def run_kvretain(
     policy: str, num_blocks: int, warm: list, timed: list, perf: Probe | None = None
 ) -> tuple[float, int]:
@@ -141,19 +158,15 @@ def run_kvretain(
 
     for chain, prio in warm:
         one(chain, prio)
-    perf = perf or _perf_control(None)
-    gc.collect()
-    gc.disable()
-    perf("enable")
-    t0 = time.process_time()
-    ops = 0
-    for chain, prio in timed:
-        now[0] += 0.001
-        ops += one(chain, prio)
-    dt = time.process_time() - t0
-    perf("disable")
-    gc.enable()
-    return dt, ops
+
+    def timed_ops() -> int:
+        ops = 0
+        for chain, prio in timed:
+            now[0] += 0.001
+            ops += one(chain, prio)
+        return ops
+
+    return _timed(timed_ops, perf)
 
 
 def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None) -> tuple[float, int]:
@@ -195,18 +208,14 @@ def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None
 
     for bh in warm_v:
         one(bh)
-    perf = perf or _perf_control(None)
-    gc.collect()
-    gc.disable()
-    perf("enable")
-    t0 = time.process_time()
-    ops = 0
-    for bh in timed_v:
-        ops += one(bh)
-    dt = time.process_time() - t0
-    perf("disable")
-    gc.enable()
-    return dt, ops
+
+    def timed_ops() -> int:
+        ops = 0
+        for bh in timed_v:
+            ops += one(bh)
+        return ops
+
+    return _timed(timed_ops, perf)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
 from kvretain.core.policies import UnifiedPolicy
+from kvretain.core.policies.unified import _Meta, _Queue
 from kvretain.core.policy import EvictionPolicy
 
 
@@ -113,8 +114,6 @@ QUEUE_OPS = st.lists(
 def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]) -> None:
     """``unified``'s bucket queue pops by key bucket, FIFO inside a bucket, front pushes first, through any mix of
     pushes, removals (which empty buckets and trigger compactions) and pops."""
-    from kvretain.core.policies.unified import _Meta, _Queue
-
     q = _Queue()
     metas = [_Meta(i) for i in range(40)]
     model: dict[int, list[int]] = {}  # bucket -> block ids in pop order
@@ -143,8 +142,6 @@ def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]
 
 def test_bucket_queue_compacts_buckets_emptied_by_removals() -> None:
     """A queue that is never popped while keys keep rising does not keep every bucket it ever opened."""
-    from kvretain.core.policies.unified import _Meta, _Queue
-
     q = _Queue()
     keep = _Meta(0)
     keep.key = 0.0

@@ -45,7 +45,9 @@ from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, Poli
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 _UNSET = -1
-_KEY_UNIT = 1.0 / 16.0  # key resolution of the bucket queues (the smallest value is ~0.09)
+BUCKETS_PER_KEY = 16.0
+"""Key buckets per unit of GreedyDual key in the bucket queues (here and in the vLLM plugin's run queue): a bucket
+is ``1/16`` of a key unit wide (the smallest value is ~0.09)."""
 SAMPLE_TOKENS = 256
 """The shadow directory and the ghost table keep one block per this many tokens (exact for larger blocks)."""
 
@@ -190,7 +192,7 @@ class _Link:
 
 
 class _Queue:
-    """Evictable blocks of one tier by key: buckets of width ``_KEY_UNIT``, each a circular doubly linked list
+    """Evictable blocks of one tier by key: buckets ``1 / BUCKETS_PER_KEY`` wide, each a circular doubly linked list
     (FIFO; an exposed parent goes in front) through the blocks' own ``prev``/``next``, and the bucket indices in
     a small heap. O(1) push, removal and pop (plus O(log buckets) when a bucket opens or closes).
 
@@ -210,7 +212,7 @@ class _Queue:
         self.n = 0
 
     def push(self, m: _Meta, front: bool = False) -> None:
-        s = int(m.key * 16.0)
+        s = int(m.key * BUCKETS_PER_KEY)
         h = self._buckets.get(s)
         if h is None:
             h = self._buckets[s] = _Link()
@@ -524,7 +526,7 @@ class UnifiedPolicy(EvictionPolicy):
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             q0, q1 = self._queues
-            s = int(m.key * 16.0)
+            s = int(m.key * BUCKETS_PER_KEY)
             take = False
             if m.protected:
                 if (not q1.n or self._num_protected > self._ctl.target) and (not q0.n or s <= q0._slots[0]):

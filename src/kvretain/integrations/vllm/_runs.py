@@ -40,7 +40,12 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.unified import IsolationController, sample_stride, value_terms
+from kvretain.core.policies.unified import (
+    BUCKETS_PER_KEY,
+    IsolationController,
+    sample_stride,
+    value_terms,
+)
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
     PriorityMapping,
@@ -83,7 +88,7 @@ class _RunQueue:
         self.live_runs = 0
 
     def push(self, run: _Run) -> None:
-        s = int(run.key * 16.0)
+        s = int(run.key * BUCKETS_PER_KEY)
         q = self._buckets.get(s)
         if q is None:
             q = self._buckets[s] = deque()
