@@ -412,6 +412,30 @@ def test_unified_lapse_falls_back_to_the_highest_base_of_its_users() -> None:
     assert sim.retention(1) == 45
 
 
+def test_unified_lapsed_directive_does_not_become_permanent_on_reuse() -> None:
+    # Released at 90 for 1 s, then released again at 35 after 2 s, before any eviction ran the lapse: the
+    # second release must see the lapse (back to 35), not refresh the 90 for ever.
+    sim = unified(2, 1.0)
+    sim.run([1], 90, 1.0)
+    sim.now = 2.0
+    sim.run([1], 35)
+    assert sim.retention(1) == 35
+    sim.now = 1e9
+    assert sim.retention(1) == 35
+    sim.run([2], 35)  # released later, used once
+    assert sim.evict_all() == [2, 1]  # block 1 outlives block 2 by its two uses, not by a lapsed 90
+
+
+def test_unified_lapsed_directive_reuse_then_new_directive_lapses_again() -> None:
+    sim = unified(1, 1.0)
+    sim.run([1], 90, 1.0)
+    sim.now = 2.0
+    sim.run([1], 80, 1.0)  # a new, shorter directive after the lapse
+    assert sim.retention(1) == 80
+    sim.now = 3.5
+    assert sim.retention(1) == 35
+
+
 def test_unified_frequency_raises_survival() -> None:
     sim = unified(2, 1.0)
     for _ in range(3):

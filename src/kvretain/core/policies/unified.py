@@ -370,7 +370,10 @@ class UnifiedPolicy(EvictionPolicy):
             if r == _UNSET:
                 cur = b
             elif expiry <= now:
-                cur = b if b > 0 else 0
+                # the directive lapsed before any eviction ran ``_expire``: apply the lapse first, so that the
+                # branches below compare against the fallen level (and never refresh the lapsed one)
+                m.r = cur = b if b > 0 else 0
+                m.expiry = expiry = INF
             else:
                 cur = r
             exp = INF if duration_s is None else now + duration_s
