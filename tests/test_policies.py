@@ -452,36 +452,6 @@ def test_unified_priority_weight_orders_unprotected_blocks() -> None:
     assert sim.evict_all() == [2, 3, 1]
 
 
-def test_unified_isolation_controller_moves_the_target() -> None:
-    pol = make_policy("unified", 100, PolicyConfig(budget=0.8, isolation_goal=0.9))
-    assert isinstance(pol, UnifiedPolicy)
-    start = pol.stats()["protected_target"]
-    assert start == pytest.approx(40.0)  # half the budget
-    assert pol.stats()["protected_budget"] == pytest.approx(80.0)
-    pol.on_lookup([1, 2, 3], 0, 80)  # shadow cold: no shadow hits, 0 >= 0.9 * 0 -> shrink
-    assert pol.stats()["protected_target"] == pytest.approx(start - 0.2)
-    pol.on_lookup([1, 2, 3], 0, 80)  # alone the prefix would hit 3 blocks, it hit 0 -> grow
-    assert pol.stats()["protected_target"] == pytest.approx(start)
-    pol.on_lookup([1, 2, 3], 0, 80)
-    assert pol.stats()["protected_target"] == pytest.approx(start + 0.2)
-    pol.on_lookup([1, 2, 3], 0, 20)  # unprotected lookups are not measured
-    assert pol.stats()["protected_target"] == pytest.approx(start + 0.2)
-    # protected lookups that hit as much as they would alone shrink the target, step by step
-    good = make_policy("unified", 100, PolicyConfig(budget=0.8, isolation_goal=0.9))
-    targets = []
-    for _ in range(4):
-        good.on_lookup([1, 2, 3], 3, 80)
-        targets.append(good.stats()["protected_target"])
-    assert targets == pytest.approx([39.8, 39.6, 39.4, 39.2])
-
-
-def test_unified_isolation_target_is_capped_by_the_budget() -> None:
-    pol = make_policy("unified", 10, PolicyConfig(budget=0.3, isolation_goal=0.9))
-    for _ in range(2000):
-        pol.on_lookup([1, 2], 0, 80)
-    assert pol.stats()["protected_target"] == pytest.approx(3.0)
-
-
 def test_unified_fixed_target_ignores_lookups() -> None:
     pol = make_policy("unified", 10, PolicyConfig(budget=0.5, isolation_goal=None))
     pol.on_lookup([1, 2], 0, 80)
@@ -586,29 +556,6 @@ def test_unified_ghost_keeps_one_use_count_per_256_token_segment() -> None:
     # exact for large blocks: every block has its own entry
     big = make_policy("unified", 8, PolicyConfig(isolation_goal=None, block_size=512))
     assert isinstance(big, UnifiedPolicy) and big._stride == 1
-
-
-def test_unified_shadow_samples_one_block_per_256_tokens() -> None:
-    cfg = PolicyConfig(budget=0.8, isolation_goal=0.9, block_size=16)  # stride 16
-    pol = make_policy("unified", 1600, cfg)
-    assert isinstance(pol, UnifiedPolicy)
-    chain = list(range(100))
-    pol.on_lookup(chain, 0, 80)  # cold shadow: estimate 0, shrink
-    t = pol.stats()["protected_target"]
-    pol.on_lookup(chain, 0, 80)  # all 7 sampled blocks (0, 16, ..., 96) in the shadow: estimate 100 -> grow
-    assert pol.stats()["protected_target"] > t
-    assert len(pol._ctl._shadow) == 7
-    # a chain that shares the first 40 blocks: sampled 0, 16, 32 hit, 48 misses -> estimate 3 * 16 - 8 = 40
-    other = pol.__class__(1600, cfg)
-    other.on_lookup(chain, 0, 80)
-    other.on_lookup(list(range(40)) + [1000 + i for i in range(60)], 0, 80)
-    assert other._ctl._acc_shadow == pytest.approx(40.0)
-    # exact at large blocks (stride 1)
-    exact = make_policy("unified", 100, PolicyConfig(isolation_goal=0.9, block_size=512))
-    assert isinstance(exact, UnifiedPolicy)
-    exact.on_lookup([1, 2, 3], 0, 80)
-    exact.on_lookup([1, 2, 9], 0, 80)
-    assert exact._ctl._acc_shadow == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------- belady

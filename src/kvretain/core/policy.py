@@ -58,9 +58,11 @@ class PolicyConfig:
     Attributes:
         budget: unified: the largest share of the pool that protected blocks may hold (0..1).
         isolation_goal: unified: when set, the protected share adapts (up to ``budget``) so that protected
-            traffic keeps this fraction of the hits it would get alone in the pool, counted over a long
-            window (~100k protected lookups; a shadow LRU directory measures the isolated hits); ``None``
-            keeps the protected share fixed at ``budget``.
+            traffic keeps this fraction of the hits it would get alone in the pool (measured online, see
+            :mod:`kvretain.core.policies.protection`), as far as ``max_reuse_loss`` allows; ``None`` keeps the
+            protected share fixed at ``budget``.
+        max_reuse_loss: unified: the controller keeps overall reuse at least ``1 - max_reuse_loss`` of what plain
+            LRU would hit in this pool (estimated online), whatever the isolation goal asks.
         protect_threshold: unified: blocks whose effective retention priority is at least this are protected.
         priority_weight: unified: a block's value is multiplied by this for every 10 retention-priority points
             above 35 (divided below); 1 disables the soft bias and leaves only the protected/unprotected tiers.
@@ -77,6 +79,7 @@ class PolicyConfig:
 
     budget: float = 0.95
     isolation_goal: float | None = 0.9
+    max_reuse_loss: float = 0.02
     protect_threshold: int = DEFAULT_RETENTION_PRIORITY
     priority_weight: float = 2.0
     frequency_exponent: float = 1.0
@@ -91,6 +94,8 @@ class PolicyConfig:
             raise ValueError(f"budget must be a share of the pool in [0, 1], got {self.budget!r}")
         if self.isolation_goal is not None and not 0.0 < self.isolation_goal <= 1.0:
             raise ValueError(f"isolation_goal must be in (0, 1] or None, got {self.isolation_goal!r}")
+        if not 0.0 <= self.max_reuse_loss <= 1.0:
+            raise ValueError(f"max_reuse_loss must be a share in [0, 1], got {self.max_reuse_loss!r}")
         if self.frequency_cap < 1:
             raise ValueError(f"frequency_cap must be >= 1, got {self.frequency_cap!r}")
         if self.cost_scale_tokens < 0:

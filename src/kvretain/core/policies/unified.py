@@ -19,15 +19,14 @@ Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in 
 and ``L`` rises to the key of each victim, so blocks that stop being used age out (GreedyDual-Size-Frequency).
 Unprotected blocks are evicted first while protected blocks hold at most ``target`` blocks; above it the two
 heaps compete on ``H``. ``target`` is the protection budget (``budget`` x pool), or, with ``isolation_goal``,
-it adapts inside that budget: a shadow LRU directory of the protected requests' lookups measures the hits
-they would get alone in the pool, and the target grows while their hits over a long window are below
-``isolation_goal`` of that and shrinks otherwise (an integral controller), so protection is spent only where it
-buys important traffic its isolated hit ratio and the rest of the pool serves overall reuse.
+it adapts inside that budget (:class:`~kvretain.core.policies.protection.ProtectionController`): it grows while
+protected traffic hits less than ``isolation_goal`` of what it would hit alone in the pool *and* overall reuse
+stays above ``1 - max_reuse_loss`` of what plain LRU would hit, both measured online on sampled shadows.
 
 Leaves only: a block never goes before its cached descendants. A chain is evicted as a unit, tail first: a
 parent exposed by its child's eviction goes first among the blocks of its key bucket (``expose``), and
 ``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
-ghost table, and the shadow directory and the ghost table keep one block per 256 tokens (exact for blocks of
+ghost table that keeps one block per 256 tokens (exact for blocks of
 256 tokens or more).
 """
 
@@ -35,12 +34,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import cast
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
+from kvretain.core.policies.protection import ProtectionController
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
@@ -106,79 +105,6 @@ def value_terms(cfg: PolicyConfig) -> tuple[list[float], float]:
     ]
     scale = cfg.cost_scale_tokens
     return weights, (cfg.block_size / scale) if scale > 0 else 0.0
-
-
-class IsolationController:
-    """The protection budget's controller: how many blocks protected traffic may hold (``target``).
-
-    ``target`` is ``budget`` x pool, or, with ``isolation_goal``, adapts inside that budget: a shadow LRU
-    directory of the protected requests' lookups (one block per 256 tokens) measures the hits they would get
-    alone in the pool, and the target grows while their hits over a long window are below ``isolation_goal`` of
-    that and shrinks otherwise (an integral controller). Shared by :class:`UnifiedPolicy` and the vLLM plugin's
-    run-granular queue.
-    """
-
-    __slots__ = (
-        "_acc_hits",
-        "_acc_shadow",
-        "_decay",
-        "_goal",
-        "_shadow",
-        "_shadow_cap",
-        "_step",
-        "_stride",
-        "max_target",
-        "target",
-        "threshold",
-    )
-
-    def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
-        self._stride = stride = sample_stride(cfg.block_size)
-        self.threshold = cfg.protect_threshold
-        self.max_target = cfg.budget * num_blocks
-        self._goal = cfg.isolation_goal
-        self.target = self.max_target if self._goal is None else 0.5 * self.max_target
-        self._shadow: OrderedDict[BlockHash, None] = OrderedDict()
-        self._shadow_cap = max(1, num_blocks // stride)
-        self._acc_hits = 0.0
-        self._acc_shadow = 0.0
-        # NOTE: an integral controller over a long window: the target moves 0.2% of the pool per protected
-        # lookup until the windowed hits reach the goal. Short windows (decay 0.999) let the target swing
-        # with each burst, and the swings cost more overall reuse than they give protected traffic
-        # (docs/results.md, "the protection frontier").
-        self._step = 0.002 * num_blocks
-        self._decay = 0.99999
-
-    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
-        """A request at ``retention`` looked up its ``hashes`` and hit its first ``num_hits`` blocks."""
-        if self._goal is None or retention < self.threshold or not hashes:
-            return
-        shadow = self._shadow
-        n = len(hashes)
-        stride = self._stride
-        sampled = hashes if stride == 1 else hashes[::stride]
-        k = 0
-        ns = len(sampled)
-        while k < ns and sampled[k] in shadow:
-            k += 1
-        # leading shadow hits: exact for stride 1; otherwise the first sampled miss bounds them to a stride
-        est = n if k == ns else (k if stride == 1 else max(0, k * stride - stride // 2))
-        move = shadow.move_to_end
-        for i in range(ns - 1, -1, -1):  # deepest first, as a release would order them
-            h = sampled[i]
-            if h in shadow:
-                move(h)
-            else:
-                shadow[h] = None
-        cap = self._shadow_cap
-        while len(shadow) > cap:
-            shadow.popitem(last=False)
-        self._acc_hits = self._acc_hits * self._decay + num_hits
-        self._acc_shadow = self._acc_shadow * self._decay + est
-        if self._acc_hits < self._goal * self._acc_shadow:
-            self.target = min(self.max_target, self.target + self._step)
-        else:
-            self.target = max(0.0, self.target - self._step)
 
 
 class _Link:
@@ -311,7 +237,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._cap = cfg.frequency_cap
         self._exp = cfg.frequency_exponent
         self._weight, self._cost_per_block = value_terms(cfg)
-        self._ctl = IsolationController(num_blocks, cfg)
+        self._ctl = ProtectionController(num_blocks, cfg)
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -579,8 +505,4 @@ class UnifiedPolicy(EvictionPolicy):
         return {m.block_id for m in self._meta if m.prev is not None}
 
     def stats(self) -> dict[str, float]:
-        return {
-            "protected_blocks": float(self._num_protected),
-            "protected_target": self._ctl.target,
-            "protected_budget": self._ctl.max_target,
-        }
+        return {"protected_blocks": float(self._num_protected), **self._ctl.stats()}

@@ -9,7 +9,7 @@ paths (cache, release, evict) -- several times what vLLM's own free list costs. 
 the use count's power of two changes. A run is keyed and queued as :class:`~kvretain.core.policies.unified.
 UnifiedPolicy` keys a block (GreedyDual ``H = L + value`` with the value of the run's tail, the block evicted
 first; protected and unprotected tiers; the protection budget with the same
-:class:`~kvretain.core.policies.unified.IsolationController`) and is evicted tail first, so a chain goes as a
+:class:`~kvretain.core.policies.protection.ProtectionController`) and is evicted tail first, so a chain goes as a
 unit, as under ``unified``'s chain order. Per block there is only flat-list bookkeeping (content, remembered
 retention, use count), done in the release loop; there is no per-block hook at caching.
 
@@ -40,9 +40,9 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policies.lfu import GhostTable
+from kvretain.core.policies.protection import ProtectionController
 from kvretain.core.policies.unified import (
     BUCKETS_PER_KEY,
-    IsolationController,
     sample_stride,
     value_terms,
 )
@@ -180,7 +180,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._num_protected = 0  # cached blocks whose retention is protected
         self._L = 0.0
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
-        self._ctl = IsolationController(n, cfg)
+        self._ctl = ProtectionController(n, cfg)
         self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
         self._stripped = False  # evict_blocks took a hash from a block in use: num_cached is not trusted
 
@@ -599,7 +599,7 @@ class RunFreeQueue(HookedFreeQueue):
             self.counters.get(prio).released_blocks += released
 
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
-        """At admission (``record_prefix_cache_stats``): per-priority counters and the isolation controller."""
+        """At admission (``record_prefix_cache_stats``): per-priority counters and the protection controller."""
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None:
             hashes = request.block_hashes
@@ -617,11 +617,7 @@ class RunFreeQueue(HookedFreeQueue):
         return queued
 
     def stats(self) -> dict[str, float]:
-        return {
-            "protected_blocks": float(self._num_protected),
-            "protected_target": self._ctl.target,
-            "protected_budget": self._ctl.max_target,
-        }
+        return {"protected_blocks": float(self._num_protected), **self._ctl.stats()}
 
     def check(self) -> None:
         """Consistency check for tests: counts, run membership and retention bookkeeping agree. O(n)."""

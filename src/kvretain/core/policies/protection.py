@@ -1,0 +1,213 @@
+"""How many blocks protected traffic may hold: the protection controller of ``unified`` (and of the vLLM
+plugin's run queue, which uses this class as it is).
+
+Protection is a trade: blocks kept for important (protected) requests are blocks the rest of the traffic
+cannot reuse. The controller measures both sides online and moves the protected target between them:
+
+- **what protected traffic would hit alone**: an LRU shadow directory of the protected requests' lookups,
+  as large as the pool (the isolation reference: the hits they would get with the pool to themselves);
+- **what all traffic would hit under plain LRU**: an LRU shadow directory of every request's lookups, as
+  large as the pool (vLLM's own order: the reuse a stock engine would get from this pool).
+
+Both shadows are *spatially sampled* as SHARDS (Waldspurger et al., FAST'15) samples for miss-ratio curves: a
+block is tracked when a hash of its identity falls below ``rate``, and each shadow holds ``rate`` x the pool.
+The rate is ``min(1, SHARDS_SAMPLE / pool)``: exact for pools up to 8,192 blocks, 8,192 tracked blocks above
+(SHARDS's fixed-size variant, whose published error at that size is well under 1% of the miss ratio). The
+pool's own hits are counted on the same sample, so each comparison is between two counts of the same
+sampled blocks.
+
+Per block reference the controller keeps decayed sums of: the pool's hits ``A`` and the LRU shadow's hits
+``E`` over all traffic, and the pool's hits ``A_p`` and the isolated shadow's hits ``E_p`` over protected
+traffic. Two relative errors follow::
+
+    reuse slack   s = (A - (1 - max_reuse_loss) * E) / max(A, E)      # > 0: overall reuse above its floor
+    isolation gap g = (isolation_goal * E_p - A_p) / max(A_p, E_p)    # > 0: protected traffic short of its goal
+
+and the target integrates the tighter of the two, ``u = min(g, s)``: it grows while protected traffic is short
+of its goal *and* overall reuse has room above its floor, and shrinks as soon as either the floor is crossed or
+the goal is exceeded (protection beyond the goal only costs reuse). Which term is the smaller is reported as
+the binding constraint.
+
+Windows and gains, from the pool size, the observed hit rate and the margin (no constant chosen because it
+passed):
+
+- the sums decay with a time constant, in sampled block references, of the longer of two windows: (a)
+  ``WINDOW_TURNOVERS`` pool turnovers (``rate x pool`` references each): a target change shows in the hits
+  only after the blocks it keeps or drops have been re-referenced, about a turnover; averaging over several
+  keeps the reading from following single bursts; (b) the references it takes to count ``1 /
+  max_reuse_loss**2`` hits at the hit ratio observed so far: a count of N hits has a relative noise of about
+  ``1 / sqrt(N)``, so the window must hold enough hits for that noise to be no larger than the margin the
+  floor allows (2,500 hits for the default 2%);
+- the gain lets the target cross its whole range (``budget`` x pool) in one window at an error as large as
+  the isolation goal's own tolerance (``1 - isolation_goal``: 10% by default): an error of that size is the
+  one the goal says matters, while the measurement's noise (about the reuse margin, by (b)) moves the target by
+  a fraction of its range per window; while the window holds fewer hits (pool's or LRU shadow's) than (b) asks (a cold start), the
+  step is scaled down by that fraction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policy import PolicyConfig
+
+SHARDS_SAMPLE = 8192
+"""Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
+WINDOW_TURNOVERS = 4.0
+"""The controller's measurement window in pool turnovers (see the module docstring)."""
+_MASK = (1 << 24) - 1
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential int ids (trace hash ids) over the range
+
+
+def spatial_key(block_hash: BlockHash) -> int:
+    """A 24-bit value of a block's identity, uniform and the same in every process (SHARDS's hash): the block
+    is sampled at rate ``R`` when it is below ``R * 2**24``. Digests use their first bytes; ints are mixed."""
+    if isinstance(block_hash, int):
+        return ((block_hash * _MIX) >> 40) & _MASK
+    return int.from_bytes(block_hash[:3], "little")
+
+
+class _LRUShadow:
+    """A directory of block identities in LRU order, ``capacity`` entries (no data: a shadow of a cache)."""
+
+    __slots__ = ("capacity", "entries")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.entries: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def reference(self, sampled: Sequence[BlockHash]) -> int:
+        """Look up ``sampled`` (one request's tracked blocks, in prefix order), count those resident, then
+        make them the most recent, deepest first (a request's blocks are released deepest first, so its
+        prefix stays behind its tail in LRU order)."""
+        entries = self.entries
+        hits = 0
+        for h in sampled:
+            if h in entries:
+                hits += 1
+        move = entries.move_to_end
+        for i in range(len(sampled) - 1, -1, -1):
+            h = sampled[i]
+            if h in entries:
+                move(h)
+            else:
+                entries[h] = None
+        cap = self.capacity
+        while len(entries) > cap:
+            entries.popitem(last=False)
+        return hits
+
+
+class ProtectionController:
+    """The protected target of ``unified``: see the module docstring.
+
+    ``target`` is ``budget`` x pool when ``isolation_goal`` is None (a fixed share), else the controlled
+    value, in blocks. ``on_lookup`` must be called once per request, at its first lookup (a resume after
+    preemption is not new demand).
+    """
+
+    __slots__ = (
+        "_acc",
+        "_floor_refs",
+        "_gain",
+        "_goal",
+        "_hits_needed",
+        "_iso",
+        "_keep",
+        "_lru",
+        "_rate_cut",
+        "binding",
+        "max_target",
+        "rate",
+        "target",
+        "threshold",
+    )
+
+    def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
+        self.threshold = cfg.protect_threshold
+        self.max_target = cfg.budget * num_blocks
+        self._goal = cfg.isolation_goal
+        self._keep = 1.0 - cfg.max_reuse_loss
+        # NOTE: the target starts at no protection beyond the value order: the controller then buys protection
+        # only once it has measured that overall reuse has room for it.
+        self.target = self.max_target if self._goal is None else 0.0
+        self.rate = rate = min(1.0, SHARDS_SAMPLE / max(1, num_blocks))
+        self._rate_cut = int(rate * (_MASK + 1))
+        tracked = max(1, round(rate * num_blocks))
+        self._lru = _LRUShadow(tracked)
+        self._iso = _LRUShadow(tracked)
+        self._floor_refs = WINDOW_TURNOVERS * tracked
+        self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
+        tolerance = 1.0 - self._goal if self._goal is not None else 1.0
+        self._gain = self.max_target / max(tolerance, cfg.max_reuse_loss, 0.01)
+        # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
+        # (protected traffic); sampled references of each
+        self._acc = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        self.binding = "none"
+
+    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
+        """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
+        ``num_hits`` of them in the pool."""
+        if self._goal is None or not hashes:
+            return
+        if self._rate_cut > _MASK:
+            sampled: Sequence[BlockHash] = hashes
+            hits = num_hits
+        else:
+            cut = self._rate_cut
+            picked = [i for i, h in enumerate(hashes) if spatial_key(h) < cut]
+            if not picked:
+                return
+            sampled = [hashes[i] for i in picked]
+            hits = sum(1 for i in picked if i < num_hits)
+        n = len(sampled)
+        lru_hits = self._lru.reference(sampled)
+        protected = retention >= self.threshold
+        acc = self._acc
+        # the window: the longer of the turnover floor and the references holding ``_hits_needed`` hits
+        h = acc[0] / acc[4] if acc[0] > 0.0 else 0.0
+        window = self._floor_refs
+        if h > 0.0 and self._hits_needed / h > window:
+            window = self._hits_needed / h
+        d = math.exp(-n / window)
+        for i in range(6):
+            acc[i] *= d
+        acc[0] += hits
+        acc[1] += lru_hits
+        acc[4] += n
+        if protected:
+            acc[2] += hits
+            acc[3] += self._iso.reference(sampled)
+            acc[5] += n
+        a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]
+        # relative to the larger count, so that both errors lie in [-1, 1] (and a shadow that hits nothing
+        # leaves full room, not a division by zero)
+        m = e if e > a else a
+        slack = (a - self._keep * e) / m if m > 0.0 else 0.0
+        m = ep if ep > ap else ap
+        gap = (self._goal * ep - ap) / m if m > 0.0 else -1.0
+        u = gap if gap < slack else slack
+        self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
+        evidence = a if a > e else e
+        confidence = evidence / self._hits_needed if evidence < self._hits_needed else 1.0
+        t = self.target + self._gain / window * confidence * u * n
+        self.target = 0.0 if t < 0.0 else (self.max_target if t > self.max_target else t)
+
+    def stats(self) -> dict[str, float]:
+        """The controller's state: the target, both estimates (hit ratios over the window) and which
+        constraint binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal)."""
+        acc = self._acc
+        return {
+            "protected_target": self.target,
+            "protected_budget": self.max_target,
+            "sample_rate": self.rate,
+            "hit_ratio_window": acc[0] / acc[4] if acc[4] else 0.0,
+            "lru_hit_ratio_estimate": acc[1] / acc[4] if acc[4] else 0.0,
+            "protected_hit_ratio_window": acc[2] / acc[5] if acc[5] else 0.0,
+            "isolated_hit_ratio_estimate": acc[3] / acc[5] if acc[5] else 0.0,
+            "reuse_floor_binds": 1.0 if self.binding == "reuse" else 0.0,
+            "isolation_goal_met": 1.0 if self.binding == "isolation" else 0.0,
+        }

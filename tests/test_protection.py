@@ -1,0 +1,137 @@
+"""The protection controller of ``unified``: both estimates, the tighter constraint, windows and sampling."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from kvretain.core import PolicyConfig, make_policy
+from kvretain.core.policies.protection import SHARDS_SAMPLE, ProtectionController, spatial_key
+
+
+def _ctl(n: int = 100, **kw: object) -> ProtectionController:
+    cfg = PolicyConfig(**{"budget": 0.8, "isolation_goal": 0.9, **kw})  # type: ignore[arg-type]
+    return ProtectionController(n, cfg)
+
+
+def test_starts_unprotected_and_fixed_budget_ignores_lookups() -> None:
+    assert _ctl().target == 0.0
+    fixed = _ctl(isolation_goal=None)
+    assert fixed.target == pytest.approx(80.0)
+    fixed.on_lookup([1, 2, 3], 0, 80)
+    assert fixed.target == pytest.approx(80.0)
+
+
+def _drive(
+    ctl: ProtectionController, protected_hits: bool, other_hits: bool, rounds: int, scan: bool = False
+) -> list[float]:
+    """Protected requests re-read one prefix, others another (each side hits in the pool or not); with
+    ``scan`` a stream of one-off blocks follows each round."""
+    out = []
+    for i in range(rounds):
+        ctl.on_lookup([1, 2], 2 if protected_hits else 0, 80)
+        ctl.on_lookup([11, 12], 2 if other_hits else 0, 25)
+        if scan:
+            ctl.on_lookup([1000 + 2 * i, 1001 + 2 * i], 0, 25)
+        out.append(ctl.target)
+    return out
+
+
+def test_grows_while_protected_traffic_is_short_and_reuse_has_room() -> None:
+    # a pool of 4 blocks: LRU would lose everything to the scan (6 blocks a round), the pool keeps the other
+    # traffic's prefix; protected traffic misses what it would hit alone: protection has room and is short
+    ctl = _ctl(n=4)
+    targets = _drive(ctl, protected_hits=False, other_hits=True, rounds=400, scan=True)
+    assert ctl.stats()["lru_hit_ratio_estimate"] == 0.0
+    assert ctl.stats()["isolated_hit_ratio_estimate"] > 0.9
+    assert targets[-1] > targets[10] > 0.0
+    assert ctl.stats()["isolation_goal_met"] == 0.0 and ctl.stats()["reuse_floor_binds"] == 0.0
+
+
+def test_the_reuse_floor_stops_protection() -> None:
+    # protected traffic is short of its goal, but overall hits are below LRU's: the floor wins, the target
+    # falls to zero and stays there
+    ctl = _ctl()
+    ctl.target = 40.0
+    targets = _drive(ctl, protected_hits=False, other_hits=False, rounds=400)
+    assert targets[-1] == 0.0 and targets[50] < 40.0
+    assert ctl.stats()["reuse_floor_binds"] == 1.0
+
+
+def test_protection_beyond_the_goal_is_given_back() -> None:
+    # protected traffic hits all it would alone: the target shrinks (it only costs reuse)
+    ctl = _ctl()
+    ctl.target = 40.0
+    targets = _drive(ctl, protected_hits=True, other_hits=True, rounds=400)
+    assert targets[-1] < 40.0
+    assert ctl.stats()["isolation_goal_met"] == 1.0
+
+
+def test_target_stays_within_the_budget() -> None:
+    ctl = _ctl(n=10, budget=0.3)
+    for i in range(3000):  # as in the growth test, with a scan of 10 blocks a round
+        ctl.on_lookup([1, 2], 0, 80)
+        ctl.on_lookup([11, 12], 2, 25)
+        ctl.on_lookup([1000 + 10 * i + j for j in range(10)], 0, 25)
+    assert ctl.target == pytest.approx(3.0)
+
+
+def test_estimates_are_lru_hit_ratios_of_the_same_references() -> None:
+    ctl = _ctl(n=1000)  # a window of 4,000 references: decay negligible here
+    ctl.on_lookup([1, 2], 0, 25)  # cold
+    ctl.on_lookup([1, 2], 0, 25)  # LRU would hit both; the pool hit none
+    st = ctl.stats()
+    assert st["lru_hit_ratio_estimate"] == pytest.approx(0.5, rel=0.01)  # 2 of 4 references
+    assert st["hit_ratio_window"] == 0.0
+    assert st["isolated_hit_ratio_estimate"] == 0.0  # no protected lookups yet
+    ctl.on_lookup([5, 6, 7], 0, 80)
+    ctl.on_lookup([5, 6, 7], 1, 80)
+    st = ctl.stats()
+    assert st["isolated_hit_ratio_estimate"] == pytest.approx(0.5, rel=0.01)
+    assert st["protected_hit_ratio_window"] == pytest.approx(1 / 6, rel=0.01)
+
+
+def test_shadows_are_pool_sized_lru() -> None:
+    ctl = _ctl(n=3)
+    ctl.on_lookup([1, 2, 3], 0, 25)
+    ctl.on_lookup([4], 0, 25)  # evicts the least recent: block 3 (the tail, released first)
+    assert list(ctl._lru.entries) == [2, 1, 4]
+    assert ctl._lru.reference([1, 2, 3]) == 2
+
+
+def test_sampling_is_spatial_and_sized_for_the_pool() -> None:
+    n = 4 * SHARDS_SAMPLE
+    ctl = ProtectionController(n, PolicyConfig())
+    assert ctl.rate == pytest.approx(0.25)
+    rng = random.Random(7)
+    ids = [rng.getrandbits(63) for _ in range(20000)]
+    digests = [hashlib.sha256(str(i).encode()).digest() for i in range(20000)]
+    cut = 0.25 * 2**24
+    for keys in (ids, digests, list(range(20000))):  # sequential trace ids are mixed too
+        share = sum(1 for h in keys if spatial_key(h) < cut) / len(keys)
+        assert share == pytest.approx(0.25, abs=0.02)
+    # the same identity is always sampled the same way (no per-process hash seed)
+    assert spatial_key(digests[0]) == int.from_bytes(digests[0][:3], "little")
+    ctl.on_lookup(ids[:400], 0, 25)
+    assert 60 <= len(ctl._lru.entries) <= 140
+
+
+def test_unified_reports_the_controller_state() -> None:
+    pol = make_policy("unified", 100, PolicyConfig())
+    st = pol.stats()
+    for key in (
+        "protected_target",
+        "lru_hit_ratio_estimate",
+        "isolated_hit_ratio_estimate",
+        "reuse_floor_binds",
+        "isolation_goal_met",
+        "sample_rate",
+    ):
+        assert key in st
+
+
+def test_max_reuse_loss_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_reuse_loss"):
+        PolicyConfig(max_reuse_loss=1.5)
