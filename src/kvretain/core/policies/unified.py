@@ -235,7 +235,9 @@ class UnifiedPolicy(EvictionPolicy):
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
-        self._exp = cfg.frequency_exponent
+        e = cfg.frequency_exponent
+        # uses -> uses ** frequency_exponent, the frequency term of the value (0 uses count as half a use)
+        self._F = [0.5 if u == 0 else float(u) ** e for u in range(cfg.frequency_cap + 1)]
         self._weight, self._cost_per_block = value_terms(cfg)
         self._ctl = ProtectionController(num_blocks, cfg)
 
@@ -320,8 +322,7 @@ class UnifiedPolicy(EvictionPolicy):
             if p != m.protected:
                 m.protected = p
                 self._num_protected += 1 if p else -1
-        f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-        m.key = self._L + self._weight[cur] * f * (1.0 + m.depth * self._cost_per_block)
+        m.key = self._L + self._weight[cur] * self._F[uses] * (1.0 + m.depth * self._cost_per_block)
         if evictable:
             self._push(m)
 
@@ -338,7 +339,7 @@ class UnifiedPolicy(EvictionPolicy):
         # goes through ``release``.
         meta = self._meta
         cap = self._cap
-        linear = self._exp == 1.0
+        F = self._F
         L = self._L
         cost = self._cost_per_block
         w = self._weight[retention]
@@ -358,8 +359,7 @@ class UnifiedPolicy(EvictionPolicy):
             if uses < cap:
                 uses += 1
                 m.uses = uses
-            f = float(uses) if linear else float(uses**self._exp)
-            m.key = L + w * f * (1.0 + m.depth * cost)
+            m.key = L + w * F[uses] * (1.0 + m.depth * cost)
         push = self._push
         for bid in evictable_ids:
             push(meta[bid])
@@ -383,10 +383,9 @@ class UnifiedPolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:
-        f = float(m.uses) if self._exp == 1.0 else float(m.uses**self._exp)
         return (
             self._weight[self.retention_of(m.block_id, now)]
-            * (f if f > 0.0 else 0.5)
+            * self._F[m.uses]
             * (1.0 + m.depth * self._cost_per_block)
         )
 
