@@ -16,8 +16,10 @@ def _ctl(n: int = 100, **kw: object) -> ProtectionController:
     return ProtectionController(n, cfg)
 
 
-def test_starts_unprotected_and_fixed_budget_ignores_lookups() -> None:
-    assert _ctl().target == 0.0
+def test_starts_fully_protected_and_fixed_budget_ignores_lookups() -> None:
+    ctl = _ctl()
+    assert ctl.level == 1.0 and ctl.target == pytest.approx(80.0)
+    assert ctl.weights[45] == pytest.approx(2.0) and ctl.weights[25] == pytest.approx(0.5)
     fixed = _ctl(isolation_goal=None)
     assert fixed.target == pytest.approx(80.0)
     fixed.on_lookup([1, 2, 3], 0, 80)
@@ -43,10 +45,11 @@ def test_grows_while_protected_traffic_is_short_and_reuse_has_room() -> None:
     # a pool of 4 blocks: LRU would lose everything to the scan (6 blocks a round), the pool keeps the other
     # traffic's prefix; protected traffic misses what it would hit alone: protection has room and is short
     ctl = _ctl(n=4)
-    targets = _drive(ctl, protected_hits=False, other_hits=True, rounds=400, scan=True)
+    ctl.level = ctl.target = 0.0
+    targets = _drive(ctl, protected_hits=False, other_hits=True, rounds=3000, scan=True)
     assert ctl.stats()["lru_hit_ratio_estimate"] == 0.0
     assert ctl.stats()["isolated_hit_ratio_estimate"] > 0.9
-    assert targets[-1] > targets[10] > 0.0
+    assert 0.0 < targets[100] < targets[-1] == pytest.approx(3.2)  # up to the whole budget
     assert ctl.stats()["isolation_goal_met"] == 0.0 and ctl.stats()["reuse_floor_binds"] == 0.0
 
 
@@ -54,18 +57,26 @@ def test_the_reuse_floor_stops_protection() -> None:
     # protected traffic is short of its goal, but overall hits are below LRU's: the floor wins, the target
     # falls to zero and stays there
     ctl = _ctl()
-    ctl.target = 40.0
     targets = _drive(ctl, protected_hits=False, other_hits=False, rounds=400)
-    assert targets[-1] == 0.0 and targets[50] < 40.0
+    assert targets[-1] == 0.0 and targets[50] < 80.0
     assert ctl.stats()["reuse_floor_binds"] == 1.0
+    # below level 0 the retention weights soften too, down to no priority effect at all
+    assert ctl.level == -1.0
+    assert ctl.weights[45] == pytest.approx(1.0) and ctl.weights[25] == pytest.approx(1.0)
+
+
+def test_weights_soften_in_steps_below_level_zero() -> None:
+    ctl = _ctl()
+    ctl.level = -0.5 + 1e-9
+    changed = ctl.on_lookup([1], 0, 25) or ctl.on_lookup([1], 0, 25)
+    assert changed or ctl.weights[45] == pytest.approx(2.0**0.5, rel=0.05)
 
 
 def test_protection_beyond_the_goal_is_given_back() -> None:
     # protected traffic hits all it would alone: the target shrinks (it only costs reuse)
     ctl = _ctl()
-    ctl.target = 40.0
     targets = _drive(ctl, protected_hits=True, other_hits=True, rounds=400)
-    assert targets[-1] < 40.0
+    assert targets[-1] < 80.0
     assert ctl.stats()["isolation_goal_met"] == 1.0
 
 

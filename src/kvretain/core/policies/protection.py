@@ -23,10 +23,18 @@ traffic. Two relative errors follow::
     reuse slack   s = (A - (1 - max_reuse_loss) * E) / max(A, E)      # > 0: overall reuse above its floor
     isolation gap g = (isolation_goal * E_p - A_p) / max(A_p, E_p)    # > 0: protected traffic short of its goal
 
-and the target integrates the tighter of the two, ``u = min(g, s)``: it grows while protected traffic is short
-of its goal *and* overall reuse has room above its floor, and shrinks as soon as either the floor is crossed or
-the goal is exceeded (protection beyond the goal only costs reuse). Which term is the smaller is reported as
-the binding constraint.
+and one actuator, the *protection level* ``lam`` in [-1, 1], integrates the tighter of the two, ``u = min(g,
+s)``: it rises while protected traffic is short of its goal *and* overall reuse has room above its floor, and
+falls as soon as either the floor is crossed or the goal is exceeded (protection beyond the goal only costs
+reuse). The level sets everything by which priority bends the order::
+
+    lam in [0, 1]:   protected target = lam x budget x pool, full retention weights
+    lam in [-1, 0]:  protected target = 0, retention weights priority_weight ** ((r - 35) / 10 x (1 + lam))
+
+so at ``lam = -1`` retention priority no longer changes the order at all (the base value order alone), and the
+reuse floor can always be kept as far as the base order keeps it. Which term is the smaller is reported as
+the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
+measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).
 
 Windows and gains, from the pool size, the observed hit rate and the margin (no constant chosen because it
 passed):
@@ -38,9 +46,9 @@ passed):
   max_reuse_loss**2`` hits at the hit ratio observed so far: a count of N hits has a relative noise of about
   ``1 / sqrt(N)``, so the window must hold enough hits for that noise to be no larger than the margin the
   floor allows (2,500 hits for the default 2%);
-- the gain lets the target cross its whole range (``budget`` x pool) in one window at an error as large as
+- the gain lets the level cross half its range (the target's range, 0 to 1) in one window at an error as large as
   the isolation goal's own tolerance (``1 - isolation_goal``: 10% by default): an error of that size is the
-  one the goal says matters, while the measurement's noise (about the reuse margin, by (b)) moves the target by
+  one the goal says matters, while the measurement's noise (about the reuse margin, by (b)) moves the level by
   a fraction of its range per window; while the window holds fewer hits (pool's or LRU shadow's) than (b) asks (a cold start), the
   step is scaled down by that fraction.
 """
@@ -53,9 +61,12 @@ from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policy import PolicyConfig
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 SHARDS_SAMPLE = 8192
 """Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
+BIAS_STEPS = 64
+"""Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
 WINDOW_TURNOVERS = 4.0
 """The controller's measurement window in pool turnovers (see the module docstring)."""
 _MASK = (1 << 24) - 1
@@ -111,6 +122,8 @@ class ProtectionController:
 
     __slots__ = (
         "_acc",
+        "_base_weights",
+        "_bias_step",
         "_floor_refs",
         "_gain",
         "_goal",
@@ -118,12 +131,15 @@ class ProtectionController:
         "_iso",
         "_keep",
         "_lru",
+        "_pw",
         "_rate_cut",
         "binding",
+        "level",
         "max_target",
         "rate",
         "target",
         "threshold",
+        "weights",
     )
 
     def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
@@ -131,9 +147,15 @@ class ProtectionController:
         self.max_target = cfg.budget * num_blocks
         self._goal = cfg.isolation_goal
         self._keep = 1.0 - cfg.max_reuse_loss
-        # NOTE: the target starts at no protection beyond the value order: the controller then buys protection
-        # only once it has measured that overall reuse has room for it.
-        self.target = self.max_target if self._goal is None else 0.0
+        self.level = 1.0
+        self.target = self.max_target
+        # retention weight of every priority 0..100 at the current level (full weights for lam >= 0)
+        self._base_weights = [
+            (r - DEFAULT_RETENTION_PRIORITY) / 10.0 for r in range(MAX_RETENTION_PRIORITY + 1)
+        ]
+        self._bias_step = BIAS_STEPS
+        self.weights = self._weights_at(BIAS_STEPS, cfg.priority_weight)
+        self._pw = cfg.priority_weight
         self.rate = rate = min(1.0, SHARDS_SAMPLE / max(1, num_blocks))
         self._rate_cut = int(rate * (_MASK + 1))
         tracked = max(1, round(rate * num_blocks))
@@ -142,17 +164,22 @@ class ProtectionController:
         self._floor_refs = WINDOW_TURNOVERS * tracked
         self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
-        self._gain = self.max_target / max(tolerance, cfg.max_reuse_loss, 0.01)
+        self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
         # (protected traffic); sampled references of each
         self._acc = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.binding = "none"
 
-    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
+    def _weights_at(self, step: int, priority_weight: float) -> list[float]:
+        scale = step / BIAS_STEPS
+        return [priority_weight ** (x * scale) for x in self._base_weights]
+
+    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
         """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
-        ``num_hits`` of them in the pool."""
+        ``num_hits`` of them in the pool. Returns True when :attr:`weights` changed (callers that keep a
+        reference to the list take the new one)."""
         if self._goal is None or not hashes:
-            return
+            return False
         if self._rate_cut > _MASK:
             sampled: Sequence[BlockHash] = hashes
             hits = num_hits
@@ -160,7 +187,7 @@ class ProtectionController:
             cut = self._rate_cut
             picked = [i for i, h in enumerate(hashes) if spatial_key(h) < cut]
             if not picked:
-                return
+                return False
             sampled = [hashes[i] for i in picked]
             hits = sum(1 for i in picked if i < num_hits)
         n = len(sampled)
@@ -193,14 +220,22 @@ class ProtectionController:
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
         evidence = a if a > e else e
         confidence = evidence / self._hits_needed if evidence < self._hits_needed else 1.0
-        t = self.target + self._gain / window * confidence * u * n
-        self.target = 0.0 if t < 0.0 else (self.max_target if t > self.max_target else t)
+        lam = self.level + self._gain / window * confidence * u * n
+        self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
+        self.target = lam * self.max_target if lam > 0.0 else 0.0
+        step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
+        if step != self._bias_step:
+            self._bias_step = step
+            self.weights = self._weights_at(step, self._pw)
+            return True
+        return False
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window) and which
         constraint binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal)."""
         acc = self._acc
         return {
+            "protection_level": self.level,
             "protected_target": self.target,
             "protected_budget": self.max_target,
             "sample_rate": self.rate,

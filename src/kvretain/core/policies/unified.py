@@ -21,7 +21,9 @@ Unprotected blocks are evicted first while protected blocks hold at most ``targe
 heaps compete on ``H``. ``target`` is the protection budget (``budget`` x pool), or, with ``isolation_goal``,
 it adapts inside that budget (:class:`~kvretain.core.policies.protection.ProtectionController`): it grows while
 protected traffic hits less than ``isolation_goal`` of what it would hit alone in the pool *and* overall reuse
-stays above ``1 - max_reuse_loss`` of what plain LRU would hit, both measured online on sampled shadows.
+stays above ``1 - max_reuse_loss`` of what plain LRU would hit, both measured online on sampled shadows. Below
+a target of 0 the same controller softens the retention weights, down to none (its *protection level*), so the
+reuse floor holds as far as the base order holds it.
 
 Leaves only: a block never goes before its cached descendants. A chain is evicted as a unit, tail first: a
 parent exposed by its child's eviction goes first among the blocks of its key bucket (``expose``), and
@@ -41,7 +43,7 @@ from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
-from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 
 _UNSET = -1
 BUCKETS_PER_KEY = 16.0
@@ -96,15 +98,10 @@ def sample_stride(block_size: int) -> int:
     return max(1, SAMPLE_TOKENS // max(1, block_size))
 
 
-def value_terms(cfg: PolicyConfig) -> tuple[list[float], float]:
-    """The retention weight of every retention priority (``priority_weight ** ((r - 35) / 10)``, r = 0..100) and
-    the recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
-    weights = [
-        cfg.priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0)
-        for r in range(MAX_RETENTION_PRIORITY + 1)
-    ]
+def cost_per_block(cfg: PolicyConfig) -> float:
+    """The recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
     scale = cfg.cost_scale_tokens
-    return weights, (cfg.block_size / scale) if scale > 0 else 0.0
+    return (cfg.block_size / scale) if scale > 0 else 0.0
 
 
 class _Link:
@@ -238,8 +235,9 @@ class UnifiedPolicy(EvictionPolicy):
         e = cfg.frequency_exponent
         # uses -> uses ** frequency_exponent, the frequency term of the value (0 uses count as half a use)
         self._F = [0.5 if u == 0 else float(u) ** e for u in range(cfg.frequency_cap + 1)]
-        self._weight, self._cost_per_block = value_terms(cfg)
         self._ctl = ProtectionController(num_blocks, cfg)
+        self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
+        self._cost_per_block = cost_per_block(cfg)
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -379,7 +377,8 @@ class UnifiedPolicy(EvictionPolicy):
             self._num_protected += 1 if p else -1
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
-        self._ctl.on_lookup(hashes, num_hits, retention)
+        if self._ctl.on_lookup(hashes, num_hits, retention):
+            self._weight = self._ctl.weights
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:

@@ -43,8 +43,8 @@ from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
 from kvretain.core.policies.unified import (
     BUCKETS_PER_KEY,
+    cost_per_block,
     sample_stride,
-    value_terms,
 )
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
@@ -150,7 +150,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._threshold = cfg.protect_threshold
         self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
         self._exp = cfg.frequency_exponent
-        self._weight, self._cost_per_block = value_terms(cfg)
+        self._cost_per_block = cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
         self._reset_state()
@@ -181,6 +181,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._L = 0.0
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
         self._ctl = ProtectionController(n, cfg)
+        self._weight = self._ctl.weights
         self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
         self._stripped = False  # evict_blocks took a hash from a block in use: num_cached is not trusted
 
@@ -603,7 +604,10 @@ class RunFreeQueue(HookedFreeQueue):
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None:
             hashes = request.block_hashes
-            self._ctl.on_lookup(hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped)
+            if self._ctl.on_lookup(
+                hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped
+            ):
+                self._weight = self._ctl.weights
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of its run. Returns True
