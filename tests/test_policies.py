@@ -588,3 +588,32 @@ def test_belady_never_used_again_deepest_first() -> None:
     sim.run([9])  # depth 0, released first
     sim.run([1, 2])  # hash 2 at depth 1
     assert sim.evict(1) == [2]
+
+
+# ---------------------------------------------------------------- key order at every setting
+
+
+@pytest.mark.parametrize("weight", [1.0, 2.0, 8.0, 32.0])
+@pytest.mark.parametrize("exponent", [0.5, 1.0, 2.0])
+def test_unified_use_counts_stay_ordered_at_every_weight(weight: float, exponent: float) -> None:
+    # Blocks of a low-priority (retention 10) request used 4, 3, 2 and 1 times, released in that order at the
+    # same aging floor: the fewest uses go first, whatever the weight makes their values (at weight 8 and
+    # 16 buckets per key unit all four values fell in one bucket and left in release order).
+    sim = unified(4, 1.0, priority_weight=weight, frequency_exponent=exponent)
+    for h, uses in ((1, 4), (2, 3), (3, 2), (4, 1)):
+        for _ in range(uses):
+            sim.run([h], 10, base=10)
+    assert sim.evict_all() == [4, 3, 2, 1]
+
+
+def test_unified_buckets_are_finer_than_the_smallest_value_step() -> None:
+    from kvretain.core.policies import rules
+
+    for weight in (1.0, 2.0, 8.0, 100.0):
+        for exponent in (0.25, 1.0, 3.0):
+            cfg = PolicyConfig(priority_weight=weight, frequency_exponent=exponent)
+            scale = rules.buckets_per_key(cfg)
+            w = min(rules.retention_weights(weight))
+            f = rules.frequency_terms(cfg)
+            smallest = min(w * (b - a) for a, b in zip(f, f[1:], strict=False))
+            assert 1.0 / scale <= smallest / 2 * (1 + 1e-9)

@@ -114,7 +114,7 @@ QUEUE_OPS = st.lists(
 def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]) -> None:
     """``unified``'s bucket queue pops by key bucket, FIFO inside a bucket, front pushes first, through any mix of
     pushes, removals (which empty buckets and trigger compactions) and pops."""
-    q = _Queue()
+    q = _Queue(16.0)
     metas = [_Meta(i) for i in range(40)]
     model: dict[int, list[int]] = {}  # bucket -> block ids in pop order
     where: dict[int, int] = {}  # queued block -> bucket
@@ -142,7 +142,7 @@ def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]
 
 def test_bucket_queue_compacts_buckets_emptied_by_removals() -> None:
     """A queue that is never popped while keys keep rising does not keep every bucket it ever opened."""
-    q = _Queue()
+    q = _Queue(16.0)
     keep = _Meta(0)
     keep.key = 0.0
     q.push(keep)

@@ -60,8 +60,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
+from kvretain.core.policies.rules import retention_weights
 from kvretain.core.policy import PolicyConfig
-from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 
 SHARDS_SAMPLE = 8192
 """Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
@@ -122,7 +122,6 @@ class ProtectionController:
 
     __slots__ = (
         "_acc",
-        "_base_weights",
         "_bias_step",
         "_floor_refs",
         "_gain",
@@ -150,11 +149,8 @@ class ProtectionController:
         self.level = 1.0
         self.target = self.max_target
         # retention weight of every priority 0..100 at the current level (full weights for lam >= 0)
-        self._base_weights = [
-            (r - DEFAULT_RETENTION_PRIORITY) / 10.0 for r in range(MAX_RETENTION_PRIORITY + 1)
-        ]
         self._bias_step = BIAS_STEPS
-        self.weights = self._weights_at(BIAS_STEPS, cfg.priority_weight)
+        self.weights = retention_weights(cfg.priority_weight)
         self._pw = cfg.priority_weight
         self.rate = rate = min(1.0, SHARDS_SAMPLE / max(1, num_blocks))
         self._rate_cut = int(rate * (_MASK + 1))
@@ -169,10 +165,6 @@ class ProtectionController:
         # (protected traffic); sampled references of each
         self._acc = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.binding = "none"
-
-    def _weights_at(self, step: int, priority_weight: float) -> list[float]:
-        scale = step / BIAS_STEPS
-        return [priority_weight ** (x * scale) for x in self._base_weights]
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
         """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
@@ -226,7 +218,7 @@ class ProtectionController:
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
         if step != self._bias_step:
             self._bias_step = step
-            self.weights = self._weights_at(step, self._pw)
+            self.weights = retention_weights(self._pw, step / BIAS_STEPS)
             return True
         return False
 

@@ -40,15 +40,12 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvretain.core.hashing import BlockHash
+from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
-from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 
-_UNSET = -1
-BUCKETS_PER_KEY = 16.0
-"""Key buckets per unit of GreedyDual key in the bucket queues (here and in the vLLM plugin's run queue): a bucket
-is ``1/16`` of a key unit wide (the smallest value is ~0.09)."""
+_UNSET = rules.UNSET
 SAMPLE_TOKENS = 256
 """The shadow directory and the ghost table keep one block per this many tokens (exact for larger blocks)."""
 
@@ -98,12 +95,6 @@ def sample_stride(block_size: int) -> int:
     return max(1, SAMPLE_TOKENS // max(1, block_size))
 
 
-def cost_per_block(cfg: PolicyConfig) -> float:
-    """The recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
-    scale = cfg.cost_scale_tokens
-    return (cfg.block_size / scale) if scale > 0 else 0.0
-
-
 class _Link:
     """A bucket's sentinel in :class:`_Queue` (blocks link to each other and to it through ``prev``/``next``)."""
 
@@ -115,7 +106,7 @@ class _Link:
 
 
 class _Queue:
-    """Evictable blocks of one tier by key: buckets ``1 / BUCKETS_PER_KEY`` wide, each a circular doubly linked list
+    """Evictable blocks of one tier by key: buckets ``1 / scale`` of a key unit wide (:func:`~kvretain.core.policies.rules.buckets_per_key`), each a circular doubly linked list
     (FIFO; an exposed parent goes in front) through the blocks' own ``prev``/``next``, and the bucket indices in
     a small heap. O(1) push, removal and pop (plus O(log buckets) when a bucket opens or closes).
 
@@ -126,16 +117,17 @@ class _Queue:
     that is rarely popped while keys keep rising), a compaction drops them all: amortized O(1).
     """
 
-    __slots__ = ("_buckets", "_empty", "_slots", "n")
+    __slots__ = ("_buckets", "_empty", "_slots", "n", "scale")
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale  # buckets per key unit (rules.buckets_per_key)
         self._buckets: dict[int, _Link] = {}
         self._slots: list[int] = []
         self._empty = 0  # buckets in the heap whose list is empty
         self.n = 0
 
     def push(self, m: _Meta, front: bool = False) -> None:
-        s = int(m.key * BUCKETS_PER_KEY)
+        s = int(m.key * self.scale)
         h = self._buckets.get(s)
         if h is None:
             h = self._buckets[s] = _Link()
@@ -218,7 +210,8 @@ class UnifiedPolicy(EvictionPolicy):
         super().__init__(num_blocks, config)
         cfg = self.config
         self._meta = [_Meta(b) for b in range(num_blocks)]
-        self._queues = (_Queue(), _Queue())  # 0: protected, 1: unprotected
+        scale = rules.buckets_per_key(cfg)
+        self._queues = (_Queue(scale), _Queue(scale))  # 0: protected, 1: unprotected
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
         # NOTE: the shadow directory and the ghost table track one block in ``stride`` (by depth, so a block
@@ -232,12 +225,10 @@ class UnifiedPolicy(EvictionPolicy):
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
-        e = cfg.frequency_exponent
-        # uses -> uses ** frequency_exponent, the frequency term of the value (0 uses count as half a use)
-        self._F = [0.5 if u == 0 else float(u) ** e for u in range(cfg.frequency_cap + 1)]
+        self._F = rules.frequency_terms(cfg)  # uses -> uses ** frequency_exponent
         self._ctl = ProtectionController(num_blocks, cfg)
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
-        self._cost_per_block = cost_per_block(cfg)
+        self._cost_per_block = rules.cost_per_block(cfg)
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -287,35 +278,18 @@ class UnifiedPolicy(EvictionPolicy):
             m.uses = uses
         r = m.r
         if r == retention and duration_s is None and m.expiry == INF and base <= m.base:
-            cur = r  # steady state: the same priority again, nothing to expire
+            cur = (
+                r  # steady state: the same priority again, nothing to expire (rules.release changes nothing)
+            )
         else:
-            b = m.base
-            if base > b:
-                m.base = b = base
-            expiry = m.expiry
-            if r == _UNSET:
-                cur = b
-            elif expiry <= now:
-                # the directive lapsed before any eviction ran ``_expire``: apply the lapse first, so that the
-                # branches below compare against the fallen level (and never refresh the lapsed one)
-                m.r = cur = b if b > 0 else 0
-                m.expiry = expiry = INF
-            else:
-                cur = r
-            exp = INF if duration_s is None else now + duration_s
-            if retention > cur or (retention < cur and scope is not None and scope == m.owner):
-                m.r = cur = retention
-                m.expiry = exp
-                if scope is not None:
-                    m.owner = scope
-                if exp != INF and retention > b:
-                    heapq.heappush(self._expiries, (exp, block_id))
-            elif retention == cur and exp > expiry:
-                m.expiry = exp  # refresh on reuse at the same priority
-                if exp != INF:
-                    heapq.heappush(self._expiries, (exp, block_id))
-            elif r == _UNSET:
-                m.r = cur  # the first release at the mapped priority: record it (enables the fast path)
+            cur, m.base, expiry, m.owner = rules.release(
+                r, m.base, m.expiry, m.owner, retention, duration_s, scope, now, base
+            )
+            m.r = cur
+            if expiry != m.expiry:
+                m.expiry = expiry
+                if rules.lapses(cur, m.base, expiry):
+                    heapq.heappush(self._expiries, (expiry, block_id))
             p = 1 if cur >= self._threshold else 0
             if p != m.protected:
                 m.protected = p
@@ -364,11 +338,7 @@ class UnifiedPolicy(EvictionPolicy):
 
     def retention_of(self, block_id: int, now: float) -> int:
         m = self._meta[block_id]
-        if m.r == _UNSET:
-            return DEFAULT_RETENTION_PRIORITY if m.base == _UNSET else m.base
-        if m.expiry <= now:
-            return max(m.base, 0)
-        return m.r
+        return rules.effective(m.r, m.base, m.expiry, now)
 
     def _set_protected(self, m: _Meta, now: float) -> None:
         p = 1 if self.retention_of(m.block_id, now) >= self._threshold else 0
@@ -382,10 +352,8 @@ class UnifiedPolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:
-        return (
-            self._weight[self.retention_of(m.block_id, now)]
-            * self._F[m.uses]
-            * (1.0 + m.depth * self._cost_per_block)
+        return rules.value(
+            self._weight[self.retention_of(m.block_id, now)], self._F[m.uses], m.depth, self._cost_per_block
         )
 
     def _push(self, m: _Meta, front: bool = False) -> None:
@@ -453,7 +421,7 @@ class UnifiedPolicy(EvictionPolicy):
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             q0, q1 = self._queues
-            s = int(m.key * BUCKETS_PER_KEY)
+            s = int(m.key * q0.scale)
             take = False
             if m.protected:
                 if (not q1.n or self._num_protected > self._ctl.target) and (not q0.n or s <= q0._slots[0]):

@@ -39,13 +39,10 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
-from kvretain.core.policies.unified import (
-    BUCKETS_PER_KEY,
-    cost_per_block,
-    sample_stride,
-)
+from kvretain.core.policies.unified import sample_stride
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
     PriorityMapping,
@@ -74,13 +71,15 @@ class _Run:
 
 
 class _RunQueue:
-    """Runs of one tier by key: buckets of key width 1/16 (FIFO inside), non-empty bucket indices in a heap.
+    """Runs of one tier by key: buckets ``1 / scale`` of a key unit wide (:func:`rules.buckets_per_key`; FIFO
+    inside), non-empty bucket indices in a heap.
     ``n`` counts live blocks; runs whose blocks all left are dropped lazily, and the buckets are rebuilt when
     dead runs outnumber live ones."""
 
-    __slots__ = ("_buckets", "_slots", "live_runs", "n", "runs")
+    __slots__ = ("_buckets", "_slots", "live_runs", "n", "runs", "scale")
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
         self._buckets: dict[int, deque[_Run]] = {}
         self._slots: list[int] = []
         self.n = 0
@@ -88,7 +87,7 @@ class _RunQueue:
         self.live_runs = 0
 
     def push(self, run: _Run) -> None:
-        s = int(run.key * BUCKETS_PER_KEY)
+        s = int(run.key * self.scale)
         q = self._buckets.get(s)
         if q is None:
             q = self._buckets[s] = deque()
@@ -149,8 +148,8 @@ class RunFreeQueue(HookedFreeQueue):
         cfg = config
         self._threshold = cfg.protect_threshold
         self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
-        self._exp = cfg.frequency_exponent
-        self._cost_per_block = cost_per_block(cfg)
+        self._F = rules.frequency_terms(cfg)
+        self._cost_per_block = rules.cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
         self._reset_state()
@@ -175,7 +174,8 @@ class RunFreeQueue(HookedFreeQueue):
         self._lapse: dict[int, tuple[float, int]] = {}
         self._owner: dict[int, str] = {}
         self._expiries: list[tuple[float, int]] = []
-        self._queues = (_RunQueue(), _RunQueue())  # 0: protected, 1: unprotected
+        scale = rules.buckets_per_key(cfg)
+        self._queues = (_RunQueue(scale), _RunQueue(scale))  # 0: protected, 1: unprotected
         self._held = 0  # blocks in runs (the rest of num_free_blocks is vLLM's list of unhashed blocks)
         self._num_protected = 0  # cached blocks whose retention is protected
         self._L = 0.0
@@ -187,8 +187,7 @@ class RunFreeQueue(HookedFreeQueue):
 
     # ------------------------------------------------------------ runs
     def _value(self, r: int, uses: int, depth: int) -> float:
-        f = float(uses) if self._exp == 1.0 else float(uses**self._exp)
-        return self._weight[r] * (f if f > 0.0 else 0.5) * (1.0 + depth * self._cost_per_block)
+        return rules.value(self._weight[r], self._F[uses], depth, self._cost_per_block)
 
     def _push_run(self, ids: list[int], r: int, depth: int, cls: int) -> None:
         """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``."""

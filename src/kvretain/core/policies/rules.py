@@ -1,0 +1,131 @@
+"""The rules of ``unified``, once: what a release does to a block's retention, what a block is worth, which tier
+it is in and how finely keys are ordered. Used by :class:`~kvretain.core.policies.unified.UnifiedPolicy`
+(per-block objects in kvretain's pool) and by the vLLM plugin's run queue
+(:mod:`kvretain.integrations.vllm._runs`: compact arrays over vLLM's blocks); a differential test drives both
+with the same events and compares their victims.
+
+A block's retention state is four values: ``level`` (its effective retention priority now, ``UNSET`` for
+content no release has touched), ``base`` (the highest *mapped* request priority of the requests that
+released it: where a lapsed directive falls back), ``expiry`` (when the level falls back to ``base``; ``INF``:
+never) and ``owner`` (the ``retention_scope`` that set the level). A release asks for a level (a directive,
+or its request priority mapped by :class:`~kvretain.core.retention.PriorityMapping`) for ``duration_s``:
+
+1. ``base`` rises to the request's mapped priority if that is higher (highest wins among users);
+2. a lapsed directive is applied first: ``level = base`` (so an old directive is never refreshed after it
+   ended: a 1 s directive must not pin a block because it was reused late);
+3. a higher ask raises the level (anyone may raise); a lower ask lowers it only when the request's scope is
+   the owner's (RFC #37003: only the owner may lower); either way the ask's duration starts now and the scope
+   becomes the owner;
+4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration);
+5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down.
+
+NOTE: highest-wins (not TensorRT-LLM's last-writer-wins) keeps a prefix shared by important and unimportant
+traffic from being downgraded by whoever touched it last.
+"""
+
+from __future__ import annotations
+
+from kvretain.core.policy import INF, PolicyConfig
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
+
+UNSET = -1
+"""``level`` / ``base`` of content that no release has touched yet."""
+HALF_USE = 0.5
+"""What a block that was never used is worth in the frequency term (less than one use; never 0, which would make
+its key equal to the aging floor ``L`` and tie it with the next victim)."""
+
+
+def release(
+    level: int,
+    base: int,
+    expiry: float,
+    owner: str | None,
+    ask: int,
+    duration_s: float | None,
+    scope: str | None,
+    now: float,
+    mapped: int,
+) -> tuple[int, int, float, str | None]:
+    """The retention state ``(level, base, expiry, owner)`` after one release asking for ``ask`` (see the
+    module docstring). ``mapped`` is the releasing request's mapped priority."""
+    if mapped > base:
+        base = mapped
+    if level == UNSET:
+        cur = base
+    elif expiry <= now:
+        cur = base
+        expiry = INF
+    else:
+        cur = level
+    end = INF if duration_s is None else now + duration_s
+    if ask > cur or (ask < cur and scope is not None and scope == owner):
+        cur = ask
+        expiry = end
+        if scope is not None:
+            owner = scope
+    elif ask == cur and end > expiry:
+        expiry = end
+    if cur == base:
+        expiry = INF  # nothing to fall back from
+    return cur, base, expiry, owner
+
+
+def lapses(level: int, base: int, expiry: float) -> bool:
+    """Whether the state has a pending lapse (an expiry to schedule)."""
+    return expiry != INF and level != base
+
+
+def effective(level: int, base: int, expiry: float, now: float) -> int:
+    """The block's retention priority at ``now`` (lapse applied; ``UNSET`` content counts at the default)."""
+    if level == UNSET:
+        return DEFAULT_RETENTION_PRIORITY if base == UNSET else base
+    if expiry <= now:
+        return base
+    return level
+
+
+def retention_weights(priority_weight: float, scale: float = 1.0) -> list[float]:
+    """The retention weight of every priority 0..100: ``priority_weight ** ((r - 35) / 10 * scale)`` (``scale``
+    below 1 softens it: the protection controller's level below 0)."""
+    return [
+        priority_weight ** ((r - DEFAULT_RETENTION_PRIORITY) / 10.0 * scale)
+        for r in range(MAX_RETENTION_PRIORITY + 1)
+    ]
+
+
+def frequency_terms(cfg: PolicyConfig) -> list[float]:
+    """``uses ** frequency_exponent`` for uses 0..frequency_cap (0 uses count as ``HALF_USE``)."""
+    e = cfg.frequency_exponent
+    return [HALF_USE if u == 0 else float(u) ** e for u in range(cfg.frequency_cap + 1)]
+
+
+def cost_per_block(cfg: PolicyConfig) -> float:
+    """The recompute-cost term per block of depth (``block_size / cost_scale_tokens``; 0 when disabled)."""
+    scale = cfg.cost_scale_tokens
+    return (cfg.block_size / scale) if scale > 0 else 0.0
+
+
+def value(weight: float, frequency: float, depth: int, cost: float) -> float:
+    """What a block is worth: ``weight[r] * frequency[uses] * (1 + depth * cost)`` (GreedyDual's value; the
+    key is ``L + value``)."""
+    return weight * frequency * (1.0 + depth * cost)
+
+
+def protected(level: int, threshold: int) -> bool:
+    """Blocks at or above ``protect_threshold`` are in the protected tier."""
+    return level >= threshold
+
+
+def buckets_per_key(cfg: PolicyConfig) -> float:
+    """How many key buckets one unit of GreedyDual key holds: a bucket is half the smallest difference between
+    two values of one block that differ by one use, at the lowest retention weight and cost 1, so two such values
+    released at the same ``L`` never share a bucket, at any ``priority_weight`` or ``frequency_exponent``
+    (blocks in one bucket leave in FIFO order: the order error is below one bucket, a relative error of at most
+    half a use's difference at the lowest priority). The controller only softens weights towards 1, which
+    widens the differences, so the bound holds at every protection level."""
+    freq = frequency_terms(cfg)
+    steps = [b - a for a, b in zip(freq, freq[1:], strict=False) if b > a]
+    step = min(steps) if steps else HALF_USE
+    low = min(retention_weights(cfg.priority_weight))
+    low = min(low, 1.0)
+    return 2.0 / (low * step)
