@@ -376,33 +376,19 @@ class RunFreeQueue(HookedFreeQueue):
         ``duration_s``; returns the block's retention after it. The rules of ``UnifiedPolicy.release``."""
         r = self._r[bid]
         ent = self._lapse.get(bid)
-        if ent is not None:
-            expiry, base = ent
-        else:
-            expiry, base = INF, r  # without a directive, the retention is the highest mapped priority
-        if mapped > base:
-            base = mapped
-        if r == NEW:
-            cur = base
-        elif expiry <= now:
-            cur = base
-            expiry = INF
-        else:
-            cur = r
-        exp = INF if duration_s is None else now + duration_s
-        if retention > cur or (retention < cur and scope is not None and scope == self._owner.get(bid)):
-            cur = retention
-            expiry = exp
-            if scope is not None:
-                self._owner[bid] = scope
-        elif retention == cur and exp > expiry:
-            expiry = exp  # refresh on reuse at the same priority
+        # (no lapse entry: no directive, the retention is the highest mapped priority of the users)
+        expiry, base = ent if ent is not None else (INF, r)
+        cur, base, expiry, owner = rules.release(
+            r, base, expiry, self._owner.get(bid), retention, duration_s, scope, now, mapped
+        )
+        if owner is not None:
+            self._owner[bid] = owner
         if cur != base:
             self._lapse[bid] = (expiry, base)
-            if expiry != INF:
+            if rules.lapses(cur, base, expiry) and (ent is None or ent[0] != expiry):
                 heapq.heappush(self._expiries, (expiry, bid))
-        else:
-            self._lapse.pop(bid, None)
+        elif ent is not None:
+            del self._lapse[bid]
         self._set_retention(bid, cur)
         return cur
 
