@@ -137,11 +137,12 @@ class KVCacheManager:
         """Longest run of cached leading blocks of the request's tokens; the hit is capped so that at least
         the last token is computed (its logits are needed).
 
-        Counts one lookup per schedule attempt (the first call since the request was admitted or resumed;
-        calls while it waits for blocks are not counted again): a request's first lookup in its class's
-        ``requests`` / ``query_tokens`` / ``hit_tokens``, a lookup after a preemption
-        (``req.num_preemptions > 0``) apart, as a resume. Only first lookups are fed to the policy's
-        ``on_lookup`` (unified's controller must not see the scheduler's recompute as reuse).
+        Counts one lookup per arrival and one per resume (the first call since the request arrived or was
+        last preempted; calls while it waits for blocks are not counted again): the first lookup in its
+        class's ``requests`` / ``query_tokens`` / ``hit_tokens``, a lookup after a preemption
+        (``req.num_preemptions > 0``) apart, as a resume (:mod:`kvretain.core.stats`). Only first lookups
+        are fed to the policy's ``on_lookup``: unified's controller must not take the scheduler's recompute
+        of a preempted request for reuse.
         """
         if not self.enable_caching:
             return [], 0
