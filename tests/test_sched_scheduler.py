@@ -210,7 +210,7 @@ def test_a_request_that_can_never_fit_is_rejected_at_admission() -> None:
     assert big.status is RequestStatus.REJECTED and big.is_finished
     assert big.rejection == (
         "request 'big' needs 5 KV blocks of 4 tokens for its 15 prompt and 3 output tokens, "
-        "more than the 4 blocks of the replica"
+        "but the replica has only 4"
     )
     assert s.num_rejected == 1 and not s.has_unfinished() and s.abort("big") is None
     exact = req("exact", 15, out=2)  # 16 tokens of KV (the last sampled token gets none): fits exactly

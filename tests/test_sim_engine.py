@@ -181,7 +181,7 @@ def test_a_request_no_replica_can_hold_is_rejected_and_the_others_run() -> None:
     assert [r["request_id"] for r in s["rejections"]] == ["after", "big"]
     assert s["rejections"][1]["reason"] == (
         "request 'big' needs 39 KV blocks of 16 tokens for its 600 prompt and 10 output tokens, "
-        "more than the 32 blocks of the replica"
+        "but the replica has only 32"
     )
     assert s["classes"]["0"]["rejected"] == 2 and s["classes"]["1"]["rejected"] == 0
     assert sum(c["requests"] for c in s["classes"].values()) == 6

@@ -64,8 +64,8 @@ class Scheduler:
         if need > self.kv.num_blocks:
             return (
                 f"request {req.request_id!r} needs {need:,} KV blocks of {bs} tokens for its "
-                f"{req.num_prompt_tokens:,} prompt and {req.max_tokens:,} output tokens, more than the "
-                f"{self.kv.num_blocks:,} blocks of the replica"
+                f"{req.num_prompt_tokens:,} prompt and {req.max_tokens:,} output tokens, but the replica has "
+                f"only {self.kv.num_blocks:,}"
             )
         cfg = self.config
         if not cfg.enable_chunked_prefill and kv_tokens > cfg.max_num_batched_tokens:
