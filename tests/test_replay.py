@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from kvretain.core import PolicyConfig
-from kvretain.core.stats import ClassStats
 from kvretain.replay import (
     MOONCAKE_BLOCK_TOKENS,
     ReplayRequest,
@@ -91,6 +90,8 @@ def test_an_eviction_is_charged_to_the_blocks_last_releaser(policy: str) -> None
     ]
     res = replay(reqs, 2, policy, check_every=1)
     assert res.classes[0].evicted_blocks == 1 and res.classes[2].evicted_blocks == 0
+    from kvretain.core.stats import ClassStats  # imported here: the assertion above is the one that fails
+
     assert all(type(c) is ClassStats for c in res.classes.values())  # the core's one per-class type
     assert (res.classes[0].requests, res.classes[0].hit_tokens) == (1, MOONCAKE_BLOCK_TOKENS)
     assert res.to_json()["classes"]["0"]["hit_blocks"] == 1 and res.classes[0].resumes == 0
