@@ -163,7 +163,10 @@ def test_preempted_blocks_stay_cached_and_the_resume_hits_them() -> None:
     outs = [step(s) for _ in range(4)]
     assert [ids(o) for o in outs] == [[("hi", 1)], [("hi", 1)], [("hi", 1)], [("lo", 1)]]
     assert outs[-1].chunks[0] == ScheduledChunk("lo", 1, 16, True)
-    assert s.kv.stats[1].hit_tokens == 16 and s.kv.stats[1].lookups == 2
+    # the resume's hits are counted apart from lo's first lookup (which hit nothing)
+    st = s.kv.stats[1]
+    assert (st.requests, st.query_tokens, st.hit_tokens) == (1, 16, 0)
+    assert (st.resumes, st.resume_query_tokens, st.resume_hit_tokens) == (1, 17, 16)
     while s.has_unfinished():
         step(s)
     assert lo.num_output_tokens == 4 and lo.num_preemptions == 1
@@ -178,6 +181,63 @@ def test_waiting_request_preempts_lower_priority_running_only_with_the_option() 
         s.add_request(req("hi", 12, out=2, prio=0, t=1.0))  # needs 3 blocks; lo's decode takes the 5th
         out = step(s)
         assert ids(out) == chunks and out.preempted == preempted
+
+
+def test_fcfs_waiting_request_that_preempts_leaves_the_queue_and_its_victim_waits() -> None:
+    # issue 11, defect 1: the victim went to the front of the fcfs queue and pop() removed it instead of
+    # the request just admitted (the victim was lost, the admitted request RUNNING and still waiting)
+    s = make(6, policy="fcfs", waiting_preempts_running=True)
+    lo = req("lo", 16, out=4, prio=1)
+    s.add_request(lo)
+    step(s)
+    hi = req("hi", 12, out=2, prio=0, t=1.0)
+    s.add_request(hi)
+    out = step(s)
+    assert ids(out) == [("hi", 12)] and out.preempted == ("lo",)
+    assert [r.request_id for r in s.waiting] == ["lo"] and s.running == [hi]
+    assert lo.status is RequestStatus.PREEMPTED and hi.status is RequestStatus.RUNNING
+    while s.has_unfinished():
+        step(s)
+    assert hi.num_output_tokens == 2 and lo.num_output_tokens == 4
+    assert s.kv.get_num_free_blocks() == 6
+
+
+def test_a_request_that_can_never_fit_is_rejected_at_admission() -> None:
+    # issue 11, defect 2: such a request preempted itself at the head of the queue forever
+    s = make(4)  # 16 tokens of KV
+    big = req("big", 15, out=3)  # 15 + 3 - 1 = 17 tokens of KV: 5 blocks
+    assert s.add_request(big) is False
+    assert big.status is RequestStatus.REJECTED and big.is_finished
+    assert big.rejection == (
+        "request 'big' needs 5 KV blocks of 4 tokens for its 15 prompt and 3 output tokens, "
+        "but the replica has only 4"
+    )
+    assert s.num_rejected == 1 and not s.has_unfinished() and s.abort("big") is None
+    exact = req("exact", 15, out=2)  # 16 tokens of KV (the last sampled token gets none): fits exactly
+    small = req("small", 2, out=1, t=1.0)
+    assert s.add_request(exact) and s.add_request(small)
+    while s.has_unfinished():
+        step(s)
+    assert exact.num_output_tokens == 2 and small.status is RequestStatus.FINISHED
+    # without chunked prefill a request longer than one step's budget can never be scheduled either
+    s = make(64, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    assert s.add_request(req("long", 6, out=4)) is False  # 9 tokens > 8
+    assert s.add_request(req("ok", 6, out=3))  # 8 tokens
+
+
+def test_only_first_lookups_reach_the_policy() -> None:
+    # issue 10, deliverable 5: a resume after preemption is not a new lookup for the policy's on_lookup
+    s = make(8, policy="priority")
+    seen: list[int] = []
+    pol = s.kv.pool.policy
+    inner = pol.on_lookup
+    pol.on_lookup = lambda hashes, n_hit, retention: (seen.append(n_hit), inner(hashes, n_hit, retention))  # type: ignore[method-assign]
+    s.add_request(req("hi", 12, out=5, prio=0))
+    s.add_request(req("lo", 16, out=4, prio=1, t=1.0))
+    while s.has_unfinished():
+        step(s)
+    assert s.num_preemptions == 1 and seen == [0, 0]  # one per request; lo's resume (16 hit tokens) not
+    assert s.kv.stats[1].resume_hit_tokens == 16
 
 
 def test_waiting_request_never_preempts_equal_or_more_important_running() -> None:

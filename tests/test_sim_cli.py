@@ -101,3 +101,16 @@ def test_policy_settings_pass_through_and_simulation_defaults() -> None:
     assert (pc.protect_threshold, pc.cost_scale_tokens, pc.isolation_goal) == (50, 28000.0, None)
     assert (pc.priority_weight, pc.budget) == (2.0, 0.5)
     assert [cfg.mapping.retention_for(p) for p in (0, 1, 2)] == [60, 35, 10]
+
+
+def test_simulate_reports_rejected_requests_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 11, defect 2: `--kv-blocks 1` ended in an uncaught RuntimeError without a summary
+    obj = run_json(capsys, "--limit", "5", "--kv-blocks", "1", "--no-progress")
+    assert obj["requests"] == 0 and obj["rejected"] == 5
+    rejections = obj["rejections"]
+    assert isinstance(rejections, list) and len(rejections) == 5
+    assert all("but the replica has only 1" in r["reason"] for r in rejections)
+    assert main(["simulate", "--limit", "5", "--kv-blocks", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "rejected at admission: 5 requests (the first 3; --json lists all)" in out
+    assert out.count("but the replica has only 1") == 3

@@ -9,13 +9,16 @@ from typing import Any
 import pytest
 
 from kvretain.core.kv_cache_manager import KVCacheManager
+from kvretain.core.policy import PolicyConfig
+from kvretain.core.retention import PriorityMapping
 from kvretain.engine.sim.catalog import builtin_catalog
 from kvretain.engine.sim.costmodel import CostModel
 from kvretain.engine.sim.metrics import SLO, parse_slos, percentile
+from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation, simulate
-from kvretain.sched import SchedulerConfig
+from kvretain.sched import RequestStatus, SchedulerConfig
 from kvretain.workloads import MultiTenantConfig, TokenSeq, WorkloadRequest, generate_multi_tenant
 
 SMALL = MultiTenantConfig(
@@ -152,17 +155,77 @@ def test_bad_input_is_reported() -> None:
         SimConfig(replicas=0)
     with pytest.raises(ValueError, match="unknown model"):
         SimConfig(model="gpt-9").cost()
-    with pytest.raises(RuntimeError, match="larger than a replica's KV cache"):
-        Simulation(SimConfig(kv_blocks=4), [wr("big", TokenSeq.seeded(1, 200), 2)]).run()
     with pytest.raises(ValueError, match="unique"):
         Simulation(SimConfig(), [wr("x", TokenSeq.seeded(1, 5), 1), wr("x", TokenSeq.seeded(1, 5), 1)])
 
 
-def test_waiting_preempts_running_and_fcfs_options_run_clean() -> None:
+@pytest.mark.parametrize("queue", ["fcfs", "priority"])
+@pytest.mark.parametrize("preempts", [False, True])
+def test_waiting_preempts_running_and_fcfs_options_run_clean(queue: str, preempts: bool) -> None:
+    # issue 11, defect 1: fcfs with waiting_preempts_running lost and double-scheduled requests
     wl = small_workload(2)
-    for sched in (SchedulerConfig(policy="fcfs"), SchedulerConfig(waiting_preempts_running=True)):
-        s = simulate(SimConfig(kv_blocks=900, sched=sched), wl)
-        assert s["requests"] == len(wl)
+    sched = SchedulerConfig(policy=queue, waiting_preempts_running=preempts)
+    s = simulate(SimConfig(kv_blocks=900, sched=sched), wl)
+    assert s["requests"] == len(wl) and s["rejected"] == 0
+    assert s["preemptions"] > 0 and s["resumes"] == s["preemptions"]
+
+
+def test_a_request_no_replica_can_hold_is_rejected_and_the_others_run() -> None:
+    # issue 11, defect 2: it blocked the head of its replica's queue forever, the run ended in a RuntimeError
+    big = wr("big", TokenSeq.seeded(1, 600), 10)  # 609 tokens of KV: 39 blocks of 16 > 32
+    after = wr("after", TokenSeq.seeded(1, 600) + TokenSeq.seeded(2, 8), 2, after="big", think_s=1.0)
+    small = [wr(f"s{i}", TokenSeq.seeded(10 + i, 100), 5, t=0.01 * i, priority=i % 2) for i in range(6)]
+    sim = Simulation(SimConfig(kv_blocks=32, replicas=2), [big, after, *small]).run()
+    s = sim.summary()
+    assert s["requests"] == 6 and s["rejected"] == 2  # the follow-up arrives after the rejection, too large
+    assert [r["request_id"] for r in s["rejections"]] == ["after", "big"]
+    assert s["rejections"][1]["reason"] == (
+        "request 'big' needs 39 KV blocks of 16 tokens for its 600 prompt and 10 output tokens, "
+        "but the replica has only 32"
+    )
+    assert s["classes"]["0"]["rejected"] == 2 and s["classes"]["1"]["rejected"] == 0
+    assert sum(c["requests"] for c in s["classes"].values()) == 6
+    assert all(r.status is RequestStatus.REJECTED for r in sim.rejected)
+    json.dumps(s, allow_nan=False)
+    none_fit = simulate(SimConfig(kv_blocks=1), small)
+    assert none_fit["requests"] == 0 and none_fit["rejected"] == len(small)
+
+
+def test_a_request_too_large_for_one_replica_is_routed_to_one_that_holds_it() -> None:
+    cfg = SimConfig(replicas=2, router="round-robin", kv_blocks=64)
+    reqs = [wr("big", TokenSeq.seeded(1, 600), 10), wr("next", TokenSeq.seeded(2, 50), 3, t=0.5)]
+    sim = Simulation(cfg, reqs)
+    r0 = sim.replicas[0]  # replica 0 gets a cache of 8 blocks: round-robin would send it "big" first
+    sim.replicas[0] = Replica(
+        0,
+        sim.cost,
+        8,
+        16,
+        "lru",
+        PolicyConfig(),
+        PriorityMapping(),
+        SchedulerConfig(),
+        lambda: sim.now,
+        sim.requests,
+    )
+    assert r0.index == 0
+    sim.run()
+    assert sorted(r.request_id for r in sim.finished) == ["big", "next"] and not sim.rejected
+    looked_up = [sum(c.query_tokens for c in rep.kv.stats.values()) for rep in sim.replicas]
+    assert looked_up[0] < 600 <= looked_up[1]  # "big" was served by replica 1
+
+
+def test_resumes_are_counted_apart_from_first_lookups() -> None:
+    # issue 10, deliverable 5: a resume after preemption hit its own freed blocks and counted as a lookup
+    wl = small_workload(2)
+    s = simulate(SimConfig(kv_blocks=900), wl)
+    assert s["preemptions"] > 0 and s["resumes"] == s["preemptions"] and s["resume_hit_tokens"] > 0
+    classes = s["classes"].values()
+    assert sum(c["resumes"] for c in classes) == s["resumes"]
+    for c in classes:
+        assert c["hit_rate"] == round(c["hit_tokens"] / c["query_tokens"], 6)
+    q = sum(c["query_tokens"] for c in classes)
+    assert s["hit_rate"] == round(sum(c["hit_tokens"] for c in classes) / q, 6)
 
 
 def test_metrics_helpers() -> None:

@@ -201,17 +201,25 @@ def _fmt(v: Any) -> str:
 
 def print_table(obj: dict[str, Any]) -> None:
     print(
-        f"policy {obj['policy']} ({obj['scheduling']} scheduling), {obj['requests']} requests, "
+        f"policy {obj['policy']} ({obj['scheduling']} scheduling), {obj['requests']} requests finished, "
         f"{obj['replicas']} x {obj['model']} on {obj['gpu']}, {obj['kv_blocks_per_replica']} KV blocks each"
     )
     print(
         f"simulated {obj['simulated_s']:.1f} s in {obj['wall_s']:.1f} s; output {obj['output_tokens_per_s']:.0f} "
         f"tok/s; hit rate {obj['hit_rate']:.3f}; recomputed {obj['recomputed_tokens']} tokens; "
-        f"{obj['preemptions']} preemptions; SLO attainment {_fmt(obj['slo_attainment'])}"
+        f"{obj['preemptions']} preemptions ({obj['resumes']} resumes hit {obj['resume_hit_tokens']} tokens, "
+        f"not in the hit rate); SLO attainment {_fmt(obj['slo_attainment'])}"
     )
+    rej = obj["rejections"]
+    if rej:
+        shown = "" if len(rej) <= 3 else " (the first 3; --json lists all)"
+        print(f"rejected at admission: {len(rej)} requests{shown}")
+        for r in rej[:3]:
+            print(f"  {r['reason']}")
     from kvretain.cli import format_table
 
-    cols = ["class", "requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_mean_s"]
+    cols = ["class", "requests", "rejected", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+    cols += ["e2e_mean_s"]
     cols += ["e2e_p99_s", "queue_p99_s", "hit_rate", "recomputed_tokens", "evicted_blocks", "slo_attainment"]
     rows = [{"class": c, **{k: _fmt(v.get(k)) for k in cols[1:]}} for c, v in obj["classes"].items()]
     print(format_table(rows, cols))

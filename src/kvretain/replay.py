@@ -24,6 +24,7 @@ from kvretain.core.block_pool import BlockPool
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policy import INF, PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, RetentionError
+from kvretain.core.stats import CacheStats, ClassStats
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -120,28 +121,11 @@ def reference_priority(hash_ids: Sequence[int]) -> int:
 
 
 @dataclass(slots=True)
-class ClassStats:
-    requests: int = 0
-    blocks: int = 0
-    hit_blocks: int = 0
-    evicted_blocks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "blocks": self.blocks,
-            "hit_blocks": self.hit_blocks,
-            "hit_rate": round(self.hit_rate, 6),
-            "evicted_blocks": self.evicted_blocks,
-        }
-
-
-@dataclass(slots=True)
 class ReplayResult:
+    """Totals and per-class statistics (:class:`~kvretain.core.stats.ClassStats`; each hash id is one block
+    of ``block_tokens`` tokens, so token counts are block counts times ``block_tokens``). A replay has no
+    preemption: every lookup is a first lookup."""
+
     policy: str
     capacity_blocks: int
     requests: int = 0
@@ -149,6 +133,7 @@ class ReplayResult:
     hit_blocks: int = 0
     classes: dict[int, ClassStats] = field(default_factory=dict)
     policy_stats: dict[str, float] = field(default_factory=dict)
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     @property
     def hit_rate(self) -> float:
@@ -162,7 +147,14 @@ class ReplayResult:
             "blocks": self.blocks,
             "hit_blocks": self.hit_blocks,
             "hit_rate": round(self.hit_rate, 6),
-            "classes": {str(k): v.to_json() for k, v in sorted(self.classes.items())},
+            "classes": {
+                str(k): {
+                    **v.to_json(),
+                    "blocks": v.query_tokens // self.block_tokens,
+                    "hit_blocks": v.hit_tokens // self.block_tokens,
+                }
+                for k, v in sorted(self.classes.items())
+            },
         }
 
 
@@ -218,16 +210,10 @@ def replay(
     pol = make_policy(policy, capacity_blocks, cfg)
     now = [0.0]
     pool = BlockPool(capacity_blocks, pol, clock=lambda: now[0])
-    result = ReplayResult(policy, capacity_blocks)
-    classes = result.classes
-    cls_of_block: dict[int, int] = {}
-
-    def on_evict(bid: int, h: BlockHash) -> None:
-        c = cls_of_block.pop(bid, None)
-        if c is not None and c in classes:
-            classes[c].evicted_blocks += 1
-
-    pool.on_evict = on_evict
+    stats = CacheStats(capacity_blocks)  # evictions go to the class of the block's last releaser
+    result = ReplayResult(policy, capacity_blocks, classes=stats.by_class, block_tokens=block_tokens)
+    pool.on_evict_batch = stats.evicted
+    of_class = stats.of
     cached = pool.cached
     indices: Iterable[int] = range(len(requests))
     if progress is not None:
@@ -240,15 +226,10 @@ def replay(
             advance(idx)
         hashes = req.hash_ids
         n = len(hashes)
-        st = classes.get(req.priority)
-        if st is None:
-            classes[req.priority] = st = ClassStats()
-        st.requests += 1
-        st.blocks += n
         k = 0
         while k < n and hashes[k] in cached:
             k += 1
-        st.hit_blocks += k
+        of_class(req.priority).record_lookup(n * block_tokens, k * block_tokens, False)
         base = mapping.retention_for(req.priority)
         pol.on_lookup(hashes, k, base)
         if n > capacity_blocks:
@@ -261,8 +242,6 @@ def replay(
             continue
         ids = hit_ids + new_ids
         pool.cache_blocks(ids, hashes, k, n)
-        for b in new_ids:
-            cls_of_block[b] = req.priority
         if req.retention is None:
             key = (n, base, req.priority)
             plan = plans.get(key)
@@ -273,13 +252,14 @@ def replay(
                 n, block_tokens, req.input_length or n * block_tokens, base
             )
             plan = BlockRetention(prios, durs, req.retention.scope, req.priority, base)
+        stats.released(ids, req.priority)
         pool.free_blocks(ids, plan)
         if check_every and idx % check_every == 0:
             pool.check_integrity()
-    for c in classes.values():
+    for c in stats.by_class.values():
         result.requests += c.requests
-        result.blocks += c.blocks
-        result.hit_blocks += c.hit_blocks
+        result.blocks += c.query_tokens // block_tokens
+        result.hit_blocks += c.hit_tokens // block_tokens
     result.policy_stats = pol.stats()
     return result
 

@@ -7,8 +7,8 @@ The scheduler talks to the cache only through this contract::
     free(req)                                                  release (finish, abort or preemption)
 
 Requests carry their request priority and retention config; the manager resolves them into per-block
-retention at release time and keeps per-priority statistics (lookups, hit tokens, evictions by the class of
-the evicted block's last user).
+retention at release time and keeps per-priority statistics (:mod:`kvretain.core.stats`: first lookups and
+resumes after preemption apart, evictions by the class of the evicted block's last releaser).
 
 Fast path: a request that has a ``block_hashes(block_size, num_blocks)`` method (see
 :class:`HashingRequest`) supplies its own chained block hashes, and its tokens are never read (simulators
@@ -17,7 +17,6 @@ derive hashes from a prompt's structure instead of hashing millions of token ids
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -26,6 +25,7 @@ from kvretain.core.block_pool import BlockPool
 from kvretain.core.hashing import BlockHash, BlockHasher, ExtraKeys
 from kvretain.core.policy import EvictionPolicy, PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig
+from kvretain.core.stats import CacheStats, ClassStats
 
 
 class CacheRequest(Protocol):
@@ -43,6 +43,10 @@ class CacheRequest(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_preemptions(self) -> int:
+        """How often the request was preempted: a lookup with ``num_preemptions > 0`` is a resume."""
+        ...
 
 
 class HashingRequest(CacheRequest, Protocol):
@@ -55,20 +59,6 @@ class HashingRequest(CacheRequest, Protocol):
         returned sequence, so the request may only append to it, never change an entry.
         """
         ...
-
-
-@dataclass(slots=True)
-class ClassCacheStats:
-    """Per request-priority class counters."""
-
-    lookups: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_blocks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 @dataclass(slots=True)
@@ -101,27 +91,19 @@ class KVCacheManager:
         self.hasher = BlockHasher(block_size, hash_algorithm)
         self.mapping = mapping or PriorityMapping()
         self.enable_caching = enable_caching
-        self.stats: dict[int, ClassCacheStats] = {}
+        self.cache_stats = CacheStats(num_blocks)
         self._reqs: dict[str, _ReqState] = {}
-        self._block_class: list[int | None] = [None] * num_blocks
-        self.pool.on_evict_batch = self._on_evict
+        self.pool.on_evict_batch = self.cache_stats.evicted
 
     # ------------------------------------------------------------------ helpers
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def _on_evict(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
-        # a block's class is that of its last releaser (set in free); every evicted block was released
-        for c, k in Counter(map(self._block_class.__getitem__, block_ids)).items():
-            if c is not None:
-                self._class(c).evicted_blocks += k
-
-    def _class(self, priority: int) -> ClassCacheStats:
-        st = self.stats.get(priority)
-        if st is None:
-            st = self.stats[priority] = ClassCacheStats()
-        return st
+    @property
+    def stats(self) -> dict[int, ClassStats]:
+        """Per request-priority class statistics (:class:`~kvretain.core.stats.ClassStats`)."""
+        return self.cache_stats.by_class
 
     def _state(self, req: CacheRequest) -> _ReqState:
         st = self._reqs.get(req.request_id)
@@ -153,7 +135,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ contract
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
         """Longest run of cached leading blocks of the request's tokens; the hit is capped so that at least
-        the last token is computed (its logits are needed). Counts one lookup per request (the first call)."""
+        the last token is computed (its logits are needed).
+
+        Counts one lookup per arrival and one per resume (the first call since the request arrived or was
+        last preempted; calls while it waits for blocks are not counted again): the first lookup in its
+        class's ``requests`` / ``query_tokens`` / ``hit_tokens``, a lookup after a preemption
+        (``req.num_preemptions > 0``) apart, as a resume (:mod:`kvretain.core.stats`). Only first lookups
+        are fed to the policy's ``on_lookup``: unified's controller must not take the scheduler's recompute
+        of a preempted request for reuse.
+        """
         if not self.enable_caching:
             return [], 0
         st = self._state(req)
@@ -169,11 +159,10 @@ class KVCacheManager:
             hits.append(bid)
         if not st.looked_up:
             st.looked_up = True
-            cs = self._class(req.priority)
-            cs.lookups += 1
-            cs.query_tokens += num_tokens
-            cs.hit_tokens += len(hits) * self.block_size
-            self.pool.policy.on_lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority))
+            resumed = req.num_preemptions > 0
+            self.cache_stats.record_lookup(req.priority, num_tokens, len(hits) * self.block_size, resumed)
+            if not resumed:
+                self.pool.policy.on_lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority))
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -247,10 +236,7 @@ class KVCacheManager:
         else:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
-        classes = self._block_class
-        prio = req.priority
-        for b in st.blocks:
-            classes[b] = prio
+        self.cache_stats.released(st.blocks, req.priority)
         self.pool.free_blocks(st.blocks, plan)
 
     def reset_prefix_cache(self) -> bool:

@@ -5,7 +5,8 @@ Public contract::
     Request                   tokens, priority, retention, lifecycle and times (a core CacheRequest)
     QUEUE_POLICIES            fcfs, priority
     SchedulerConfig           token budget, max running requests, chunked prefill, waiting-preempts-running
-    Scheduler                 schedule() -> SchedulerOutput; update_from_output(out, RunnerOutput)
+    Scheduler                 add_request(req) -> bool (False: REJECTED, it can never fit; req.rejection says why)
+                              schedule() -> SchedulerOutput; update_from_output(out, RunnerOutput)
 """
 
 from kvretain.sched.config import SchedulerConfig

@@ -6,6 +6,8 @@ Lifecycle::
        ^                     |
        +----preempt----- PREEMPTED          (any state) --abort--> ABORTED
 
+    (on admission) --can never fit the replica--> REJECTED   (``rejection`` says why; see Scheduler.add_request)
+
 Token accounting follows vLLM: ``num_tokens = num_prompt_tokens + len(output_token_ids)``; the scheduler
 computes ``num_tokens - num_computed_tokens`` more tokens (a prompt chunk, or the one token sampled last
 step). Requests order totally by ``(priority, arrival_time, request_id)`` (lower priority = more important),
@@ -28,6 +30,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     FINISHED = 3
     ABORTED = 4
+    REJECTED = 5
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +83,7 @@ class Request:
         "output_token_ids",
         "priority",
         "prompt_token_ids",
+        "rejection",
         "request_id",
         "retention",
         "status",
@@ -118,6 +122,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []
         self.finish_time: float | None = None
+        self.rejection: str | None = None  # why it was refused at admission (status REJECTED)
 
     # --- CacheRequest ---------------------------------------------------------------------------------
     @property
@@ -128,6 +133,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """The most tokens whose KV the request ever holds: prompt and output, less the last sampled token
+        (it is never fed back)."""
+        return self.num_prompt_tokens + self.max_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

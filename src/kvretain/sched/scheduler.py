@@ -9,7 +9,14 @@ One step (``schedule``), in vLLM v1's order but split by concern:
 2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
    this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots``. When blocks run out the
    queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
-   running requests.
+   running requests; the request is then the last one admitted this step (as in 1., a step that preempts
+   admits no one else, so a victim never runs again in the step that preempted it).
+
+Admission (``add_request``) rejects, as vLLM does, a request that could never be scheduled: one whose prompt
+and output need more KV blocks than the replica has (vLLM refuses ``prompt + max_tokens > max_model_len``,
+and sizes ``max_model_len`` to what its KV cache holds), or, without chunked prefill, more tokens than one
+step's budget (vLLM then rejects sequences longer than ``max_num_batched_tokens``). Such a request would
+otherwise preempt itself forever at the head of the queue.
 
 Preemption frees the request's blocks through ``KVCacheManager.free`` (they stay cached with its retention,
 so a resume can hit them), resets its computed tokens and puts it back in the waiting queue.
@@ -45,16 +52,48 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_rejected = 0
         self._by_priority = self.config.policy == "priority"
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, req: Request) -> None:
+    def admission_error(self, req: Request) -> str | None:
+        """Why ``req`` can never be scheduled here (see the module docstring), or None when it can."""
+        kv_tokens = req.max_kv_tokens
+        bs = self.kv.block_size
+        need = -(-kv_tokens // bs)
+        if need > self.kv.num_blocks:
+            return (
+                f"request {req.request_id!r} needs {need:,} KV blocks of {bs} tokens for its "
+                f"{req.num_prompt_tokens:,} prompt and {req.max_tokens:,} output tokens, but the replica has "
+                f"only {self.kv.num_blocks:,}"
+            )
+        cfg = self.config
+        if not cfg.enable_chunked_prefill and kv_tokens > cfg.max_num_batched_tokens:
+            return (
+                f"request {req.request_id!r}: its {req.num_prompt_tokens:,} prompt and "
+                f"{req.max_tokens:,} output tokens exceed max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens:,}) without chunked prefill"
+            )
+        return None
+
+    def add_request(self, req: Request) -> bool:
+        """Admit ``req`` (True), or reject it (False) when it can never be scheduled here: its status is then
+        ``REJECTED``, ``req.rejection`` says why and ``num_rejected`` counts it. A request id already live
+        or a request that is not ``WAITING`` raises ``ValueError``."""
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id!r} is already scheduled")
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"request {req.request_id!r} is {req.status.name}, expected WAITING")
+        error = self.admission_error(req)
+        if error is not None:
+            req.status = RequestStatus.REJECTED
+            req.rejection = error
+            req.finish_time = self.clock()
+            self.num_rejected += 1
+            return False
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        return True
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a live request (frees its blocks); returns it, or None if unknown or already done."""
@@ -114,9 +153,11 @@ class Scheduler:
 
     def _schedule_waiting(self, st: _Step) -> None:
         cfg = self.config
-        while len(self.waiting) and st.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.peek()
-            hits, n_cached = self.kv.get_computed_blocks(req)
+        waiting = self.waiting
+        kv = self.kv
+        while len(waiting) and st.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = waiting.peek()
+            hits, n_cached = kv.get_computed_blocks(req)
             need = req.num_tokens - n_cached
             if need > st.budget:
                 if not cfg.enable_chunked_prefill:
@@ -124,18 +165,32 @@ class Scheduler:
                 n = st.budget
             else:
                 n = need
-            while self.kv.allocate_slots(req, n, n_cached, hits) is None:
+            if kv.allocate_slots(req, n, n_cached, hits) is not None:
+                waiting.pop()
+                self._admit(req, n, n_cached, need, st)
+                continue
+            if not cfg.waiting_preempts_running:
+                return
+            # out of the queue before its victims go in (under fcfs they go to the front)
+            waiting.pop()
+            while True:
                 victim = self._waiting_victim(req)
                 if victim is None:
+                    waiting.add_preempted(req)  # back at the head: it is ahead of its victims in both orders
                     return
                 self._preempt(victim, st)
-            self.waiting.pop()
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = n_cached
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
-            self.running.append(req)
-            st.add(req, n, need)
+                if kv.allocate_slots(req, n, n_cached, hits) is not None:
+                    break
+            self._admit(req, n, n_cached, need, st)
+            return  # a step that preempted admits no one else
+
+    def _admit(self, req: Request, n: int, n_cached: int, need: int, st: _Step) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = n_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        self.running.append(req)
+        st.add(req, n, need)
 
     # ------------------------------------------------------------------ preemption
     def _victim(self, candidates: list[Request]) -> Request:
@@ -145,8 +200,8 @@ class Scheduler:
         return candidates[-1]
 
     def _waiting_victim(self, req: Request) -> Request | None:
-        if not self.config.waiting_preempts_running:
-            return None
+        """The least important running request strictly less important than ``req`` (by priority alone under
+        both queue policies), or None."""
         lower = [r for r in self.running if r.priority > req.priority]
         return max(lower) if lower else None
 

@@ -2,7 +2,9 @@
 
 :class:`TrackingKVCacheManager` adds the simulator's cache metrics on top of the core manager without
 changing its behaviour: *recomputed tokens* are prompt tokens a lookup misses although their block had been
-cached before and was evicted (every evicted hash is remembered until a lookup misses on it).
+cached before and was evicted (every evicted hash is remembered until a lookup misses on it). Unlike the hit
+ratio, which counts first lookups only (:mod:`kvretain.core.stats`), a resume after preemption counts here
+too: recomputing an evicted block is work whichever lookup finds it missing.
 """
 
 from __future__ import annotations

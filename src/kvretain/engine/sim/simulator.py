@@ -9,8 +9,12 @@ and advanced lazily (:mod:`kvretain.engine.sim.fastforward`); the results are id
 simulation, which ``fast_forward=False`` keeps for checking.
 
 Closed loop: a workload request with ``after`` (a follow-up turn or agent step) arrives ``think_s`` after
-the request it follows finishes, not at its open-loop ``arrival_s``; with ``closed_loop=False`` (or when the
-predecessor is not part of the run) the open-loop arrival is used.
+the request it follows finishes (or is rejected), not at its open-loop ``arrival_s``; with
+``closed_loop=False`` (or when the predecessor is not part of the run) the open-loop arrival is used.
+
+Admission: a request that no replica could ever schedule (``Scheduler.admission_error``: its prompt and
+output need more KV blocks than a replica has) is rejected on arrival, with a reason, and counted in the
+summary (``rejected``, ``rejections``, per class); the router only sees the replicas that can hold it.
 
 Deterministic: no wall clock, no global random state, ties broken by sequence numbers.
 """
@@ -25,6 +29,7 @@ from typing import Any
 
 from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import PriorityMapping
+from kvretain.core.stats import ClassStats, merge_class_stats
 from kvretain.engine.sim.catalog import Catalog, builtin_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, CostModel
 from kvretain.engine.sim.fastforward import DecodeRun, plan_decode_run
@@ -121,6 +126,7 @@ class Simulation:
         self.fast_forwarded_steps = 0  # steps simulated inside decode runs (not part of the summary)
         self._followers: dict[str, list[WorkloadRequest]] = {}
         self.finished: list[SimRequest] = []
+        self.rejected: list[SimRequest] = []
         self.wall_s = 0.0
         ids = {w.request_id for w in workload}
         if len(ids) != len(workload):
@@ -168,13 +174,20 @@ class Simulation:
     def _arrive(self, w: WorkloadRequest) -> None:
         now = self.now
         req = SimRequest(w, arrival_time=now)
+        replicas = self.replicas
+        fit = [rep for rep in replicas if rep.scheduler.admission_error(req) is None]
+        if not fit:
+            replicas[0].scheduler.add_request(req)  # rejects it, with the reason
+            self.rejected.append(req)
+            self._release_followers(req)
+            return
         self.requests[req.request_id] = req
         runs = self._runs
         if runs:  # routers read every replica's cache and load: bring runs in flight up to now
             for r in runs.values():
                 r.advance(now, self._set_now)
             self.now = now
-        rep = self.replicas[self.router.route(req, self.replicas)]
+        rep = fit[self.router.route(req, fit)]
         rep.scheduler.add_request(req)
         run = runs.get(rep.index)
         if run is not None:
@@ -215,18 +228,21 @@ class Simulation:
             assert isinstance(r, SimRequest)
             self.finished.append(r)
             del self.requests[r.request_id]
-            for w in self._followers.pop(r.request_id, ()):
-                self._push(self.now + w.think_s, _ARRIVAL, w)
+            self._release_followers(r)
         self._start(rep)
         return len(done)
 
+    def _release_followers(self, r: SimRequest) -> None:
+        for w in self._followers.pop(r.request_id, ()):
+            self._push(self.now + w.think_s, _ARRIVAL, w)
+
     def _check_done(self) -> None:
-        """End-of-run invariants: every request finished, every block free, pools consistent."""
-        if self.requests or len(self.finished) != self.num_requests:
+        """End-of-run invariants: every request finished or rejected, every block free, pools consistent."""
+        if self.requests or len(self.finished) + len(self.rejected) != self.num_requests:
             stuck = sorted(self.requests)[:5]
-            raise RuntimeError(
-                f"simulation ended with {len(self.finished)}/{self.num_requests} requests finished "
-                f"(stuck: {stuck}); a request larger than a replica's KV cache can never be scheduled"
+            raise RuntimeError(  # a scheduler bug: admission rejects every request that cannot run
+                f"simulation ended with {len(self.finished)}/{self.num_requests} requests finished and "
+                f"{len(self.rejected)} rejected (stuck: {stuck})"
             )
         for rep in self.replicas:
             rep.kv.check_integrity()
@@ -241,18 +257,15 @@ class Simulation:
         end = max((r.finish_time or 0.0) for r in reqs) if reqs else 0.0
         start = min((r.arrival_time for r in reqs), default=0.0)
         span = end - start
-        classes = sorted({r.priority for r in reqs})
-        stats: dict[int, list[int]] = {c: [0, 0, 0, 0] for c in classes}  # query, hit, evicted, recomputed
+        rejected = sorted(self.rejected, key=lambda r: r.request_id)
+        classes = sorted({r.priority for r in reqs} | {r.priority for r in rejected})
+        stats = merge_class_stats(rep.kv.stats for rep in self.replicas)
+        recomputed: dict[int, int] = {}
         for rep in self.replicas:
-            for c, st in rep.kv.stats.items():
-                s = stats.setdefault(c, [0, 0, 0, 0])
-                s[0] += st.query_tokens
-                s[1] += st.hit_tokens
-                s[2] += st.evicted_blocks
             for c, n in rep.kv.recomputed_tokens.items():
-                stats.setdefault(c, [0, 0, 0, 0])[3] += n
-        q = sum(s[0] for s in stats.values())
-        h = sum(s[1] for s in stats.values())
+                recomputed[c] = recomputed.get(c, 0) + n
+        q = sum(s.query_tokens for s in stats.values())
+        h = sum(s.hit_tokens for s in stats.values())
         overall = latency_summary(reqs, cfg.slos, span)
         obj: dict[str, Any] = {
             "policy": cfg.policy,
@@ -261,8 +274,11 @@ class Simulation:
             "simulated_s": round(span, 6),
             "wall_s": round(self.wall_s, 3),
             "output_tokens_per_s": overall["output_tokens_per_s"],
+            "rejected": len(rejected),
             "hit_rate": round(h / q, 6) if q else 0.0,
-            "recomputed_tokens": sum(s[3] for s in stats.values()),
+            "resumes": sum(s.resumes for s in stats.values()),
+            "resume_hit_tokens": sum(s.resume_hit_tokens for s in stats.values()),
+            "recomputed_tokens": sum(recomputed.values()),
             "preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "evictions": sum(rep.kv.pool.num_evictions for rep in self.replicas),
             "model": cfg.model,
@@ -279,16 +295,25 @@ class Simulation:
                 if k not in ("requests", "output_tokens_per_s", "preemptions")
             },
             "classes": {},
+            "rejections": [
+                {"request_id": r.request_id, "priority": r.priority, "reason": r.rejection} for r in rejected
+            ],
         }
         for c in classes:
             creqs = [r for r in reqs if r.priority == c]
             lat = latency_summary(creqs, cfg.slos, span)
-            s = stats[c]
+            s = stats.get(c) or ClassStats()
             obj["classes"][str(c)] = {
                 **lat,
-                "hit_rate": round(s[1] / s[0], 6) if s[0] else 0.0,
-                "recomputed_tokens": s[3],
-                "evicted_blocks": s[2],
+                "rejected": sum(1 for r in rejected if r.priority == c),
+                "hit_rate": round(s.hit_rate, 6),
+                "query_tokens": s.query_tokens,
+                "hit_tokens": s.hit_tokens,
+                "resumes": s.resumes,
+                "resume_query_tokens": s.resume_query_tokens,
+                "resume_hit_tokens": s.resume_hit_tokens,
+                "recomputed_tokens": recomputed.get(c, 0),
+                "evicted_blocks": s.evicted_blocks,
             }
         return obj
 
