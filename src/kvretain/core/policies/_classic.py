@@ -63,7 +63,7 @@ class ClassicPolicy(EvictionPolicy, Generic[B]):
 
     @abstractmethod
     def _access(self, b: B) -> None:
-        """A request that hit ``b`` released it (``b`` is in use, hence not in any evictable queue)."""
+        """A request that hit ``b`` released it (``b`` is in use: not evictable, ``push`` may follow)."""
 
     def on_release(
         self,
