@@ -34,7 +34,7 @@ from kvretain.core.block_pool import BlockPool
 from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
 
-POLICIES = ["lru", "lfu", "priority", "unified"]
+POLICIES = ["lru", "lfu", "priority", "unified", "s3fifo", "arc"]
 
 
 def make_sequence(num_requests: int, seed: int, num_blocks: int) -> list[tuple[list[bytes], int]]:

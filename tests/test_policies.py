@@ -78,11 +78,11 @@ class Sim:
 
 
 def test_registry_names_and_unknown_policy() -> None:
-    assert policy_names() == ["belady", "lfu", "lru", "priority", "unified"]
+    assert policy_names() == ["arc", "belady", "lfu", "lru", "priority", "s3fifo", "unified"]
     with pytest.raises(
-        ValueError, match=r"unknown eviction policy 'arc'; choose one of: belady, lfu, lru, priority"
+        ValueError, match=r"unknown eviction policy 'lirs'; choose one of: arc, belady, lfu, lru, priority"
     ):
-        make_policy("arc", 4)
+        make_policy("lirs", 4)
 
 
 def test_policy_flags() -> None:

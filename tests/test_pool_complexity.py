@@ -29,7 +29,7 @@ def _bytecodes_per_op(policy: str, num_blocks: int, timed_block_ops: int = 3000)
     return counter.count / ops
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "unified"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "unified", "s3fifo", "arc"])
 def test_work_per_block_op_does_not_grow_with_the_pool(policy: str) -> None:
     small = _bytecodes_per_op(policy, 512)
     large = _bytecodes_per_op(policy, 8192)

@@ -218,13 +218,46 @@ class BeladyMachine(PoolMachine):
     CONFIG = PolicyConfig(next_use=belady_next_use)
 
 
+class S3FIFOMachine(PoolMachine):
+    POLICY = "s3fifo"
+
+    @invariant()
+    def queues_hold_the_cached_blocks(self) -> None:
+        s = self.pool.policy.stats()
+        assert s["small"] + s["main"] == len(self.pool.cached)
+        assert s["ghost"] <= self.n - max(1, self.n // 10)
+
+
+class ARCMachine(PoolMachine):
+    POLICY = "arc"
+
+    @invariant()
+    def directory_bounds(self) -> None:
+        s = self.pool.policy.stats()
+        assert s["t1"] + s["t2"] == len(self.pool.cached) <= self.n
+        assert s["t1"] + s["b1"] <= self.n
+        assert s["t1"] + s["t2"] + s["b1"] + s["b2"] <= 2 * self.n
+        assert 0 <= s["p"] <= self.n
+
+
 TestLRU = LRUMachine.TestCase
 TestLFU = LFUMachine.TestCase
 TestPriority = PriorityMachine.TestCase
 TestUnified = UnifiedMachine.TestCase
 TestUnifiedFixedBudget = UnifiedFixedBudgetMachine.TestCase
 TestBelady = BeladyMachine.TestCase
-for _case in (TestLRU, TestLFU, TestPriority, TestUnified, TestUnifiedFixedBudget, TestBelady):
+TestS3FIFO = S3FIFOMachine.TestCase
+TestARC = ARCMachine.TestCase
+for _case in (
+    TestLRU,
+    TestLFU,
+    TestPriority,
+    TestUnified,
+    TestUnifiedFixedBudget,
+    TestBelady,
+    TestS3FIFO,
+    TestARC,
+):
     _case.settings = SETTINGS
 del _case
 
@@ -232,7 +265,7 @@ del _case
 # ---------------------------------------------------------------- regression examples found by the machines
 
 
-@pytest.mark.parametrize("policy", [*LEAF_ONLY, "lru"])
+@pytest.mark.parametrize("policy", [*LEAF_ONLY, "lru", "s3fifo", "arc"])
 def test_duplicate_prefix_pins_nothing(policy: str) -> None:
     """A request that computed a cached 2-block prefix again (no lookup) must not register its third block
     under the other request's block: that block, once free, would be pinned under a block in use, and a

@@ -19,7 +19,7 @@ from kvretain.replay import (
     replay,
 )
 
-ONLINE = ["lru", "lfu", "priority", "unified"]
+ONLINE = ["lru", "lfu", "priority", "unified", "s3fifo", "arc"]
 ALL = [*ONLINE, "belady"]
 
 

@@ -1,0 +1,130 @@
+"""What the classic cache algorithms' events mean in a block pool, shared by ``s3fifo`` and ``arc``.
+
+Published cache algorithms see one stream of requests for objects: a *miss* inserts the object, a *hit*
+accesses it, and an object evicted earlier may come back while the algorithm still remembers its key (a
+*ghost hit*). A :class:`~kvretain.core.block_pool.BlockPool` reports blocks differently, and the two classic
+policies read its calls the same way:
+
+- **insert** = ``on_cached``: a request computed new content and registered it under a hash. A hash the
+  policy remembers as evicted is a **ghost hit** at this moment.
+- **access** = a release of the block by a request that found it cached (a hit: ``touch`` then, when the
+  request ends, ``release``). The release by the request that inserted the block is part of the insertion,
+  not an access, so a block's accesses are its releases minus one, whichever request releases first.
+  NOTE: counted at release, not at lookup: ``on_lookup`` names hashes, not block ids, and in the pool a hit
+  block is in use (unevictable) until that release anyway.
+- **position**: a block enters its queue at its first release, not at ``on_cached``: a request releases its
+  blocks deepest first (vLLM's order), so the tail of a chain is older than its head and goes first, and a
+  long-running request's blocks do not age while they are in use (``lru`` counts recency the same way).
+
+Only *evictable* blocks may be popped: a block in use stays in the algorithm's bookkeeping (its queue, its
+counts) and is skipped until it is released. Both policies are not ``leaf_only``, like ``lru`` and the
+published algorithms, which know nothing of prefix chains: an evicted parent leaves its cached descendants
+unreachable, and they age out.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Generic, TypeVar, cast
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policy import BlockState, EvictionPolicy, PolicyConfig
+
+
+class ClassicBlock(BlockState):
+    """A block's state for a classic policy, in the same object as the pool's state of the block."""
+
+    __slots__ = ("block_id", "content", "fresh", "offered")
+
+    def __init__(self, block_id: int) -> None:
+        super().__init__()
+        self.block_id = block_id
+        self.content: BlockHash | None = None  # the hash the policy knows (None: not resident)
+        self.fresh = False  # inserted, and the release that belongs to the insertion has not come yet
+        self.offered = False  # evictable: pushed by the pool and not removed since
+
+
+B = TypeVar("B", bound=ClassicBlock)
+
+
+class ClassicPolicy(EvictionPolicy, Generic[B]):
+    """The release rule above (an access is every release but the inserting one) and the evictable count;
+    subclasses keep their queues and say what an access does (:meth:`_access`)."""
+
+    leaf_only = False
+    tracks_uses = True
+    forgets_on_pop = True
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None, blocks: Sequence[B]) -> None:
+        super().__init__(num_blocks, config)
+        self._blocks = blocks  # one object per block, of the subclass's own ClassicBlock subclass
+        self._n = 0  # offered blocks
+
+    @abstractmethod
+    def _access(self, b: B) -> None:
+        """A request that hit ``b`` released it (``b`` is in use: not evictable, ``push`` may follow)."""
+
+    def on_release(
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
+    ) -> None:
+        b = self._blocks[block_id]
+        if b.fresh:
+            b.fresh = False
+        else:
+            self._access(b)
+
+    def release(
+        self,
+        block_id: int,
+        retention: int,
+        duration_s: float | None,
+        scope: str | None,
+        now: float,
+        base: int,
+        evictable: bool,
+    ) -> None:
+        b = self._blocks[block_id]
+        if b.fresh:
+            b.fresh = False
+        else:
+            self._access(b)
+        if evictable:
+            self.push(block_id, now)
+
+    def release_run(
+        self,
+        block_ids: Sequence[int],
+        evictable_ids: Sequence[int],
+        retention: int,
+        scope: str | None,
+        now: float,
+        base: int,
+    ) -> None:
+        blocks = self._blocks
+        access = self._access
+        for bid in block_ids:
+            b = blocks[bid]
+            if b.fresh:
+                b.fresh = False
+            else:
+                access(b)
+        push = self.push
+        for bid in evictable_ids:
+            push(bid, now)
+
+    def block_states(self) -> list[BlockState]:
+        # the policy's own objects hold the pool's state too (one object per block)
+        return cast(list[BlockState], self._blocks)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def evictable_ids(self) -> set[int]:
+        return {b.block_id for b in self._blocks if b.offered}

@@ -1,0 +1,246 @@
+"""The published behaviour of ``s3fifo`` (SOSP'23) and ``arc`` (FAST'03) on tiny pools, with exact expectations.
+
+Hashes are plain ints. Most requests are one block long, so a request is one access of one block: a miss
+inserts it, a hit accesses it (see ``kvretain.core.policies._classic`` for what the pool's calls mean).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from kvretain.core import BlockPool, make_policy
+from kvretain.core.policies import ARCPolicy, S3FIFOPolicy
+from kvretain.core.policies.s3fifo import FREQ_CAP
+from kvretain.replay import ReplayRequest, replay
+
+
+class Sim:
+    """A pool driven one request at a time; integrity checked after every step."""
+
+    def __init__(self, policy: str, n: int) -> None:
+        self.pool = BlockPool(n, make_policy(policy, n))
+        self.policy = self.pool.policy
+        self.evicted: list[int] = []
+        self.pool.on_evict = lambda bid, h: self.evicted.append(int(h))
+
+    def run(self, *requests: Sequence[int]) -> int:
+        """Serve each request (look up, touch hits, allocate misses, cache, release); return the hits."""
+        pool = self.pool
+        hits = 0
+        for hashes in requests:
+            k = 0
+            while k < len(hashes) and hashes[k] in pool.cached:
+                k += 1
+            hit_ids = [pool.cached[h] for h in hashes[:k]]
+            pool.touch(hit_ids)
+            new = pool.get_new_blocks(len(hashes) - k)
+            assert new is not None
+            ids = hit_ids + new
+            pool.cache_blocks(ids, hashes, k, len(hashes))
+            pool.free_blocks(ids)
+            pool.check_integrity()
+            hits += k
+        return hits
+
+    def evict(self, n: int = 1) -> list[int]:
+        """Evict ``n`` blocks (allocating every empty block too, then giving them all back empty); the hashes
+        evicted, in order."""
+        pool = self.pool
+        empty = sum(1 for b in range(pool.num_blocks) if pool.ref_count(b) == 0 and pool.hash_of(b) is None)
+        start = len(self.evicted)
+        ids = pool.get_new_blocks(empty + n)
+        assert ids is not None
+        pool.free_blocks(ids)
+        pool.check_integrity()
+        return self.evicted[start:]
+
+    def evict_all(self) -> list[int]:
+        out: list[int] = []
+        while self.pool.cached:
+            out += self.evict(len(self.pool.cached))
+        return out
+
+
+def singles(hashes: Sequence[int]) -> list[list[int]]:
+    return [[h] for h in hashes]
+
+
+def requests(blocks: Sequence[Sequence[int]]) -> list[ReplayRequest]:
+    return [ReplayRequest(hash_ids=tuple(b), timestamp_s=float(i)) for i, b in enumerate(blocks)]
+
+
+def scan_workload(working_set: int, rounds: int, scan: int) -> list[list[int]]:
+    """A working set used ``rounds`` times, a scan of ``scan`` one-off blocks, then the working set again."""
+    hot = singles(range(1, working_set + 1))
+    return hot * rounds + singles(range(1000, 1000 + scan)) + hot
+
+
+def test_policy_flags_and_registry() -> None:
+    for name, cls in (("s3fifo", S3FIFOPolicy), ("arc", ARCPolicy)):
+        p = make_policy(name, 10)
+        assert type(p) is cls and p.name == name
+        assert (p.leaf_only, p.tracks_uses, p.forgets_on_pop) == (False, True, True)
+
+
+# ---------------------------------------------------------------- s3fifo
+
+
+def test_s3fifo_queue_sizes_follow_the_paper() -> None:
+    p = make_policy("s3fifo", 200)
+    assert isinstance(p, S3FIFOPolicy)
+    assert (p.small_target, p.ghost_capacity) == (20, 180)  # 10% small, ghost as large as main (90%)
+
+
+def test_s3fifo_one_hit_wonders_go_before_an_older_reused_block() -> None:
+    sim = Sim("s3fifo", 10)  # small queue: 1 block
+    sim.run([1], [1], *singles(range(2, 11)))  # 1 is used twice, 2..10 once; the pool is full
+    # 1 is the oldest block of the small queue but was accessed: it moves to main; 2 goes, to the ghost
+    assert sim.evict() == [2]
+    assert sim.policy.stats() == {"small": 8, "main": 1, "ghost": 1}
+    # the rest of the small queue goes first (FIFO), then main
+    assert sim.evict_all() == [3, 4, 5, 6, 7, 8, 9, 10, 1]
+    lru = Sim("lru", 10)
+    lru.run([1], [1], *singles(range(2, 11)))
+    assert lru.evict_all() == list(range(1, 11))  # LRU drops the oldest first
+
+
+def test_s3fifo_ghost_hit_enters_main_and_main_reinserts_with_frequency() -> None:
+    sim = Sim("s3fifo", 10)
+    sim.run([1], [1], *singles(range(2, 11)))
+    assert sim.evict() == [2]  # 1 to main (its frequency cleared), 2 to the ghost
+    sim.run(*[[1]] * 5)  # 1 accessed 5 times in main: frequency capped at 3
+    assert sim.run([2]) == 0  # a miss, but a ghost hit: 2 is inserted straight into main
+    assert sim.policy.stats() == {"small": 8, "main": 2, "ghost": 0}
+    # the small queue still holds 8 blocks (>= its 1-block share): they go first; then main in FIFO order,
+    # where 1 (frequency 3) is reinserted behind 2 (frequency 0)
+    assert sim.evict_all() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
+
+
+def test_s3fifo_frequency_is_capped_and_spent_one_per_reinsertion() -> None:
+    sim = Sim("s3fifo", 10)
+    sim.run([1], [1], *singles(range(2, 11)))
+    sim.evict()  # 1 to main
+    sim.run(*[[1]] * 5)
+    pol = sim.policy
+    assert isinstance(pol, S3FIFOPolicy)
+    assert pol._meta[sim.pool.cached[1]].freq == FREQ_CAP == 3
+    # refill main behind 1 through ghost hits: 2 (evicted above) and 3..5 (evicted now)
+    assert sim.evict(3) == [3, 4, 5]
+    assert sim.run([2], [3], [4], [5]) == 0
+    assert pol.stats()["main"] == 5
+    # main is evicted only once small is under its share: 6..10 leave small first; then 1 (frequency 3) is
+    # reinserted behind the blocks of frequency 0 and goes last
+    assert sim.evict_all() == [6, 7, 8, 9, 10, 2, 3, 4, 5, 1]
+
+
+def test_s3fifo_block_in_use_is_skipped_and_comes_back_at_the_old_end() -> None:
+    sim = Sim("s3fifo", 4)  # small queue: 1 block
+    sim.run([1], [2], [3], [4])
+    pool = sim.pool
+    held = pool.cached[1]
+    pool.touch([held])  # 1 is in use by a request: the oldest block, but it cannot be evicted
+    assert sim.evict() == [2]
+    pool.free_blocks([held])  # the request ends: 1 was accessed, so it moves to main at the next look
+    pool.check_integrity()
+    assert sim.evict() == [3]
+    assert sim.policy.stats() == {"small": 1, "main": 1, "ghost": 2}
+    assert sim.evict_all() == [4, 1]
+
+
+def test_s3fifo_scan_does_not_flush_the_working_set_but_lru_does() -> None:
+    reqs = requests(scan_workload(working_set=5, rounds=3, scan=40))
+    tail = 5  # the last round of the working set
+    before = {p: replay(reqs[:-tail], 20, p).hit_blocks for p in ("s3fifo", "lru")}
+    after = {p: replay(reqs, 20, p, check_every=1).hit_blocks for p in ("s3fifo", "lru")}
+    assert after["s3fifo"] - before["s3fifo"] == 5  # the whole working set survived the scan
+    assert after["lru"] - before["lru"] == 0  # LRU: flushed
+
+
+# ---------------------------------------------------------------- arc
+
+
+def arc_stats(sim: Sim) -> dict[str, float]:
+    return sim.policy.stats()
+
+
+def test_arc_block_used_twice_moves_to_t2() -> None:
+    sim = Sim("arc", 4)
+    sim.run([1])
+    assert arc_stats(sim) == {"p": 0.0, "t1": 1, "t2": 0, "b1": 0, "b2": 0}
+    sim.run([1])  # its second use (first hit): recency list -> frequency list
+    assert arc_stats(sim) == {"p": 0.0, "t1": 0, "t2": 1, "b1": 0, "b2": 0}
+    sim.run([1])  # stays in T2
+    assert arc_stats(sim)["t2"] == 1
+
+
+def test_arc_target_grows_on_b1_ghost_hits_and_shrinks_on_b2_ghost_hits() -> None:
+    sim = Sim("arc", 4)
+    sim.run([1], [1], [2], [3], [4])  # T2: 1; T1: 2 3 4 (LRU first); p = 0
+    assert sim.evict() == [2]  # |T1| = 3 > p: T1's LRU block, to B1
+    assert sim.run([2]) == 0  # a B1 ghost hit: T1 was too small
+    assert arc_stats(sim) == {"p": 1.0, "t1": 2, "t2": 2, "b1": 0, "b2": 0}  # p += max(1, 0/1)
+    assert sim.evict() == [3]  # |T1| = 2 > p = 1: from T1
+    assert sim.evict() == [1]  # |T1| = 1 = p: from T2 (1 is its LRU block), to B2
+    assert sim.evict() == [2]  # T2 again
+    assert arc_stats(sim) == {"p": 1.0, "t1": 1, "t2": 0, "b1": 1, "b2": 2}
+    assert sim.run([1]) == 0  # a B2 ghost hit: p -= max(1, |B1| / |B2| = 0.5)
+    assert arc_stats(sim)["p"] == 0.0
+    sim.run([2])  # B2 hit again: p stays at 0 (its floor)
+    assert arc_stats(sim) == {"p": 0.0, "t1": 1, "t2": 2, "b1": 1, "b2": 0}
+    assert sim.evict() == [4]  # p = 0: T1 goes first
+    assert sim.run([3]) == 0  # B1 ghost hit with |B2| / |B1| = 0 / 2: p += 1
+    assert arc_stats(sim)["p"] == 1.0
+
+
+def test_arc_b1_ghost_hit_grows_p_by_the_ghost_ratio() -> None:
+    sim = Sim("arc", 4)
+    sim.run([1], [1], [2], [2], [3], [3], [4])  # T2: 1 2 3; T1: 4
+    assert sim.evict() == [4]  # |T1| = 1 > p = 0
+    assert sim.evict(3) == [1, 2, 3]  # T1 empty: T2 in LRU order, to B2
+    assert arc_stats(sim) == {"p": 0.0, "t1": 0, "t2": 0, "b1": 1, "b2": 3}
+    sim.run([4])  # B1 hit: p += max(1, |B2| / |B1| = 3)
+    assert arc_stats(sim)["p"] == 3.0
+    sim.run([1])  # B2 hit: p -= max(1, |B1| / |B2| = 0 / 3)
+    assert arc_stats(sim)["p"] == 2.0
+
+
+def test_arc_scan_does_not_flush_the_working_set_but_lru_does() -> None:
+    reqs = requests(scan_workload(working_set=5, rounds=2, scan=40))
+    tail = 5
+    before = {p: replay(reqs[:-tail], 20, p).hit_blocks for p in ("arc", "lru")}
+    after = {p: replay(reqs, 20, p, check_every=1).hit_blocks for p in ("arc", "lru")}
+    assert after["arc"] - before["arc"] == 5  # used twice: in T2, which the scan (all in T1) leaves alone
+    assert after["lru"] - before["lru"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_arc_directory_invariants_under_random_traffic(seed: int) -> None:
+    rng = random.Random(seed)
+    c = 12
+    sim = Sim("arc", c)
+    for _ in range(400):
+        # chains of up to 4 blocks over 40 contents: prefixes shared, ghosts hit often
+        start = rng.randrange(40)
+        sim.run([start * 100 + i for i in range(rng.randint(1, 4))])
+        s = arc_stats(sim)
+        assert s["t1"] + s["t2"] == len(sim.pool.cached) <= c
+        assert s["t1"] + s["b1"] <= c
+        assert s["t1"] + s["t2"] + s["b1"] + s["b2"] <= 2 * c
+        assert 0.0 <= s["p"] <= c
+    assert arc_stats(sim)["b1"] + arc_stats(sim)["b2"] > 0
+
+
+def test_s3fifo_counts_under_random_traffic() -> None:
+    rng = random.Random(3)
+    sim = Sim("s3fifo", 20)
+    pol = sim.policy
+    assert isinstance(pol, S3FIFOPolicy)
+    for _ in range(400):
+        start = rng.randrange(60)
+        sim.run([start * 100 + i for i in range(rng.randint(1, 4))])
+        s = pol.stats()
+        assert s["small"] + s["main"] == len(sim.pool.cached)
+        assert s["ghost"] <= pol.ghost_capacity
