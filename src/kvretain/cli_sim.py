@@ -25,7 +25,8 @@ from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
-from kvretain.workloads import PRIORITY_RULES, WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads.priority import make_rule, rule_choices
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
@@ -58,7 +59,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--priority-rule",
         default="keep",
-        choices=["keep", *PRIORITY_RULES.names()],
+        choices=rule_choices(),
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
@@ -136,9 +137,9 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
             raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
-    if args.priority_rule != "keep":
-        kw: dict[str, Any] = {"rng": random.Random(args.seed + 1)} if args.priority_rule == "random" else {}
-        reqs = tag_priorities(reqs, PRIORITY_RULES.create(args.priority_rule, **kw))
+    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
+    if rule is not None:
+        reqs = tag_priorities(reqs, rule)
     return reqs, name if args.trace is None else f"{name}:{args.trace}"
 
 

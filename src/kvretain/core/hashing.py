@@ -7,6 +7,10 @@ salts and adapters are equal.
 
 ``sha256`` is the default (collision resistant, safe across tenants); ``xxhash`` (xxh3-128) is faster and
 needs the ``xxhash`` package (``pip install kvretain[xxhash]``).
+
+One chain step serves every path (:meth:`ContentHasher.chain`): :class:`BlockHasher` feeds it token ids,
+:class:`BlockIdHasher` a trace's block ids (each id stands for its block's tokens), the simulator its chunk
+pieces. Each kind of content has its own root, so chains of different kinds never meet.
 """
 
 from __future__ import annotations
@@ -48,12 +52,18 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
 HASH_ALGORITHMS = ("sha256", "xxhash")
 
 
-class BlockHasher:
-    """Computes chained hashes of the full blocks of a token sequence."""
+MAX_EXTRA_BYTES = 0xFFFF
+"""Extra keys (LoRA id, ``cache_salt``) are length-prefixed with two bytes in every chain step."""
 
-    def __init__(self, block_size: int = 16, algorithm: str = "sha256") -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+
+class ContentHasher:
+    """The chain step of every cache path: ``H(parent or root, len(extra), extra, content)``.
+
+    ``root_seed`` names the kind of content (token ids, trace block ids, simulator pieces); the chain of a
+    kind starts from ``H(root_seed)``, so two kinds never produce the same chain.
+    """
+
+    def __init__(self, algorithm: str = "sha256", root_seed: bytes = _ROOT_SEED) -> None:
         if algorithm == "sha256":
             self._fn: Callable[[bytes], bytes] = _sha256
         elif algorithm == "xxhash":
@@ -62,9 +72,27 @@ class BlockHasher:
             raise ValueError(
                 f"unknown hash algorithm {algorithm!r}; choose one of: {', '.join(HASH_ALGORITHMS)}"
             )
-        self.block_size = block_size
         self.algorithm = algorithm
-        self.root = self._fn(_ROOT_SEED)
+        self.root = self._fn(root_seed)
+
+    def chain(self, parent: bytes | None, content: bytes, extra: bytes = b"") -> bytes:
+        """The hash of a block holding ``content`` after ``parent`` (``None``: the first block).
+
+        ``extra`` (at most ``MAX_EXTRA_BYTES``; see :meth:`BlockHasher.encode_extra`) carries the extra keys.
+        """
+        return self._fn(
+            (self.root if parent is None else parent) + len(extra).to_bytes(2, "little") + extra + content
+        )
+
+
+class BlockHasher(ContentHasher):
+    """Computes chained hashes of the full blocks of a token sequence."""
+
+    def __init__(self, block_size: int = 16, algorithm: str = "sha256") -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        super().__init__(algorithm)
+        self.block_size = block_size
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
         """Hash one full block given its parent's hash (``None`` for the first block)."""
@@ -72,19 +100,34 @@ class BlockHasher:
             raise ValueError(
                 f"only full blocks are hashed: got {len(tokens)} tokens, block size {self.block_size}"
             )
-        body = array("q", tokens).tobytes()
-        return self._fn(
-            (self.root if parent is None else parent) + len(extra).to_bytes(2, "little") + extra + body
-        )
+        try:
+            body = array("q", tokens).tobytes()
+        except (OverflowError, TypeError):
+            bad = next((t for t in tokens if not isinstance(t, int) or not -(1 << 63) <= t < 1 << 63), None)
+            raise ValueError(f"token ids must be 64-bit signed integers, got {bad!r}") from None
+        return self.chain(parent, body, extra)
 
     @staticmethod
     def encode_extra(extra: ExtraKeys, first_block: bool) -> bytes:
+        """The extra-key bytes of a block; raises ``ValueError`` naming ``cache_salt`` when it cannot be one."""
         parts: list[bytes] = []
         if extra.lora_id is not None:
             parts.append(b"L" + str(extra.lora_id).encode())
         if first_block and extra.cache_salt is not None:
-            parts.append(b"S" + extra.cache_salt.encode())
-        return b"|".join(parts)
+            salt = extra.cache_salt
+            if not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {salt!r}")
+            try:
+                parts.append(b"S" + salt.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise ValueError("cache_salt is not valid Unicode (it holds a lone surrogate)") from None
+        out = b"|".join(parts)
+        if len(out) > MAX_EXTRA_BYTES:
+            raise ValueError(
+                f"cache_salt is too long: the extra keys of a block hash hold at most {MAX_EXTRA_BYTES} "
+                f"bytes, got {len(out)}"
+            )
+        return out
 
     def hash_blocks(
         self,
@@ -107,5 +150,59 @@ class BlockHasher:
         parent = out[-1] if out else None
         for i in range(len(out), n_full):
             parent = self.hash_block(parent, tokens[i * bs : (i + 1) * bs], first if i == 0 else mid)
+            out.append(parent)
+        return out
+
+
+_BLOCK_ID_SEED = b"kvretain/v1/block-ids"
+BLOCK_ID_BOUND = 1 << 127
+"""Block ids are hashed as 16-byte signed integers: ``-BLOCK_ID_BOUND <= id < BLOCK_ID_BOUND``."""
+
+
+class BlockIdHasher(ContentHasher):
+    """Chained hashes of blocks named by integer ids instead of tokens (a Mooncake trace's ``hash_ids``).
+
+    An id stands for its block's tokens, so block ``i`` of a request hashes as
+    ``chain(hash(block i-1), id_i, extra)`` exactly as :class:`BlockHasher` chains token blocks, the
+    ``cache_salt`` in the first block's extra keys: an id reused under a different parent, or under another
+    salt, is a different block. The last hash seen after each id (and of each first block) is remembered, so
+    the prefixes that the requests of a trace repeat are hashed once.
+    """
+
+    def __init__(self, algorithm: str = "sha256") -> None:
+        super().__init__(algorithm, _BLOCK_ID_SEED)
+        self._first: dict[tuple[str | None, int], bytes] = {}
+        self._after: dict[int, tuple[bytes, bytes]] = {}  # id -> (parent, hash) of its last hashing
+
+    def hash_ids(self, ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """The chained hashes of a request's block ids (``cache_salt``: the request's tenant, if any)."""
+        if not ids:
+            return []
+        try:
+            return self._hash_ids(ids, cache_salt)
+        except OverflowError:
+            bad = next(h for h in ids if not -BLOCK_ID_BOUND <= h < BLOCK_ID_BOUND)
+            raise ValueError(
+                f"block id {bad} is out of range: ids must fit 128-bit signed integers"
+            ) from None
+
+    def _hash_ids(self, ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        first = self._first
+        key = (cache_salt, ids[0])
+        parent = first.get(key)
+        if parent is None:
+            extra = BlockHasher.encode_extra(ExtraKeys(cache_salt=cache_salt), True)
+            parent = first[key] = self.chain(None, ids[0].to_bytes(16, "little", signed=True), extra)
+        out = [parent]
+        after = self._after
+        fn = self._fn
+        for h in ids[1:]:
+            seen = after.get(h)
+            if seen is not None and seen[0] == parent:
+                parent = seen[1]
+            else:
+                child = fn(parent + b"\x00\x00" + h.to_bytes(16, "little", signed=True))
+                after[h] = (parent, child)
+                parent = child
             out.append(parent)
         return out
