@@ -13,7 +13,6 @@ from kvretain.core import PolicyConfig
 from kvretain.replay import (
     MOONCAKE_BLOCK_TOKENS,
     ReplayRequest,
-    TraceError,
     load_trace,
     replay,
 )

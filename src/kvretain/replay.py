@@ -54,12 +54,13 @@ class ReplayRequest:
 def replay_requests(
     records: Iterable[TraceRecord], hasher: BlockIdHasher | None = None
 ) -> list[ReplayRequest]:
-    """Replay requests of trace records: hash ids chained under each record's ``cache_salt``."""
+    """Replay requests of trace records: hash ids chained under each record's ``cache_salt``, each block
+    named by its chained hash's key (:meth:`~kvretain.core.hashing.BlockIdHasher.block_keys`)."""
     hasher = hasher or BlockIdHasher()
-    hash_ids = hasher.hash_ids
+    keys = hasher.block_keys
     return [
         ReplayRequest(
-            tuple(hash_ids(r.hash_ids, r.cache_salt)),
+            tuple(keys(r.hash_ids, r.cache_salt)),
             r.timestamp_ms / 1000.0,
             r.input_length,
             r.priority,
@@ -289,6 +290,6 @@ def synthetic_conversations(
     events.sort(key=lambda e: (e[0], e[1]))
     hasher = BlockIdHasher()
     return [
-        ReplayRequest(tuple(hasher.hash_ids(ids)), ts, len(ids) * MOONCAKE_BLOCK_TOKENS, prio)
+        ReplayRequest(tuple(hasher.block_keys(ids)), ts, len(ids) * MOONCAKE_BLOCK_TOKENS, prio)
         for ts, _, ids, prio in events
     ]

@@ -269,7 +269,7 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
         raise _LineError(f"field 'hash_ids' must be a non-empty list of integers, got {_show(ids)}")
     if len(ids) > MAX_HASH_IDS:
         raise _LineError(f"field 'hash_ids' holds {len(ids)} ids; at most {MAX_HASH_IDS} (MAX_HASH_IDS)")
-    if not all(type(h) is int and 0 <= h < HASH_ID_BOUND for h in ids):
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= HASH_ID_BOUND:
         i, bad = next((i, h) for i, h in enumerate(ids) if not (_int(h) and 0 <= h < HASH_ID_BOUND))
         raise _LineError(f"field 'hash_ids' item {i} must be an integer in [0, 2**64), got {_show(bad)}")
     need = -(-n_in // block_tokens)

@@ -17,6 +17,7 @@ the block's own pieces are equal.
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -57,17 +58,21 @@ class LazyTokens(Sequence[int]):
 
 _PIECES = ContentHasher("sha256", b"kvretain/v1/sim-pieces")
 """The chain of simulated blocks (its own root: never equal to a chain of token or trace-id blocks)."""
+_PIECE = struct.Struct("<17sQQ")
+"""One piece of a block: chunk key, offset in the chunk, length; a block's content is its pieces."""
+_STEP = struct.Struct("<32sH17sQQ")
+"""``ContentHasher.chain``'s input for a non-first block of one piece: parent, ``len(extra) == 0``, piece."""
 
 
 def _chunk_key(c: SeededChunk | LiteralChunk) -> bytes:
-    # b"s" + the seed as SeededChunk.materialize reads it (16 bytes); b"l" + the sha256 of literal tokens.
+    # 17 bytes: b"s" + the seed as SeededChunk.materialize reads it; b"l" + 128 bits of the tokens' sha256
     if isinstance(c, SeededChunk):
         return b"s" + c.seed.to_bytes(16, "little", signed=True)
     try:
         body = array("q", c.tokens).tobytes()
     except OverflowError:
         body = ",".join(map(str, c.tokens)).encode()
-    return b"l" + hashlib.sha256(body).digest()
+    return b"l" + hashlib.sha256(body).digest()[:16]
 
 
 def output_seed(request_id: str) -> int:
@@ -148,15 +153,15 @@ class SimRequest(Request):
             self._bs = block_size
         chunks = self._chunks
         ci, off = self._ci, self._off
-        chain = _PIECES.chain
         parent: bytes | None = h[-1] if h else None  # type: ignore[assignment]
-        take = block_size.to_bytes(8, "little")
+        # NOTE: the common case inlines ContentHasher.chain (sha256 of _STEP: one C call to build its input)
+        sha = hashlib.sha256
+        step = _STEP.pack
         append = h.append
         while len(h) < num_blocks:
-            extra = self._extra if parent is None else b""
             key, length = chunks[ci]
-            if length - off >= block_size:  # the block lies inside one chunk (the common case)
-                parent = chain(parent, key + off.to_bytes(8, "little") + take, extra)
+            if parent is not None and length - off >= block_size:  # inside one chunk: the common case
+                parent = sha(step(parent, 0, key, off, block_size)).digest()
                 off += block_size
                 if off == length:
                     ci += 1
@@ -167,13 +172,13 @@ class SimRequest(Request):
                 while need:
                     key, length = chunks[ci]
                     n = min(need, length - off)
-                    pieces += (key, off.to_bytes(8, "little"), n.to_bytes(8, "little"))
+                    pieces.append(_PIECE.pack(key, off, n))
                     need -= n
                     off += n
                     if off == length:
                         ci += 1
                         off = 0
-                parent = chain(parent, b"".join(pieces), extra)
+                parent = _PIECES.chain(parent, b"".join(pieces), self._extra if parent is None else b"")
             append(parent)
         self._ci, self._off = ci, off
         return h
