@@ -36,6 +36,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,28 +199,44 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def _constant(name: str) -> Any:
-    raise _LineError(f"{name} is not a number this format accepts (use a finite number)")
+class _Unusable:
+    """What JSON's NaN, Infinity, an overflowing float or a huge integer parse as: no field accepts it, so the
+    field's own check rejects it by name (``repr`` shows the literal)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = _short(text, 24) if len(text) < 100 else f"a number of {len(text)} digits"
+
+    def __repr__(self) -> str:
+        return self.text
 
 
-def _float(text: str) -> float:
+def _float(text: str) -> float | _Unusable:
     v = float(text)
-    if not math.isfinite(v):
-        raise _LineError(f"number {text} is out of range (not a finite float)")
-    return v
+    return v if math.isfinite(v) else _Unusable(text)
 
 
-def _loads(text: str) -> Any:
+def _int(text: str) -> int | _Unusable:
+    return int(text) if len(text) <= 40 else _Unusable(text)
+
+
+def _loads(text: str, parse_int: Callable[[str], Any] | None = None) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float)
+        return json.loads(
+            text, object_pairs_hook=_pairs, parse_constant=_Unusable, parse_float=_float, parse_int=parse_int
+        )
     except json.JSONDecodeError as e:
         raise _LineError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
         raise _LineError("JSON nested too deeply (a trace line is an object of plain fields)") from None
     except _LineError:
         raise
-    except ValueError as e:  # e.g. an integer beyond Python's int-string conversion limit
-        raise _LineError(f"not valid JSON ({_short(str(e), 120)})") from None
+    except ValueError:  # an integer beyond Python's int-string conversion limit: parse again to name it
+        # NOTE: a parse_int hook on every line would slow the common case down, so only on this path
+        if parse_int is None:
+            return _loads(text, _int)
+        raise _LineError("not valid JSON (a number out of range)") from None
 
 
 # ---------------------------------------------------------------------------------------------- fields
@@ -233,7 +250,7 @@ def _show(v: Any) -> str:
     return _short(repr(v))
 
 
-def _int(v: Any) -> bool:
+def _is_int(v: Any) -> bool:
     return type(v) is int  # not bool, not float
 
 
@@ -256,13 +273,13 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
         if obj.get(name) is None:
             raise _LineError(f"missing field {name!r} (required: {', '.join(REQUIRED_FIELDS)})")
     ts = obj["timestamp"]
-    if not (_int(ts) or type(ts) is float) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+    if not (_is_int(ts) or type(ts) is float) or not 0 <= ts <= MAX_TIMESTAMP_MS:
         raise _LineError(f"field 'timestamp' must be a number of milliseconds in [0, 2**53], got {_show(ts)}")
     n_in = obj["input_length"]
-    if not _int(n_in) or not 1 <= n_in <= MAX_TOKENS:
+    if not _is_int(n_in) or not 1 <= n_in <= MAX_TOKENS:
         raise _LineError(f"field 'input_length' must be an integer in [1, {MAX_TOKENS}], got {_show(n_in)}")
     n_out = obj["output_length"]
-    if not _int(n_out) or not 0 <= n_out <= MAX_TOKENS:
+    if not _is_int(n_out) or not 0 <= n_out <= MAX_TOKENS:
         raise _LineError(f"field 'output_length' must be an integer in [0, {MAX_TOKENS}], got {_show(n_out)}")
     ids = obj["hash_ids"]
     if type(ids) is not list or not ids:
@@ -270,7 +287,7 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
     if len(ids) > MAX_HASH_IDS:
         raise _LineError(f"field 'hash_ids' holds {len(ids)} ids; at most {MAX_HASH_IDS} (MAX_HASH_IDS)")
     if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= HASH_ID_BOUND:
-        i, bad = next((i, h) for i, h in enumerate(ids) if not (_int(h) and 0 <= h < HASH_ID_BOUND))
+        i, bad = next((i, h) for i, h in enumerate(ids) if not (_is_int(h) and 0 <= h < HASH_ID_BOUND))
         raise _LineError(f"field 'hash_ids' item {i} must be an integer in [0, 2**64), got {_show(bad)}")
     need = -(-n_in // block_tokens)
     if len(ids) != need:
@@ -281,7 +298,7 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
     priority = obj.get("priority")
     if priority is None:
         priority = 0
-    elif not _int(priority) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
+    elif not _is_int(priority) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
         raise _LineError(f"field 'priority' must be an int64 (lower = more important), got {_show(priority)}")
     return TraceRecord(
         line=lineno,
