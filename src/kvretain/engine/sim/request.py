@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from typing import overload
 
 from kvretain.core.hashing import BlockHash, BlockHasher, ContentHasher, ExtraKeys
-from kvretain.core.retention import RetentionConfig
 from kvretain.sched.request import Request
 from kvretain.workloads.request import WorkloadRequest
 from kvretain.workloads.tokens import LiteralChunk, SeededChunk, TokenSeq
@@ -104,7 +103,7 @@ class SimRequest(Request):
         n_out = max(1, wr.output_len)
         if out is None:
             out = TokenSeq.seeded(output_seed(wr.request_id), n_out)
-        retention = RetentionConfig(wr.retention) if wr.retention else None
+        retention = wr.retention_config()
         super().__init__(
             wr.request_id,
             LazyTokens(wr.prompt),
