@@ -320,3 +320,14 @@ def test_no_traceback_through_a_subprocess(
         )
         assert_one_clear_line(proc.returncode, proc.stdout, proc.stderr, pattern)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_compare_out_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(line() + "\n")
+    (tmp_path / "file").write_text("x")
+    rc, out, err = run_cli(
+        ["compare", str(trace), "--no-progress", "--out", str(tmp_path / "file" / "r")], capsys
+    )
+    assert_one_clear_line(rc, out, err, r"--out .*file/r: cannot create the report folder")
+    assert sorted(os.listdir(tmp_path)) == ["file", "t.jsonl"]

@@ -241,8 +241,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for b in budgets:
         pc = replace(base.policy_config, budget=b, isolation_goal=None)
         runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report_folder(args.out)
     from tqdm import tqdm
 
     results: list[dict[str, Any]] = []
@@ -265,6 +264,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"wrote {out}/summary.json, summary.md, runs.csv and plots for {len(results)} runs")
     print((out / "summary.md").read_text())
     return 0
+
+
+def _report_folder(path: str) -> Path:
+    """The report folder, created before any run (a path under a file is the user's mistake, not a crash)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create the report folder ({e.strerror or e})") from None
+    return out
 
 
 _CSV_COLS = ["label", "policy", "budget", "requests", "simulated_s", "output_tokens_per_s", "hit_rate"]
