@@ -36,7 +36,6 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,11 +220,17 @@ def _int(text: str) -> int | _Unusable:
     return int(text) if len(text) <= 40 else _Unusable(text)
 
 
-def _loads(text: str, parse_int: Callable[[str], Any] | None = None) -> Any:
+# Stateless decoders, built once (json.loads with hooks builds one per call). The second names an integer
+# too long to parse: a parse_int hook on every line would slow the common case down.
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_Unusable, parse_float=_float)
+_NAMING_DECODER = json.JSONDecoder(
+    object_pairs_hook=_pairs, parse_constant=_Unusable, parse_float=_float, parse_int=_int
+)
+
+
+def _loads(text: str, decoder: json.JSONDecoder = _DECODER) -> Any:
     try:
-        return json.loads(
-            text, object_pairs_hook=_pairs, parse_constant=_Unusable, parse_float=_float, parse_int=parse_int
-        )
+        return decoder.decode(text)
     except json.JSONDecodeError as e:
         raise _LineError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
@@ -233,9 +238,8 @@ def _loads(text: str, parse_int: Callable[[str], Any] | None = None) -> Any:
     except _LineError:
         raise
     except ValueError:  # an integer beyond Python's int-string conversion limit: parse again to name it
-        # NOTE: a parse_int hook on every line would slow the common case down, so only on this path
-        if parse_int is None:
-            return _loads(text, _int)
+        if decoder is _DECODER:
+            return _loads(text, _NAMING_DECODER)
         raise _LineError("not valid JSON (a number out of range)") from None
 
 
