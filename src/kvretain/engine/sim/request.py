@@ -9,9 +9,9 @@ and its pieces, the ``cache_salt`` in the first block's extra keys as in
 :class:`~kvretain.core.hashing.BlockHasher`. A seeded chunk's key is its 128-bit seed and its tokens depend
 on the seed alone, so equal pieces mean equal tokens at any block size, and a follow-up turn whose prompt
 repeats the previous turn's prompt and output chunks gets the same hashes for those blocks, decode blocks
-included; a literal chunk's key is 128 bits of the sha256 of its tokens. No token is materialized to hash (the Mooncake
-trace holds 145M prompt tokens). Two requests share a block only when their salts, every earlier piece and
-the block's own pieces are equal.
+included; a literal chunk's key is 128 bits of the sha256 of its tokens. No token is materialized to hash
+(the Mooncake trace holds 145M prompt tokens). Two requests share a block only when their salts, every
+earlier piece and the block's own pieces are equal.
 """
 
 from __future__ import annotations
