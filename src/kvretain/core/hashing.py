@@ -109,7 +109,7 @@ class BlockHasher(ContentHasher):
 
     @staticmethod
     def encode_extra(extra: ExtraKeys, first_block: bool) -> bytes:
-        """The extra-key bytes of a block; raises ``ValueError`` naming ``cache_salt`` when it cannot be one."""
+        """The extra-key bytes of a block; a ``cache_salt`` that cannot be one raises ``ValueError``."""
         parts: list[bytes] = []
         if extra.lora_id is not None:
             parts.append(b"L" + str(extra.lora_id).encode())

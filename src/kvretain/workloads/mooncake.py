@@ -369,9 +369,7 @@ def _retention(obj: dict[str, Any]) -> RetentionConfig | None:
         if not isinstance(directives, list):
             raise _LineError(f"field {name!r}: 'directives' must be a list, got {_show(directives)}")
         if len(directives) > MAX_DIRECTIVES:
-            raise _LineError(
-                f"field {name!r} holds {len(directives)} directives; at most {MAX_DIRECTIVES} (MAX_DIRECTIVES)"
-            )
+            raise _LineError(f"field {name!r} holds {len(directives)} directives; at most {MAX_DIRECTIVES}")
         for i, d in enumerate(directives):
             if isinstance(d, dict):
                 for k, v in d.items():

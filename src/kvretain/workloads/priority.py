@@ -48,7 +48,7 @@ def make_rule(name: str, rng: random.Random | None = None, **options: Any) -> Pr
 
 
 def tag_priorities(requests: Iterable[R], rule: PriorityRule) -> list[R]:
-    """Copies of ``requests`` (in order; workload requests or trace records) with ``priority`` set by ``rule``."""
+    """Copies of ``requests`` (in order; workload requests or trace records), ``priority`` set by ``rule``."""
     return [dataclasses.replace(r, priority=rule(r)) for r in requests]  # type: ignore[type-var, arg-type]
 
 

@@ -1,6 +1,7 @@
 """The request a workload hands to a simulator or engine; its retention is the core's
 (:class:`kvretain.core.retention.RetentionDirective` ranges, plus the rest of a
-:class:`~kvretain.core.retention.RetentionConfig`). Trace lines are parsed in :mod:`kvretain.workloads.mooncake`."""
+:class:`~kvretain.core.retention.RetentionConfig`). Trace lines are parsed in
+:mod:`kvretain.workloads.mooncake`."""
 
 from __future__ import annotations
 
