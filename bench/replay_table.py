@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvretain.core.policy import PolicyConfig, policy_names
-from kvretain.replay import load_trace, reference_priority, replay
+from kvretain.replay import load_trace, replay
+from kvretain.workloads.priority import make_rule
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 ANCHORS = {875: 0.0437, 5000: 0.1118, 20000: 0.2878}
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--capacities", type=int, nargs="*", default=[875, 5000, 20000])
     ap.add_argument("--no-frontier", action="store_true")
     args = ap.parse_args()
-    reqs = load_trace(args.trace, tagger=reference_priority)
+    reqs = load_trace(args.trace, rule=make_rule("reference"))
     iso = [r for r in reqs if r.priority == 0]
     out: dict = {"capacities": {}, "frontier": {}, "checks": {}}
     names = policy_names()

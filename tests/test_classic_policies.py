@@ -69,7 +69,7 @@ def singles(hashes: Sequence[int]) -> list[list[int]]:
 
 
 def requests(blocks: Sequence[Sequence[int]]) -> list[ReplayRequest]:
-    return [ReplayRequest(hash_ids=tuple(b), timestamp_s=float(i)) for i, b in enumerate(blocks)]
+    return [ReplayRequest(hashes=tuple(b), timestamp_s=float(i)) for i, b in enumerate(blocks)]
 
 
 def scan_workload(working_set: int, rounds: int, scan: int) -> list[list[int]]:

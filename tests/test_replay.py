@@ -13,18 +13,24 @@ from kvretain.core import PolicyConfig
 from kvretain.replay import (
     MOONCAKE_BLOCK_TOKENS,
     ReplayRequest,
-    TraceError,
     load_trace,
-    reference_priority,
     replay,
 )
+from kvretain.workloads.priority import make_rule
 
 ONLINE = ["lru", "lfu", "priority", "unified", "s3fifo", "arc"]
 ALL = [*ONLINE, "belady"]
 
 
+def complete(row: dict[str, Any]) -> dict[str, Any]:
+    """A trace line with the required fields the test leaves out: timestamp 0 (file order), one full
+    512-token block per hash id, no output."""
+    ids = row["hash_ids"]
+    return {"timestamp": 0, "input_length": len(ids) * MOONCAKE_BLOCK_TOKENS, "output_length": 0, **row}
+
+
 def write_trace(path: Path, rows: list[dict[str, Any]] | list[str]) -> Path:
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    lines = [r if isinstance(r, str) else json.dumps(complete(r)) for r in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -98,11 +104,11 @@ def test_an_eviction_is_charged_to_the_blocks_last_releaser(policy: str) -> None
 
 
 def test_everything_fits_every_policy_hits_the_same(trace: list[ReplayRequest]) -> None:
-    distinct = len({h for r in trace for h in r.hash_ids})
+    distinct = len({h for r in trace for h in r.hashes})
     results = {p: replay(trace, distinct, p, check_every=1) for p in ALL}
     hits = {p: r.hit_blocks for p, r in results.items()}
     assert len(set(hits.values())) == 1
-    assert hits["lru"] == sum(len(r.hash_ids) for r in trace) - distinct  # only compulsory misses
+    assert hits["lru"] == sum(len(r.hashes) for r in trace) - distinct  # only compulsory misses
     assert all(c.evicted_blocks == 0 for r in results.values() for c in r.classes.values())
 
 
@@ -186,7 +192,7 @@ def test_result_json_shape(trace: list[ReplayRequest]) -> None:
     }
     assert out["policy"] == "unified" and out["capacity_blocks"] == 12
     assert out["requests"] == len(trace)
-    assert out["blocks"] == sum(len(r.hash_ids) for r in trace)
+    assert out["blocks"] == sum(len(r.hashes) for r in trace)
     assert out["hit_rate"] == round(res.hit_blocks / res.blocks, 6)
     assert set(out["classes"]) == {"0", "1"}
     for c in out["classes"].values():
@@ -221,57 +227,25 @@ def test_load_trace_fields_and_blank_lines(tmp_path: Path) -> None:
         [
             json.dumps({"timestamp": 1500, "input_length": 700, "output_length": 3, "hash_ids": [4, 5]}),
             "",
-            json.dumps({"hash_ids": [4], "priority": 2, "retention": {"directives": [], "scope": "s"}}),
+            json.dumps(
+                complete({"hash_ids": [4], "priority": 2, "retention": {"directives": [], "scope": "s"}})
+            ),
         ],
     )
-    a, b = load_trace(path)
-    assert (a.hash_ids, a.timestamp_s, a.input_length, a.priority, a.retention) == ((4, 5), 1.5, 700, 0, None)
+    b, a = load_trace(path)  # sorted by timestamp: the second line (timestamp 0) first
+    assert (len(a.hashes), a.timestamp_s, a.input_length, a.priority, a.retention) == (2, 1.5, 700, 0, None)
     assert (b.input_length, b.priority) == (MOONCAKE_BLOCK_TOKENS, 2)
+    assert b.hashes[0] == a.hashes[0]  # hash id 4 first: the same block
     assert b.retention is not None and b.retention.scope == "s"
     assert len(load_trace(path, limit=1)) == 1
-    tagged = load_trace(path, tagger=lambda ids: 7)
+    tagged = load_trace(path, rule=lambda r: 7)
     assert [r.priority for r in tagged] == [7, 7]
 
 
-@pytest.mark.parametrize(
-    ("bad", "pattern"),
-    [
-        ("{not json", r":3: not valid JSON"),
-        ("[1, 2]", r":3: expected a JSON object per line"),
-        ('{"hash_ids": []}', r":3: field 'hash_ids' must be a non-empty list of integers"),
-        ('{"hash_ids": [1, true]}', r":3: field 'hash_ids' must be"),
-        ('{"hash_ids": [1], "timestamp": "now"}', r":3: field 'timestamp' must be a number of milliseconds"),
-        ('{"hash_ids": [1], "priority": 1.5}', r":3: field 'priority' must be an integer"),
-        ('{"hash_ids": [1], "input_length": -1}', r":3: field 'input_length' must be a non-negative integer"),
-        (
-            '{"hash_ids": [1], "retention": [{"start": 0, "priority": 101}]}',
-            r":3: field 'retention': retention_directives\[0\]: priority 101 is out of range",
-        ),
-        ('{"hash_ids": [1], "retention": {"ttl": 3}}', r":3: field 'retention': retention: unknown field"),
-        ('{"hash_ids": [1], "retention": 5}', r":3: field 'retention': retention must be a list"),
-    ],
-)
-def test_bad_line_error_names_the_file_and_line(tmp_path: Path, bad: str, pattern: str) -> None:
-    path = write_trace(tmp_path / "bad.jsonl", ['{"hash_ids": [1]}', "", bad])
-    with pytest.raises(TraceError, match=pattern) as info:
-        load_trace(path)
-    assert str(info.value).startswith(str(path))
-
-
-def test_missing_trace_file(tmp_path: Path) -> None:
-    with pytest.raises(
-        TraceError, match=r"trace file not found: .*nope\.jsonl \(pass the path of a Mooncake"
-    ):
-        load_trace(tmp_path / "nope.jsonl")
-    with pytest.raises(TraceError, match="trace file not found"):
-        load_trace(tmp_path)  # a directory is not a trace
-
-
-def test_reference_priority() -> None:
-    assert reference_priority([5, 8, 1]) == 0
-    assert reference_priority([4, 9]) == 1
-    assert reference_priority([12]) == 0
-    assert reference_priority([13]) == 1
+def test_reference_rule_on_trace_records(tmp_path: Path) -> None:
+    rows = [{"hash_ids": [5, 8, 1]}, {"hash_ids": [4, 9]}, {"hash_ids": [12]}, {"hash_ids": [13]}]
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", rows), rule=make_rule("reference"))
+    assert [r.priority for r in reqs] == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("policy", ALL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -15,22 +16,16 @@ from typing import Any
 
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
 from kvretain.core.retention import PriorityMapping, RetentionError
-from kvretain.registry import Registry
 from kvretain.replay import (
     ReplayRequest,
     ReplayResult,
     TraceError,
     load_trace,
-    reference_priority,
     replay,
     synthetic_conversations,
 )
-
-PRIORITY_RULES: Registry[Any] = Registry("priority rule")
-PRIORITY_RULES.add("keep", lambda: None, "keep the trace's own priority field (default 0)")
-PRIORITY_RULES.add(
-    "reference", lambda: reference_priority, "shared/traces README rule: hash_ids[1] % 4 == 0 -> 0"
-)
+from kvretain.workloads.priority import make_rule, rule_choices
+from kvretain.workloads.request import check_scale_and_limit
 
 
 def _progress(enabled: bool, desc: str) -> Any:
@@ -82,15 +77,22 @@ def _result_rows(results: Sequence[ReplayResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    tagger = PRIORITY_RULES.create(args.priority_rule)
-    requests: list[ReplayRequest]
+def load_replay_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest], str]:
+    """The requests ``kvretain replay`` replays (a trace through the one trace schema, or the built-in
+    workload) and a description of their source."""
+    check_scale_and_limit(1.0, args.limit)
     if args.trace is None:
         requests = synthetic_conversations(num_sessions=args.sessions, seed=args.seed)
-        source = f"built-in synthetic conversations ({args.sessions} sessions, seed {args.seed})"
-    else:
-        requests = load_trace(args.trace, limit=args.limit, tagger=tagger)
-        source = str(args.trace)
+        if args.limit is not None:
+            requests = requests[: args.limit]
+        return requests, f"built-in synthetic conversations ({args.sessions} sessions, seed {args.seed})"
+    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
+    requests = load_trace(args.trace, limit=args.limit, rule=rule, block_tokens=args.block_tokens)
+    return requests, str(args.trace)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    requests, source = load_replay_requests(args)
     policies = policy_names() if args.policy == "all" else [args.policy]
     mapping = PriorityMapping.parse(args.priority_mapping)
     results = []
@@ -150,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object (a list with --policy all)")
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     r.add_argument(
-        "--priority-rule", default="keep", choices=PRIORITY_RULES.names(), help="how requests get a priority"
+        "--priority-rule",
+        default="keep",
+        choices=rule_choices(),
+        help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     r.add_argument(
         "--priority-mapping",

@@ -25,7 +25,8 @@ from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
-from kvretain.workloads import PRIORITY_RULES, WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads.priority import make_rule, rule_choices
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
@@ -58,7 +59,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--priority-rule",
         default="keep",
-        choices=["keep", *PRIORITY_RULES.names()],
+        choices=rule_choices(),
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
@@ -136,9 +137,9 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
             raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
-    if args.priority_rule != "keep":
-        kw: dict[str, Any] = {"rng": random.Random(args.seed + 1)} if args.priority_rule == "random" else {}
-        reqs = tag_priorities(reqs, PRIORITY_RULES.create(args.priority_rule, **kw))
+    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
+    if rule is not None:
+        reqs = tag_priorities(reqs, rule)
     return reqs, name if args.trace is None else f"{name}:{args.trace}"
 
 
@@ -248,8 +249,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for b in budgets:
         pc = replace(base.policy_config, budget=b, isolation_goal=None)
         runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report_folder(args.out)
     from tqdm import tqdm
 
     results: list[dict[str, Any]] = []
@@ -272,6 +272,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"wrote {out}/summary.json, summary.md, runs.csv and plots for {len(results)} runs")
     print((out / "summary.md").read_text())
     return 0
+
+
+def _report_folder(path: str) -> Path:
+    """The report folder, created before any run (a path under a file is the user's mistake, not a crash)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create the report folder ({e.strerror or e})") from None
+    return out
 
 
 _CSV_COLS = ["label", "policy", "budget", "requests", "simulated_s", "output_tokens_per_s", "hit_rate"]

@@ -1,19 +1,19 @@
 """Block-level cache replay of a Mooncake-format trace.
 
-Each request, in order, looks up its longest run of leading cached blocks (each hash id is one block) and
-counts those as hits; then all its blocks are resident (hits touched, misses allocated and cached) and
-released deepest first. A request with more blocks than the pool counts its lookups and caches nothing.
-This is the replay behind the anchors of ``shared/traces/README.md`` (vLLM 0.33's ``BlockPool`` replayed
-the same way), driven through kvretain's own :class:`~kvretain.core.block_pool.BlockPool`.
+Each request, in order, looks up its longest run of leading cached blocks and counts those as hits; then
+all its blocks are resident (hits touched, misses allocated and cached) and released deepest first. A
+request with more blocks than the pool counts its lookups and caches nothing. This is the replay behind the
+anchors of ``shared/traces/README.md`` (vLLM 0.33's ``BlockPool`` replayed the same way), driven through
+kvretain's own :class:`~kvretain.core.block_pool.BlockPool`.
 
-Trace lines: ``{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}`` plus optional
-``priority`` (int, default 0) and ``retention`` (a list of directives in tokens, or an object
-``{"directives": [...], "scope": ..., "decode_priority": ..., "decode_duration_s": ...}``).
+Trace lines follow the one schema of :mod:`kvretain.workloads.mooncake` (shared with ``kvretain
+simulate``). A block's identity is its chained hash (:class:`~kvretain.core.hashing.BlockIdHasher`): the
+request's hash ids up to it and its ``cache_salt``, hashed as the core chains token blocks, so a hash id
+reused under a different parent, or by another tenant, is a different block.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,103 +21,68 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.core.block_pool import BlockPool
-from kvretain.core.hashing import BlockHash
+from kvretain.core.hashing import BlockHash, BlockIdHasher
 from kvretain.core.policy import INF, PolicyConfig, make_policy
-from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, RetentionError
+from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig
 from kvretain.core.stats import CacheStats, ClassStats
+from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceError, TraceRecord, read_trace
+from kvretain.workloads.priority import PriorityRule, tag_priorities
 
-MOONCAKE_BLOCK_TOKENS = 512
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names the file, line and field."""
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "ClassStats",
+    "ReplayRequest",
+    "ReplayResult",
+    "TraceError",
+    "load_trace",
+    "replay",
+    "replay_requests",
+    "synthetic_conversations",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayRequest:
-    hash_ids: tuple[int, ...]
+    """One request of a replay: its blocks' chained hashes (see the module docstring), in order."""
+
+    hashes: tuple[BlockHash, ...]
     timestamp_s: float = 0.0
     input_length: int = 0
     priority: int = 0
     retention: RetentionConfig | None = None
 
 
-def _parse_retention(raw: Any) -> RetentionConfig:
-    if isinstance(raw, list):
-        return RetentionConfig.from_request_fields(raw)
-    if isinstance(raw, dict):
-        unknown = set(raw) - {"directives", "scope", "decode_priority", "decode_duration_s"}
-        if unknown:
-            raise RetentionError(f"retention: unknown field(s) {sorted(unknown)}")
-        return RetentionConfig.from_request_fields(
-            raw.get("directives"), raw.get("scope"), raw.get("decode_priority"), raw.get("decode_duration_s")
+def replay_requests(
+    records: Iterable[TraceRecord], hasher: BlockIdHasher | None = None
+) -> list[ReplayRequest]:
+    """Replay requests of trace records: hash ids chained under each record's ``cache_salt``, each block
+    named by its chained hash's key (:meth:`~kvretain.core.hashing.BlockIdHasher.block_keys`)."""
+    hasher = hasher or BlockIdHasher()
+    keys = hasher.block_keys
+    return [
+        ReplayRequest(
+            tuple(keys(r.hash_ids, r.cache_salt)),
+            r.timestamp_ms / 1000.0,
+            r.input_length,
+            r.priority,
+            r.retention,
         )
-    raise RetentionError(f"retention must be a list of directives or an object, got {raw!r}")
-
-
-def parse_trace_line(line: str, lineno: int, path: str = "<trace>") -> ReplayRequest:
-    where = f"{path}:{lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected a JSON object per line")
-    ids = obj.get("hash_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids)
-    ):
-        raise TraceError(f"{where}: field 'hash_ids' must be a non-empty list of integers")
-    ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, int | float):
-        raise TraceError(f"{where}: field 'timestamp' must be a number of milliseconds")
-    prio = obj.get("priority", 0)
-    if isinstance(prio, bool) or not isinstance(prio, int):
-        raise TraceError(f"{where}: field 'priority' must be an integer (lower = more important)")
-    n_in = obj.get("input_length", len(ids) * MOONCAKE_BLOCK_TOKENS)
-    if isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 0:
-        raise TraceError(f"{where}: field 'input_length' must be a non-negative integer")
-    retention = None
-    if obj.get("retention") is not None:
-        try:
-            retention = _parse_retention(obj["retention"])
-        except RetentionError as exc:
-            raise TraceError(f"{where}: field 'retention': {exc}") from None
-    return ReplayRequest(tuple(ids), float(ts) / 1000.0, n_in, prio, retention)
+        for r in records
+    ]
 
 
 def load_trace(
     path: str | Path,
     limit: int | None = None,
-    tagger: Callable[[Sequence[int]], int] | None = None,
+    rule: PriorityRule | None = None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> list[ReplayRequest]:
-    """Read a Mooncake-format JSONL trace; ``tagger(hash_ids) -> priority`` overrides priorities."""
-    p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"trace file not found: {p} (pass the path of a Mooncake-format JSONL file)")
-    out: list[ReplayRequest] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            req = parse_trace_line(line, lineno, str(p))
-            if tagger is not None:
-                req = ReplayRequest(
-                    req.hash_ids, req.timestamp_s, req.input_length, tagger(req.hash_ids), req.retention
-                )
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
-
-
-def reference_priority(hash_ids: Sequence[int]) -> int:
-    """The reference rule of ``shared/traces/README.md``: 0 when ``hash_ids[1] % 4 == 0`` (``hash_ids[0]``
-    for one-block requests), else 1 -- about a quarter of conversations, all their turns, are important."""
-    key = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
-    return 0 if key % 4 == 0 else 1
+    """Read a Mooncake-format JSONL trace (:func:`~kvretain.workloads.mooncake.read_trace`: the first
+    ``limit`` lines, sorted stably by timestamp); ``rule`` (a priority rule) overrides priorities."""
+    records = read_trace(path, block_tokens, limit)
+    if rule is not None:
+        records = tag_priorities(records, rule)
+    return replay_requests(records)
 
 
 @dataclass(slots=True)
@@ -163,7 +128,7 @@ def _next_use_oracle(
 ) -> tuple[Callable[[BlockHash], float], Callable[[int], None]]:
     uses: dict[BlockHash, deque[int]] = {}
     for i, r in enumerate(requests):
-        for h in r.hash_ids:
+        for h in r.hashes:
             q = uses.get(h)
             if q is None:
                 uses[h] = q = deque()
@@ -201,6 +166,10 @@ def replay(
     """
     if capacity_blocks <= 0:
         raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(
+            f"tokens per trace block (--block-tokens) must be an integer >= 1, got {block_tokens!r}"
+        )
     mapping = mapping or PriorityMapping()
     cfg = config or PolicyConfig(block_size=block_tokens)
     advance: Callable[[int], None] | None = None
@@ -224,7 +193,7 @@ def replay(
         now[0] = req.timestamp_s
         if advance is not None:
             advance(idx)
-        hashes = req.hash_ids
+        hashes = req.hashes
         n = len(hashes)
         k = 0
         while k < n and hashes[k] in cached:
@@ -299,6 +268,8 @@ def synthetic_conversations(
             events.append((ts, s, list(context), prio))
             ts += rng.expovariate(1.0 / mean_think_s)
     events.sort(key=lambda e: (e[0], e[1]))
+    hasher = BlockIdHasher()
     return [
-        ReplayRequest(tuple(ids), ts, len(ids) * MOONCAKE_BLOCK_TOKENS, prio) for ts, _, ids, prio in events
+        ReplayRequest(tuple(hasher.block_keys(ids)), ts, len(ids) * MOONCAKE_BLOCK_TOKENS, prio)
+        for ts, _, ids, prio in events
     ]

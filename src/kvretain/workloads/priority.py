@@ -1,15 +1,23 @@
-"""Priority tagging rules for traces that carry no priority labels.
+"""Priority tagging rules for traces that carry no priority labels: the one registry of both
+``kvretain replay`` and ``kvretain simulate`` (``--priority-rule``).
 
-A rule maps a request to its priority (lower = more important). Rules live in ``PRIORITY_RULES``; build one
-with ``PRIORITY_RULES.create(name, **options)`` and apply it with ``tag_priorities``.
+A rule maps a request to its priority (lower = more important). ``PRIORITY_RULES`` maps a name to a factory
+returning the rule; build one with :func:`make_rule` (or ``PRIORITY_RULES.create(name, **options)``) and
+apply it with :func:`tag_priorities`. A rule reads only a request's scalar fields (``request_id``,
+``arrival_s``, ``prompt_len``, ``output_len``, ``priority``, ``session_id``, ``cache_salt``,
+``block_ids``): the replay applies it to trace records
+(:class:`~kvretain.workloads.mooncake.TraceRecord`), which have those fields and no tokens. A factory that
+takes an ``rng`` argument gets the caller's seeded ``random.Random``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import zlib
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from kvretain.registry import Registry
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
@@ -18,18 +26,38 @@ PriorityRule = Callable[[WorkloadRequest], int]
 
 PRIORITY_RULES: Registry[PriorityRule] = Registry("priority rule")
 
+KEEP = "keep"
+"""The ``--priority-rule`` choice that keeps the trace's own ``priority`` field (default 0)."""
 
-def tag_priorities(requests: Iterable[WorkloadRequest], rule: PriorityRule) -> list[WorkloadRequest]:
-    """Copies of ``requests`` (in order) with ``priority`` set by ``rule``."""
-    return [dataclasses.replace(r, priority=rule(r)) for r in requests]
+R = TypeVar("R")
+
+
+def rule_choices() -> list[str]:
+    """The ``--priority-rule`` choices: ``keep`` and every registered rule."""
+    return [KEEP, *PRIORITY_RULES.names()]
+
+
+def make_rule(name: str, rng: random.Random | None = None, **options: Any) -> PriorityRule | None:
+    """The rule registered as ``name`` (``None`` for ``keep``); ``rng`` goes to factories that take one."""
+    if name == KEEP:
+        return None
+    factory = PRIORITY_RULES.get(name)
+    if "rng" in inspect.signature(factory).parameters:
+        options["rng"] = rng if rng is not None else random.Random(0)
+    return factory(**options)
+
+
+def tag_priorities(requests: Iterable[R], rule: PriorityRule) -> list[R]:
+    """Copies of ``requests`` (in order; workload requests or trace records), ``priority`` set by ``rule``."""
+    return [dataclasses.replace(r, priority=rule(r)) for r in requests]  # type: ignore[type-var, arg-type]
 
 
 @PRIORITY_RULES.register("reference")
 def reference_rule(important: int = 0, other: int = 1) -> PriorityRule:
     """Mooncake reference rule: important when hash_ids[1] % 4 == 0 (hash_ids[0] for one-block requests).
 
-    Keys on the conversation's first own block, so all turns of a conversation share a class (about a
-    quarter of conversations are important). Needs ``block_ids``.
+    The rule of ``shared/traces/README.md``: keys on the conversation's first own block, so all turns of a
+    conversation share a class (about a quarter of conversations are important). Needs ``block_ids``.
     """
 
     def rule(r: WorkloadRequest) -> int:

@@ -1,49 +1,22 @@
-"""The request a workload hands to a simulator or engine; retention directives are the core's
-(:class:`kvretain.core.retention.RetentionDirective`), parsed here from trace lines."""
+"""The request a workload hands to a simulator or engine; its retention is the core's
+(:class:`kvretain.core.retention.RetentionDirective` ranges, plus the rest of a
+:class:`~kvretain.core.retention.RetentionConfig`). Trace lines are parsed in
+:mod:`kvretain.workloads.mooncake`."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvretain.core.retention import RetentionDirective
+from kvretain.core.retention import RetentionConfig, RetentionDirective, RetentionError
 from kvretain.workloads.tokens import TokenSeq
 
 
 class WorkloadError(ValueError):
     """A workload file or configuration is malformed; the message names the place and the field."""
-
-
-def parse_directive(raw: Any, where: str) -> RetentionDirective:
-    """Parse one ``{start, end, priority, duration_s}`` directive of a trace line into the core
-    :class:`~kvretain.core.retention.RetentionDirective` (RFC #37003 / TensorRT-LLM ranges: prompt tokens
-    ``[start, end)``, ``end=None`` to the end, priority 0-100, ``duration_s`` after release, ``None``: no
-    expiry). Errors are ``WorkloadError`` naming ``where`` and the bad field."""
-    if not isinstance(raw, Mapping):
-        raise WorkloadError(f"{where}: retention directive must be an object, got {raw!r}")
-    unknown = sorted(set(raw) - {"start", "end", "priority", "duration_s"})
-    if unknown:
-        raise WorkloadError(f"{where}: unknown retention field {unknown[0]!r}")
-    start = raw.get("start", 0)
-    end = raw.get("end")
-    priority: Any = raw.get("priority")
-    duration = raw.get("duration_s")
-    if not is_int(start) or start < 0:
-        raise WorkloadError(f"{where}: retention field 'start' must be an int >= 0, got {start!r}")
-    if end is not None and (not is_int(end) or end <= start):
-        raise WorkloadError(f"{where}: retention field 'end' must be null or an int > start, got {end!r}")
-    if not is_int(priority) or not 0 <= priority <= 100:
-        raise WorkloadError(f"{where}: retention field 'priority' must be an int in 0..100, got {priority!r}")
-    if duration is not None and (not is_number(duration) or duration < 0):
-        raise WorkloadError(f"{where}: retention field 'duration_s' must be null or >= 0, got {duration!r}")
-    return RetentionDirective(start, end, priority, None if duration is None else float(duration))
-
-
-def directive_to_dict(d: RetentionDirective) -> dict[str, Any]:
-    """The raw form of a directive, as in a trace line or ``SamplingParams.extra_args``."""
-    return {"start": d.start, "end": d.end, "priority": d.priority, "duration_s": d.duration_s}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +26,9 @@ class WorkloadRequest:
     ``prompt`` is a lazy ``TokenSeq``; ``output``, when known (synthetic workloads), holds the tokens the
     request will generate, so that a follow-up turn whose prompt contains them can hit the cached decode
     blocks. ``block_ids`` keeps a trace's per-block hash ids (Mooncake) for priority-tagging rules.
+    ``retention`` (prompt token ranges), ``retention_scope``, ``decode_priority`` and ``decode_duration_s``
+    are the fields of the core's :class:`~kvretain.core.retention.RetentionConfig` (see
+    :meth:`retention_config`); they are checked together when the request is built (ranges may not overlap).
 
     Arrivals are open-loop (``arrival_s``). A closed-loop replay may instead release a follow-up turn
     ``think_s`` seconds after the request ``after`` completes; ``arrival_s`` already includes an estimate of
@@ -71,14 +47,37 @@ class WorkloadRequest:
     output: TokenSeq | None = None
     after: str | None = None
     think_s: float = 0.0
+    retention_scope: str | None = None
+    decode_priority: int | None = None
+    decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.arrival_s < 0 or self.output_len < 0 or self.think_s < 0:
-            raise WorkloadError(f"request {self.request_id}: arrival_s, output_len and think_s must be >= 0")
+        if not (0 <= self.arrival_s < math.inf and 0 <= self.think_s < math.inf and self.output_len >= 0):
+            raise WorkloadError(
+                f"request {self.request_id}: arrival_s and think_s must be finite and >= 0, output_len >= 0"
+            )
         if self.output is not None and len(self.output) != self.output_len:
             raise WorkloadError(
                 f"request {self.request_id}: output has {len(self.output)} tokens, not output_len"
             )
+        if self.retention or self.retention_scope is not None or self.decode_priority is not None:
+            try:
+                self.retention_config()
+            except RetentionError as e:
+                raise WorkloadError(f"request {self.request_id}: {e}") from None
+
+    def retention_config(self) -> RetentionConfig | None:
+        """The request's retention as the core's ``RetentionConfig`` (``None`` when it says nothing)."""
+        if (
+            not self.retention
+            and self.retention_scope is None
+            and self.decode_priority is None
+            and self.decode_duration_s is None
+        ):
+            return None
+        return RetentionConfig(
+            self.retention or (), self.decode_priority, self.decode_duration_s, self.retention_scope
+        )
 
     @property
     def prompt_len(self) -> int:
@@ -105,10 +104,11 @@ def scale_and_limit(
 
 
 def check_scale_and_limit(time_scale: float, limit: int | None) -> None:
-    if not time_scale > 0:
-        raise WorkloadError(f"time_scale must be > 0, got {time_scale}")
-    if limit is not None and limit < 0:
-        raise WorkloadError(f"limit must be >= 0, got {limit}")
+    """``time_scale`` finite and > 0; ``limit`` (a number of requests) ``None`` or >= 1."""
+    if not 0 < time_scale < math.inf:
+        raise WorkloadError(f"time scale (--time-scale) must be a finite number > 0, got {time_scale}")
+    if limit is not None and (not is_int(limit) or limit < 1):
+        raise WorkloadError(f"limit (--limit) must be a positive number of requests, got {limit!r}")
 
 
 def is_int(v: Any) -> bool:

@@ -4,22 +4,25 @@ own blocks cheaply from its token structure (the cache manager's ``block_hashes`
 A request's full token sequence is its prompt's chunks followed by its output chunk (the workload's
 ``output`` when given, else a seeded stream derived from the request id). Block ``i`` covers tokens
 ``[i*B, (i+1)*B)`` of that sequence, which is a list of *pieces* ``(chunk key, offset, length)``; its hash is
-Python's ``hash((parent, *pieces))``. A seeded chunk's key is its seed and its tokens depend on the seed
-alone, so equal pieces mean equal tokens at any block size, and a follow-up turn whose prompt repeats the
-previous turn's prompt and output chunks gets the same hashes for those blocks, decode blocks included.
-No token is materialized to hash (the Mooncake trace holds 145M prompt tokens). Hashes of ints and tuples
-of ints are the same in every process, so runs are reproducible.
+the core's chain step (:meth:`~kvretain.core.hashing.ContentHasher.chain`, sha256) over its parent's hash
+and its pieces, the ``cache_salt`` in the first block's extra keys as in
+:class:`~kvretain.core.hashing.BlockHasher`. A seeded chunk's key is its 128-bit seed and its tokens depend
+on the seed alone, so equal pieces mean equal tokens at any block size, and a follow-up turn whose prompt
+repeats the previous turn's prompt and output chunks gets the same hashes for those blocks, decode blocks
+included; a literal chunk's key is 128 bits of the sha256 of its tokens. No token is materialized to hash
+(the Mooncake trace holds 145M prompt tokens). Two requests share a block only when their salts, every
+earlier piece and the block's own pieces are equal.
 """
 
 from __future__ import annotations
 
 import hashlib
-import zlib
+import struct
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from kvretain.core.hashing import BlockHash, ExtraKeys
-from kvretain.core.retention import RetentionConfig
+from kvretain.core.hashing import BlockHash, BlockHasher, ContentHasher, ExtraKeys
 from kvretain.sched.request import Request
 from kvretain.workloads.request import WorkloadRequest
 from kvretain.workloads.tokens import LiteralChunk, SeededChunk, TokenSeq
@@ -52,11 +55,23 @@ class LazyTokens(Sequence[int]):
         return iter(self._tokens)
 
 
-def _chunk_key(c: SeededChunk | LiteralChunk) -> int:
-    # even keys: seeds; odd keys: literal token tuples (ints and tuples of ints hash reproducibly)
+_PIECES = ContentHasher("sha256", b"kvretain/v1/sim-pieces")
+"""The chain of simulated blocks (its own root: never equal to a chain of token or trace-id blocks)."""
+_PIECE = struct.Struct("<17sQQ")
+"""One piece of a block: chunk key, offset in the chunk, length; a block's content is its pieces."""
+_STEP = struct.Struct("<32sH17sQQ")
+"""``ContentHasher.chain``'s input for a non-first block of one piece: parent, ``len(extra) == 0``, piece."""
+
+
+def _chunk_key(c: SeededChunk | LiteralChunk) -> bytes:
+    # 17 bytes: b"s" + the seed as SeededChunk.materialize reads it; b"l" + 128 bits of the tokens' sha256
     if isinstance(c, SeededChunk):
-        return 2 * c.seed
-    return 2 * hash(c.tokens) + 1
+        return b"s" + c.seed.to_bytes(16, "little", signed=True)
+    try:
+        body = array("q", c.tokens).tobytes()
+    except OverflowError:
+        body = ",".join(map(str, c.tokens)).encode()
+    return b"l" + hashlib.sha256(body).digest()[:16]
 
 
 def output_seed(request_id: str) -> int:
@@ -71,11 +86,11 @@ class SimRequest(Request):
         "_bs",
         "_chunks",
         "_ci",
+        "_extra",
         "_hashes",
         "_off",
         "_out_tokens",
         "_output",
-        "_root",
         "after",
         "session_id",
         "think_s",
@@ -88,7 +103,7 @@ class SimRequest(Request):
         n_out = max(1, wr.output_len)
         if out is None:
             out = TokenSeq.seeded(output_seed(wr.request_id), n_out)
-        retention = RetentionConfig(wr.retention) if wr.retention else None
+        retention = wr.retention_config()
         super().__init__(
             wr.request_id,
             LazyTokens(wr.prompt),
@@ -105,8 +120,7 @@ class SimRequest(Request):
         self.think_s = wr.think_s
         self.session_id = wr.session_id
         self._chunks = [(_chunk_key(c), c.length) for c in (*wr.prompt.chunks, *out.chunks) if c.length]
-        salt = -1 if wr.cache_salt is None else zlib.crc32(wr.cache_salt.encode())
-        self._root = hash((0x6B76726574, salt))
+        self._extra = BlockHasher.encode_extra(ExtraKeys(cache_salt=wr.cache_salt), True)
         self._hashes: list[BlockHash] = []
         self._ci = 0
         self._off = 0
@@ -138,29 +152,32 @@ class SimRequest(Request):
             self._bs = block_size
         chunks = self._chunks
         ci, off = self._ci, self._off
-        parent: BlockHash = h[-1] if h else self._root
+        parent: bytes | None = h[-1] if h else None  # type: ignore[assignment]
+        # NOTE: the common case inlines ContentHasher.chain (sha256 of _STEP: one C call to build its input)
+        sha = hashlib.sha256
+        step = _STEP.pack
         append = h.append
         while len(h) < num_blocks:
             key, length = chunks[ci]
-            if length - off >= block_size:  # the block lies inside one chunk (the common case)
-                parent = hash((parent, key, off))
+            if parent is not None and length - off >= block_size:  # inside one chunk: the common case
+                parent = sha(step(parent, 0, key, off, block_size)).digest()
                 off += block_size
                 if off == length:
                     ci += 1
                     off = 0
             else:
-                pieces: list[int] = [parent]  # type: ignore[list-item]
+                pieces: list[bytes] = []
                 need = block_size
                 while need:
                     key, length = chunks[ci]
-                    take = min(need, length - off)
-                    pieces += (key, off, take)
-                    need -= take
-                    off += take
+                    n = min(need, length - off)
+                    pieces.append(_PIECE.pack(key, off, n))
+                    need -= n
+                    off += n
                     if off == length:
                         ci += 1
                         off = 0
-                parent = hash(tuple(pieces))
+                parent = _PIECES.chain(parent, b"".join(pieces), self._extra if parent is None else b"")
             append(parent)
         self._ci, self._off = ci, off
         return h
