@@ -7,9 +7,10 @@ One step (``schedule``), in vLLM v1's order but split by concern:
    under ``priority``; the latest started under ``fcfs``) is preempted by recompute and the allocation is
    retried; the request may preempt itself.
 2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
-   this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots``. When blocks run out the
-   queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
-   running requests.
+   this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
+   ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run
+   out the queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less
+   important running requests.
 
 Preemption frees the request's blocks through ``KVCacheManager.free`` (they stay cached with its retention,
 so a resume can hit them), resets its computed tokens and puts it back in the waiting queue.
@@ -124,7 +125,8 @@ class Scheduler:
                 n = st.budget
             else:
                 n = need
-            while self.kv.allocate_slots(req, n, n_cached, hits) is None:
+            reserve = req.num_tokens if cfg.reserve_full_prompt else 0
+            while self.kv.allocate_slots(req, n, n_cached, hits, reserve) is None:
                 victim = self._waiting_victim(req)
                 if victim is None:
                     return
