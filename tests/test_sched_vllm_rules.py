@@ -72,3 +72,17 @@ def test_allocate_slots_reserve_counts_free_hits_and_allocates_only_the_chunk() 
     assert kv.allocate_slots(c, 4, 0, reserve_tokens=20) is None  # 5 blocks wanted, 3 free: nothing changes
     assert kv.get_num_free_blocks() == 3
     assert kv.allocate_slots(c, 4, 0) is not None  # the chunk alone fits
+
+
+def test_preemption_ties_on_priority_and_arrival_go_to_the_first_running() -> None:
+    """vLLM 0.33 preempts ``max(running, key=(priority, arrival_time))``: no request-id tie-break, so of
+    requests tied on both the first in running order is the victim (not the largest id)."""
+    # 5 blocks of 4 tokens: a and b (8 tokens, 2 blocks each) are admitted; their first decode tokens need a
+    # third block each, and only one is free
+    s = make(5, policy="priority", max_num_batched_tokens=64)
+    s.add_request(req("a", 8, t=1.0))
+    s.add_request(req("b", 8, t=1.0))
+    assert chunks(step(s)) == [("a", 8), ("b", 8)]
+    out = step(s)
+    assert out.preempted == ("a",)  # a got the free block, then b's allocation preempted a (tied, first)
+    assert chunks(out) == [("b", 1)]

@@ -3,9 +3,9 @@
 One step (``schedule``), in vLLM v1's order but split by concern:
 
 1. Running requests, in their running order, each get ``min(remaining tokens, budget)`` tokens. When the
-   cache has no blocks for one, the least important running request (largest ``(priority, arrival, id)``
-   under ``priority``; the latest started under ``fcfs``) is preempted by recompute and the allocation is
-   retried; the request may preempt itself.
+   cache has no blocks for one, the least important running request (largest ``(priority, arrival)``
+   under ``priority``, the first in running order on ties; the latest started under ``fcfs``) is preempted
+   by recompute and the allocation is retried; the request may preempt itself.
 2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
    this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
    ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run
@@ -141,9 +141,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
     def _victim(self, candidates: list[Request]) -> Request:
-        """vLLM's rule: the least important, latest arriving request (priority); the last started (fcfs)."""
+        """vLLM's rule: the least important, latest arriving request (priority); the last started (fcfs).
+
+        Under ``priority`` the key is ``(priority, arrival_time)`` without the request id, as vLLM 0.33's
+        ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``: of requests tied on both, the
+        first in running order is preempted."""
         if self._by_priority:
-            return max(candidates)
+            return max(candidates, key=_preemption_key)
         return candidates[-1]
 
     def _waiting_victim(self, req: Request) -> Request | None:
@@ -189,6 +193,10 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
+
+
+def _preemption_key(r: Request) -> tuple[int, float]:
+    return (r.priority, r.arrival_time)
 
 
 class _Step:
