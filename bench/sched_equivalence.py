@@ -231,6 +231,9 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
             policy=queue,
         )
         hasher = harness.block_hasher(args.block_size)
+        queue_cls = type(sched.kv_cache_manager.block_pool.free_block_queue).__name__
+        if (queue_cls == "FreeKVCacheBlockQueue") != (args.policy == "lru"):
+            raise SystemExit(f"vLLM's free queue is {queue_cls}: the plugin is not (or wrongly) installed")
 
         def add(s: Spec) -> None:
             sched.add_request(
@@ -257,7 +260,9 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
             sched.update_from_output(out, harness.runner_output(sched, out))
             return StepRecord(step, n_sched, sorted(out.preempted_req_ids or ()), admitted)
 
-        return drive("vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps)
+        tr = drive("vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps)
+        tr.name = f"vllm ({queue_cls})"
+        return tr
     finally:
         if args.policy != "lru":
             plugin.disable()
@@ -375,7 +380,7 @@ def main() -> None:
         k = run_kvretain(specs, args, q)
         v = run_vllm(specs, args, q, model_dir)
         print(
-            f"{q}: kvretain {len(k.records)} steps ({k.wall_s:.1f} s), vLLM {len(v.records)} steps "
+            f"{q}: kvretain {len(k.records)} steps ({k.wall_s:.1f} s), {v.name} {len(v.records)} steps "
             f"({v.wall_s:.1f} s)"
         )
         res = compare(k, v)
