@@ -1,7 +1,7 @@
 """kvretain's scheduler and cache against vLLM 0.33's, step for step, on the same request sequence.
 
     .venv-vllm/bin/python bench/sched_equivalence.py [--trace T] [--requests 1000] [--policy lru|unified]
-        [--queue fcfs|priority|both] [--block-size 16 --pool-blocks 4096 --max-batched-tokens 2048 ...]
+        [--queue fcfs|priority|both] [--block-size 16 --pool-blocks 2048 --max-batched-tokens 2048 ...]
 
 The first ``--requests`` requests of the Mooncake conversation trace, tagged with the reference priority rule
 (``kvretain.workloads``); every trace hash id expands into 512 deterministic tokens, so equal hash ids give
