@@ -346,7 +346,7 @@ def main() -> None:
     ap.add_argument("--queue", default="both", choices=["fcfs", "priority", "both"])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
-        "--pool-blocks", type=int, default=4096, help="KV blocks (vLLM's count, null block included)"
+        "--pool-blocks", type=int, default=2048, help="KV blocks (vLLM's count, null block included)"
     )
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
