@@ -43,23 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _vllm_harness as harness
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 TRACE_BLOCK = 512
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 65536,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "float32",
-}
 
 
 @dataclass
@@ -112,48 +100,13 @@ def prompt_tokens(req: TraceRequest) -> list[int]:
 
 
 def build_scheduler(model_dir: str, args: argparse.Namespace) -> Any:
-    import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    max_len = 131072
-    model_config = ModelConfig(
-        model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="float32"
-    )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_batched_tokens,
-            max_model_len=max_len,
-            policy="priority",
-            is_encoder_decoder=False,
-            enable_chunked_prefill=True,
-        ),
-        cache_config=CacheConfig(block_size=args.block_size, enable_prefix_caching=True),
-        device_config=DeviceConfig(device="cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = args.pool_blocks
-    kv_cache_config = KVCacheConfig(
+    return harness.build_scheduler(
+        model_dir,
         num_blocks=args.pool_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn"],
-                FullAttentionSpec(
-                    block_size=args.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=args.block_size,
-        log_stats=True,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        max_model_len=131072,
     )
 
 
@@ -193,11 +146,7 @@ class Result:
 
 
 def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace) -> Result:
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(args.block_size, sha256)
+    hasher = harness.block_hasher(args.block_size)
     sched = build_scheduler(model_dir, args)
     res = Result(name)
     # as vLLM's EngineCore after start-up: collect, then keep the startup heap out of later collections
@@ -212,7 +161,6 @@ def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.N
 
 def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> None:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     prio_of = {r.rid: r.priority for r in reqs}
@@ -245,17 +193,7 @@ def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> No
         out = sched.schedule()
         c1 = cpu()
         w1 = perf()
-        req_ids = list(out.num_scheduled_tokens)
-        requests = sched.requests
-        sampled = []
-        for rid in req_ids:
-            q = requests[rid]
-            sampled.append([7] if q.num_computed_tokens >= q.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        mro = harness.runner_output(sched, out)
         w2 = perf()
         c2 = cpu()
         outs = sched.update_from_output(out, mro)
@@ -336,8 +274,7 @@ def run_child(args: argparse.Namespace) -> None:
     from kvretain.integrations.vllm.config import PluginConfig, parse_options
 
     reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
-    model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
-    Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA))
+    model_dir = harness.write_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-"))
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
     counters: dict[Any, Any] = {}
     if args.child == "plugin":

@@ -36,4 +36,4 @@ sys.exit(pathlib.Path(m.__file__).resolve().is_relative_to(pathlib.Path('src').r
   quiet "$VENV/bin/python" -m pip install -q --no-deps -e .
 fi
 echo "== pytest (vLLM plugin, $VENV)"
-"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py tests/test_vllm_differential.py "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py tests/test_vllm_differential.py tests/test_sched_equivalence.py "$@"

@@ -38,32 +38,97 @@ def test_builtin_catalog_entries() -> None:
         CAT.model("gpt-5")
 
 
+# Llama-3-8B by hand (field notes, "First-order cost model"): L=32, d=4096, n_q=32, n_kv=8, h=128,
+# ffn=14336, V=128256, bf16.
+P_LAYER = 4096 * 128 * (32 + 2 * 8) + 32 * 128 * 4096 + 3 * 4096 * 14336  # 218,103,808 weights per layer
+F_LAYERS = 2 * 32 * P_LAYER  # 13,958,643,712 FLOPs per token in the layers
+F_HEAD = 2 * 128256 * 4096  # 1,050,673,152 FLOPs per sampled token in the LM head
+A_PAIR = 4 * 32 * 32 * 128  # 524,288 attention FLOPs per (query, key) pair
+LAYER_BYTES = 32 * P_LAYER * 2  # 13.96 GB
+TABLE_BYTES = 128256 * 4096 * 2  # 1.05 GB: the input embedding, and the (untied) LM head
+ROW_BYTES = 4096 * 2  # one embedding row
+KV_TOKEN = 2 * 32 * 8 * 128 * 2  # 128 KiB
+
+
 def test_llama3_8b_sizes() -> None:
     cm = ideal()
-    assert cm.kv_bytes_per_token() == 128 * 1024
-    assert cm.linear_flops_per_token == pytest.approx(15e9, rel=0.01)
-    assert cm.weight_bytes() == pytest.approx(2 * 8.03e9, rel=0.01)  # 8.03B params incl. untied embeddings
+    assert cm.kv_bytes_per_token() == KV_TOKEN == 128 * 1024
+    assert (cm.layer_flops_per_token, cm.head_flops_per_sample) == (F_LAYERS, F_HEAD)
+    assert cm.linear_flops_per_token == F_LAYERS + F_HEAD == pytest.approx(15e9, rel=0.01)
+    head_share = F_HEAD / (F_LAYERS + F_HEAD)
+    assert head_share == pytest.approx(0.07, abs=0.001)  # the LM head: 7% of F
+    assert cm.weight_bytes() == LAYER_BYTES + 2 * TABLE_BYTES == 16_059_990_016  # 16.06 GB stored
+    assert cm.weight_bytes() - LAYER_BYTES - TABLE_BYTES == pytest.approx(1.05e9, rel=0.001)
 
 
-def test_decode_matches_field_notes() -> None:
+def test_prefill_samples_only_its_last_token() -> None:
+    cm = ideal()
+    n, p = 8192, 0
+    pairs = n * (n + 1) // 2
+    assert cm.prefill_flops(n) == F_LAYERS * n + F_HEAD + A_PAIR * pairs
+    # the old formula charged the LM head for every prompt token: 8191 rows too many, ~7% of linear FLOPs
+    old = (F_LAYERS + F_HEAD) * n + A_PAIR * pairs
+    assert (old - cm.prefill_flops(n)) == F_HEAD * (n - 1)
+    assert (F_LAYERS + F_HEAD) * n / (F_LAYERS * n + F_HEAD) == pytest.approx(1.075, abs=0.001)
+    # a chunk that does not finish the prompt samples nothing
+    assert cm.prefill_flops(512, 1024, samples=False) == F_LAYERS * 512 + A_PAIR * (
+        512 * 1024 + 512 * 513 // 2
+    )
+    assert cm.prefill_flops(512, 1024) - cm.prefill_flops(512, 1024, samples=False) == F_HEAD
+    # the ideal roofline of an 8k prefill (compute-bound): 133.4 ms on H100 (142 ms with the head on every token)
+    flops = F_LAYERS * n + F_HEAD + A_PAIR * pairs
+    assert cm.prefill_time(n, p) == pytest.approx(flops / 989e12, rel=1e-12)
+    assert cm.prefill_time(n) == pytest.approx(133.4e-3, rel=0.001)
+    assert old / 989e12 == pytest.approx(142e-3, rel=0.002)  # the field notes' figure
+
+
+def test_step_work_by_hand() -> None:
+    cm = ideal()
+    # a step reads the layers, the LM head when it samples, one embedding row per token, and the KV
+    assert cm.step_work(3, 10, 7, 1) == (
+        F_LAYERS * 3 + F_HEAD + A_PAIR * 10,
+        LAYER_BYTES + TABLE_BYTES + 3 * ROW_BYTES + 7 * KV_TOKEN,
+    )
+    assert cm.step_work(512, 1000, 512, 0) == (
+        F_LAYERS * 512 + A_PAIR * 1000,
+        LAYER_BYTES + 512 * ROW_BYTES + 512 * KV_TOKEN,
+    )  # a partial chunk alone: no LM head at all
+
+
+def test_decode_step_reads_embedding_rows_not_the_table() -> None:
+    cm = ideal()
     batch = [2048] * 32
-    assert ideal().decode_time(batch) == pytest.approx(7.4e-3, rel=0.02)
-    assert ideal(gpu_name="h200").decode_time(batch) == pytest.approx(5.1e-3, rel=0.02)
+    nbytes = LAYER_BYTES + TABLE_BYTES + 32 * ROW_BYTES + 32 * 2048 * KV_TOKEN  # 23.60 GB
+    flops = 32 * (F_LAYERS + F_HEAD) + A_PAIR * 32 * 2048
+    assert cm.step_work(32, 32 * 2048, 32 * 2048, 32) == (flops, nbytes)
+    assert cm.decode_time(batch) == pytest.approx(nbytes / 3.35e12, rel=1e-12)  # memory-bound: 7.04 ms
+    # the old count read all 16.06 GB of weights, the whole embedding table included: +1.05 GB per step
+    old = cm.weight_bytes() + 32 * 2048 * KV_TOKEN
+    assert old - nbytes == TABLE_BYTES - 32 * ROW_BYTES
+    assert (old - nbytes) / 1e9 == pytest.approx(1.05, abs=0.005)
+    assert old / 3.35e12 == pytest.approx(7.4e-3, rel=0.01)  # the field notes' 7.4 ms counted the table
+    assert ideal(gpu_name="h200").decode_time(batch) == pytest.approx(nbytes / 4.8e12, rel=1e-12)  # 4.92 ms
     # The derated model: ideal roofline / bandwidth efficiency, plus a small step overhead.
     real = CostModel(LLAMA8, H100)
-    assert real.decode_time(batch) == pytest.approx(7.4e-3 / H100.bandwidth_efficiency, rel=0.2)
+    assert real.decode_time(batch) == pytest.approx(
+        nbytes / (3.35e12 * H100.bandwidth_efficiency) + H100.step_overhead_s, rel=1e-12
+    )
     assert CostModel(LLAMA8, H200).decode_time(batch) < real.decode_time(batch)
 
 
-def test_prefill_matches_field_notes_and_formula() -> None:
+def test_tied_embeddings_store_one_table_and_read_it_for_the_head() -> None:
+    from dataclasses import replace
+
+    tied = COST_MODELS.create("ideal", replace(LLAMA8, tied_embeddings=True), H100)
+    assert tied.weight_bytes() == LAYER_BYTES + TABLE_BYTES
+    assert tied.step_work(1, 100, 100, 1)[1] == LAYER_BYTES + TABLE_BYTES + ROW_BYTES + 100 * KV_TOKEN
+
+
+def test_prefill_formula_shape() -> None:
     cm = ideal()
-    assert cm.prefill_time(8192) == pytest.approx(142e-3, rel=0.02)
-    m = LLAMA8
-    f_lin = cm.linear_flops_per_token
-    a = 4 * m.n_layers * m.n_q_heads * m.head_dim
     for n in (1024, 4096, 16384, 32768):
-        flops = f_lin * n + a * n * (n + 1) / 2
-        nbytes = cm.weight_bytes() + n * cm.kv_bytes_per_token()
+        flops = F_LAYERS * n + F_HEAD + A_PAIR * n * (n + 1) / 2
+        nbytes = LAYER_BYTES + TABLE_BYTES + n * ROW_BYTES + n * KV_TOKEN
         expect = max(flops / H100.peak_flops, nbytes / H100.mem_bandwidth)
         assert cm.prefill_time(n) == pytest.approx(expect, rel=1e-9)
     # Quadratic attention: doubling n more than doubles the time at long context.
@@ -83,13 +148,17 @@ def test_mixed_step_is_one_roofline() -> None:
     cm = CostModel(LLAMA8, H100)
     assert cm.step_time([], []) == 0.0
     decode = [2048] * 32
-    mixed = cm.step_time([(512, 0)], decode)
+    mixed = cm.step_time([(512, 0, True)], decode)
     # One forward pass: weights are read once, so mixing costs less than two separate steps.
     assert max(cm.decode_time(decode), cm.prefill_time(512)) <= mixed
     assert mixed < cm.decode_time(decode) + cm.prefill_time(512)
-    assert cm.step_time([(256, 0), (256, 256)], []) == pytest.approx(
-        cm.step_time([(512, 0)], []), rel=1e-12
-    )  # same tokens, same causal pairs
+    # same tokens, same causal pairs; the first chunk of the two does not sample
+    assert cm.step_time([(256, 0, False), (256, 256, True)], []) == pytest.approx(
+        cm.step_time([(512, 0, True)], []), rel=1e-12
+    )
+    # a one-token chunk that samples costs what a decode token of the same context costs
+    assert cm.step_time([(1, 99, True)], decode) == cm.step_time([], [*decode, 100])
+    assert cm.step_time([(1, 99, False)], []) < cm.step_time([], [100])
 
 
 def test_kv_capacity() -> None:
@@ -182,3 +251,22 @@ def test_user_catalog_errors(tmp_path: Path, text: str, match: str) -> None:
 def test_missing_catalog_file(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="not found"):
         load_catalog(tmp_path / "nope.toml")
+
+
+def test_executor_charges_the_lm_head_only_for_chunks_that_sample() -> None:
+    from kvretain.engine.sim.executor import SimExecutor
+    from kvretain.sched.output import ScheduledChunk, SchedulerOutput
+
+    cm = ideal()
+    ex = SimExecutor(cm, {})
+    chunks = (
+        ScheduledChunk("decode", 1, 2047, True),
+        ScheduledChunk("partial", 1, 511, False),  # a one-token chunk that does not finish its prompt
+        ScheduledChunk("last", 300, 512, True),
+    )
+    t = ex.step_time(SchedulerOutput(1, chunks))
+    tokens, pairs = 302, 2048 + 512 + (300 * 512 + 300 * 301 // 2)
+    flops, nbytes = cm.step_work(tokens, pairs, 2048 + 512 + 812, 2)
+    assert flops == F_LAYERS * tokens + 2 * F_HEAD + A_PAIR * pairs
+    assert t == max(flops / 989e12, nbytes / 3.35e12)
+    assert ex.busy_s == t

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,45 +23,26 @@ pytest.importorskip(
     reason="vLLM is not installed in this environment; scripts/test_vllm.sh runs these tests in .venv-vllm",
 )
 
-import torch
-from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 import kvretain.integrations.vllm as plugin
 from kvretain.integrations.vllm.config import PluginConfig, parse_options
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import _vllm_harness as harness
+
 BLOCK = 16
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "float32",
-}
 
 
 # ---------------------------------------------------------------------------- harness
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(d)
+    return harness.write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), vocab_size=1000, max_len=4096)
 
 
 class Clock:
@@ -98,43 +81,14 @@ def build_scheduler(
     max_model_len: int = 1024,
     kv_events: bool = False,
 ) -> Scheduler:
-    model_config = ModelConfig(
-        model=model_dir,
-        tokenizer=model_dir,
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-        dtype="float32",
-    )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_batched,
-            max_model_len=max_model_len,
-            policy="priority",
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        device_config=DeviceConfig(device="cpu"),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
+    return harness.build_scheduler(
+        model_dir,
         num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn"],
-                FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32),
-            )
-        ],
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK,
-        log_stats=True,
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        kv_events=kv_events,
     )
 
 
@@ -155,8 +109,7 @@ _HASHER: dict[str, Any] = {}
 
 def make_request(spec: Spec) -> Request:
     if "h" not in _HASHER:
-        init_none_hash(sha256)
-        _HASHER["h"] = get_request_block_hasher(BLOCK, sha256)
+        _HASHER["h"] = harness.block_hasher(BLOCK)
     return Request(
         request_id=spec.rid,
         prompt_token_ids=list(spec.prompt),
@@ -194,19 +147,9 @@ def run(sched: Scheduler, specs: list[Spec], run_: Run | None = None, max_steps:
         while pending and pending[0].arrival_step <= step:
             sched.add_request(make_request(pending.pop(0)))
         out = sched.schedule()
-        req_ids = list(out.num_scheduled_tokens)
         for nr in out.scheduled_new_reqs:
             out_run.hits.setdefault(nr.req_id, nr.num_computed_tokens)
-        sampled = []
-        for rid in req_ids:
-            r = sched.requests[rid]
-            sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
-        outs = sched.update_from_output(out, mro)
+        outs = sched.update_from_output(out, harness.runner_output(sched, out))
         for eco in outs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:

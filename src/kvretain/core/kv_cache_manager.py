@@ -171,6 +171,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_computed_tokens: int,
         new_computed_blocks: Sequence[int] = (),
+        reserve_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens`` (which include prefix hits).
 
@@ -178,6 +179,9 @@ class KVCacheManager:
         only; they are touched. Returns the newly allocated block ids, or ``None`` when the pool cannot supply
         them (nothing changes then). Blocks that are full once the new tokens are computed are registered in
         the prefix cache (their token ids must be known: prompt tokens, or generated tokens already appended).
+        ``reserve_tokens``: succeed only if the free blocks could also hold the request's first
+        ``reserve_tokens`` tokens (vLLM's ``full_sequence_must_fit`` admission gate); only the blocks for
+        ``num_new_tokens`` are allocated.
         """
         if num_new_tokens < 0 or num_computed_tokens < 0:
             raise ValueError(
@@ -192,10 +196,11 @@ class KVCacheManager:
         total_tokens = num_computed_tokens + num_new_tokens
         held = len(st.blocks) + len(new_computed_blocks)
         n_new = max(0, -(-total_tokens // self.block_size) - held)
+        n_check = max(n_new, -(-reserve_tokens // self.block_size) - held)
         # touching free hits takes them out of the allocatable set: check both together
         ref_count = self.pool.ref_count
         free_hits = sum(1 for b in new_computed_blocks if ref_count(b) == 0)
-        if n_new + free_hits > self.pool.get_num_allocatable():
+        if n_check + free_hits > self.pool.get_num_allocatable():
             return None
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)

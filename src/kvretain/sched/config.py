@@ -17,6 +17,9 @@ class SchedulerConfig:
         fit the remaining budget waits for a step where it does (and must fit ``max_num_batched_tokens``).
     waiting_preempts_running: when a waiting request cannot get blocks, preempt running requests that are
         strictly less important than it (vLLM issue #40004; vLLM itself never does this).
+    reserve_full_prompt: admit a waiting request only when the free blocks could hold all its tokens, not
+        just its first chunk (vLLM 0.33's ``scheduler_reserve_full_isl``, on by default: without it chunked
+        prefill over-admits and the running requests' later chunks preempt each other).
     """
 
     policy: str = "priority"
@@ -24,6 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     waiting_preempts_running: bool = False
+    reserve_full_prompt: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in QUEUE_POLICIES:

@@ -3,11 +3,12 @@
 One step (``schedule``), in vLLM v1's order but split by concern:
 
 1. Running requests, in their running order, each get ``min(remaining tokens, budget)`` tokens. When the
-   cache has no blocks for one, the least important running request (largest ``(priority, arrival, id)``
-   under ``priority``; the latest started under ``fcfs``) is preempted by recompute and the allocation is
-   retried; the request may preempt itself.
+   cache has no blocks for one, the least important running request (largest ``(priority, arrival)``
+   under ``priority``, the first in running order on ties; the latest started under ``fcfs``) is preempted
+   by recompute and the allocation is retried; the request may preempt itself.
 2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
-   this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots``. When blocks run out the
+   this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
+   ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run out the
    queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
    running requests; the request is then the last one admitted this step (as in 1., a step that preempts
    admits no one else, so a victim never runs again in the step that preempted it).
@@ -165,7 +166,8 @@ class Scheduler:
                 n = st.budget
             else:
                 n = need
-            if kv.allocate_slots(req, n, n_cached, hits) is not None:
+            reserve = req.num_tokens if cfg.reserve_full_prompt else 0
+            if kv.allocate_slots(req, n, n_cached, hits, reserve) is not None:
                 waiting.pop()
                 self._admit(req, n, n_cached, need, st)
                 continue
@@ -179,7 +181,7 @@ class Scheduler:
                     waiting.add_preempted(req)  # back at the head: it is ahead of its victims in both orders
                     return
                 self._preempt(victim, st)
-                if kv.allocate_slots(req, n, n_cached, hits) is not None:
+                if kv.allocate_slots(req, n, n_cached, hits, reserve) is not None:
                     break
             self._admit(req, n, n_cached, need, st)
             return  # a step that preempted admits no one else
@@ -194,9 +196,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
     def _victim(self, candidates: list[Request]) -> Request:
-        """vLLM's rule: the least important, latest arriving request (priority); the last started (fcfs)."""
+        """vLLM's rule: the least important, latest arriving request (priority); the last started (fcfs).
+
+        Under ``priority`` the key is ``(priority, arrival_time)`` without the request id, as vLLM 0.33's
+        ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``: of requests tied on both, the
+        first in running order is preempted."""
         if self._by_priority:
-            return max(candidates)
+            return max(candidates, key=_preemption_key)
         return candidates[-1]
 
     def _waiting_victim(self, req: Request) -> Request | None:
@@ -242,6 +248,10 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
+
+
+def _preemption_key(r: Request) -> tuple[int, float]:
+    return (r.priority, r.arrival_time)
 
 
 class _Step:

@@ -23,14 +23,15 @@ class SimExecutor:
         self.busy_s = 0.0
 
     def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds the step takes: one roofline over all its prefill chunks and decode tokens."""
-        prefill: list[tuple[int, int]] = []
+        """Seconds the step takes: one roofline over all its prefill chunks and decode tokens. Only chunks
+        that sample (decode tokens, the chunk that completes a prompt) go through the LM head."""
+        prefill: list[tuple[int, int, bool]] = []
         decode: list[int] = []
         for c in out.chunks:
-            if c.num_new_tokens == 1:
-                decode.append(c.num_computed_tokens + 1)  # same cost as a one-token prefill chunk
+            if c.num_new_tokens == 1 and c.samples:
+                decode.append(c.num_computed_tokens + 1)  # same cost as a one-token chunk that samples
             else:
-                prefill.append((c.num_new_tokens, c.num_computed_tokens))
+                prefill.append((c.num_new_tokens, c.num_computed_tokens, c.samples))
         t = self.cost.step_time(prefill, decode)
         self.busy_s += t
         return t

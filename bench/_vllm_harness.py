@@ -1,0 +1,139 @@
+"""vLLM 0.33's real v1 ``Scheduler`` + ``KVCacheManager`` on CPU, driven without a model.
+
+Shared by ``tests/test_vllm_plugin.py``, ``bench/vllm_plugin.py`` and ``bench/sched_equivalence.py`` (import
+it with ``bench/`` on ``sys.path``). No model weights and no hub access: a tiny Llama ``config.json`` in a
+directory satisfies ``ModelConfig``, and the model runner's output is built by hand each step
+(:func:`runner_output`: one sampled token for every request whose prefill completes in the step or that is
+decoding, as vLLM's runner reports them). Imports vLLM lazily, so importing this module needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SAMPLED_TOKEN = 7
+"""The token every fake runner step samples."""
+
+
+def tiny_llama(vocab_size: int, max_len: int) -> dict[str, Any]:
+    """A two-layer Llama ``config.json`` (float32): enough for ``ModelConfig``; nothing is ever loaded."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+    }
+
+
+def write_tiny_model(directory: str | Path, vocab_size: int = 65536, max_len: int = 131072) -> str:
+    """Write :func:`tiny_llama`'s ``config.json`` into ``directory``; returns the directory as a string."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(tiny_llama(vocab_size, max_len)))
+    return str(d)
+
+
+def build_scheduler(
+    model_dir: str,
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_batched_tokens: int,
+    max_model_len: int,
+    policy: str = "priority",
+    enable_chunked_prefill: bool = True,
+    kv_events: bool = False,
+) -> Any:
+    """vLLM's ``Scheduler`` over a KV cache of ``num_blocks`` blocks (vLLM's null block included) of
+    ``block_size`` tokens, one full-attention group, prefix caching on; ``policy`` is ``fcfs`` or
+    ``priority``. Every other setting is vLLM 0.33's default."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float32",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched_tokens,
+            max_model_len=max_model_len,
+            policy=policy,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn"],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float32),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+
+
+def block_hasher(block_size: int) -> Any:
+    """vLLM's request block hasher (sha256), its ``NONE_HASH`` initialized."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
+def runner_output(sched: Any, out: Any) -> Any:
+    """The model runner's output for scheduler output ``out``: :data:`SAMPLED_TOKEN` for every scheduled
+    request that has computed all its tokens after this step (prefill completed, or decoding), nothing for
+    a partial prefill chunk."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    requests = sched.requests
+    sampled = []
+    for rid in req_ids:
+        q = requests[rid]
+        sampled.append([SAMPLED_TOKEN] if q.num_computed_tokens >= q.num_tokens else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
