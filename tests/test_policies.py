@@ -298,7 +298,7 @@ def test_priority_last_writer_can_raise() -> None:
 
 # ---------------------------------------------------------------- unified
 
-FIXED = {"isolation_goal": None}
+FIXED = {"isolation_goal": None, "adapt_frequency": False}  # exact orders at the configured exponent
 
 
 def unified(n: int, budget: float, **kw: object) -> Sim:

@@ -146,3 +146,42 @@ def test_unified_reports_the_controller_state() -> None:
 def test_max_reuse_loss_is_validated() -> None:
     with pytest.raises(ValueError, match="max_reuse_loss"):
         PolicyConfig(max_reuse_loss=1.5)
+
+
+# ---------------------------------------------------------------- recency against frequency
+
+
+def _balance_ctl(n: int = 20) -> ProtectionController:
+    return ProtectionController(n, PolicyConfig(isolation_goal=None, frequency_exponent=1.0))
+
+
+def test_balance_starts_as_recency_and_learns_frequency_when_it_hits_more() -> None:
+    # a hot set of 5 blocks re-read every round, then a scan of 20 one-off blocks, in a pool of 20: LRU loses
+    # the hot set to every scan, GreedyDual-Frequency keeps it
+    ctl = _balance_ctl()
+    assert ctl.balance is not None and ctl.balance.alpha == 0.0
+    assert ctl.frequency[1] == ctl.frequency[5] == 1.0  # uses do not count yet
+    for i in range(400):
+        ctl.on_lookup([1, 2, 3, 4, 5], 0, 35)
+        ctl.on_lookup([1000 + 20 * i + j for j in range(20)], 0, 35)
+    assert ctl.balance.alpha == 1.0
+    assert ctl.frequency[5] == 5.0 and ctl.stats()["frequency_exponent_now"] == 1.0
+
+
+def test_balance_falls_back_to_recency_when_old_counts_keep_dead_blocks() -> None:
+    # a working set used many times, then a new working set of 15 blocks cycled once a round: LRU keeps all of
+    # it in 20 blocks; frequency keeps the old blocks' high counts and thrashes the new set
+    ctl = _balance_ctl()
+    assert ctl.balance is not None
+    ctl.balance.share, ctl.balance.level = 0.0, 32  # start from full frequency
+    for _ in range(30):
+        ctl.on_lookup(list(range(10)), 0, 35)
+    for _ in range(600):
+        for j in range(15):
+            ctl.on_lookup([100 + j], 0, 35)
+    assert ctl.balance.alpha == 0.0
+
+
+def test_balance_off_keeps_the_configured_exponent() -> None:
+    ctl = ProtectionController(20, PolicyConfig(adapt_frequency=False, frequency_exponent=0.5))
+    assert ctl.balance is None and ctl.frequency[4] == pytest.approx(2.0)

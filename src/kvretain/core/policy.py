@@ -68,6 +68,9 @@ class PolicyConfig:
             above 35 (divided below); 1 disables the soft bias and leaves only the protected/unprotected tiers.
         frequency_exponent: unified: value grows as ``uses ** frequency_exponent``.
         frequency_cap: unified/lfu: uses counted up to this many.
+        adapt_frequency: unified: the exponent moves between 0 (recency) and ``frequency_exponent`` by which of
+            the two hits more on a sample of the traffic (:mod:`kvretain.core.policies.balance`); False keeps
+            ``frequency_exponent``.
         cost_scale_tokens: unified: recompute cost of a block at token depth p is ``1 + p / cost_scale_tokens``
             (attention over the prefix against the linear FLOPs; ~28.6k tokens for Llama-3-8B). ``0`` (default)
             disables it: on the Mooncake trace the depth term lowered the block hit ratio (deep blocks are
@@ -84,6 +87,7 @@ class PolicyConfig:
     priority_weight: float = 2.0
     frequency_exponent: float = 1.0
     frequency_cap: int = 64
+    adapt_frequency: bool = True
     cost_scale_tokens: float = 0.0
     ghost_factor: float = 4.0
     block_size: int = 16

@@ -60,7 +60,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies.rules import retention_weights
+from kvretain.core.policies.balance import FrequencyBalance
+from kvretain.core.policies.rules import frequency_terms, retention_weights
 from kvretain.core.policy import PolicyConfig
 
 SHARDS_SAMPLE = 8192
@@ -123,6 +124,7 @@ class ProtectionController:
     __slots__ = (
         "_acc",
         "_bias_step",
+        "_cap",
         "_floor_refs",
         "_gain",
         "_goal",
@@ -132,7 +134,9 @@ class ProtectionController:
         "_lru",
         "_pw",
         "_rate_cut",
+        "balance",
         "binding",
+        "frequency",
         "level",
         "max_target",
         "rate",
@@ -142,6 +146,7 @@ class ProtectionController:
     )
 
     def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
+        self._cap = cfg.frequency_cap
         self.threshold = cfg.protect_threshold
         self.max_target = cfg.budget * num_blocks
         self._goal = cfg.isolation_goal
@@ -157,6 +162,17 @@ class ProtectionController:
         tracked = max(1, round(rate * num_blocks))
         self._lru = _LRUShadow(tracked)
         self._iso = _LRUShadow(tracked)
+        self.balance = (
+            FrequencyBalance(
+                tracked, cfg.frequency_exponent, cfg.frequency_cap, cfg.ghost_factor, cfg.max_reuse_loss
+            )
+            if cfg.adapt_frequency and cfg.frequency_exponent > 0.0
+            else None
+        )
+        # uses -> the frequency term of the value (the balance may move its exponent)
+        self.frequency = (
+            self.balance.table(cfg.frequency_cap) if self.balance is not None else frequency_terms(cfg)
+        )
         self._floor_refs = WINDOW_TURNOVERS * tracked
         self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
@@ -168,9 +184,9 @@ class ProtectionController:
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
         """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
-        ``num_hits`` of them in the pool. Returns True when :attr:`weights` changed (callers that keep a
-        reference to the list take the new one)."""
-        if self._goal is None or not hashes:
+        ``num_hits`` of them in the pool. Returns True when :attr:`weights` or :attr:`frequency` changed
+        (callers that keep a reference to the lists take the new ones)."""
+        if not hashes or (self._goal is None and self.balance is None):
             return False
         if self._rate_cut > _MASK:
             sampled: Sequence[BlockHash] = hashes
@@ -197,6 +213,12 @@ class ProtectionController:
         acc[0] += hits
         acc[1] += lru_hits
         acc[4] += n
+        changed = False
+        if self.balance is not None and self.balance.update(sampled, lru_hits, d, window):
+            self.frequency = self.balance.table(self._cap)
+            changed = True
+        if self._goal is None:
+            return changed
         if protected:
             acc[2] += hits
             acc[3] += self._iso.reference(sampled)
@@ -219,8 +241,8 @@ class ProtectionController:
         if step != self._bias_step:
             self._bias_step = step
             self.weights = retention_weights(self._pw, step / BIAS_STEPS)
-            return True
-        return False
+            changed = True
+        return changed
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window) and which
@@ -236,5 +258,6 @@ class ProtectionController:
             "protected_hit_ratio_window": acc[2] / acc[5] if acc[5] else 0.0,
             "isolated_hit_ratio_estimate": acc[3] / acc[5] if acc[5] else 0.0,
             "reuse_floor_binds": 1.0 if self.binding == "reuse" else 0.0,
+            "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "isolation_goal_met": 1.0 if self.binding == "isolation" else 0.0,
         }

@@ -225,9 +225,9 @@ class UnifiedPolicy(EvictionPolicy):
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
-        self._F = rules.frequency_terms(cfg)  # uses -> uses ** frequency_exponent
         self._ctl = ProtectionController(num_blocks, cfg)
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
+        self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
         self._cost_per_block = rules.cost_per_block(cfg)
 
     # ----------------------------------------------------------------- metadata
@@ -349,6 +349,7 @@ class UnifiedPolicy(EvictionPolicy):
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
         if self._ctl.on_lookup(hashes, num_hits, retention):
             self._weight = self._ctl.weights
+            self._F = self._ctl.frequency
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:

@@ -148,7 +148,6 @@ class RunFreeQueue(HookedFreeQueue):
         cfg = config
         self._threshold = cfg.protect_threshold
         self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
-        self._F = rules.frequency_terms(cfg)
         self._cost_per_block = rules.cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
@@ -182,6 +181,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
         self._ctl = ProtectionController(n, cfg)
         self._weight = self._ctl.weights
+        self._F = self._ctl.frequency
         self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
         self._stripped = False  # evict_blocks took a hash from a block in use: num_cached is not trusted
 
@@ -593,6 +593,7 @@ class RunFreeQueue(HookedFreeQueue):
                 hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped
             ):
                 self._weight = self._ctl.weights
+                self._F = self._ctl.frequency
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of its run. Returns True
