@@ -82,7 +82,7 @@ class _Suite:
             self.installed += 1
             return q
 
-        _patches.install_queue = install_queue  # type: ignore[assignment]
+        _patches.install_queue = install_queue
 
 
 _SUITE: _Suite | None = None
