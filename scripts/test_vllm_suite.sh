@@ -181,9 +181,12 @@ tests/v1/core/test_scheduler_e2e.py::test_concurrent_partial_prefill | needs a m
 tests/v1/core/test_scheduler_e2e.py::test_prefix_cache_stats_is_recorded | needs a model download (offline)
 tests/v1/simple_kv_offload/test_scheduler.py::test_external_lookup_rejects_misaligned_local_prefix | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
 EOF
-# Expected failures under a policy: policy | nodeid | reason (only tests that assert vLLM's exact LRU order).
+# Expected failures under a policy: policy | nodeid | reason (only tests that assert vLLM's exact LRU order may
+# be listed). Measured: none. vLLM's order tests release every block at priority 0 without directives; there
+# `priority` (one level) and `lfu` (equal use counts) fall back to release order, `unified`'s keys rise with the
+# release (L) and its chains go tail first, and every queue lists and walks its blocks in its eviction order.
 cat >"$LISTS/xfail.txt" <<'EOF'
-# (none yet)
+# policy | nodeid | reason
 EOF
 
 # ---------------------------------------------------------------- the runs

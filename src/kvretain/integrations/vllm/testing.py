@@ -21,7 +21,6 @@ The summary line says which policy ran, how many retention queues were installed
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -61,8 +60,7 @@ class _Suite:
             for policy, nodeid, reason in _read_list(os.environ[ENV_XFAIL], 3):
                 if policy == self.label:
                     self.xfail[nodeid] = reason
-        self.queues: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.before: set[int] = set()
+        self.queues: list[Any] = []  # built during the current test (held until it is checked)
         self.installed = 0
         self.checks = 0
         self.unknown: list[str] = []
@@ -78,7 +76,7 @@ class _Suite:
 
         def install_queue(pool: Any, cfg: Any) -> Any:
             q = orig(pool, cfg)
-            self.queues.add(q)
+            self.queues.append(q)
             self.installed += 1
             return q
 
@@ -114,22 +112,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    suite = _SUITE
-    if suite is not None:
-        suite.before = {id(q) for q in suite.queues}
+    if _SUITE is not None:
+        _SUITE.queues.clear()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     """After the test body (its fixtures still alive): check every queue built in its setup or body."""
-    result = yield  # (a failing test raises here: no check then)
     suite = _SUITE
-    if suite is not None:
-        for q in list(suite.queues):
-            if id(q) not in suite.before:
+    try:
+        result = yield  # (a failing test raises here: no check then)
+        if suite is not None:
+            for q in suite.queues:
                 q.check()
                 suite.checks += 1
-    return result
+        return result
+    finally:
+        if suite is not None:
+            suite.queues.clear()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
