@@ -95,9 +95,9 @@ cat >"$LISTS/skip.txt" <<'EOF'
 tests/v1/core/test_kv_cache_planning.py::test_is_kv_cache_spec_uniform | imports vLLM in a `python -O` subprocess with a 60 s timeout: times out on a loaded 2-core machine (stock too)
 tests/v1/core/test_kv_cache_planning.py::test_estimate_max_model_len[Qwen/Qwen1.5-7B-16385-16384] | needs the model config of Qwen/Qwen1.5-7B (not available offline)
 tests/v1/core/test_kv_cache_planning.py::test_estimate_max_model_len[Qwen/Qwen1.5-7B-16383-16383] | needs the model config of Qwen/Qwen1.5-7B (not available offline)
-tests/v1/core/test_kv_cache_planning.py::test_mla_with_incompatible_swa_uses_one_full_allocation_group | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
-tests/v1/core/test_kv_cache_planning.py::test_warns_only_when_untagged_draft_meets_mamba[untagged_hybrid] | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
-tests/v1/core/test_kv_cache_planning.py::test_warns_only_when_untagged_draft_meets_mamba[untagged_uniform_attention] | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
+tests/v1/core/test_kv_cache_planning.py::test_mla_with_incompatible_swa_uses_one_full_allocation_group | uses a fixture of vLLM's tests/conftest.py (not loaded: it imports tblib, PIL and vLLM's model-test stack)
+tests/v1/core/test_kv_cache_planning.py::test_warns_only_when_untagged_draft_meets_mamba[untagged_hybrid] | uses a fixture of vLLM's tests/conftest.py (not loaded: it imports tblib, PIL and vLLM's model-test stack)
+tests/v1/core/test_kv_cache_planning.py::test_warns_only_when_untagged_draft_meets_mamba[untagged_uniform_attention] | uses a fixture of vLLM's tests/conftest.py (not loaded: it imports tblib, PIL and vLLM's model-test stack)
 tests/v1/core/test_kv_cache_utils.py::test_get_max_concurrency_for_kv_cache_config | needs the model config of Qwen/Qwen1.5-7B (not available offline)
 tests/v1/core/test_priority_preemption_bug.py::test_priority_scheduler_preempt_skipped_request | needs the model config of facebook/opt-350m (not available offline)
 tests/v1/core/test_priority_scheduler_random.py::test_priority_scheduling_blast[standard-None-True] | needs the model config of Qwen/Qwen2.5-VL-3B-Instruct (not available offline)
@@ -155,7 +155,7 @@ tests/v1/core/test_scheduler.py::test_free_encoder_inputs_respects_unconfirmed_p
 tests/v1/core/test_scheduler.py::test_free_encoder_inputs_notifies_the_ec_connector | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
 tests/v1/core/test_scheduler.py::test_unavailable_encoder_input_fails_the_request_as_retryable | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
 tests/v1/core/test_scheduler.py::test_encoder_cache_accepts_matching_embed_count | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
-tests/v1/core/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
+tests/v1/core/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count | uses a fixture of vLLM's tests/conftest.py (not loaded: it imports tblib, PIL and vLLM's model-test stack)
 tests/v1/core/test_scheduler.py::test_encoder_cache_embed_count_mismatch_restores_prior_hit_state | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
 tests/v1/core/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count_within_request | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
 tests/v1/core/test_scheduler.py::test_free_encoder_inputs_unchanged_without_spec_decode | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
@@ -181,7 +181,7 @@ tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_preserve_shm_han
 tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_preserve_shm_handles[True] | needs the model config of llava-hf/llava-1.5-7b-hf (not available offline)
 tests/v1/core/test_scheduler_e2e.py::test_concurrent_partial_prefill | needs a model download (offline)
 tests/v1/core/test_scheduler_e2e.py::test_prefix_cache_stats_is_recorded | needs a model download (offline)
-tests/v1/simple_kv_offload/test_scheduler.py::test_external_lookup_rejects_misaligned_local_prefix | uses a fixture of vLLM's tests/conftest.py (not loaded: it needs a GPU test stack)
+tests/v1/simple_kv_offload/test_scheduler.py::test_external_lookup_rejects_misaligned_local_prefix | uses a fixture of vLLM's tests/conftest.py (not loaded: it imports tblib, PIL and vLLM's model-test stack)
 EOF
 # Expected failures under a policy: policy | nodeid | reason (only tests that assert vLLM's exact LRU order may
 # be listed). Measured: none. vLLM's order tests release every block at priority 0 without directives; there
@@ -194,6 +194,9 @@ EOF
 # ---------------------------------------------------------------- the runs
 LOGS=$CACHE/logs
 mkdir -p "$LOGS"
+# NOTE: --confcutdir=tests/v1: vLLM's tests/conftest.py is not loaded (it imports tblib, PIL and the model-test
+# stack; the tests run here need none of its fixtures but the five listed above). The module
+# prefix_cache/test_hybrid_prefix_cache_hit_rate.py is left out: it imports httpx and serves a real model.
 run_one() {  # run_one NAME: one pytest run of the suite, log in $LOGS/NAME.log
   local name=$1 policy=${1%%:*} gran=run
   [[ $1 == *:* ]] && gran=${1#*:}

@@ -128,7 +128,12 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         list; vLLM's lazy CPU offload walks this to store the blocks about to be evicted. The unhashed list
         comes first (reused first), then the cached blocks in the queue's order; a cursor among the cached
         blocks resumes after it (found by walking that order from its start). A cursor that is not free ends
-        the walk at once, as a stale cursor of vLLM's own list does."""
+        the walk at once, as a stale cursor of vLLM's own list does.
+
+        NOTE: vLLM's list resumes in O(1); here starting a walk costs a snapshot of the queue's order (the runs'
+        order for the run queue, every cached free block for the per-block queue) plus the blocks walked up to
+        the cursor: fine for the offloader's once-per-step walk over small pools, linear in the cached free
+        blocks on large ones."""
         if cursor is None or cursor.next_free_block is not None:  # (blocks on vLLM's list have a next block)
             yield from super().iter_blocks_after(cursor)
             walk = self._eviction_order()
