@@ -36,4 +36,11 @@ sys.exit(pathlib.Path(m.__file__).resolve().is_relative_to(pathlib.Path('src').r
   quiet "$VENV/bin/python" -m pip install -q --no-deps -e .
 fi
 echo "== pytest (vLLM plugin, $VENV)"
-"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py tests/test_vllm_differential.py tests/test_sched_equivalence.py "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py \
+  tests/test_vllm_order.py tests/test_vllm_fixes.py tests/test_vllm_differential.py tests/test_sched_equivalence.py "$@"
+# vLLM's own tests with the plugin on (KVRETAIN_VLLM_SUITE=all: every policy; =0: skipped)
+case "${KVRETAIN_VLLM_SUITE:-ci}" in
+  0 | off) ;;
+  all) VLLM_PY="$PWD/$VENV/bin/python" bash scripts/test_vllm_suite.sh --all ;;
+  *) VLLM_PY="$PWD/$VENV/bin/python" bash scripts/test_vllm_suite.sh ;;
+esac

@@ -20,19 +20,21 @@ Nothing here imports vLLM until the plugin is enabled.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
-from kvretain.integrations.vllm._runtime import COUNTERS, set_clock
+from kvretain.integrations.vllm._runtime import COUNTERS, HOOK_ERRORS, logger, set_clock
 from kvretain.integrations.vllm.config import (
     DIRECTIVES_KEY,
+    ENV_ALLOW_VERSION,
     ENV_GRANULARITY,
     ENV_MAPPING,
     ENV_OPTIONS,
     ENV_POLICY,
     SCOPE_KEY,
+    SUPPORTED_VLLM,
     PluginConfig,
     PluginConfigError,
+    check_vllm_version,
     config_from_env,
     retention_from_extra_args,
     validation_message,
@@ -40,11 +42,13 @@ from kvretain.integrations.vllm.config import (
 
 __all__ = [
     "DIRECTIVES_KEY",
+    "ENV_ALLOW_VERSION",
     "ENV_GRANULARITY",
     "ENV_MAPPING",
     "ENV_OPTIONS",
     "ENV_POLICY",
     "SCOPE_KEY",
+    "SUPPORTED_VLLM",
     "PluginConfig",
     "PluginConfigError",
     "config_from_env",
@@ -59,13 +63,12 @@ __all__ = [
     "validation_message",
 ]
 
-logger = logging.getLogger("kvretain.integrations.vllm")
-
 
 def register() -> None:
     """vLLM general-plugin entry point. Idempotent; never raises; inert unless ``KVRETAIN_POLICY`` is set.
 
     vLLM calls it in every process (API server, engine core, workers); the patches matter in the engine core.
+    What it installed, or why it refused, is logged through vLLM's own logger (see ``_runtime.LOGGER_NAME``).
     """
     try:
         cfg = config_from_env()
@@ -76,19 +79,45 @@ def register() -> None:
         return
     try:
         enable(cfg)
+    except PluginConfigError as exc:
+        logger.error("kvretain vLLM plugin disabled: %s", exc)
+        return
     except Exception:
         logger.exception("kvretain vLLM plugin disabled: could not install it into this vLLM")
         with contextlib.suppress(Exception):
             disable()
+        return
 
 
 def enable(config: PluginConfig | None = None) -> None:
     """Install the plugin with ``config`` (default: the ``unified`` policy) for KV cache pools built from now
-    on. Raises when vLLM is missing or incompatible (:func:`register` catches and logs)."""
+    on. Raises :class:`PluginConfigError` for a vLLM version it does not support (see ``SUPPORTED_VLLM``;
+    ``KVRETAIN_ALLOW_UNSUPPORTED_VLLM=1`` overrides), other exceptions when vLLM is missing or incompatible
+    (:func:`register` catches and logs both)."""
+    import vllm
+
+    cfg = config or PluginConfig()
+    version = str(getattr(vllm, "__version__", "unknown"))
+    refused = check_vllm_version(version)
+    if refused is not None:
+        raise PluginConfigError(refused)
     from kvretain.integrations.vllm import _patches
 
-    _patches.install(config or PluginConfig())
+    was = _patches.active()
+    _patches.install(cfg)
     _install_prometheus()
+    if was != cfg:
+        supported = version.split("+", 1)[0] in SUPPORTED_VLLM
+        log = logger.info if supported else logger.warning
+        log(
+            "kvretain vLLM plugin enabled in vLLM %s%s: %s eviction policy for prefix-cache pools built from now "
+            "on (options %s, priority mapping %s)",
+            version,
+            "" if supported else f" (unsupported, allowed by {ENV_ALLOW_VERSION})",
+            cfg.describe(),
+            cfg.options or "default",
+            cfg.mapping,
+        )
 
 
 def disable() -> None:
@@ -111,7 +140,12 @@ def stats() -> dict[str, Any]:
     """Per request-priority counters of this process (lower priority value = more important)::
 
     {"enabled": bool, "policy": name | None, "by_priority": {prio: {requests, query_tokens, hit_tokens,
-     preempted_requests, preempted_hit_tokens, released_blocks, evicted_blocks}}}
+     preempted_requests, preempted_hit_tokens, released_blocks, evicted_blocks}},
+     "hook_errors": {hook: count}}
+
+    ``requests`` / ``query_tokens`` / ``hit_tokens`` count each request's first lookup (its admission);
+    a resume after preemption looks the cache up again and is counted apart (``preempted_*``), as vLLM's own
+    prefix-cache metrics do. ``hook_errors``: errors swallowed inside the plugin's hooks (see ``_patches``).
     """
     import sys
 
@@ -121,11 +155,13 @@ def stats() -> dict[str, Any]:
         "enabled": cfg is not None,
         "policy": cfg.policy if cfg is not None else None,
         "by_priority": COUNTERS.snapshot(),
+        "hook_errors": HOOK_ERRORS.snapshot(),
     }
 
 
 def reset_stats() -> None:
     COUNTERS.reset()
+    HOOK_ERRORS.reset()
 
 
 _prometheus_installed = False
@@ -155,6 +191,13 @@ def _install_prometheus() -> None:
                 for prio, c in snap.items():
                     fam.add_metric([str(prio)], float(c[key]))
                 yield fam
+
+            fam = CounterMetricFamily(
+                "kvretain_vllm_hook_errors", "errors inside the plugin's hooks (swallowed)", labels=["hook"]
+            )
+            for hook, n in HOOK_ERRORS.snapshot().items():
+                fam.add_metric([hook], float(n))
+            yield fam
 
     try:
         REGISTRY.register(_Collector())

@@ -7,7 +7,6 @@ hashed (cached) free blocks themselves; ``num_free_blocks`` stays the total, so 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,9 +14,8 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
 from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm._runtime import logger
 from kvretain.integrations.vllm.config import retention_from_extra_args
-
-logger = logging.getLogger("kvretain.integrations.vllm")
 
 
 class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
@@ -113,10 +111,53 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     # prepend_n (unhashed blocks from BlockPool.free_blocks, reused first) is inherited.
 
+    # ------------------------------------------------------------ eviction order
+    def unhashed_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks on vLLM's list (no hash), in its order. O(n)."""
+        return super().get_all_free_blocks()  # type: ignore[no-any-return]
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block in eviction order (the order ``popleft_n(num_free_blocks)`` would return them):
+        the unhashed list, then the cached blocks in the queue's order. O(n); vLLM uses it in tests."""
+        listed = self.unhashed_blocks()
+        blocks = self.pool_blocks
+        return listed + [blocks[i] for i in self._eviction_order()]
+
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        # NOTE: only the unhashed list has a stable order; cached blocks are ordered by the policy, which
-        # exposes no iteration. vLLM's simple CPU offload (lazy mode) therefore sees only unhashed blocks.
-        return super().iter_blocks_after(cursor)  # type: ignore[no-any-return]
+        """Free blocks in eviction order after ``cursor`` (``None``: from the first), as vLLM's queue walks its
+        list; vLLM's lazy CPU offload walks this to store the blocks about to be evicted. The unhashed list
+        comes first (reused first), then the cached blocks in the queue's order; a cursor among the cached
+        blocks resumes after it (found by walking that order from its start). A cursor that is not free ends
+        the walk at once, as a stale cursor of vLLM's own list does.
+
+        NOTE: vLLM's list resumes in O(1); here starting a walk costs a snapshot of the queue's order (the runs'
+        order for the run queue, every cached free block for the per-block queue) plus the blocks walked up to
+        the cursor: fine for the offloader's once-per-step walk over small pools, linear in the cached free
+        blocks on large ones."""
+        if cursor is None or cursor.next_free_block is not None:  # (blocks on vLLM's list have a next block)
+            yield from super().iter_blocks_after(cursor)
+            walk = self._eviction_order()
+        elif self._holds(cursor.block_id):
+            walk = self._eviction_order()
+            target = cursor.block_id
+            for bid in walk:
+                if bid == target:
+                    break
+        else:
+            return
+        blocks = self.pool_blocks
+        for bid in walk:
+            yield blocks[bid]
+
+    def _eviction_order(self) -> Iterator[int]:  # pragma: no cover - overridden
+        """The ids of the cached free blocks in the order the queue would evict them if every free block were
+        taken at once (``popleft_n(num_free_blocks)``), without changing that order. Lapsed retention may be
+        applied first (as the next eviction would). The queue must not change while the walk is under way."""
+        raise NotImplementedError
+
+    def _holds(self, bid: int) -> bool:  # pragma: no cover - overridden
+        """Whether cached free block ``bid`` is queued (not on the unhashed list)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ hooks called by the patches
     def on_request_release(

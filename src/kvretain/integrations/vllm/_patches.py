@@ -15,13 +15,13 @@ be swapped):
 * ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives.
 
-A patch never raises into vLLM's busy loop: hook errors are logged once and the stock code path continues.
+A patch never raises into vLLM's busy loop: a hook error is counted (``stats()["hook_errors"]``), logged (with its
+traceback the first time) and the stock code path continues.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -33,23 +33,16 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
 from kvretain.integrations.vllm._runs import RunFreeQueue
+from kvretain.integrations.vllm._runtime import HOOK_ERRORS, logger
 from kvretain.integrations.vllm.config import PluginConfig, validation_message
-
-logger = logging.getLogger("kvretain.integrations.vllm")
 
 _ORIGINALS: dict[tuple[type, str], Callable[..., Any]] = {}
 _active: PluginConfig | None = None
-_warned: set[str] = set()
 
 
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.exception(msg)
-
-
-def _orig(cls: type, name: str) -> Callable[..., Any]:
-    return _ORIGINALS[(cls, name)]
+def _hook_failed(hook: str, msg: str) -> None:
+    """In an ``except`` block of a patch: count and log the error (see :class:`._runtime.HookErrors`)."""
+    HOOK_ERRORS.record(hook, msg)
 
 
 def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -59,7 +52,6 @@ def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[.
     orig = cls.__dict__[name]
     wrapper = make(orig)
     functools.update_wrapper(wrapper, orig)
-    wrapper._kvretain_patched = True  # type: ignore[attr-defined]
     _ORIGINALS[key] = orig
     setattr(cls, name, wrapper)
 
@@ -102,11 +94,11 @@ def _make_pool_init(orig: Callable[..., Any]) -> Callable[..., Any]:
             install_queue(self, cfg)
             logger.info(
                 "kvretain: %s eviction policy installed on a %d-block prefix cache",
-                cfg.policy,
+                cfg.describe(),
                 len(self.blocks),
             )
         except Exception:
-            _warn_once("install", "kvretain: could not install the retention queue; this pool stays stock")
+            _hook_failed("install", "kvretain: could not install the retention queue; this pool stays stock")
 
     return __init__
 
@@ -137,7 +129,7 @@ def _make_cache_full_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 q.on_blocks_cached(blocks, num_cached_blocks, num_full_blocks, block_mask)
             except Exception:
-                _warn_once("cache", "kvretain: cache_full_blocks hook failed (ignored)")
+                _hook_failed("cache", "kvretain: cache_full_blocks hook failed (ignored)")
 
     return cache_full_blocks
 
@@ -186,6 +178,20 @@ def _num_cached(manager: Any, request_id: str) -> list[int] | None:
     return [int(managers[0].num_cached_block.get(request_id, 0))]
 
 
+def _own_blocks(manager: Any, request_id: str) -> tuple[list[Any], ...]:
+    """The request's blocks per KV cache group, with the groups whose blocks live in another pool left empty.
+
+    NOTE: HiSparse gives its host group a pool of its own (``HiSparseSourceManager.bind_host_pool``) whose block
+    ids overlap the device pool's: only the device pool's own blocks may enter its queue (group indices are
+    kept, for the per-group block sizes and cached counts)."""
+    pool = manager.block_pool
+    coord = manager.coordinator
+    return tuple(
+        blocks if m.block_pool is pool else []
+        for m, blocks in zip(coord.single_type_managers, coord.get_blocks(request_id), strict=True)
+    )
+
+
 def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         q = self.block_pool.free_block_queue
@@ -194,13 +200,13 @@ def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
                 rid = request.request_id
                 q.on_request_release(
                     request,
-                    self.coordinator.get_blocks(rid),
+                    _own_blocks(self, rid),
                     _block_sizes(self),
                     freeing_now=True,
                     num_cached=_num_cached(self, rid),
                 )
             except Exception:
-                _warn_once("free", "kvretain: release hook failed (blocks released at default retention)")
+                _hook_failed("free", "kvretain: release hook failed (blocks released at default retention)")
             try:
                 orig(self, request)
             finally:
@@ -218,9 +224,12 @@ def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
         if blocks and type(q) in QUEUE_TYPES:
             try:
                 sizes = _block_sizes(self)
-                q.on_request_release(request, (blocks,), sizes if len(sizes) == 1 else None)
+                own = q.pool_blocks
+                # (the blocks of every group, concatenated: keep this pool's own, see _own_blocks)
+                mine = [b for b in blocks if b.block_id < len(own) and own[b.block_id] is b]
+                q.on_request_release(request, (mine,), sizes if len(sizes) == 1 else None)
             except Exception:
-                _warn_once("pop", "kvretain: release hook failed (blocks released at default retention)")
+                _hook_failed("pop", "kvretain: release hook failed (blocks released at default retention)")
         return blocks
 
     return pop_blocks_for_free
@@ -235,7 +244,7 @@ def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 q.on_lookup(request, num_hits, int(pool.hash_block_size))
             except Exception:
-                _warn_once("lookup", "kvretain: lookup hook failed (ignored)")
+                _hook_failed("lookup", "kvretain: lookup hook failed (ignored)")
 
     return record_prefix_cache_stats
 
@@ -289,7 +298,7 @@ def install(cfg: PluginConfig) -> None:
             cls = getattr(importlib.import_module(modname), clsname)
             _patch(cls, meth, make)
         except Exception:
-            _warn_once(f"validate-{clsname}", f"kvretain: cannot validate retention fields in {clsname}")
+            _hook_failed(f"validate-{clsname}", f"kvretain: cannot validate retention fields in {clsname}")
     _active = cfg
 
 

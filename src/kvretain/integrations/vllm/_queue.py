@@ -22,7 +22,7 @@ never receives a stale child's decrement.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -31,6 +31,7 @@ from kvretain.core.policy import EvictionPolicy
 from kvretain.core.retention import PriorityMapping
 from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm._base import HookedFreeQueue
+from kvretain.integrations.vllm._order import eviction_order
 
 IN_LIST = 0
 IN_POLICY = 1
@@ -173,10 +174,11 @@ class RetentionFreeQueue(HookedFreeQueue):
         if plain:
             super().append_n(plain)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        listed: list[KVCacheBlock] = super().get_all_free_blocks()
-        ids = sorted(self.policy.evictable_ids()) + list(self._blocked)
-        return listed + [self.pool_blocks[i] for i in ids]
+    def _eviction_order(self) -> Iterator[int]:
+        return eviction_order(self, _runtime.now())
+
+    def _holds(self, bid: int) -> bool:
+        return self._where[bid] != IN_LIST
 
     # ------------------------------------------------------------ eviction
     def _drop(self, bid: int, now: float) -> None:
@@ -365,7 +367,7 @@ class RetentionFreeQueue(HookedFreeQueue):
     def check(self) -> None:
         """Consistency check for tests: counts, positions and policy membership agree. O(n)."""
         in_policy = self.policy.evictable_ids()
-        listed = super().get_all_free_blocks()
+        listed = self.unhashed_blocks()
         assert len(in_policy) == len(self.policy)
         assert self._held == len(in_policy) + len(self._blocked), "held count"
         assert self.num_free_blocks == len(listed) + self._held, "free count"

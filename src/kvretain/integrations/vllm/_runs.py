@@ -126,6 +126,11 @@ class _RunQueue:
             del buckets[s]
             heapq.heappop(slots)
 
+    def ordered(self) -> list[_Run]:
+        """The runs with live blocks in the order :meth:`head` would return them (bucket, then FIFO)."""
+        buckets = self._buckets
+        return [run for s in sorted(buckets) for run in buckets[s] if run.live]
+
     def live(self) -> Iterator[_Run]:
         for q in self._buckets.values():
             for run in q:
@@ -332,10 +337,38 @@ class RunFreeQueue(HookedFreeQueue):
         if plain:
             super().append_n(plain)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        listed: list[KVCacheBlock] = super().get_all_free_blocks()
-        ids = sorted(self._held_ids())
-        return listed + [self.pool_blocks[i] for i in ids]
+    def _eviction_order(self) -> Iterator[int]:
+        # what _evict takes when asked for every block at once (a whole run per choice), without taking it
+        now = _runtime.now()
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire(now)  # (what the next eviction would do first; L is unchanged until then)
+        run_of = self._run_of
+        tiers = [q.ordered() for q in self._queues]  # 0: protected, 1: unprotected
+        pos = [0, 0]
+        protected = self._num_protected
+        target = self._ctl.target
+        while True:
+            r0 = tiers[0][pos[0]] if pos[0] < len(tiers[0]) else None
+            r1 = tiers[1][pos[1]] if pos[1] < len(tiers[1]) else None
+            if r1 is not None and (protected <= target or r0 is None):
+                t = 1
+            elif r0 is not None and r1 is not None:
+                t = 0 if r0.key < r1.key else 1  # over the protected target: the tiers compete on keys
+            elif r0 is not None:
+                t = 0
+            else:
+                return
+            run = r0 if t == 0 else r1
+            assert run is not None
+            pos[t] += 1
+            if t == 0:
+                protected -= run.live
+            for bid in run.ids[run.i :]:
+                if run_of[bid] is run:
+                    yield bid
+
+    def _holds(self, bid: int) -> bool:
+        return self._run_of[bid] is not None
 
     def _held_ids(self) -> set[int]:
         run_of = self._run_of
@@ -612,7 +645,7 @@ class RunFreeQueue(HookedFreeQueue):
     def check(self) -> None:
         """Consistency check for tests: counts, run membership and retention bookkeeping agree. O(n)."""
         held = self._held_ids()
-        listed = super().get_all_free_blocks()
+        listed = self.unhashed_blocks()
         assert self._held == len(held), "held count"
         assert sum(q.n for q in self._queues) == len(held), "queue counts"
         assert self.num_free_blocks == len(listed) + self._held, "free count"

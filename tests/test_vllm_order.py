@@ -1,0 +1,172 @@
+"""The plugin's free queues list and walk their free blocks in eviction order, as vLLM's own queue does.
+
+vLLM's ``FreeKVCacheBlockQueue.get_all_free_blocks()`` (used by vLLM's tests) and ``iter_blocks_after(cursor)``
+(walked by vLLM's lazy CPU offload to store the blocks about to be evicted) follow the order the queue evicts
+in. Each policy and both ``unified`` granularities are driven through vLLM 0.33's real ``KVCacheManager`` with
+random requests (shared prefixes, hits, evictions, a moving clock, directives that lapse), then the listing is
+compared with what the queue actually evicts when every free block is taken (``popleft_n``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is tested in .venv-vllm (scripts/test_vllm.sh)")
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+import kvretain.integrations.vllm as plugin
+from kvretain.core.retention import PriorityMapping
+from kvretain.integrations.vllm.config import PluginConfig, parse_options
+
+BLOCK = 4
+QUEUES = [
+    ("lru", "block"),
+    ("priority", "block"),
+    ("lfu", "block"),
+    ("unified", "block"),
+    ("unified", "run"),
+]
+
+
+@pytest.fixture
+def clock() -> Iterator[list[float]]:
+    t = [0.0]
+    plugin.set_clock(lambda: t[0])
+    yield t
+    plugin.set_clock(None)
+    plugin.disable()
+    plugin.reset_stats()
+
+
+def manager(policy: str, granularity: str, num_blocks: int, options: str = "") -> KVCacheManager:
+    plugin.disable()
+    plugin.enable(
+        PluginConfig(
+            policy=policy, options=parse_options(options), mapping=PriorityMapping(), granularity=granularity
+        )
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+    kvm = KVCacheManager(
+        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+    assert type(kvm.block_pool.free_block_queue).__name__ != "FreeKVCacheBlockQueue"
+    return kvm
+
+
+def make_request(rid: str, prompt: list[int], priority: int, extra: dict[str, Any] | None = None) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=4, extra_args=extra),
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def admit(kvm: KVCacheManager, req: Request) -> bool:
+    hit, num_hit, _ = kvm.get_computed_blocks(req)
+    new = req.num_tokens - num_hit
+    if kvm.allocate_slots(req, new, num_hit, hit) is None:
+        return False
+    req.num_computed_tokens = req.num_tokens
+    return True
+
+
+def workload(kvm: KVCacheManager, rng: random.Random, clock: list[float], steps: int) -> list[Request]:
+    """Random admissions and releases over a few shared prefixes; returns the requests still running."""
+    running: list[Request] = []
+    for step in range(steps):
+        clock[0] += rng.choice([0.0, 0.5, 2.0])
+        if running and (rng.random() < 0.45 or len(running) > 3):
+            kvm.free(running.pop(rng.randrange(len(running))))
+            continue
+        session = rng.randrange(4)
+        prompt = [1000 * session + i for i in range(BLOCK * rng.randint(0, 6))]
+        prompt += [rng.randrange(50_000, 60_000) for _ in range(rng.randint(1, 3 * BLOCK))]
+        extra = None
+        if rng.random() < 0.25:
+            extra = {
+                "retention_directives": [
+                    {"start": 0, "end": 2 * BLOCK, "priority": rng.choice([10, 60, 90]), "duration": 1.0}
+                ],
+                "retention_scope": f"s{session}",
+            }
+        req = make_request(f"r{step}", prompt, rng.choice([-1, 0, 1, 2]), extra)
+        if admit(kvm, req):
+            running.append(req)
+    return running
+
+
+@pytest.mark.parametrize(("policy", "granularity"), QUEUES)
+@pytest.mark.parametrize("seed", range(12))
+def test_listing_and_walk_follow_the_eviction_order(
+    policy: str, granularity: str, seed: int, clock: list[float]
+) -> None:
+    rng = random.Random(seed)
+    # a small protection budget and an adaptive target: both tiers compete for the last places
+    kvm = manager(policy, granularity, 41, "budget=0.3,isolation_goal=0.9")
+    workload(kvm, rng, clock, 60)
+    q = kvm.block_pool.free_block_queue
+    q.check()
+    listed = [b.block_id for b in q.get_all_free_blocks()]
+    assert len(listed) == len(set(listed)) == q.num_free_blocks
+    assert [b.block_id for b in q.iter_blocks_after(None)] == listed
+    for i in sorted(
+        rng.sample(range(len(listed)), min(5, len(listed)))
+    ):  # a cursor anywhere resumes after it
+        assert [b.block_id for b in q.iter_blocks_after(kvm.block_pool.blocks[listed[i]])] == listed[i + 1 :]
+    q.check()  # (walking changes nothing)
+    assert [b.block_id for b in q.popleft_n(q.num_free_blocks)] == listed
+
+
+@pytest.mark.parametrize(("policy", "granularity"), [qg for qg in QUEUES if qg[1] == "block"])
+def test_per_block_queues_evict_the_listing_one_block_at_a_time(
+    policy: str, granularity: str, clock: list[float]
+) -> None:
+    """Per block, the order does not depend on how many blocks one call takes."""
+    rng = random.Random(7)
+    kvm = manager(policy, granularity, 41, "budget=0.3,isolation_goal=0.9")
+    workload(kvm, rng, clock, 80)
+    q = kvm.block_pool.free_block_queue
+    listed = [b.block_id for b in q.get_all_free_blocks()]
+    got = []
+    while q.num_free_blocks:
+        got += [b.block_id for b in q.popleft_n(min(q.num_free_blocks, rng.randint(1, 3)))]
+    assert got == listed
+
+
+def test_a_stale_cursor_ends_the_walk(clock: list[float]) -> None:
+    kvm = manager("unified", "run", 21)
+    req = make_request("a", list(range(3 * BLOCK + 1)), 0)
+    assert admit(kvm, req)
+    q = kvm.block_pool.free_block_queue
+    in_use = kvm.coordinator.get_blocks("a")[0][0]
+    assert in_use.ref_cnt == 1
+    assert list(q.iter_blocks_after(in_use)) == []
+    kvm.free(req)
+    cached = [b for b in q.get_all_free_blocks() if b.block_hash is not None]
+    assert [b.block_id for b in cached] == [b.block_id for b in reversed(kvm.block_pool.blocks[1:4])], (
+        "a request's cached blocks go deepest first, after the unhashed ones"
+    )
