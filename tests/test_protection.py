@@ -155,12 +155,12 @@ def _balance_ctl(n: int = 20) -> ProtectionController:
     return ProtectionController(n, PolicyConfig(isolation_goal=None, frequency_exponent=1.0))
 
 
-def test_balance_starts_as_recency_and_learns_frequency_when_it_hits_more() -> None:
+def test_balance_starts_halfway_and_learns_frequency_when_it_hits_more() -> None:
     # a hot set of 5 blocks re-read every round, then a scan of 20 one-off blocks, in a pool of 20: LRU loses
     # the hot set to every scan, GreedyDual-Frequency keeps it
     ctl = _balance_ctl()
-    assert ctl.balance is not None and ctl.balance.alpha == 0.0
-    assert ctl.frequency[1] == ctl.frequency[5] == 1.0  # uses do not count yet
+    assert ctl.balance is not None and ctl.balance.alpha == 0.5
+    assert ctl.frequency[4] == pytest.approx(2.0)  # uses ** 0.5
     for i in range(400):
         ctl.on_lookup([1, 2, 3, 4, 5], 0, 35)
         ctl.on_lookup([1000 + 20 * i + j for j in range(20)], 0, 35)

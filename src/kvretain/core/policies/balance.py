@@ -15,9 +15,7 @@ controller's SHARDS sample (:mod:`kvretain.core.policies.protection`), each as l
 Their hits ``E`` (LRU) and ``G`` (frequency) are summed over the controller's window, and the recency share
 ``p`` in [0, 1] (``alpha = frequency_exponent * (1 - p)``) integrates ``(E - G) / max(E, G)``, at a rate that
 crosses the range in one window when the two differ by the reuse margin (``max_reuse_loss``: the difference the
-controller is built to resolve). ``p`` starts at 1, recency alone: the order starts as LRU's and moves
-towards frequency only as far as the frequency shadow is measured to hit more (so that on traffic where
-frequency does not help, ``unified`` loses nothing to LRU while it learns); ``alpha`` is quantized to
+controller is built to resolve). ``p`` starts at ``START_SHARE`` (0.5); ``alpha`` is quantized to
 ``1 / ALPHA_STEPS`` of it so the value table is rebuilt only when it moves a step.
 """
 
@@ -32,6 +30,9 @@ from kvretain.core.policies.rules import HALF_USE
 
 ALPHA_STEPS = 32
 """Quantization of ``alpha`` (the frequency table is rebuilt when it moves by one step)."""
+START_SHARE = 0.5
+"""The recency share before any evidence: halfway between the two candidates (with nothing known about the
+traffic, the midpoint bounds the early loss against whichever of the two turns out better)."""
 
 
 class _GDShadow:
@@ -96,8 +97,8 @@ class FrequencyBalance:
         self._gain = 1.0 / max(margin, 0.01)
         self._e = 0.0
         self._g = 0.0
-        self.share = 1.0
-        self.level = 0
+        self.share = START_SHARE
+        self.level = round(ALPHA_STEPS * (1.0 - START_SHARE))
 
     @property
     def alpha(self) -> float:
