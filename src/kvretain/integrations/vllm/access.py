@@ -439,9 +439,20 @@ class AccessPolicy:
         return dv
 
     def _salt(self, d: Decision, key: ApiKey | None, clamp: bool) -> None:
-        if key is None or key.cache_salt is None:
+        if key is None:
             return
         given = d.body.get("cache_salt")
+        if key.cache_salt is None:
+            owner = next((k for k in self.keys if k.cache_salt is not None and k.cache_salt == given), None)
+            if owner is not None:  # a salt bound to another key: using it would share (and probe) that cache
+                if not clamp:
+                    raise AccessDenied(
+                        403, f"key {key.name!r} may not use a cache_salt bound to another key", "cache_salt"
+                    )
+                del d.body["cache_salt"]
+                d.changed = True
+                d.notes.append("cache_salt of another key removed")
+            return
         if given is not None and given != key.cache_salt and not clamp:
             raise AccessDenied(
                 403,
