@@ -157,6 +157,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     try:
         for p in procs:
             p.start()
+            with open(logs / "pids", "a") as f:  # for the script's exit trap, should this session be killed
+                f.write(f"{p.proc.pid}\n")
         for p in procs:
             p.wait_ready()
         yield {name: Server(name, p, key) for name, (p, key) in specs.items()}
