@@ -62,7 +62,9 @@ def user(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def flood(client: Any, model: str, text: Any, tag: str, n: int = 16, words: int = 130, priority: int = 1) -> float:
+def flood(
+    client: Any, model: str, text: Any, tag: str, n: int = 16, words: int = 130, priority: int = 1
+) -> float:
     """``n`` distinct priority-``priority`` prompts of ~``words`` tokens (5 blocks each), 3 at a time; returns the
     seconds taken.
 
@@ -71,5 +73,9 @@ def flood(client: Any, model: str, text: Any, tag: str, n: int = 16, words: int 
     """
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(3) as ex:
-        list(ex.map(lambda i: chat(client, model, user(text(f"{tag}-{i}", words)), priority=priority), range(n)))
+        list(
+            ex.map(
+                lambda i: chat(client, model, user(text(f"{tag}-{i}", words)), priority=priority), range(n)
+            )
+        )
     return time.monotonic() - t0

@@ -62,11 +62,13 @@ def test_a_limited_key_cannot_raise_request_priority(servers, text):
 
 def test_a_limited_key_cannot_raise_retention(servers, text):
     srv = servers["plugin"]
-    bob, carol = srv.as_key(BOB), srv.as_key(CAROL)
+    bob = srv.as_key(BOB)
     prompt = user(text("bob-ret", 120))
     msg = _refused(lambda: chat(bob, srv.model, prompt, directives=HIGH))
     assert "retention priority up to 25; got 90" in msg, msg
-    msg = _refused(lambda: chat(bob, srv.model, prompt, directives=[{"start": 0, "priority": 20, "duration": 5}]))
+    msg = _refused(
+        lambda: chat(bob, srv.model, prompt, directives=[{"start": 0, "priority": 20, "duration": 5}])
+    )
     assert "at most 0 s" in msg, msg
     # clamp mode: carol's directive 90 becomes 25 (her priority-1 mapping): a priority-1 flood evicts it, while
     # the admin's identical request keeps its blocks (the control)
@@ -85,7 +87,13 @@ def test_scopes_cannot_be_spoofed(servers, text):
     prompt = user(text("spoof", 20))
     msg = _refused(lambda: chat(srv.as_key(BOB), srv.model, prompt, scope="alice"))
     assert "does not own retention_scope 'alice'" in msg, msg
-    chat(srv.as_key(ALICE), srv.model, prompt, scope="alice-session-7", directives=[{"start": 0, "priority": 90, "duration": 60}])  # a prefix it owns
+    chat(
+        srv.as_key(ALICE),
+        srv.model,
+        prompt,
+        scope="alice-session-7",
+        directives=[{"start": 0, "priority": 90, "duration": 60}],
+    )  # a prefix it owns
 
 
 def test_a_salt_bound_key_never_hits_another_tenants_cache(servers, text):

@@ -43,9 +43,19 @@ CASES = [
     ("1e5-directives", _xargs(MANY), 400, "at most 1024"),
     ("duration-negative", _xargs([{"start": 0, "priority": 50, "duration": -3}]), 400, ">= 0"),
     ("duration-infinite", _xargs('[{"start": 0, "priority": 50, "duration": 1e999}]'), 400, "finite"),
-    ("duration-huge", _xargs([{"start": 0, "priority": 50, "duration": 1e12}]), 400, "over this server's limit"),
+    (
+        "duration-huge",
+        _xargs([{"start": 0, "priority": 50, "duration": 1e12}]),
+        400,
+        "over this server's limit",
+    ),
     ("duration-nan", _xargs('[{"start": 0, "priority": 50, "duration": NaN}]'), 400, "duration"),
-    ("duration-a-string", _xargs([{"start": 0, "priority": 50, "duration": "30s"}]), 400, "number of seconds"),
+    (
+        "duration-a-string",
+        _xargs([{"start": 0, "priority": 50, "duration": "30s"}]),
+        400,
+        "number of seconds",
+    ),
     ("scope-a-number", {"vllm_xargs": {"retention_scope": 42}}, 400, "retention_scope must be a string"),
     ("unknown-retention-field", {"vllm_xargs": {"retention_scop": "alice"}}, 400, "unknown retention field"),
     (
@@ -60,7 +70,12 @@ CASES = [
     ("vllm-xargs-not-an-object", {"vllm_xargs": "retention"}, 400, "valid dictionary"),
     ("cache-salt-empty", {"cache_salt": ""}, 400, "cache_salt"),
     ("max-tokens-negative", {"max_tokens": -1}, 400, "max_tokens"),
-    ("prompt-beyond-model-length", {"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "maximum context length"),
+    (
+        "prompt-beyond-model-length",
+        {"messages": [{"role": "user", "content": "word " * 2000}]},
+        400,
+        "maximum context length",
+    ),
 ]
 
 

@@ -83,7 +83,11 @@ def test_64_streaming_clients_of_two_priorities(servers, text):
     for cls in (0, 1):
         for i, p in enumerate(prompts[cls]):
             r = srv.client.chat.completions.create(
-                model=srv.model, messages=p, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+                model=srv.model,
+                messages=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
             )
             ref[cls, i] = r.choices[0].message.content
     mismatched = [(c, i, out, ref[c, i]) for c, i, _, out, _ in results if out != ref[c, i]]
@@ -100,7 +104,12 @@ def test_64_streaming_clients_of_two_priorities(servers, text):
     ttft = {c: [t for cls, _, t, _, _ in results if cls == c and t is not None] for c in (0, 1)}
     p99 = {c: _p99(ttft[c]) for c in (0, 1)}
     _report(
-        {"requests": len(results), "class0_p99_ttft_s": p99[0], "class1_p99_ttft_s": p99[1], "clients": CLIENTS}
+        {
+            "requests": len(results),
+            "class0_p99_ttft_s": p99[0],
+            "class1_p99_ttft_s": p99[1],
+            "clients": CLIENTS,
+        }
     )
     assert p99[0] < p99[1], p99
 

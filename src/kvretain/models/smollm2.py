@@ -57,7 +57,9 @@ def build(out: Path) -> Path:
     # a tied output projection may be absent from the state dict; anything else missing is an error
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise SmolLM2Error(f"GGUF weights do not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+        raise SmolLM2Error(
+            f"GGUF weights do not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
+        )
     model = model.to(torch.bfloat16)
     model.config.torch_dtype = torch.bfloat16
     out.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,9 @@ class ApiKey:
     """``refuse`` or ``clamp`` for this key (``None``: the policy's mode)."""
 
     def owns(self, scope: str) -> bool:
-        return any(s == "*" or s == scope or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.scopes)
+        return any(
+            s == "*" or s == scope or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.scopes
+        )
 
 
 @dataclass
@@ -120,7 +122,9 @@ def _opt_duration(raw: Mapping[str, Any], name: str, where: str) -> float | None
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise AccessConfigError(f"{where}: {name} must be a non-negative number of seconds or null, got {v!r}")
+        raise AccessConfigError(
+            f"{where}: {name} must be a non-negative number of seconds or null, got {v!r}"
+        )
     return float(v)
 
 
@@ -128,7 +132,7 @@ def _mode(raw: Mapping[str, Any], where: str, default: str | None) -> str | None
     v = raw.get("mode", default)
     if v is not None and v not in MODES:
         raise AccessConfigError(f"{where}: mode must be one of {', '.join(MODES)}, got {v!r}")
-    return v
+    return None if v is None else str(v)
 
 
 _KEY_FIELDS = {
@@ -149,7 +153,9 @@ def _parse_key(raw: Any, i: int) -> ApiKey:
         raise AccessConfigError(f"{where}: expected an object with at least 'key', got {raw!r}")
     unknown = sorted(set(raw) - _KEY_FIELDS)
     if unknown:
-        raise AccessConfigError(f"{where}: unknown field(s) {unknown}; allowed: {', '.join(sorted(_KEY_FIELDS))}")
+        raise AccessConfigError(
+            f"{where}: unknown field(s) {unknown}; allowed: {', '.join(sorted(_KEY_FIELDS))}"
+        )
     key = raw.get("key")
     if not isinstance(key, str) or len(key) < 8:
         raise AccessConfigError(f"{where}: 'key' must be a string of at least 8 characters")
@@ -198,7 +204,9 @@ class AccessPolicy:
             raise AccessConfigError(f"{where}: expected a JSON object with 'keys', got {type(raw).__name__}")
         unknown = sorted(set(raw) - {"keys", "mode", "max_directives", "max_duration_s"})
         if unknown:
-            raise AccessConfigError(f"{where}: unknown field(s) {unknown}; allowed: keys, mode, max_directives, max_duration_s")
+            raise AccessConfigError(
+                f"{where}: unknown field(s) {unknown}; allowed: keys, mode, max_directives, max_duration_s"
+            )
         keys_raw = raw.get("keys", [])
         if not isinstance(keys_raw, list):
             raise AccessConfigError(f"{where}: 'keys' must be a list of key objects")
@@ -344,7 +352,9 @@ class AccessPolicy:
         xargs = dict(xargs or {})
         for f, v in top.items():  # a convenience: retention fields at the top level of the body
             if f in xargs:
-                raise AccessDenied(400, f"{f} is given both at the top level and in vllm_xargs; give it once", f)
+                raise AccessDenied(
+                    400, f"{f} is given both at the top level and in vllm_xargs; give it once", f
+                )
             xargs[f] = v
             del body[f]
         unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_FIELDS)

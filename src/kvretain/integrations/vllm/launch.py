@@ -139,7 +139,9 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):  # the engine core may outlive the API server by a moment
+        with contextlib.suppress(
+            ProcessLookupError
+        ):  # the engine core may outlive the API server by a moment
             os.killpg(proc.pid, signal.SIGKILL)
 
     def __enter__(self) -> VLLMServer:

@@ -61,7 +61,11 @@ QUEUES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 COUNTER_KEYS = (
     ("requests", "prefix_cache_requests", "requests admitted (first schedule) by request priority"),
-    ("query_tokens", "prefix_cache_queries", "prompt tokens looked up in the prefix cache, by request priority"),
+    (
+        "query_tokens",
+        "prefix_cache_queries",
+        "prompt tokens looked up in the prefix cache, by request priority",
+    ),
     ("hit_tokens", "prefix_cache_hits", "prompt tokens served from the prefix cache, by request priority"),
     ("preempted_requests", "preempted_requests", "admissions of requests resumed after a preemption"),
     ("released_blocks", "released_blocks", "blocks released, by the priority of the releasing request"),
@@ -230,6 +234,7 @@ def install() -> None:
     """Start publishing this process's snapshots and register the collector (idempotent; never raises)."""
     if _installed:
         return
+    directory: Path | None = None
     try:
         directory = metrics_dir()
         pub = _Publisher(directory)
@@ -238,7 +243,7 @@ def install() -> None:
         _installed["publisher"] = pub
     except Exception:
         logger.warning("kvretain: per-priority metrics side channel unavailable", exc_info=True)
-        directory = None  # type: ignore[assignment]
+        directory = None
     try:
         from prometheus_client.core import REGISTRY
 
@@ -251,7 +256,26 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------- per-class latency (ASGI)
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 """vLLM's own TTFT buckets up to 80 s."""
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _histograms: dict[str, Any] = {}
@@ -291,7 +315,11 @@ class ClassLatency:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in _GENERATE_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
@@ -312,10 +340,13 @@ class ClassLatency:
                 for k, v in msg.get("headers", []):
                     if k.lower() == b"content-type" and b"event-stream" in v:
                         state["stream"] = True
-            elif msg["type"] == "http.response.body" and state["first"] is None and state["stream"]:
-                if b'"content":"' in msg.get("body", b"") or b'"text":"' in msg.get("body", b""):
-                    if not _empty_delta(msg.get("body", b"")):
-                        state["first"] = time.monotonic()
+            elif (
+                msg["type"] == "http.response.body"
+                and state["first"] is None
+                and state["stream"]
+                and _has_token(msg.get("body", b""))
+            ):
+                state["first"] = time.monotonic()
             await send(msg)
 
         try:
@@ -329,9 +360,16 @@ class ClassLatency:
                 h["e2e"].labels(label).observe(time.monotonic() - t0)
 
 
-def _empty_delta(body: bytes) -> bool:
-    """True for a first SSE event carrying only the role (``"content":""``), which chat streams send first."""
-    return b'"content":""' in body and b'"content":"' not in body.replace(b'"content":""', b"")
+def _has_token(body: bytes) -> bool:
+    """True for an SSE chunk that carries generated text: ``"content":"x`` (chat; the first chat event carries
+    only the role, with ``"content":""``) or ``"text":"x`` (completions)."""
+    for marker in (b'"content":"', b'"text":"'):
+        at = body.find(marker)
+        while at >= 0:
+            if body[at + len(marker) : at + len(marker) + 1] != b'"':
+                return True
+            at = body.find(marker, at + 1)
+    return False
 
 
 def _priority_of(raw: bytes, scope: Any) -> int:

@@ -42,7 +42,12 @@ HARMLESS_POSTS = frozenset({"/tokenize", "/detokenize"})
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """NOTE: a 2,048-directive list is ~100 KB and a 128k-token prompt as text ~600 KB; 8 MiB leaves room for
 token-id prompts of that length while bounding what one request makes the API server buffer and parse."""
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 413: "RequestTooLarge"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    413: "RequestTooLarge",
+}
 
 
 def _announce(policy: AccessPolicy) -> None:
@@ -119,7 +124,9 @@ def _header(scope: Scope, name: bytes) -> str | None:
 class AccessLimits:
     """The ASGI middleware (vLLM instantiates it as ``AccessLimits(app)``)."""
 
-    def __init__(self, app: ASGIApp, policy: AccessPolicy | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(
+        self, app: ASGIApp, policy: AccessPolicy | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    ):
         self.app = app
         self.policy = POLICY if policy is None else policy
         self.max_body_bytes = max_body_bytes
@@ -151,7 +158,9 @@ class AccessLimits:
         except ConnectionError:
             return
         if decision.notes:
-            logger.info("kvretain access limits: %s clamped: %s", key.name if key else "-", "; ".join(decision.notes))
+            logger.info(
+                "kvretain access limits: %s clamped: %s", key.name if key else "-", "; ".join(decision.notes)
+            )
         if decision.changed:
             raw = json.dumps(decision.body).encode()
         headers = [
