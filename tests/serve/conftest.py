@@ -130,7 +130,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(KEYS))
     logs = Path(os.environ.get("KVRETAIN_SERVE_LOGS", str(tmp)))
-    args = tiny_server_args(NUM_BLOCKS, MAX_MODEL_LEN, ["--dtype", "float32"])
+    # NOTE: at most 8 running requests: the load test's 64 clients then queue, and the waiting queue is where
+    # vLLM's priority scheduling acts (running requests are not preempted for waiting ones)
+    args = tiny_server_args(NUM_BLOCKS, MAX_MODEL_LEN, ["--dtype", "float32", "--max-num-seqs", "8"])
     dev = {"VLLM_SERVER_DEV_MODE": "1", "KVRETAIN_METRICS_DIR": ""}
     specs = {
         "stock": (VLLMServer(MODEL, args, {**dev, "KVRETAIN_POLICY": ""}, logs / "stock.log"), "none"),

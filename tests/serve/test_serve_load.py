@@ -49,7 +49,10 @@ def _p99(xs):
 def test_64_streaming_clients_of_two_priorities(servers, text):
     srv = servers["plugin"]
     srv.reset_cache()
-    prompts = {c: [user(text(f"load-{c}-{i}", 60)) for i in range(PROMPTS_PER_CLASS)] for c in (0, 1)}
+    # NOTE: ~260-token prompts (9 blocks with the output): at most 3 run at once in the 31-block pool, so the
+    # server, not this one Python client parsing 64 streams, is the bottleneck, and requests queue where
+    # priority scheduling acts
+    prompts = {c: [user(text(f"load-{c}-{i}", 250)) for i in range(PROMPTS_PER_CLASS)] for c in (0, 1)}
     results: list[tuple[int, int, float | None, str, int | None]] = []
     errors: list[str] = []
 
@@ -105,10 +108,10 @@ def test_64_streaming_clients_of_two_priorities(servers, text):
     p99 = {c: _p99(ttft[c]) for c in (0, 1)}
     _report(
         {
-            "requests": len(results),
-            "class0_p99_ttft_s": p99[0],
-            "class1_p99_ttft_s": p99[1],
             "clients": CLIENTS,
+            "requests": {c: len(ttft[c]) for c in (0, 1)},
+            "ttft_p50_s": {c: sorted(ttft[c])[len(ttft[c]) // 2] for c in (0, 1)},
+            "ttft_p99_s": p99,
         }
     )
     assert p99[0] < p99[1], p99
