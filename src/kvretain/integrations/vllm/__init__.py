@@ -164,43 +164,9 @@ def reset_stats() -> None:
     HOOK_ERRORS.reset()
 
 
-_prometheus_installed = False
-
-
 def _install_prometheus() -> None:
-    """Expose the counters as ``kvretain_vllm_*{priority=...}`` on prometheus_client's default registry
-    (when importable). vLLM serves /metrics from the API server process; with a separate engine-core
-    process these appear only in that process's registry (use :func:`stats` there)."""
-    global _prometheus_installed
-    if _prometheus_installed:
-        return
-    try:
-        from prometheus_client.core import REGISTRY, CounterMetricFamily
-    except Exception:
-        return
+    """Per-priority series in vLLM's /metrics, engine core in-process or not (see
+    :mod:`kvretain.integrations.vllm.metrics`)."""
+    from kvretain.integrations.vllm import metrics
 
-    class _Collector:
-        def collect(self) -> Any:
-            snap = COUNTERS.snapshot()
-            for key, doc in (
-                ("query_tokens", "prompt tokens looked up in the prefix cache"),
-                ("hit_tokens", "prompt tokens served from the prefix cache"),
-                ("evicted_blocks", "cached blocks evicted (by the priority of their last user)"),
-            ):
-                fam = CounterMetricFamily(f"kvretain_vllm_{key}", doc, labels=["priority"])
-                for prio, c in snap.items():
-                    fam.add_metric([str(prio)], float(c[key]))
-                yield fam
-
-            fam = CounterMetricFamily(
-                "kvretain_vllm_hook_errors", "errors inside the plugin's hooks (swallowed)", labels=["hook"]
-            )
-            for hook, n in HOOK_ERRORS.snapshot().items():
-                fam.add_metric([hook], float(n))
-            yield fam
-
-    try:
-        REGISTRY.register(_Collector())
-        _prometheus_installed = True
-    except Exception:
-        logger.debug("kvretain: prometheus collector not registered", exc_info=True)
+    metrics.install()

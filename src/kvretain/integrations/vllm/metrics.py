@@ -1,0 +1,403 @@
+"""Per-priority series in vLLM's own ``/metrics``, with the engine core in its own process or in-process.
+
+vLLM serves ``/metrics`` from the API server process (prometheus_client's default registry, unless
+``PROMETHEUS_MULTIPROC_DIR`` is set for several API servers), while the KV cache and so the plugin's counters
+live in the engine core, a child process by default. vLLM ships the engine core's own statistics to the front
+end inside its output messages (``SchedulerStats``), a fixed dataclass with no room for a plugin's. So the side
+channel is a directory: every process that holds a retention queue writes a JSON snapshot of its counters and
+queue state there twice a second (atomic rename), and a collector on the API server's registry reads those
+snapshots, plus its own process's state when the engine runs in-process, at each scrape.
+
+The directory is ``KVRETAIN_METRICS_DIR``; unset, the first process that loads the plugin (vLLM's API server,
+which loads plugins before it starts the engine core) makes a temporary one and sets the variable, which the
+engine core inherits. Series (tokens, like vLLM's ``vllm:prefix_cache_*``; ``priority`` is vLLM's request
+priority, lower = more important):
+
+``kvretain:prefix_cache_queries_total{priority}`` / ``kvretain:prefix_cache_hits_total{priority}``
+    prompt tokens looked up / served from the prefix cache at admission;
+``kvretain:prefix_cache_requests_total{priority}``, ``kvretain:preempted_requests_total{priority}``;
+``kvretain:evicted_blocks_total{priority}`` / ``kvretain:released_blocks_total{priority}``
+    cached blocks evicted / released, by the priority of their last releasing request;
+``kvretain:pool_blocks``, ``kvretain:protected_blocks``, ``kvretain:protected_block_share``
+    blocks whose retention is at or above the protection threshold, and their share of the pool;
+``kvretain:protected_target_blocks`` / ``kvretain:protected_budget_blocks``
+    the protection controller's target and its ceiling (``budget`` x pool);
+``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
+``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``
+    the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds.
+
+:class:`ClassLatency` (ASGI, for ``--middleware``) adds per-priority latency histograms, which vLLM's own
+``vllm:time_to_first_token_seconds`` lacks: ``kvretain:time_to_first_token_seconds{priority}`` (streaming
+requests, from arrival at the API server to the first streamed token) and
+``kvretain:e2e_request_latency_seconds{priority}``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvretain.integrations.vllm import _runtime
+
+ENV_METRICS_DIR = "KVRETAIN_METRICS_DIR"
+PUBLISH_INTERVAL_S = 0.5
+"""NOTE: Prometheus scrapes every 15-60 s; half a second keeps a scrape at most that stale at one small file
+write per engine process per interval."""
+
+logger = logging.getLogger("kvretain.integrations.vllm")
+
+QUEUES: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The retention queues of this process (registered by the plugin when it installs one)."""
+
+COUNTER_KEYS = (
+    ("requests", "prefix_cache_requests", "requests admitted (first schedule) by request priority"),
+    (
+        "query_tokens",
+        "prefix_cache_queries",
+        "prompt tokens looked up in the prefix cache, by request priority",
+    ),
+    ("hit_tokens", "prefix_cache_hits", "prompt tokens served from the prefix cache, by request priority"),
+    ("preempted_requests", "preempted_requests", "admissions of requests resumed after a preemption"),
+    ("released_blocks", "released_blocks", "blocks released, by the priority of the releasing request"),
+    ("evicted_blocks", "evicted_blocks", "cached blocks evicted, by the priority of their last user"),
+)
+GAUGE_KEYS = (
+    ("pool_blocks", "blocks in the prefix-cached pools"),
+    ("protected_blocks", "cached blocks whose retention is at or above the protection threshold"),
+    ("protected_block_share", "protected blocks over pool blocks"),
+    ("protected_target_blocks", "the protection controller's target for protected blocks"),
+    ("protected_budget_blocks", "the most blocks protected traffic may hold (budget x pool)"),
+    (
+        "protection_level",
+        "the controller's level: 0..1 protected target share of the budget, -1..0 softened weights",
+    ),
+    ("hit_ratio_window", "the pool's hit ratio over the controller's window (sampled blocks)"),
+    ("lru_hit_ratio_estimate", "what plain LRU would hit on the same traffic (the reuse floor's reference)"),
+    ("protected_hit_ratio_window", "protected traffic's hit ratio over the window"),
+    (
+        "isolated_hit_ratio_estimate",
+        "what protected traffic would hit alone in the pool (the goal's reference)",
+    ),
+    ("reuse_floor_binds", "1 when the overall-reuse floor is what holds protection back"),
+)
+_CONTROLLER_KEYS = (
+    "protection_level",
+    "hit_ratio_window",
+    "lru_hit_ratio_estimate",
+    "protected_hit_ratio_window",
+    "isolated_hit_ratio_estimate",
+    "reuse_floor_binds",
+)
+
+
+def register_queue(queue: Any) -> None:
+    QUEUES.add(queue)
+
+
+def queue_gauges(queues: Any) -> dict[str, float]:
+    """Sum of the queues' state (the controller's fields read where the queue has one)."""
+    g = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
+    for q in list(queues):
+        g["pool_blocks"] += len(getattr(q, "pool_blocks", ()))
+        stats = q.stats() if hasattr(q, "stats") else {}
+        g["protected_blocks"] += float(stats.get("protected_blocks", 0.0))
+        g["protected_target_blocks"] += float(stats.get("protected_target", 0.0))
+        g["protected_budget_blocks"] += float(stats.get("protected_budget", 0.0))
+        for key in _CONTROLLER_KEYS:  # (one controlled queue per engine process: its values as they are)
+            if key in stats:
+                g[key] = float(stats[key])
+    if g["pool_blocks"]:
+        g["protected_block_share"] = g["protected_blocks"] / g["pool_blocks"]
+    return g
+
+
+def local_snapshot() -> dict[str, Any] | None:
+    """This process's counters and queue state; ``None`` when it holds no retention queue."""
+    if not QUEUES:
+        return None
+    return {
+        "pid": os.getpid(),
+        "time": time.time(),
+        "by_priority": {str(p): c for p, c in _runtime.COUNTERS.snapshot().items()},
+        "gauges": queue_gauges(QUEUES),
+    }
+
+
+def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    by_prio: dict[str, dict[str, float]] = {}
+    gauges = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
+    for s in snaps:
+        for prio, c in s.get("by_priority", {}).items():
+            acc = by_prio.setdefault(prio, {})
+            for k, v in c.items():
+                acc[k] = acc.get(k, 0.0) + float(v)
+        for k, v in s.get("gauges", {}).items():
+            if k in gauges:
+                gauges[k] += float(v)
+    if gauges["pool_blocks"]:
+        gauges["protected_block_share"] = gauges["protected_blocks"] / gauges["pool_blocks"]
+    return by_prio, gauges
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_snapshots(directory: Path, skip_pid: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(directory.glob("engine-*.json")):
+        try:
+            snap = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # a file being replaced, or a foreign one
+        pid = int(snap.get("pid", -1))
+        if pid != skip_pid and _alive(pid):
+            out.append(snap)
+    return out
+
+
+class _Publisher(threading.Thread):
+    def __init__(self, directory: Path) -> None:
+        super().__init__(name="kvretain-metrics", daemon=True)
+        self.directory = directory
+        self.path = directory / f"engine-{os.getpid()}.json"
+        self.stop_event = threading.Event()
+
+    def publish(self) -> None:
+        snap = local_snapshot()
+        if snap is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, self.path)
+
+    def run(self) -> None:
+        while not self.stop_event.wait(PUBLISH_INTERVAL_S):
+            try:
+                self.publish()
+            except Exception:
+                logger.debug("kvretain: metrics snapshot not written", exc_info=True)
+
+    def close(self) -> None:
+        self.stop_event.set()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+class Collector:
+    """prometheus_client collector: this process's state plus the other processes' snapshots."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        snaps = []
+        local = local_snapshot()
+        if local is not None:
+            snaps.append(local)
+        if self.directory is not None and self.directory.is_dir():
+            snaps.extend(read_snapshots(self.directory, skip_pid=os.getpid()))
+        return snaps
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snaps = self.snapshots()
+        if not snaps:
+            return
+        by_prio, gauges = merge(snaps)
+        for key, name, doc in COUNTER_KEYS:
+            fam = CounterMetricFamily(f"kvretain:{name}", doc, labels=["priority"])
+            for prio in sorted(by_prio, key=int):
+                fam.add_metric([prio], by_prio[prio].get(key, 0.0))
+            yield fam
+        for key, doc in GAUGE_KEYS:
+            yield GaugeMetricFamily(f"kvretain:{key}", doc, value=gauges[key])
+
+
+_installed: dict[str, Any] = {}
+
+
+def metrics_dir() -> Path:
+    """The side-channel directory (made, and named in the environment for child processes, when unset)."""
+    raw = os.environ.get(ENV_METRICS_DIR)
+    if raw:
+        path = Path(raw)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = Path(tempfile.mkdtemp(prefix="kvretain-metrics-"))
+    os.environ[ENV_METRICS_DIR] = str(path)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def install() -> None:
+    """Start publishing this process's snapshots and register the collector (idempotent; never raises)."""
+    if _installed:
+        return
+    directory: Path | None = None
+    try:
+        directory = metrics_dir()
+        pub = _Publisher(directory)
+        pub.start()
+        atexit.register(pub.close)
+        _installed["publisher"] = pub
+    except Exception:
+        logger.warning("kvretain: per-priority metrics side channel unavailable", exc_info=True)
+        directory = None
+    try:
+        from prometheus_client.core import REGISTRY
+
+        collector = Collector(directory)
+        REGISTRY.register(collector)
+        _installed["collector"] = collector
+    except Exception:
+        logger.debug("kvretain: prometheus collector not registered", exc_info=True)
+    _installed.setdefault("done", True)
+
+
+# ---------------------------------------------------------------- per-class latency (ASGI)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+"""vLLM's own TTFT buckets up to 80 s."""
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_histograms: dict[str, Any] = {}
+_hist_lock = threading.Lock()
+
+
+def latency_histograms() -> dict[str, Any]:
+    with _hist_lock:
+        if not _histograms:
+            from prometheus_client import Histogram
+
+            _histograms["ttft"] = Histogram(
+                "kvretain:time_to_first_token_seconds",
+                "time from arrival at the API server to the first streamed token, by request priority",
+                ["priority"],
+                buckets=TTFT_BUCKETS,
+            )
+            _histograms["e2e"] = Histogram(
+                "kvretain:e2e_request_latency_seconds",
+                "time from arrival at the API server to the end of the response, by request priority",
+                ["priority"],
+                buckets=E2E_BUCKETS,
+            )
+    return _histograms
+
+
+_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class ClassLatency:
+    """ASGI middleware: per-priority TTFT and end-to-end histograms of completions and chat completions.
+
+    Put it before :class:`~kvretain.integrations.vllm.middleware.AccessLimits` on the command line (vLLM adds
+    each ``--middleware`` outside the previous ones), so it sees the priority the request runs at."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in _GENERATE_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        t0 = time.monotonic()
+        state: dict[str, Any] = {"priority": None, "first": None, "status": 0, "stream": False}
+        chunks: list[bytes] = []
+
+        async def recv() -> Any:
+            msg = await receive()
+            if msg.get("type") == "http.request" and state["priority"] is None:
+                chunks.append(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    state["priority"] = _priority_of(b"".join(chunks), scope)
+            return msg
+
+        async def snd(msg: Any) -> None:
+            if msg["type"] == "http.response.start":
+                state["status"] = int(msg.get("status", 0))
+                for k, v in msg.get("headers", []):
+                    if k.lower() == b"content-type" and b"event-stream" in v:
+                        state["stream"] = True
+            elif (
+                msg["type"] == "http.response.body"
+                and state["first"] is None
+                and state["stream"]
+                and _has_token(msg.get("body", b""))
+            ):
+                state["first"] = time.monotonic()
+            await send(msg)
+
+        try:
+            await self.app(scope, recv, snd)
+        finally:
+            if state["status"] == 200 and state["priority"] is not None:
+                h = latency_histograms()
+                label = str(state["priority"])
+                if state["first"] is not None:
+                    h["ttft"].labels(label).observe(state["first"] - t0)
+                h["e2e"].labels(label).observe(time.monotonic() - t0)
+
+
+def _has_token(body: bytes) -> bool:
+    """True for an SSE chunk that carries generated text: ``"content":"x`` (chat; the first chat event carries
+    only the role, with ``"content":""``) or ``"text":"x`` (completions)."""
+    for marker in (b'"content":"', b'"text":"'):
+        at = body.find(marker)
+        while at >= 0:
+            if body[at + len(marker) : at + len(marker) + 1] != b'"':
+                return True
+            at = body.find(marker, at + 1)
+    return False
+
+
+def _priority_of(raw: bytes, scope: Any) -> int:
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"x-vllm-priority":
+            with contextlib.suppress(ValueError):
+                return int(v)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return 0
+    p = body.get("priority", 0) if isinstance(body, dict) else 0
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0

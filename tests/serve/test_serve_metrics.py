@@ -1,0 +1,70 @@
+"""Per-priority series in vLLM's own /metrics: engine core in its own process (vLLM's default) and in-process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from _client import chat, flood, user
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _samples(srv):
+    out: dict[tuple[str, tuple], float] = {}
+    for fam in text_string_to_metric_families(srv.metrics_text()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.mark.parametrize("name", ["plugin", "inproc"])
+def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
+    srv = servers[name]
+    srv.reset_cache()
+    prompt = user(text(f"metrics-{name}", 120))
+    for _ in range(3):
+        chat(srv.client, srv.model, prompt, priority=0)
+    flood(srv.client, srv.model, text, f"mflood-{name}", n=12)
+    deadline = time.monotonic() + 10
+    while True:
+        s = _samples(srv)
+        q0 = _value(s, "kvretain:prefix_cache_queries_total", priority="0")
+        h0 = _value(s, "kvretain:prefix_cache_hits_total", priority="0")
+        q1 = _value(s, "kvretain:prefix_cache_queries_total", priority="1")
+        ev1 = _value(s, "kvretain:evicted_blocks_total", priority="1")
+        if (q0 and h0 and q1 and ev1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert q0 and q0 >= 3 * 120, s
+    assert h0 and h0 >= 2 * 96
+    assert q1 and q1 >= 12 * 120
+    assert ev1 and ev1 > 0
+    assert _value(s, "kvretain:pool_blocks") == 32
+    share = _value(s, "kvretain:protected_block_share")
+    assert share is not None and 0 < share <= 1
+    assert _value(s, "kvretain:protected_target_blocks") > 0
+    assert _value(s, "kvretain:protected_budget_blocks") == pytest.approx(0.95 * 32)
+    assert _value(s, "kvretain:lru_hit_ratio_estimate") is not None
+    assert -1.0 <= _value(s, "kvretain:protection_level") <= 1.0
+    assert _value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
+
+
+def test_per_class_ttft_histograms(servers, text):
+    srv = servers["plugin"]
+    for prio in (0, 1):
+        stream = srv.client.chat.completions.create(
+            model=srv.model,
+            messages=user(text(f"ttft-{prio}", 30)),
+            max_tokens=4,
+            stream=True,
+            extra_body={"priority": prio},
+        )
+        assert sum(1 for _ in stream) > 1
+    s = _samples(srv)
+    for prio in ("0", "1"):
+        assert _value(s, "kvretain:time_to_first_token_seconds_count", priority=prio) >= 1
+        assert _value(s, "kvretain:e2e_request_latency_seconds_count", priority=prio) >= 1

@@ -1,0 +1,219 @@
+"""Access limits (kvretain.integrations.vllm.access / .middleware) and the metrics side channel, without vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from kvretain.integrations.vllm import metrics
+from kvretain.integrations.vllm.access import (
+    AccessConfigError,
+    AccessDenied,
+    AccessPolicy,
+)
+from kvretain.integrations.vllm.middleware import AccessLimits
+
+KEYS = {
+    "keys": [
+        {"key": "sk-admin-000", "name": "admin", "scopes": ["*"]},
+        {
+            "key": "sk-bob-00000",
+            "name": "bob",
+            "min_request_priority": 1,
+            "max_retention_priority": 50,
+            "max_duration_s": 60,
+            "scopes": ["bob", "bob-*"],
+            "cache_salt": "salt-bob",
+        },
+        {
+            "key": "sk-carol-000",
+            "name": "carol",
+            "min_request_priority": 1,
+            "max_retention_priority": 25,
+            "mode": "clamp",
+        },
+    ]
+}
+POLICY = AccessPolicy.from_json(KEYS)
+ADMIN, BOB, CAROL = POLICY.keys
+
+
+def _d(priority, duration=None, start=0):
+    return json.dumps([{"start": start, "end": None, "priority": priority, "duration": duration}])
+
+
+def _denied(fn, status):
+    with pytest.raises(AccessDenied) as e:
+        fn()
+    assert e.value.status == status, e.value.message
+    return e.value.message
+
+
+def test_config_errors_name_the_field():
+    for raw, words in [
+        ({"keys": [{"key": "short"}]}, "at least 8"),
+        ({"keys": [{"key": "sk-12345678", "max_retention_priority": 101}]}, "max_retention_priority"),
+        ({"keys": [{"key": "sk-12345678", "scopes": "all"}]}, "scopes"),
+        ({"keys": [{"key": "sk-12345678", "pin": 1}]}, "unknown field"),
+        ({"keys": [{"key": "sk-12345678"}, {"key": "sk-12345678"}]}, "twice"),
+        ({"mode": "soft"}, "mode"),
+        ({"kees": []}, "unknown field"),
+    ]:
+        with pytest.raises(AccessConfigError, match=words):
+            AccessPolicy.from_json(raw)
+    with pytest.raises(AccessConfigError, match="not valid JSON"):
+        AccessPolicy.from_env({"KVRETAIN_API_KEYS": "{keys"})
+    assert AccessPolicy.from_env({}).is_open
+
+
+def test_authentication():
+    assert POLICY.authenticate("Bearer sk-bob-00000") is BOB
+    _denied(lambda: POLICY.authenticate(None), 401)
+    _denied(lambda: POLICY.authenticate("Bearer sk-nobody-0"), 401)
+    _denied(lambda: POLICY.authenticate("Basic abc"), 401)
+    assert AccessPolicy().authenticate(None) is None
+
+
+def test_request_priority_refused_defaulted_or_clamped():
+    assert "priority 1 or higher" in _denied(lambda: POLICY.check({"priority": 0}, BOB), 403)
+    assert "got -4" in _denied(lambda: POLICY.check({}, BOB, header_priority="-4"), 403)
+    d = POLICY.check({}, BOB)
+    assert d.body["priority"] == 1 and d.priority == 1
+    d = POLICY.check({"priority": -7}, CAROL)
+    assert d.body["priority"] == 1 and d.notes
+    d = POLICY.check({}, ADMIN, header_priority="-3")
+    assert d.body["priority"] == -3  # folded into the body (the header is dropped when forwarded)
+    _denied(lambda: POLICY.check({"priority": "1"}, ADMIN), 400)
+    _denied(lambda: POLICY.check({"priority": 2**70}, ADMIN), 400)
+
+
+def test_retention_limits():
+    msg = _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": {"retention_directives": _d(90, 10)}}, BOB), 403
+    )
+    assert "up to 50; got 90" in msg
+    msg = _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": {"retention_directives": _d(40)}}, BOB), 403
+    )
+    assert "at most 60 s; got no duration" in msg
+    d = POLICY.check({"priority": 1, "vllm_xargs": {"retention_directives": _d(90)}}, CAROL)
+    assert json.loads(d.body["vllm_xargs"]["retention_directives"])[0]["priority"] == 25
+    # top-level retention fields move into vllm_xargs
+    d = POLICY.check({"retention_directives": json.loads(_d(40, 5)), "retention_scope": "bob-7"}, BOB)
+    assert "retention_directives" not in d.body and d.body["vllm_xargs"]["retention_scope"] == "bob-7"
+    assert "does not own" in _denied(lambda: POLICY.check({"retention_scope": "alice"}, BOB), 403)
+    assert POLICY.check({"retention_scope": "anyone"}, ADMIN)
+    assert "at most 1024" in _denied(
+        lambda: POLICY.check(
+            {
+                "vllm_xargs": {
+                    "retention_directives": json.dumps(
+                        [{"start": 2 * i, "end": 2 * i + 1, "priority": 1} for i in range(2000)]
+                    )
+                }
+            },
+            ADMIN,
+        ),
+        400,
+    )
+    assert "finite" in _denied(
+        lambda: POLICY.check(
+            {"vllm_xargs": {"retention_directives": '[{"priority": 1, "duration": 1e999}]'}}, None
+        ),
+        400,
+    )
+    assert "not valid JSON" in _denied(
+        lambda: POLICY.check({"vllm_xargs": {"retention_directives": "[{"}}, None), 400
+    )
+    assert "unknown retention field" in _denied(
+        lambda: POLICY.check({"vllm_xargs": {"retention_scop": "x"}}, None), 400
+    )
+
+
+def test_mapped_retention_is_capped_too():
+    # carol's cap 25 is the default mapping of priority 1; a key with cap 35 and no priority floor gets floor 0
+    pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})
+    assert "priority 0 or higher" in _denied(lambda: pol.check({"priority": -1}, pol.keys[0]), 403)
+
+
+def test_salts_are_bound_and_reserved():
+    d = POLICY.check({}, BOB)
+    assert d.body["cache_salt"] == "salt-bob"
+    assert "bound to its own" in _denied(lambda: POLICY.check({"cache_salt": "other"}, BOB), 403)
+    assert "bound to another key" in _denied(lambda: POLICY.check({"cache_salt": "salt-bob"}, ADMIN), 403)
+    assert "cache_salt" not in POLICY.check({"priority": 1, "cache_salt": "salt-bob"}, CAROL).body
+
+
+def _asgi(policy, body, headers=()):
+    seen = {}
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen["body"] = json.loads(msg["body"])
+        seen["headers"] = dict(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent = []
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    chunks = [raw[: len(raw) // 2], raw[len(raw) // 2 :]]
+
+    async def receive():
+        part = chunks.pop(0)
+        return {"type": "http.request", "body": part, "more_body": bool(chunks)}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": list(headers)}
+    asyncio.run(AccessLimits(app, policy, max_body_bytes=4096)(scope, receive, send))
+    status = sent[0]["status"]
+    reply = json.loads(sent[1]["body"]) if status != 200 else None
+    return status, reply, seen
+
+
+def test_middleware_rewrites_and_refuses():
+    status, _, seen = _asgi(
+        POLICY, {"messages": []}, [(b"authorization", b"Bearer sk-bob-00000"), (b"x-vllm-priority", b"3")]
+    )
+    assert status == 200
+    assert seen["body"]["priority"] == 3 and seen["body"]["cache_salt"] == "salt-bob"
+    assert b"x-vllm-priority" not in seen["headers"]
+    assert int(seen["headers"][b"content-length"]) == len(json.dumps(seen["body"]))
+    status, reply, _ = _asgi(POLICY, {"priority": 0}, [(b"authorization", b"Bearer sk-bob-00000")])
+    assert status == 403 and "priority 1" in reply["error"]["message"] and reply["error"]["code"] == 403
+    assert _asgi(POLICY, {"priority": 0})[0] == 401
+    assert _asgi(AccessPolicy(), b"{bad")[0] == 400
+    assert _asgi(AccessPolicy(), b"x" * 5000)[0] == 413
+
+
+def test_metrics_side_channel(tmp_path):
+    snap = {
+        "pid": os.getpid(),
+        "by_priority": {"0": {"query_tokens": 10, "hit_tokens": 4}},
+        "gauges": {"pool_blocks": 32, "protected_blocks": 8},
+    }
+    (tmp_path / "engine-1.json").write_text(json.dumps({**snap, "pid": os.getpid()}))
+    (tmp_path / "engine-2.json").write_text("{half a file")
+    assert metrics.read_snapshots(tmp_path, skip_pid=os.getpid()) == []
+    snaps = metrics.read_snapshots(tmp_path)
+    by_prio, gauges = metrics.merge([*snaps, snap])
+    assert by_prio == {"0": {"query_tokens": 20.0, "hit_tokens": 8.0}}
+    assert gauges["protected_block_share"] == 0.25
+
+
+def test_metrics_collector_families(tmp_path, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    snap = {
+        "pid": os.getpid(),
+        "by_priority": {"1": {"query_tokens": 7, "evicted_blocks": 2}},
+        "gauges": {"pool_blocks": 4},
+    }
+    (tmp_path / "engine-9.json").write_text(json.dumps(snap))
+    monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: [snap])
+    fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
+    assert fams["kvretain:prefix_cache_queries"].samples[0].value == 7
+    assert fams["kvretain:evicted_blocks"].samples[0].labels == {"priority": "1"}
