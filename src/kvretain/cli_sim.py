@@ -16,8 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvretain.core.policy import PolicyConfig, policy_names
-from kvretain.core.retention import PriorityMapping
+from kvretain.cli_args import integer, names_of, number, priority_mapping, share, shares, slo_spec
+from kvretain.core.memory import check_pool_fits
+from kvretain.core.policy import PolicyConfig, make_policy, policy_names
+from kvretain.core.retention import MAX_RETENTION_PRIORITY, MIN_RETENTION_PRIORITY
 from kvretain.engine.sim.catalog import load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
@@ -62,13 +64,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival and think times")
+    p.add_argument(
+        "--time-scale",
+        type=number(0.0, lo_open=True),
+        default=1.0,
+        help="multiply arrival and think times by this (> 0; default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     p.add_argument("--open-loop", action="store_true", help="ignore follow-up links: open-loop arrivals")
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduling", default="priority", choices=QUEUE_POLICIES.names(), help="queue policy")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per replica")
+    g.add_argument(
+        "--max-num-batched-tokens", type=integer(1), default=8192, help="token budget per step (default 8192)"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=integer(1), default=256, help="most running requests per replica (default 256)"
+    )
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument(
         "--waiting-preempts-running",
@@ -78,54 +89,94 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("hardware")
     h.add_argument("--model", default="llama-3-8b", help="model from the catalog (default llama-3-8b)")
     h.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (default h100-sxm)")
-    h.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: the model's)")
+    h.add_argument("--tp", type=integer(1), default=None, help="tensor parallelism (default: the model's)")
     h.add_argument("--catalog", default=None, help="TOML file adding models/GPUs to the catalog")
-    h.add_argument("--cost-model", default="roofline", choices=COST_MODELS.names())
-    h.add_argument("--replicas", type=int, default=1, help="replicas behind the router (default 1)")
-    h.add_argument("--router", default="least-loaded", choices=ROUTERS.names())
-    h.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: cost model)")
-    h.add_argument("--gpu-mem-util", type=float, default=0.9, help="memory share for weights + KV")
-    h.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    c = p.add_argument_group("cache (defaults: SIM_POLICY_DEFAULTS, see the module docstring)")
+    h.add_argument(
+        "--cost-model",
+        default="roofline",
+        choices=COST_MODELS.names(),
+        help="how a step is priced: " + "; ".join(f"{k}: {v}" for k, v in COST_MODELS.describe().items()),
+    )
+    h.add_argument("--replicas", type=integer(1), default=1, help="replicas behind the router (default 1)")
+    h.add_argument(
+        "--router",
+        default="least-loaded",
+        choices=ROUTERS.names(),
+        help="how requests are spread over replicas: "
+        + "; ".join(f"{k}: {v}" for k, v in ROUTERS.describe().items()),
+    )
+    h.add_argument(
+        "--kv-blocks",
+        type=integer(1),
+        default=None,
+        help="KV blocks per replica (default: what the cost model leaves after the weights)",
+    )
+    h.add_argument(
+        "--gpu-mem-util",
+        type=number(0.0, 1.0, lo_open=True),
+        default=0.9,
+        help="GPU memory share for weights + KV, (0, 1] (default 0.9)",
+    )
+    h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
     d = SIM_POLICY_DEFAULTS
-    c.add_argument("--budget", type=float, default=d.budget, help="unified: max protected share")
+    c = p.add_argument_group(
+        f"cache (unified's settings here: core's defaults except priority weight {d.priority_weight:g} "
+        f"and budget {d.budget:g}, measured in docs/results.md)"
+    )
+    c.add_argument(
+        "--budget",
+        type=share,
+        default=d.budget,
+        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
+    )
     c.add_argument(
         "--isolation-goal",
-        type=float,
+        type=share,
         default=d.isolation_goal or 0.0,
-        help="unified: adaptive protection goal (0: fixed budget)",
+        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
+        f"(0: fixed budget; default {d.isolation_goal:g})",
     )
     c.add_argument(
         "--protect-threshold",
-        type=int,
+        type=integer(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, " (a retention priority)"),
         default=d.protect_threshold,
-        help="unified: retention priority from which blocks are protected (default 35: request priority 0)",
+        help="unified: retention priority from which blocks are protected, 0..100 (default 35: request "
+        "priority 0)",
     )
     c.add_argument(
         "--priority-weight",
-        type=float,
+        type=number(1.0, what=" (1: no bias)"),
         default=d.priority_weight,
-        help=f"unified: value factor per +10 retention points (default {d.priority_weight:g})",
+        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
     )
-    c.add_argument("--frequency-exponent", type=float, default=d.frequency_exponent)
+    c.add_argument(
+        "--frequency-exponent",
+        type=number(0.0, what=" (0: frequency off)"),
+        default=d.frequency_exponent,
+        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
+    )
     c.add_argument(
         "--cost-scale-tokens",
-        type=float,
+        type=number(0.0),
         default=d.cost_scale_tokens,
-        help="unified: recompute-cost depth scale in tokens (0: off)",
+        help="unified: recompute-cost depth scale in tokens, 0 (off, default) or >= 1",
     )
     c.add_argument(
         "--priority-mapping",
+        type=priority_mapping,
         default="",
         help="request -> retention priority: 'normal=0,step=10,base=35' (default: 0 -> 35, 1 -> 25, 2 -> 15) "
         "or a table '0:60,1:35'",
     )
     c.add_argument(
         "--slo",
+        type=slo_spec,
         default=",".join(f"{k}={v.ttft_s:g}:{v.tpot_s:g}" for k, v in DEFAULT_SLOS.items()),
         help="per-class targets 'class=ttft_s:tpot_s,...' (larger classes take the last one)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
 
 
 def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
@@ -164,7 +215,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
             cost_scale_tokens=args.cost_scale_tokens,
             block_size=args.block_size,
         ),
-        mapping=PriorityMapping.parse(args.priority_mapping),
+        mapping=args.priority_mapping,
         sched=SchedulerConfig(
             policy=args.scheduling,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -176,6 +227,30 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         slos=parse_slos(args.slo),
         catalog=load_catalog(args.catalog) if args.catalog else None,
     )
+
+
+def check_sim(args: argparse.Namespace) -> None:
+    """Checks that need several options, before anything runs (``simulate`` and ``compare``): the policy
+    settings together, every policy usable online, and pools that fit in memory."""
+    from kvretain.cli import policy_config_error
+
+    policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
+    flag = "--policy" if args.command == "simulate" else "--policies"
+    try:
+        cfgs = [sim_config(args, p) for p in policies]
+    except ValueError as exc:
+        raise policy_config_error(exc) from None
+    for cfg in cfgs:
+        try:
+            make_policy(cfg.policy, 1, cfg.policy_config)
+        except ValueError as exc:
+            raise ValueError(f"argument {flag}: {exc}") from None
+    cfg = cfgs[0]
+    blocks = cfg.blocks_per_replica(cfg.cost())
+    what = (
+        "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
+    )
+    check_pool_fits(blocks, policies, cfg.policy_config, what=what, pools=cfg.replicas)
 
 
 def _run(cfg: SimConfig, reqs: Sequence[WorkloadRequest], show: bool, desc: str) -> Simulation:
@@ -233,8 +308,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- compare
 def cmd_compare(args: argparse.Namespace) -> int:
     reqs, source = load_workload(args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    policies, budgets = args.policies, args.budgets
     runs: list[tuple[str, SimConfig]] = [(p, sim_config(args, p)) for p in policies]
     base = sim_config(args, "unified")
     for b in budgets:
@@ -360,10 +434,20 @@ def add_subcommands(sub: Any) -> None:
     _add_common(s)
     s.add_argument("--policy", default="unified", choices=policy_names(), help="eviction policy")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_simulate)
+    s.set_defaults(func=cmd_simulate, check=check_sim)
     c = sub.add_parser("compare", help="policies x protection budgets into a report folder")
     _add_common(c)
-    c.add_argument("--policies", default="lru,priority,unified", help="comma-separated eviction policies")
-    c.add_argument("--budgets", default="0.1,0.2,0.4,0.6,0.8", help="unified fixed budgets (frontier)")
+    c.add_argument(
+        "--policies",
+        type=names_of(policy_names, "eviction policy"),
+        default="lru,priority,unified",
+        help="comma-separated eviction policies run as they are (default lru,priority,unified)",
+    )
+    c.add_argument(
+        "--budgets",
+        type=shares,
+        default="0.1,0.2,0.4,0.6,0.8",
+        help="unified with these fixed protection budgets, 0..1 (the frontier; default 0.1,0.2,0.4,0.6,0.8)",
+    )
     c.add_argument("--out", default="report", help="report folder (default ./report)")
-    c.set_defaults(func=cmd_compare)
+    c.set_defaults(func=cmd_compare, check=check_sim)

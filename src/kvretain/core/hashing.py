@@ -20,6 +20,11 @@ BlockHash = bytes | int
 """A block's identity in the cache. Engines use ``bytes`` digests; trace replay uses the trace's ints."""
 
 _ROOT_SEED = b"kvretain/v1/root"
+MAX_EXTRA_BYTES = 2**16 - 1
+"""Extra keys are framed by a 2-byte length in every block hash."""
+MAX_SALT_BYTES = MAX_EXTRA_BYTES - 24
+"""What a ``cache_salt`` may take of the extra keys: the rest holds the LoRA id (``L`` + up to 19 digits) and
+the separators."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,26 @@ class ExtraKeys:
 
     cache_salt: str | None = None
     lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise ValueError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
+            try:
+                size = len(self.cache_salt.encode())
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"cache_salt is not valid Unicode text ({exc.reason})") from None
+            if size > MAX_SALT_BYTES:
+                raise ValueError(
+                    f"cache_salt is {size:,} UTF-8 bytes; at most {MAX_SALT_BYTES:,} are allowed "
+                    "(pass a digest of a longer secret)"
+                )
+        if self.lora_id is not None and (
+            isinstance(self.lora_id, bool)
+            or not isinstance(self.lora_id, int)
+            or not -(2**63) <= self.lora_id < 2**63
+        ):
+            raise ValueError(f"lora_id must be a 64-bit integer or None, got {str(self.lora_id)[:40]}")
 
 
 def _sha256(data: bytes) -> bytes:
@@ -46,6 +71,15 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
 
 
 HASH_ALGORITHMS = ("sha256", "xxhash")
+
+
+def _bad_block(tokens: Sequence[int], extra: bytes) -> str:
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"token ids must be integers, got {type(t).__name__} {str(t)[:40]!r}"
+        if not -(2**63) <= t < 2**63:
+            return f"token id {str(t)[:40]} does not fit in a signed 64-bit integer ([-2**63, 2**63))"
+    return f"extra keys are {len(extra):,} bytes; at most {MAX_EXTRA_BYTES:,} are allowed"
 
 
 class BlockHasher:
@@ -72,10 +106,12 @@ class BlockHasher:
             raise ValueError(
                 f"only full blocks are hashed: got {len(tokens)} tokens, block size {self.block_size}"
             )
-        body = array("q", tokens).tobytes()
-        return self._fn(
-            (self.root if parent is None else parent) + len(extra).to_bytes(2, "little") + extra + body
-        )
+        try:
+            body = array("q", tokens).tobytes()
+            framed = len(extra).to_bytes(2, "little") + extra
+        except (OverflowError, TypeError):
+            raise ValueError(_bad_block(tokens, extra)) from None
+        return self._fn((self.root if parent is None else parent) + framed + body)
 
     @staticmethod
     def encode_extra(extra: ExtraKeys, first_block: bool) -> bytes:
