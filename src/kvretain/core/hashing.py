@@ -6,7 +6,7 @@ as in vLLM). Two requests therefore share block ``i`` only when their whole pref
 salts and adapters are equal.
 
 ``sha256`` is the default (collision resistant, safe across tenants); ``xxhash`` (xxh3-128) is faster and
-needs the ``xxhash`` package (``pip install kvretain[xxhash]``).
+needs the ``xxhash`` package (from a clone: ``pip install -e '.[xxhash]'``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
         import xxhash
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ValueError(
-            "hash algorithm 'xxhash' needs the xxhash package: pip install 'kvretain[xxhash]'"
+            "hash algorithm 'xxhash' needs the xxhash package: pip install xxhash (or, from a clone, "
+            "pip install -e '.[xxhash]')"
         ) from exc
     fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
     return fn
