@@ -331,3 +331,28 @@ def test_largest_salt_and_token_ids_still_hash() -> None:
     h = BlockHasher(2)
     salt = ExtraKeys(cache_salt="s" * 65_511, lora_id=-(2**63))
     assert len(h.hash_blocks([-(2**63), 2**63 - 1], salt)) == 1
+
+
+# ---------------------------------------------------------------- pool sizes that cannot fit (defect 6)
+def test_pool_too_large_for_the_memory_available_is_refused_with_the_estimate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvretain.core.memory as memory
+
+    per = memory.pool_bytes_per_block("unified")
+    assert 50 < per < 5_000  # one slotted object per block, the policy's entries, the hash index
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 64 * 2**20)  # a 64 MiB machine
+    memory.check_pool_fits(100_000, ["lru"], what="num_blocks")  # ~40 MB: fits
+    with pytest.raises(
+        memory.PoolTooLargeError, match=r"^--kv-blocks: 1,000,000 blocks x 2 replicas need about"
+    ):
+        memory.check_pool_fits(1_000_000, ["lru", "unified"], what="--kv-blocks", pools=2)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: None)  # the system does not say: no check
+    memory.check_pool_fits(10**12, ["lru"])
+
+
+def test_available_memory_is_known_here() -> None:
+    from kvretain.core.memory import available_memory_bytes
+
+    avail = available_memory_bytes()
+    assert avail is None or avail > 0
