@@ -1,5 +1,5 @@
 """The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``; ``simulate`` and ``compare``
-live in :mod:`kvretain.cli_sim`.
+live in :mod:`kvretain.cli_sim`, ``workload export`` / ``workload list`` in :mod:`kvretain.cli_workload`.
 
 Choices (policies, priority rules) are listed from the registries.
 """
@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol.set_defaults(func=cmd_policies)
 
     from kvretain.cli_sim import add_subcommands
+    from kvretain.cli_workload import add_subcommands as add_workload_subcommands
 
     add_subcommands(sub)
+    add_workload_subcommands(sub)
     return p
 
 
