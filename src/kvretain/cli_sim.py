@@ -26,6 +26,7 @@ from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
 from kvretain.workloads import PRIORITY_RULES, WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads.priority import make_rule
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
@@ -137,8 +138,7 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
     if args.priority_rule != "keep":
-        kw: dict[str, Any] = {"rng": random.Random(args.seed + 1)} if args.priority_rule == "random" else {}
-        reqs = tag_priorities(reqs, PRIORITY_RULES.create(args.priority_rule, **kw))
+        reqs = tag_priorities(reqs, make_rule(args.priority_rule, reqs, random.Random(args.seed + 1)))
     return reqs, name if args.trace is None else f"{name}:{args.trace}"
 
 
