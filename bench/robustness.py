@@ -398,7 +398,7 @@ def plot_frontiers(
                 ax.plot(lru["overall"], lru["class0"], "kX", ms=7, label="lru", zorder=5)
             if uni["class0"] is not None:
                 ax.plot(
-                    uni["overall"], uni["class0"], "r*", ms=11, label="unified, default setting", zorder=4
+                    uni["overall"], uni["class0"], "r*", ms=12, label="unified, default setting", zorder=3
                 )
             if cell["class0_target"] is not None:
                 ax.axhline(cell["class0_target"], color="tab:green", ls="--", lw=1, label="class-0 target")
