@@ -78,8 +78,10 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_help_has_no_internal_text_and_every_option_has_help() -> None:
     parser = build_parser()
     subs = _subparsers(parser)
-    assert set(subs) == {"replay", "policies", "simulate", "compare"}
-    for name, sub in subs.items():
+    assert set(subs) == {"replay", "policies", "simulate", "compare", "workload"}
+    nested = {f"workload {k}": v for k, v in _subparsers(subs.pop("workload")).items()}
+    assert set(nested) == {"workload export", "workload list"}
+    for name, sub in {**subs, **nested}.items():
         text = sub.format_help()
         assert "SIM_POLICY_DEFAULTS" not in text and "docstring" not in text, name
         for action in sub._actions:

@@ -1,5 +1,5 @@
 """The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``; ``simulate`` and ``compare``
-live in :mod:`kvretain.cli_sim`.
+live in :mod:`kvretain.cli_sim`, ``workload export`` / ``workload list`` in :mod:`kvretain.cli_workload`.
 
 Choices (policies, priority rules) are listed from the registries.
 """
@@ -24,11 +24,12 @@ from kvretain.replay import (
     ReplayRequest,
     ReplayResult,
     TraceError,
-    load_trace,
     replay,
+    replay_requests,
     synthetic_conversations,
 )
-from kvretain.workloads.priority import make_rule, rule_choices
+from kvretain.workloads.mooncake import read_trace
+from kvretain.workloads.priority import make_rule, rule_choices, tag_priorities
 from kvretain.workloads.request import check_scale_and_limit
 
 
@@ -107,9 +108,12 @@ def load_replay_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest],
         if args.limit is not None:
             requests = requests[: args.limit]
         return requests, f"built-in synthetic conversations ({args.sessions} sessions, seed {args.seed})"
-    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
-    requests = load_trace(args.trace, limit=args.limit, rule=rule, block_tokens=args.block_tokens)
-    return requests, str(args.trace)
+    records = read_trace(args.trace, args.block_tokens, args.limit)
+    # the rule sees the whole trace (a session rule such as ``longest`` ranks its conversations)
+    rule = make_rule(args.priority_rule, records, random.Random(args.seed + 1))
+    if rule is not None:
+        records = tag_priorities(records, rule)
+    return replay_requests(records), str(args.trace)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -231,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol.set_defaults(func=cmd_policies)
 
     from kvretain.cli_sim import add_subcommands
+    from kvretain.cli_workload import add_subcommands as add_workload_subcommands
 
     add_subcommands(sub)
+    add_workload_subcommands(sub)
     return p
 
 
@@ -242,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line)
         return exc.code if isinstance(exc.code, int) else 2
-    prog = f"{parser.prog} {args.command}"
+    # the words of the command, as argparse names them in its own errors ("kvretain workload export")
+    words = [parser.prog, args.command, *filter(None, [getattr(args, "workload_command", None)])]
+    prog = " ".join(words)
     try:
         check = getattr(args, "check", None)
         if check is not None:

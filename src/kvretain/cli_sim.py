@@ -193,7 +193,7 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
             raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
-    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
+    rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
     if rule is not None:
         reqs = tag_priorities(reqs, rule)
     return reqs, name if args.trace is None else f"{name}:{args.trace}"

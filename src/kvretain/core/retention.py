@@ -147,6 +147,15 @@ class RetentionDirective:
                 msg = msg.replace(": end ", ": token_end ", 1)
             raise RetentionError(msg) from None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The raw form :meth:`from_dict` reads back (a trace line's directive, RFC #37003's fields)."""
+        return {
+            "start": self.start,
+            "end": self.end,
+            "priority": self.priority,
+            "duration_s": self.duration_s,
+        }
+
 
 _ALIASES = (("start", "token_start"), ("end", "token_end"), ("duration_s", "duration", "duration_ms"))
 """The spellings of each directive field: kvretain's, RFC #37003's, TensorRT-LLM's."""
