@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Set up a virtual environment and run the whole test suite: ruff, mypy (strict on core and sched), pytest.
+# Set up a virtual environment and run the whole test suite: ruff, mypy (strict on core and sched), pytest,
+# then the vLLM plugin tests (scripts/test_vllm.sh; KVRETAIN_SKIP_VLLM=1 skips them). Every step says what it
+# does, and keeps saying it every 30 s while it runs (KVRETAIN_HEARTBEAT_S changes the interval).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/steps.sh
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  quiet_step "creating .venv ($PY -m venv)" "$PY" -m venv .venv
+  quiet_step "upgrading pip in .venv" .venv/bin/python -m pip install -q --upgrade pip || true
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[dev]'
-echo "== ruff"
-.venv/bin/ruff check src tests bench
-.venv/bin/ruff format --check src tests bench
-echo "== mypy"
-.venv/bin/mypy
-echo "== pytest"
-.venv/bin/python -m pytest "$@"
-# the vLLM plugin against the real vLLM 0.33.0 scheduler (own venv, .venv-vllm; KVRETAIN_SKIP_VLLM=1 skips)
+quiet_step "installing kvretain and its dev tools into .venv (pip install -e '.[dev]'; first run ~1-2 min)" \
+  .venv/bin/python -m pip install -q -e '.[dev]'
+step "ruff (lint and format check)" bash -c \
+  '.venv/bin/ruff check src tests bench && .venv/bin/ruff format --check src tests bench'
+quiet_step "mypy (strict on kvretain.core and kvretain.sched)" .venv/bin/mypy
+step "pytest (unit, property and CLI tests)" .venv/bin/python -m pytest "$@"
 if [ "${KVRETAIN_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/test_vllm.sh
 fi

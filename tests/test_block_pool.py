@@ -112,7 +112,7 @@ def test_fresh_pool_hands_out_lowest_ids_first() -> None:
     assert pool.get_num_free_blocks() == N and pool.usage() == 0.0
     assert pool.get_new_blocks(3) == [0, 1, 2]
     assert pool.ref_cnt[:4] == [1, 1, 1, 0]
-    assert pool.get_num_free_blocks() == 7 and pool.get_num_allocatable() == 7
+    assert pool.get_num_free_blocks() == 7
     assert pool.usage() == pytest.approx(0.3)
     assert pool.get_new_blocks(0) == []
     with pytest.raises(ValueError, match="negative number of blocks"):

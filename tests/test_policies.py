@@ -98,13 +98,16 @@ def test_policy_flags() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"budget": -0.1}, r"budget must be a share of the pool in \[0, 1\], got -0\.1"),
-        ({"budget": 1.5}, r"budget must be a share of the pool in \[0, 1\], got 1\.5"),
-        ({"isolation_goal": 0.0}, r"isolation_goal must be in \(0, 1\] or None, got 0\.0"),
-        ({"isolation_goal": 1.01}, r"isolation_goal must be in \(0, 1\] or None"),
-        ({"frequency_cap": 0}, r"frequency_cap must be >= 1, got 0"),
-        ({"cost_scale_tokens": -1.0}, r"cost_scale_tokens must be >= 0, got -1\.0"),
-        ({"ghost_factor": -1.0}, r"ghost_factor must be >= 0, got -1\.0"),
+        ({"budget": -0.1}, r"budget must be a finite number in \[0, 1\] \(a share of the pool\), got -0\.1"),
+        ({"budget": 1.5}, r"budget must be a finite number in \[0, 1\] \(a share of the pool\), got 1\.5"),
+        (
+            {"isolation_goal": 0.0},
+            r"isolation_goal must be a finite number in \(0, 1\] .* or None .*got 0\.0",
+        ),
+        ({"isolation_goal": 1.01}, r"isolation_goal must be a finite number in \(0, 1\]"),
+        ({"frequency_cap": 0}, r"frequency_cap must be an integer >= 1 \(a count of uses\), got 0"),
+        ({"cost_scale_tokens": -1.0}, r"cost_scale_tokens must be a finite number >= 1 .* got -1\.0"),
+        ({"ghost_factor": -1.0}, r"ghost_factor must be a finite number in \[0, 1000\] .* got -1\.0"),
     ],
 )
 def test_policy_config_validation(kwargs: dict[str, float], pattern: str) -> None:

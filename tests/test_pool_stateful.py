@@ -55,7 +55,6 @@ class PoolMachine(RuleBasedStateMachine):
             list(p.block_hash),
             dict(p.cached),
             p.get_num_free_blocks(),
-            p.get_num_allocatable(),
             p.policy.evictable_ids(),
             p.num_evictions,
         )
@@ -77,7 +76,7 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.pool
         obtainable = self._obtainable()
         # no free block is pinned under a block in use: every free block can be obtained
-        assert obtainable == pool.get_num_allocatable() == pool.get_num_free_blocks()
+        assert obtainable == pool.get_num_free_blocks()
         before = self._state()
         refs = list(pool.ref_cnt)
         new = pool.get_new_blocks(num_blocks)
@@ -284,7 +283,7 @@ def test_duplicate_prefix_pins_nothing(policy: str) -> None:
     pool.cache_blocks(r3, [9], 0, 1)
     pool.free_blocks(r3)
     pool.check_integrity()
-    assert pool.get_num_free_blocks() == pool.get_num_allocatable() == 3
+    assert pool.get_num_free_blocks() == 3
     evicted: list[int] = []
     pool.on_evict = lambda bid, h: evicted.append(bid)
     got = pool.get_new_blocks(3)

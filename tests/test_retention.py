@@ -104,18 +104,30 @@ def test_priority_bounds_are_inclusive() -> None:
             -1,
             r"retention_directives\[0\]: duration_s must be >= 0 seconds, got -1; use a non-neg",
         ),
-        ("duration", -0.5, r"retention_directives\[0\]: duration_s must be >= 0"),
+        ("duration", -0.5, r"retention_directives\[0\]: duration must be >= 0 seconds, got -0\.5"),
         ("duration_s", math.nan, r"retention_directives\[0\]: duration_s must be >= 0 seconds, got nan"),
         (
             "duration_s",
             "30",
             r"retention_directives\[0\]: duration_s must be a number .* got '30'; pass e\.g\.",
         ),
-        ("duration", True, r"retention_directives\[0\]: duration_s must be a number"),
-        ("duration_ms", "5", r"retention_directives\[0\]: duration_ms must be a number, got '5'"),
+        ("duration", True, r"retention_directives\[0\]: duration must be a number"),
+        (
+            "duration_ms",
+            "5",
+            r"retention_directives\[0\]: duration_ms must be a number of milliseconds .* got '5'",
+        ),
         ("duration_ms", False, r"retention_directives\[0\]: duration_ms must be a number"),
-        ("duration_ms", -1000, r"retention_directives\[0\]: duration_s must be >= 0"),
-        ("duration_ms", math.nan, r"retention_directives\[0\]: duration_s must be >= 0"),
+        (
+            "duration_ms",
+            -1000,
+            r"retention_directives\[0\]: duration_ms must be >= 0 milliseconds, got -1000;",
+        ),
+        (
+            "duration_ms",
+            math.nan,
+            r"retention_directives\[0\]: duration_ms must be >= 0 milliseconds, got nan",
+        ),
     ],
 )
 def test_bad_duration(field: str, value: object, pattern: str) -> None:

@@ -181,8 +181,9 @@ def test_one_priority_rule_registry() -> None:
     assert not hasattr(kvretain.replay, "reference_priority")
     parser = kvretain.cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    for cmd in ("replay", "simulate", "compare"):
-        action = next(a for a in commands[cmd]._actions if a.dest == "priority_rule")
+    export = commands["workload"]._subparsers._group_actions[0].choices["export"]  # type: ignore[union-attr]
+    for sub in (commands["replay"], commands["simulate"], commands["compare"], export):
+        action = next(a for a in sub._actions if a.dest == "priority_rule")
         assert list(action.choices) == rule_choices() == ["keep", *PRIORITY_RULES.names()]
     assert kvretain.cli_sim.rule_choices is rule_choices
 
@@ -192,10 +193,12 @@ def test_every_registered_rule_applies_to_trace_records_and_workload_requests(tm
     rows = [rec([0, i], session_id=f"s{i % 3}") for i in range(1, 13)]
     path = write(tmp_path / "t.jsonl", rows)
     for name in PRIORITY_RULES.names():
-        rule_a, rule_b = make_rule(name, random.Random(5)), make_rule(name, random.Random(5))
+        records, workload = read_trace(path), load_mooncake(path)
+        rule_a = make_rule(name, records, random.Random(5))
+        rule_b = make_rule(name, workload, random.Random(5))
         assert rule_a is not None and rule_b is not None
-        a = [r.priority for r in tag_priorities(read_trace(path), rule_a)]
-        b = [w.priority for w in tag_priorities(load_mooncake(path), rule_b)]
+        a = [r.priority for r in tag_priorities(records, rule_a)]
+        b = [w.priority for w in tag_priorities(workload, rule_b)]
         assert a == b, name
     assert make_rule("keep") is None
 

@@ -1,5 +1,5 @@
 """The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``; ``simulate`` and ``compare``
-live in :mod:`kvretain.cli_sim`.
+live in :mod:`kvretain.cli_sim`, ``workload export`` / ``workload list`` in :mod:`kvretain.cli_workload`.
 
 Choices (policies, priority rules) are listed from the registries.
 """
@@ -12,19 +12,24 @@ import random
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from typing import Any
 
+from kvretain import __version__
+from kvretain.cli_args import Parser, fail, integer, number, option_error, priority_mapping, share
+from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
-from kvretain.core.retention import PriorityMapping, RetentionError
+from kvretain.core.retention import RetentionError
 from kvretain.replay import (
     ReplayRequest,
     ReplayResult,
     TraceError,
-    load_trace,
     replay,
+    replay_requests,
     synthetic_conversations,
 )
-from kvretain.workloads.priority import make_rule, rule_choices
+from kvretain.workloads.mooncake import read_trace
+from kvretain.workloads.priority import make_rule, rule_choices, tag_priorities
 from kvretain.workloads.request import check_scale_and_limit
 
 
@@ -34,7 +39,8 @@ def _progress(enabled: bool, desc: str) -> Any:
     from tqdm import tqdm
 
     def wrap(it: Iterable[int]) -> Iterable[int]:
-        return tqdm(it, desc=desc, unit="req", leave=False, mininterval=0.5, file=sys.stderr)
+        # disable=None: no bar when stderr is not a terminal (a log file, a pipe)
+        return tqdm(it, desc=desc, unit="req", leave=False, mininterval=0.5, file=sys.stderr, disable=None)
 
     return wrap
 
@@ -48,6 +54,22 @@ def _policy_config(args: argparse.Namespace, block_tokens: int) -> PolicyConfig:
         cost_scale_tokens=args.cost_scale_tokens,
         block_size=block_tokens,
     )
+
+
+def policy_config_error(exc: ValueError) -> ValueError:
+    """A ``PolicyConfig`` error found after parsing, reworded to name the option(s) (``argument --x: ...``)."""
+    return ValueError(option_error(exc, (f.name for f in fields(PolicyConfig))))
+
+
+def check_replay(args: argparse.Namespace) -> None:
+    """Checks that need several options, before anything runs: the policy settings together, and a pool
+    that fits in memory."""
+    try:
+        cfg = _policy_config(args, args.block_tokens)
+    except ValueError as exc:
+        raise policy_config_error(exc) from None
+    policies = policy_names() if args.policy == "all" else [args.policy]
+    check_pool_fits(args.capacity_blocks, policies, cfg, what="argument --capacity-blocks")
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -86,15 +108,18 @@ def load_replay_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest],
         if args.limit is not None:
             requests = requests[: args.limit]
         return requests, f"built-in synthetic conversations ({args.sessions} sessions, seed {args.seed})"
-    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
-    requests = load_trace(args.trace, limit=args.limit, rule=rule, block_tokens=args.block_tokens)
-    return requests, str(args.trace)
+    records = read_trace(args.trace, args.block_tokens, args.limit)
+    # the rule sees the whole trace (a session rule such as ``longest`` ranks its conversations)
+    rule = make_rule(args.priority_rule, records, random.Random(args.seed + 1))
+    if rule is not None:
+        records = tag_priorities(records, rule)
+    return replay_requests(records), str(args.trace)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     requests, source = load_replay_requests(args)
     policies = policy_names() if args.policy == "all" else [args.policy]
-    mapping = PriorityMapping.parse(args.priority_mapping)
+    mapping = args.priority_mapping
     results = []
     for name in policies:
         t0 = time.perf_counter()
@@ -105,7 +130,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             _policy_config(args, args.block_tokens),
             mapping,
             args.block_tokens,
-            progress=_progress(not args.json and sys.stderr.isatty(), name),
+            progress=_progress(not args.json and not args.no_progress and sys.stderr.isatty(), name),
         )
         wall = time.perf_counter() - t0
         results.append((res, wall))
@@ -134,9 +159,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvretain", description="Priority-aware KV cache retention for LLM serving."
-    )
+    p = Parser(prog="kvretain", description="Priority-aware KV cache retention for LLM serving.")
+    p.add_argument("--version", action="version", version=f"kvretain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser(
@@ -145,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "trace", nargs="?", help="Mooncake-format JSONL (omit for the built-in synthetic workload)"
     )
-    r.add_argument("--capacity-blocks", type=int, default=600, help="pool size in trace blocks (default 600)")
+    r.add_argument(
+        "--capacity-blocks", type=integer(1), default=600, help="pool size in trace blocks (default 600)"
+    )
     r.add_argument(
         "--policy", default="all", choices=[*policy_names(), "all"], help="eviction policy (default all)"
     )
@@ -159,48 +185,79 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--priority-mapping",
+        type=priority_mapping,
         default="",
         help="request priority -> retention priority: 'normal=0,step=10,base=35' (default) or a table '0:60,1:35'",
     )
-    r.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (Mooncake: 512)")
-    r.add_argument("--sessions", type=int, default=400, help="built-in workload: number of sessions")
+    r.add_argument(
+        "--block-tokens", type=integer(1), default=512, help="tokens per trace block (Mooncake: 512)"
+    )
+    r.add_argument("--sessions", type=integer(1), default=400, help="built-in workload: number of sessions")
     r.add_argument("--seed", type=int, default=0, help="built-in workload: random seed")
+    r.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
     d = PolicyConfig()
-    r.add_argument("--budget", type=float, default=d.budget, help="unified: max protected share of the pool")
+    r.add_argument(
+        "--budget",
+        type=share,
+        default=d.budget,
+        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
+    )
     r.add_argument(
         "--isolation-goal",
-        type=float,
+        type=share,
         default=d.isolation_goal or 0.0,
-        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio (0: fixed budget)",
+        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
+        f"(0: fixed budget; default {d.isolation_goal:g})",
     )
     r.add_argument(
-        "--priority-weight", type=float, default=d.priority_weight, help="unified: value x per +10 points"
+        "--priority-weight",
+        type=number(1.0, what=" (1: no bias)"),
+        default=d.priority_weight,
+        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
     )
     r.add_argument(
-        "--frequency-exponent", type=float, default=d.frequency_exponent, help="unified: uses ** this"
+        "--frequency-exponent",
+        type=number(0.0, what=" (0: frequency off)"),
+        default=d.frequency_exponent,
+        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
     )
     r.add_argument(
-        "--cost-scale-tokens", type=float, default=d.cost_scale_tokens, help="unified: depth cost scale"
+        "--cost-scale-tokens",
+        type=number(0.0),
+        default=d.cost_scale_tokens,
+        help="unified: recompute-cost depth scale in tokens, 0 (off, default) or >= 1",
     )
-    r.set_defaults(func=cmd_replay)
+    r.set_defaults(func=cmd_replay, check=check_replay)
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=cmd_policies)
 
     from kvretain.cli_sim import add_subcommands
+    from kvretain.cli_workload import add_subcommands as add_workload_subcommands
 
     add_subcommands(sub)
+    add_workload_subcommands(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line)
+        return exc.code if isinstance(exc.code, int) else 2
+    # the words of the command, as argparse names them in its own errors ("kvretain workload export")
+    words = [parser.prog, args.command, *filter(None, [getattr(args, "workload_command", None)])]
+    prog = " ".join(words)
+    try:
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(args)
         return int(args.func(args))
     except (TraceError, RetentionError, ValueError, KeyError) as exc:
-        print(f"kvretain: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(prog, str(exc))
     except KeyboardInterrupt:
         return 130
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import random
 import sys
 from collections.abc import Sequence
@@ -16,8 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvretain.core.policy import PolicyConfig, policy_names
-from kvretain.core.retention import PriorityMapping
+from kvretain.cli_args import integer, names_of, number, priority_mapping, share, shares, slo_spec
+from kvretain.core.memory import check_pool_fits
+from kvretain.core.policy import PolicyConfig, make_policy, policy_names
+from kvretain.core.retention import MAX_RETENTION_PRIORITY, MIN_RETENTION_PRIORITY
 from kvretain.engine.sim.catalog import load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
@@ -25,7 +28,7 @@ from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
-from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities
+from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities, working_set
 from kvretain.workloads.priority import make_rule, rule_choices
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
@@ -48,6 +51,11 @@ Mooncake figures there use the same settings.
 
 
 # ---------------------------------------------------------------------------------------------- args
+def _choices_help(docs: dict[str, str]) -> str:
+    """``name: doc; ...`` from a registry's descriptions, escaped for argparse's %-formatting of help."""
+    return "; ".join(f"{k}: {v.rstrip('.')}" for k, v in docs.items()).replace("%", "%%")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", help="trace file (Mooncake .jsonl or Azure .csv); omit for --workload")
     p.add_argument(
@@ -63,13 +71,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival and think times")
+    p.add_argument(
+        "--time-scale",
+        type=number(0.0, lo_open=True),
+        default=1.0,
+        help="multiply arrival and think times by this (> 0; default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     p.add_argument("--open-loop", action="store_true", help="ignore follow-up links: open-loop arrivals")
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduling", default="priority", choices=QUEUE_POLICIES.names(), help="queue policy")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per replica")
+    g.add_argument(
+        "--max-num-batched-tokens", type=integer(1), default=8192, help="token budget per step (default 8192)"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=integer(1), default=256, help="most running requests per replica (default 256)"
+    )
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument(
         "--waiting-preempts-running",
@@ -79,54 +96,93 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("hardware")
     h.add_argument("--model", default="llama-3-8b", help="model from the catalog (default llama-3-8b)")
     h.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (default h100-sxm)")
-    h.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: the model's)")
+    h.add_argument("--tp", type=integer(1), default=None, help="tensor parallelism (default: the model's)")
     h.add_argument("--catalog", default=None, help="TOML file adding models/GPUs to the catalog")
-    h.add_argument("--cost-model", default="roofline", choices=COST_MODELS.names())
-    h.add_argument("--replicas", type=int, default=1, help="replicas behind the router (default 1)")
-    h.add_argument("--router", default="least-loaded", choices=ROUTERS.names())
-    h.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: cost model)")
-    h.add_argument("--gpu-mem-util", type=float, default=0.9, help="memory share for weights + KV")
-    h.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    c = p.add_argument_group("cache (defaults: SIM_POLICY_DEFAULTS, see the module docstring)")
+    h.add_argument(
+        "--cost-model",
+        default="roofline",
+        choices=COST_MODELS.names(),
+        help="how a step is priced: " + _choices_help(COST_MODELS.describe()),
+    )
+    h.add_argument("--replicas", type=integer(1), default=1, help="replicas behind the router (default 1)")
+    h.add_argument(
+        "--router",
+        default="least-loaded",
+        choices=ROUTERS.names(),
+        help="how requests are spread over replicas: " + _choices_help(ROUTERS.describe()),
+    )
+    h.add_argument(
+        "--kv-blocks",
+        type=integer(1),
+        default=None,
+        help="KV blocks per replica (default: what the cost model leaves after the weights)",
+    )
+    h.add_argument(
+        "--gpu-mem-util",
+        type=number(0.0, 1.0, lo_open=True),
+        default=0.9,
+        help="GPU memory share for weights + KV, (0, 1] (default 0.9)",
+    )
+    h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
     d = SIM_POLICY_DEFAULTS
-    c.add_argument("--budget", type=float, default=d.budget, help="unified: max protected share")
+    c = p.add_argument_group(
+        f"cache (unified's settings here: core's defaults except priority weight {d.priority_weight:g} "
+        f"and budget {d.budget:g}, measured in docs/results.md)"
+    )
+    c.add_argument(
+        "--budget",
+        type=share,
+        default=d.budget,
+        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
+    )
     c.add_argument(
         "--isolation-goal",
-        type=float,
+        type=share,
         default=d.isolation_goal or 0.0,
-        help="unified: adaptive protection goal (0: fixed budget)",
+        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
+        f"(0: fixed budget; default {d.isolation_goal:g})",
     )
     c.add_argument(
         "--protect-threshold",
-        type=int,
+        type=integer(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, " (a retention priority)"),
         default=d.protect_threshold,
-        help="unified: retention priority from which blocks are protected (default 35: request priority 0)",
+        help="unified: retention priority from which blocks are protected, 0..100 (default 35: request "
+        "priority 0)",
     )
     c.add_argument(
         "--priority-weight",
-        type=float,
+        type=number(1.0, what=" (1: no bias)"),
         default=d.priority_weight,
-        help=f"unified: value factor per +10 retention points (default {d.priority_weight:g})",
+        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
     )
-    c.add_argument("--frequency-exponent", type=float, default=d.frequency_exponent)
+    c.add_argument(
+        "--frequency-exponent",
+        type=number(0.0, what=" (0: frequency off)"),
+        default=d.frequency_exponent,
+        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
+    )
     c.add_argument(
         "--cost-scale-tokens",
-        type=float,
+        type=number(0.0),
         default=d.cost_scale_tokens,
-        help="unified: recompute-cost depth scale in tokens (0: off)",
+        help="unified: recompute-cost depth scale in tokens, 0 (off, default) or >= 1",
     )
     c.add_argument(
         "--priority-mapping",
+        type=priority_mapping,
         default="",
         help="request -> retention priority: 'normal=0,step=10,base=35' (default: 0 -> 35, 1 -> 25, 2 -> 15) "
         "or a table '0:60,1:35'",
     )
     c.add_argument(
         "--slo",
+        type=slo_spec,
         default=",".join(f"{k}={v.ttft_s:g}:{v.tpot_s:g}" for k, v in DEFAULT_SLOS.items()),
         help="per-class targets 'class=ttft_s:tpot_s,...' (larger classes take the last one)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
 
 
 def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
@@ -137,7 +193,7 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
             raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
-    rule = make_rule(args.priority_rule, random.Random(args.seed + 1))
+    rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
     if rule is not None:
         reqs = tag_priorities(reqs, rule)
     return reqs, name if args.trace is None else f"{name}:{args.trace}"
@@ -165,7 +221,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
             cost_scale_tokens=args.cost_scale_tokens,
             block_size=args.block_size,
         ),
-        mapping=PriorityMapping.parse(args.priority_mapping),
+        mapping=args.priority_mapping,
         sched=SchedulerConfig(
             policy=args.scheduling,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -177,6 +233,30 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         slos=parse_slos(args.slo),
         catalog=load_catalog(args.catalog) if args.catalog else None,
     )
+
+
+def check_sim(args: argparse.Namespace) -> None:
+    """Checks that need several options, before anything runs (``simulate`` and ``compare``): the policy
+    settings together, every policy usable online, and pools that fit in memory."""
+    from kvretain.cli import policy_config_error
+
+    policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
+    flag = "--policy" if args.command == "simulate" else "--policies"
+    try:
+        cfgs = [sim_config(args, p) for p in policies]
+    except ValueError as exc:
+        raise policy_config_error(exc) from None
+    for cfg in cfgs:
+        try:
+            make_policy(cfg.policy, 1, cfg.policy_config)
+        except ValueError as exc:
+            raise ValueError(f"argument {flag}: {exc}") from None
+    cfg = cfgs[0]
+    blocks = cfg.blocks_per_replica(cfg.cost())
+    what = (
+        "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
+    )
+    check_pool_fits(blocks, policies, cfg.policy_config, what=what, pools=cfg.replicas)
 
 
 def _run(cfg: SimConfig, reqs: Sequence[WorkloadRequest], show: bool, desc: str) -> Simulation:
@@ -240,21 +320,53 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- compare
+def protected_peak_blocks(reqs: Sequence[WorkloadRequest], cfg: SimConfig) -> int:
+    """KV blocks per replica that hold the peak reuse working set (:func:`working_set`) of the requests whose
+    request priority maps to a protected retention priority (``>= protect_threshold``; class 0 by default),
+    and never fewer than the largest request needs (a smaller pool could not serve it); 0 when no request is
+    protected."""
+    threshold = cfg.policy_config.protect_threshold
+    protected = [r for r in reqs if cfg.mapping.retention_for(r.priority) >= threshold]
+    if not protected:
+        return 0
+    bs = cfg.block_size
+    peak = math.ceil(working_set(protected).peak_tokens / bs / cfg.replicas)
+    return max(peak, max(-(-(len(r.prompt) + r.output_len) // bs) for r in reqs))
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     reqs, source = load_workload(args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    runs: list[tuple[str, SimConfig]] = [(p, sim_config(args, p)) for p in policies]
+    policies, budgets = args.policies, args.budgets
     base = sim_config(args, "unified")
+    capacity = f"{base.blocks_per_replica(base.cost()):,} KV blocks per replica (--kv-blocks)"
+    if args.kv_blocks is None:
+        # NOTE: the cost model's capacity holds the protected class's whole working set with room to spare,
+        # so no budget would matter. A pool of exactly the protected class's peak working set makes the
+        # budget the share of that peak it may keep: each budget then buys class 0 hits with the others'.
+        blocks = protected_peak_blocks(reqs, base)
+        if blocks > 0:
+            check_pool_fits(blocks, [*policies, "unified"], base.policy_config, what="compare's KV capacity")
+            base = replace(base, kv_blocks=blocks)
+            capacity = (
+                f"{blocks:,} KV blocks per replica: the peak working set of the requests at protected "
+                "retention priority (pass --kv-blocks to choose)"
+            )
+    runs: list[tuple[str, SimConfig]] = [
+        (p, replace(sim_config(args, p), kv_blocks=base.kv_blocks)) for p in policies
+    ]
     for b in budgets:
-        pc = replace(base.policy_config, budget=b, isolation_goal=None)
+        pc = replace(
+            base.policy_config, budget=b, isolation_goal=None, priority_weight=args.frontier_priority_weight
+        )
         runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
-    out = _report_folder(args.out)
+    out = _report_folder(args.out)  # before any output: a bad --out is one line
+    print(f"compare: {len(runs)} runs of {source}, {capacity}", file=sys.stderr)
     from tqdm import tqdm
 
     results: list[dict[str, Any]] = []
     ttfts: dict[str, dict[str, list[float]]] = {}
-    for label, cfg in tqdm(runs, desc="compare", unit="run", file=sys.stderr, disable=args.no_progress):
+    bar_off = True if args.no_progress else None  # None: no bar when stderr is not a terminal
+    for label, cfg in tqdm(runs, desc="compare", unit="run", file=sys.stderr, disable=bar_off):
         sim = _run(cfg, reqs, not args.no_progress and sys.stderr.isatty(), label)
         obj = sim.summary()
         obj["label"], obj["workload"] = label, source
@@ -267,9 +379,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ttfts[label] = per
     (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
     _write_csv(out / "runs.csv", results)
-    (out / "summary.md").write_text(_markdown(results, source))
-    _plots(out, results, ttfts, policies)
-    print(f"wrote {out}/summary.json, summary.md, runs.csv and plots for {len(results)} runs")
+    (out / "summary.md").write_text(_markdown(results, source, capacity, args.frontier_priority_weight))
+    plots = _plots(out, results, ttfts, policies)
+    files = ["summary.json", "summary.md", "runs.csv", *plots]
+    print(f"wrote {', '.join(files)} to {out}/ for {len(results)} runs")
     print((out / "summary.md").read_text())
     return 0
 
@@ -305,16 +418,26 @@ def _write_csv(path: Path, results: Sequence[dict[str, Any]]) -> None:
             w.writerow(row)
 
 
-def _markdown(results: Sequence[dict[str, Any]], source: str) -> str:
+def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, frontier_weight: float) -> str:
     classes = _classes(results)
     head = ["run", "out tok/s", "hit", "recomputed", "preempt"]
-    head += [f"c{c} ttft p99" for c in classes] + [f"c{c} e2e mean" for c in classes]
-    lines = [f"# kvretain compare: {source}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head += [f"c{c} {k}" for c in classes for k in ("ttft mean", "ttft p99", "hit", "SLO")]
+    lines = [
+        f"# kvretain compare: {source}",
+        "",
+        f"{capacity}. `unified-bX`: unified with a fixed protection budget X and priority weight "
+        f"{frontier_weight:g}. TTFT (s), recomputed tokens and preemptions: lower is better; hit ratios and "
+        "SLO attainment: higher is better.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in results:
         cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", f"{r['hit_rate']:.4f}"]
         cells += [str(r["recomputed_tokens"]), str(r["preemptions"])]
-        cells += [_fmt(r["classes"].get(c, {}).get("ttft_p99_s")) for c in classes]
-        cells += [_fmt(r["classes"].get(c, {}).get("e2e_mean_s")) for c in classes]
+        for c in classes:
+            st = r["classes"].get(c, {})
+            cells += [_fmt(st.get(k)) for k in ("ttft_mean_s", "ttft_p99_s", "hit_rate", "slo_attainment")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -324,51 +447,144 @@ def _plots(
     results: Sequence[dict[str, Any]],
     ttfts: dict[str, dict[str, list[float]]],
     policies: Sequence[str],
-) -> None:
+) -> list[str]:
+    """Write the report's figures; returns the names written (none without matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import ScalarFormatter
     except ImportError:
-        print("matplotlib missing: no plots (pip install 'kvretain[plots]')", file=sys.stderr)
-        return
+        print(
+            "matplotlib missing: no plots written (pip install matplotlib, or pip install -e '.[plots]')",
+            file=sys.stderr,
+        )
+        return []
+
+    def plain(axis: Any) -> None:  # no offset notation ("+1.928e2"): the numbers as they are
+        fmt = ScalarFormatter(useOffset=False)
+        fmt.set_scientific(False)
+        axis.set_major_formatter(fmt)
+
     classes = _classes(results)
+    c0 = classes[0] if classes else "0"
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    front = [r for r in results if r["label"].startswith("unified-b")]
+    anchors = [r for r in results if r["label"] in policies]
+    written: list[str] = []
+
+    # 1. TTFT distribution per class
     fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
     for ax, c in zip(axes[0], classes, strict=True):
-        for label in policies:
+        for i, label in enumerate(policies):
             v = sorted(ttfts.get(label, {}).get(c, []))
             if v:
-                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=label)
+                ax.plot(
+                    v, [(k + 1) / len(v) for k in range(len(v))], label=label, color=colors[i % len(colors)]
+                )
         ax.set_xscale("log")
         ax.set_title(f"class {c}: TTFT CDF")
-        ax.set_xlabel("TTFT (s)")
-        ax.legend()
+        ax.set_xlabel("TTFT (s, log scale; further left is better)")
+        ax.set_ylabel("share of requests")
+        plain(ax.yaxis)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out / "ttft_by_class.png", dpi=100)
     plt.close(fig)
-    front = [r for r in results if r["label"].startswith("unified-b")]
-    anchors = [r for r in results if r["label"] in policies]
-    c0 = classes[0] if classes else "0"
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, name in (
-        (axes[0], "output_tokens_per_s", "output tokens/s"),
-        (axes[1], "hit_rate", "hit ratio"),
-    ):
-        xs = [r[key] for r in front]
-        ys = [r["classes"].get(c0, {}).get("ttft_p99_s") for r in front]
-        ax.plot(xs, ys, "o-", label="unified, budget varies")
+    written.append("ttft_by_class.png")
+
+    # 2. the trade-off: what class 0 gains against what the lowest class pays, and every class's share
+    def stat(r: dict[str, Any], c: str, key: str) -> float | None:
+        v = r["classes"].get(c, {}).get(key)
+        return None if v is None else float(v)
+
+    low = classes[-1] if classes else "0"  # the least important class: it pays for the protection
+
+    def paid(r: dict[str, Any]) -> float:
+        return (stat(r, low, "recomputed_tokens") or 0.0) / 1e6
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(18, 5))
+    if front:
+        xs = [paid(r) for r in front]
+        ys = [stat(r, c0, "ttft_mean_s") for r in front]
+        left.plot(xs, ys, "o-", color="0.45", ms=11, mfc="none", zorder=2, label="unified, fixed budget b")
+        # one label per distinct point (budgets with the same result share it), on the side away from its
+        # nearest neighbour, with a leader line, so that labels neither overlap nor point at the wrong marker
+        spots: dict[tuple[float, float], list[str]] = {}
         for r, x, y in zip(front, xs, ys, strict=True):
-            ax.annotate(f"{r['budget']:g}", (x, y))
-        for r in anchors:
-            ax.plot([r[key]], [r["classes"].get(c0, {}).get("ttft_p99_s")], "s", label=r["label"])
-        ax.set_xlabel(name)
-        ax.set_ylabel(f"class {c0} p99 TTFT (s)")
-        ax.legend()
-    fig.suptitle("trade-off frontier")
+            if y is not None:
+                spots.setdefault((x, y), []).append(f"{r['budget']:g}")
+        pts = list(spots) + [(paid(r), stat(r, c0, "ttft_mean_s") or 0.0) for r in anchors]
+        span_x = (max(p[0] for p in pts) - min(p[0] for p in pts)) or 1.0
+        span_y = (max(p[1] for p in pts) - min(p[1] for p in pts)) or 1.0
+        for (x, y), names in spots.items():
+            near = min(
+                (q for q in pts if q != (x, y)),
+                key=lambda q: ((q[0] - x) / span_x) ** 2 + ((q[1] - y) / span_y) ** 2,
+                default=(x - 1.0, y - 1.0),
+            )
+            dx, dy = (-1 if near[0] > x else 1), (-1 if near[1] > y else 1)
+            left.annotate(
+                "b=" + ", ".join(names),
+                (x, y),
+                xytext=(16 * dx, 16 * dy - (4 if dy < 0 else 0)),
+                textcoords="offset points",
+                ha="left" if dx > 0 else "right",
+                fontsize=8,
+                color="0.25",
+                arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6},
+            )
+    for i, r in enumerate(anchors):
+        left.plot(
+            [paid(r)],
+            [stat(r, c0, "ttft_mean_s")],
+            "D",
+            ms=7,
+            mec="black",
+            zorder=3,
+            color=colors[i % len(colors)],
+            label=r["label"],
+        )
+    left.set_xlabel(f"class {low}: recomputed prompt tokens (millions; lower is better)")
+    left.set_ylabel(f"class {c0} mean TTFT (s; lower is better)")
+    left.set_title(f"what class {c0} gains against what class {low} pays")
+    left.margins(0.2)  # room for the labels inside the axes
+    plain(left.xaxis)
+    plain(left.yaxis)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+
+    def bars(ax: Any, key: str, relative: bool) -> None:
+        ref = anchors[0] if anchors else results[0]
+        width = 0.8 / max(1, len(classes))
+        for j, c in enumerate(classes):
+            base = stat(ref, c, key) if relative else 1.0
+            vals = [(stat(r, c, key) or 0.0) / base if base else 0.0 for r in results]
+            xs = [i + (j - (len(classes) - 1) / 2) * width for i in range(len(results))]
+            ax.bar(xs, vals, width, label=f"class {c}", color=colors[j % len(colors)])
+        ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=30, ha="right", fontsize=8)
+        if relative:
+            ax.axhline(1.0, color="black", lw=0.8)
+        plain(ax.yaxis)
+        ax.set_ylim(0, 1.2 * max([1.0, *(b.get_height() for b in ax.patches)]))
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, ncol=len(classes), loc="upper center")
+
+    bars(mid, "hit_rate", relative=False)
+    mid.set_ylabel("prefix-cache hit ratio (higher is better)")
+    mid.set_title("each class's hit ratio")
+    ref_label = (anchors[0] if anchors else results[0])["label"]
+    bars(right, "ttft_mean_s", relative=True)
+    right.set_ylabel(f"mean TTFT / {ref_label}'s (lower is better)")
+    right.set_title(f"each class's mean TTFT relative to {ref_label}")
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=100)
     plt.close(fig)
+    written.append("frontier.png")
+    return written
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -378,10 +594,34 @@ def add_subcommands(sub: Any) -> None:
     _add_common(s)
     s.add_argument("--policy", default="unified", choices=policy_names(), help="eviction policy")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_simulate)
-    c = sub.add_parser("compare", help="policies x protection budgets into a report folder")
+    s.set_defaults(func=cmd_simulate, check=check_sim)
+    c = sub.add_parser(
+        "compare",
+        help="policies x protection budgets into a report folder",
+        description="Run --policies as they are and unified with each fixed budget of --budgets on one "
+        "workload; write summary.json, summary.md, runs.csv and plots (with matplotlib) to --out. Without "
+        "--kv-blocks the pool holds the peak reuse working set of the requests at protected retention "
+        "priority (class 0 by default), so that each budget trades class 0's hits against the others'.",
+    )
     _add_common(c)
-    c.add_argument("--policies", default="lru,priority,unified", help="comma-separated eviction policies")
-    c.add_argument("--budgets", default="0.1,0.2,0.4,0.6,0.8", help="unified fixed budgets (frontier)")
+    c.add_argument(
+        "--policies",
+        type=names_of(policy_names, "eviction policy"),
+        default="lru,priority,unified",
+        help="comma-separated eviction policies run as they are (default lru,priority,unified)",
+    )
+    c.add_argument(
+        "--budgets",
+        type=shares,
+        default="0.1,0.2,0.4,0.6,0.8",
+        help="unified with these fixed protection budgets, 0..1 (the frontier; default 0.1,0.2,0.4,0.6,0.8)",
+    )
+    c.add_argument(
+        "--frontier-priority-weight",
+        type=number(1.0),
+        default=1.0,
+        help="priority weight of the fixed-budget runs (default 1: no soft bias, so the budget alone "
+        "protects; the policies of --policies keep --priority-weight)",
+    )
     c.add_argument("--out", default="report", help="report folder (default ./report)")
-    c.set_defaults(func=cmd_compare)
+    c.set_defaults(func=cmd_compare, check=check_sim)

@@ -91,11 +91,6 @@ class BlockPool:
         """Empty plus cached-but-unused blocks (both can be handed out)."""
         return len(self._empty) + self._num_cached_free
 
-    def get_num_allocatable(self) -> int:
-        """Blocks an allocation can obtain: empty plus cached-free ones (for leaf-only policies a cached chain
-        becomes evictable leaf by leaf as its tail goes): the free blocks."""
-        return self.get_num_free_blocks()
-
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
 

@@ -6,7 +6,7 @@ as in vLLM). Two requests therefore share block ``i`` only when their whole pref
 salts and adapters are equal.
 
 ``sha256`` is the default (collision resistant, safe across tenants); ``xxhash`` (xxh3-128) is faster and
-needs the ``xxhash`` package (``pip install kvretain[xxhash]``).
+needs the ``xxhash`` package (from a clone: ``pip install -e '.[xxhash]'``).
 
 One chain step serves every path (:meth:`ContentHasher.chain`): :class:`BlockHasher` feeds it token ids,
 :class:`BlockIdHasher` a trace's block ids (each id stands for its block's tokens), the simulator its chunk
@@ -24,6 +24,11 @@ BlockHash = bytes | int
 """A block's identity in the cache. Engines use ``bytes`` digests; trace replay uses the trace's ints."""
 
 _ROOT_SEED = b"kvretain/v1/root"
+MAX_EXTRA_BYTES = 2**16 - 1
+"""Extra keys are framed by a 2-byte length in every block hash."""
+MAX_SALT_BYTES = MAX_EXTRA_BYTES - 24
+"""What a ``cache_salt`` may take of the extra keys: the rest holds the LoRA id (``L`` + up to 19 digits) and
+the separators."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,26 @@ class ExtraKeys:
 
     cache_salt: str | None = None
     lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise ValueError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
+            try:
+                size = len(self.cache_salt.encode())
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"cache_salt is not valid Unicode text ({exc.reason})") from None
+            if size > MAX_SALT_BYTES:
+                raise ValueError(
+                    f"cache_salt is {size:,} UTF-8 bytes; at most {MAX_SALT_BYTES:,} are allowed "
+                    "(pass a digest of a longer secret)"
+                )
+        if self.lora_id is not None and (
+            isinstance(self.lora_id, bool)
+            or not isinstance(self.lora_id, int)
+            or not -(2**63) <= self.lora_id < 2**63
+        ):
+            raise ValueError(f"lora_id must be a 64-bit integer or None, got {str(self.lora_id)[:40]}")
 
 
 def _sha256(data: bytes) -> bytes:
@@ -43,7 +68,8 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
         import xxhash
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ValueError(
-            "hash algorithm 'xxhash' needs the xxhash package: pip install 'kvretain[xxhash]'"
+            "hash algorithm 'xxhash' needs the xxhash package: pip install xxhash (or, from a clone, "
+            "pip install -e '.[xxhash]')"
         ) from exc
     fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
     return fn
@@ -52,8 +78,13 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
 HASH_ALGORITHMS = ("sha256", "xxhash")
 
 
-MAX_EXTRA_BYTES = 0xFFFF
-"""Extra keys (LoRA id, ``cache_salt``) are length-prefixed with two bytes in every chain step."""
+def _bad_block(tokens: Sequence[int], extra: bytes) -> str:
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"token ids must be integers, got {type(t).__name__} {str(t)[:40]!r}"
+        if not -(2**63) <= t < 2**63:
+            return f"token id {str(t)[:40]} does not fit in a signed 64-bit integer ([-2**63, 2**63))"
+    return f"extra keys are {len(extra):,} bytes; at most {MAX_EXTRA_BYTES:,} are allowed"
 
 
 class ContentHasher:
@@ -103,8 +134,9 @@ class BlockHasher(ContentHasher):
         try:
             body = array("q", tokens).tobytes()
         except (OverflowError, TypeError):
-            bad = next((t for t in tokens if not isinstance(t, int) or not -(1 << 63) <= t < 1 << 63), None)
-            raise ValueError(f"token ids must be 64-bit signed integers, got {bad!r}") from None
+            raise ValueError(_bad_block(tokens, extra)) from None
+        if len(extra) > MAX_EXTRA_BYTES:
+            raise ValueError(_bad_block(tokens, extra))
         return self.chain(parent, body, extra)
 
     @staticmethod

@@ -200,7 +200,7 @@ class KVCacheManager:
         # touching free hits takes them out of the allocatable set: check both together
         ref_count = self.pool.ref_count
         free_hits = sum(1 for b in new_computed_blocks if ref_count(b) == 0)
-        if n_check + free_hits > self.pool.get_num_allocatable():
+        if n_check + free_hits > self.pool.get_num_free_blocks():
             return None
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
@@ -221,12 +221,6 @@ class KVCacheManager:
         if n_full > st.num_cached:
             self.pool.cache_blocks(st.blocks, st.hashes, st.num_cached, n_full)
             st.num_cached = n_full
-
-    def cache_computed(self, req: CacheRequest, num_computed_tokens: int) -> None:
-        """Register blocks that became full after tokens were computed (e.g. decode appended a token)."""
-        st = self._reqs.get(req.request_id)
-        if st is not None and self.enable_caching:
-            self._cache_full_blocks(req, st, num_computed_tokens)
 
     def free(self, req: CacheRequest) -> None:
         """Release the request's blocks (deepest first) with its retention; idempotent."""

@@ -20,13 +20,18 @@ Every method must be O(1) or O(log n) in the pool size.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
+from kvretain.core.retention import (
+    DEFAULT_RETENTION_PRIORITY,
+    MAX_RETENTION_PRIORITY,
+    MIN_RETENTION_PRIORITY,
+)
 from kvretain.registry import Registry
 
 INF = float("inf")
@@ -94,18 +99,91 @@ class PolicyConfig:
     next_use: Callable[[BlockHash], float] | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.budget <= 1.0:
-            raise ValueError(f"budget must be a share of the pool in [0, 1], got {self.budget!r}")
-        if self.isolation_goal is not None and not 0.0 < self.isolation_goal <= 1.0:
-            raise ValueError(f"isolation_goal must be in (0, 1] or None, got {self.isolation_goal!r}")
-        if not 0.0 <= self.max_reuse_loss <= 1.0:
-            raise ValueError(f"max_reuse_loss must be a share in [0, 1], got {self.max_reuse_loss!r}")
-        if self.frequency_cap < 1:
-            raise ValueError(f"frequency_cap must be >= 1, got {self.frequency_cap!r}")
-        if self.cost_scale_tokens < 0:
-            raise ValueError(f"cost_scale_tokens must be >= 0, got {self.cost_scale_tokens!r}")
-        if self.ghost_factor < 0:
-            raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor!r}")
+        _number("budget", self.budget, 0.0, 1.0, "a share of the pool")
+        if self.isolation_goal is not None:
+            _number(
+                "isolation_goal",
+                self.isolation_goal,
+                0.0,
+                1.0,
+                "a fraction of the isolated hits, or None for a fixed budget",
+                lo_open=True,
+            )
+        _number(
+            "max_reuse_loss",
+            self.max_reuse_loss,
+            0.0,
+            1.0,
+            "a share of plain LRU's hits that the isolation controller may give up",
+        )
+        _integer(
+            "protect_threshold",
+            self.protect_threshold,
+            MIN_RETENTION_PRIORITY,
+            MAX_RETENTION_PRIORITY,
+            "a retention priority",
+        )
+        _number(
+            "priority_weight",
+            self.priority_weight,
+            1.0,
+            INF,
+            "below 1 it would rank lower retention priorities above higher ones; 1 turns the bias off",
+        )
+        _number(
+            "frequency_exponent",
+            self.frequency_exponent,
+            0.0,
+            INF,
+            "below 0 more uses would make a block worth less; 0 turns frequency off",
+        )
+        _integer("frequency_cap", self.frequency_cap, 1, None, "a count of uses")
+        if self.cost_scale_tokens != 0:
+            _number(
+                "cost_scale_tokens", self.cost_scale_tokens, 1.0, INF, "tokens; 0 turns the cost term off"
+            )
+        _number("ghost_factor", self.ghost_factor, 0.0, MAX_GHOST_FACTOR, "a multiple of the pool size")
+        _integer("block_size", self.block_size, 1, None, "tokens per block")
+        if self.next_use is not None and not callable(self.next_use):
+            raise ValueError(f"next_use must be a function of a block hash or None, got {self.next_use!r}")
+        # value = priority_weight ** ((r - 35) / 10) * min(uses, cap) ** exponent (x a depth term >= 1): its
+        # largest value must leave GreedyDual keys finite. L rises to each victim's key, so after n
+        # evictions L <= n * max value; MAX_VALUE keeps that finite for far more evictions than any run makes.
+        top = (MAX_RETENTION_PRIORITY - DEFAULT_RETENTION_PRIORITY) / 10.0
+        try:
+            largest = self.priority_weight**top * float(self.frequency_cap) ** self.frequency_exponent
+        except OverflowError:
+            largest = INF
+        if not largest <= MAX_VALUE:
+            raise ValueError(
+                f"priority_weight and frequency_exponent: the largest block value, priority_weight ** {top:g} x "
+                f"frequency_cap ** frequency_exponent = {self.priority_weight!r} ** {top:g} x "
+                f"{self.frequency_cap} ** {self.frequency_exponent!r}, exceeds {MAX_VALUE:g}; use smaller values"
+            )
+
+
+MAX_VALUE = 1e100
+"""The largest block value ``unified`` accepts: keys are ``L + value`` with ``L`` at most (evictions x largest
+value), so 1e100 leaves 10^200 evictions before a key could overflow a float (1.8e308)."""
+MAX_GHOST_FACTOR = 1e3
+"""The ghost table holds ``ghost_factor`` x pool entries: 1,000 x the pool already needs far more memory than
+the pool itself (defaults: 4)."""
+
+
+def _number(name: str, value: object, lo: float, hi: float, what: str, lo_open: bool = False) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if number and (lo < value if lo_open else lo <= value) and value <= hi:  # type: ignore[operator]
+        return
+    lo_s = f"({lo:g}" if lo_open else f"[{lo:g}"
+    rng = f">= {lo:g}" if hi == INF else f"in {lo_s}, {hi:g}]"
+    raise ValueError(f"{name} must be a finite number {rng} ({what}), got {value!r}")
+
+
+def _integer(name: str, value: object, lo: int, hi: int | None, what: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and lo <= value and (hi is None or value <= hi):
+        return
+    rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise ValueError(f"{name} must be an integer {rng} ({what}), got {value!r}")
 
 
 class EvictionPolicy(ABC):

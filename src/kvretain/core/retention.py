@@ -30,28 +30,49 @@ class RetentionError(ValueError):
     """Invalid retention input. The message names the field and how to fix it."""
 
 
-def _check_priority(value: object, where: str) -> int:
+def _show(value: object) -> str:
+    """``repr(value)``, shortened: error messages quote what the user gave without echoing a huge value."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _check_int(value: object, where: str, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RetentionError(
-            f"{where}: priority must be an integer in [0, 100], got {value!r}; pass e.g. priority=80"
-        )
-    if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
-        raise RetentionError(f"{where}: priority {value} is out of range; use an integer in [0, 100]")
+        raise RetentionError(f"{where}: {name} must be {what}, got {_show(value)}")
     return value
 
 
-def _check_duration(value: object, where: str) -> float | None:
+def _check_priority(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RetentionError(
+            f"{where}: priority must be an integer in [0, 100], got {_show(value)}; pass e.g. priority=80"
+        )
+    if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
+        raise RetentionError(f"{where}: priority {_show(value)} is out of range; use an integer in [0, 100]")
+    return value
+
+
+def _check_duration(value: object, where: str, name: str = "duration_s", per_second: int = 1) -> float | None:
+    """Seconds from a duration given as ``name`` in units of ``1 / per_second`` s; errors quote ``name`` and
+    the value as given."""
     if value is None:
         return None
+    unit = "seconds" if per_second == 1 else "milliseconds"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RetentionError(
-            f"{where}: duration_s must be a number of seconds or null, got {value!r}; "
-            "pass e.g. duration_s=30 or omit it to retain without expiry"
+            f"{where}: {name} must be a number of {unit} or null, got {_show(value)}; "
+            f"pass e.g. {name}={30 * per_second} or omit it to retain without expiry"
         )
-    v = float(value)
+    try:
+        v = float(value) / per_second
+    except OverflowError:
+        raise RetentionError(
+            f"{where}: {name} {_show(value)} is too large for a number of {unit}; "
+            "omit it (null) to retain without expiry"
+        ) from None
     if math.isnan(v) or v < 0:
         raise RetentionError(
-            f"{where}: duration_s must be >= 0 seconds, got {value!r}; use a non-negative number"
+            f"{where}: {name} must be >= 0 {unit}, got {_show(value)}; use a non-negative number"
         )
     return v
 
@@ -71,14 +92,14 @@ class RetentionDirective:
 
     def __post_init__(self) -> None:
         where = "retention directive"
-        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
-            raise RetentionError(f"{where}: start must be a non-negative token index, got {self.start!r}")
+        start = _check_int(self.start, where, "start", "a non-negative token index")
+        if start < 0:
+            raise RetentionError(f"{where}: start must be a non-negative token index, got {start}")
         if self.end is not None:
-            if isinstance(self.end, bool) or not isinstance(self.end, int):
-                raise RetentionError(f"{where}: end must be a token index or null, got {self.end!r}")
-            if self.end <= self.start:
+            end = _check_int(self.end, where, "end", "a token index or null")
+            if end <= start:
                 raise RetentionError(
-                    f"{where}: start ({self.start}) must be before end ({self.end}); "
+                    f"{where}: start ({_show(start)}) must be before end ({_show(end)}); "
                     "use end > start, or end=null for 'to the end of the prompt'"
                 )
         _check_priority(self.priority, where)
@@ -95,37 +116,50 @@ class RetentionDirective:
         where = f"retention_directives[{index}]"
         if not isinstance(raw, Mapping):
             raise RetentionError(
-                f"{where}: expected an object {{start, end, priority, duration_s}}, got {raw!r}"
+                f"{where}: expected an object {{start, end, priority, duration_s}}, got {_show(raw)}"
             )
-        known = {
-            "start",
-            "end",
-            "priority",
-            "duration_s",
-            "duration",
-            "duration_ms",
-            "token_start",
-            "token_end",
-        }
-        unknown = sorted(set(raw) - known)
+        unknown = [k for k in raw if k not in _DIRECTIVE_FIELDS]
         if unknown:
+            names = sorted(_show(k) for k in unknown)
             raise RetentionError(
-                f"{where}: unknown field(s) {unknown}; allowed: start, end, priority, duration_s"
+                f"{where}: unknown field(s) [{', '.join(names)}]; allowed: start, end, priority, duration_s "
+                "(or RFC #37003's duration, TensorRT-LLM's token_start, token_end, duration_ms)"
             )
-        start = raw.get("start", raw.get("token_start", 0))
-        end = raw.get("end", raw.get("token_end"))
+        for spellings in _ALIASES:
+            given = [k for k in spellings if k in raw]
+            if len(given) > 1:
+                raise RetentionError(
+                    f"{where}: {' and '.join(given)} are two spellings of one field; give only one"
+                )
         if "priority" not in raw:
             raise RetentionError(f"{where}: missing field 'priority' (an integer in [0, 100])")
-        duration: object = raw.get("duration_s", raw.get("duration"))
-        if "duration_ms" in raw and raw["duration_ms"] is not None:
-            ms = raw["duration_ms"]
-            if isinstance(ms, bool) or not isinstance(ms, int | float):
-                raise RetentionError(f"{where}: duration_ms must be a number, got {ms!r}")
-            duration = float(ms) / 1000.0
+        start = raw.get("start", raw.get("token_start", 0))
+        end = raw.get("end", raw.get("token_end"))
+        name = next((k for k in _ALIASES[2] if k in raw), "duration_s")
         try:
-            return cls(start=start, end=end, priority=raw["priority"], duration_s=duration)  # type: ignore[arg-type]
+            duration = _check_duration(raw.get(name), where, name, 1000 if name == "duration_ms" else 1)
+            return cls(start=start, end=end, priority=raw["priority"], duration_s=duration)
         except RetentionError as exc:
-            raise RetentionError(str(exc).replace("retention directive", where, 1)) from None
+            msg = str(exc).replace("retention directive", where, 1)
+            if "token_start" in raw:
+                msg = msg.replace(": start ", ": token_start ", 1)
+            if "token_end" in raw:
+                msg = msg.replace(": end ", ": token_end ", 1)
+            raise RetentionError(msg) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The raw form :meth:`from_dict` reads back (a trace line's directive, RFC #37003's fields)."""
+        return {
+            "start": self.start,
+            "end": self.end,
+            "priority": self.priority,
+            "duration_s": self.duration_s,
+        }
+
+
+_ALIASES = (("start", "token_start"), ("end", "token_end"), ("duration_s", "duration", "duration_ms"))
+"""The spellings of each directive field: kvretain's, RFC #37003's, TensorRT-LLM's."""
+_DIRECTIVE_FIELDS = frozenset({"priority", *(k for names in _ALIASES for k in names)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +178,33 @@ class PriorityMapping:
     table: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        where = "priority mapping"
+        _check_int(self.normal, where, "normal", "an integer (the request priority that maps to base)")
+        _check_int(self.step, where, "step", "an integer (retention points per request-priority level)")
         _check_priority(self.base, "priority mapping base")
         if self.step < 0:
             raise RetentionError(
                 "priority mapping step must be >= 0 (lower request priority = more important)"
             )
-        for prio, ret in self.table:
-            _check_priority(ret, f"priority mapping table entry for request priority {prio}")
+        raw = self.table
+        if isinstance(raw, Mapping):
+            raw = tuple(raw.items())
+        if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
+            raise RetentionError(
+                f"{where}: table must be (request_priority, retention) pairs, got {_show(raw)}"
+            )
+        table: list[tuple[int, int]] = []
+        for entry in raw:
+            if not isinstance(entry, tuple | list) or len(entry) != 2:
+                raise RetentionError(
+                    f"{where}: table entry {_show(entry)} must be a (request_priority, retention) pair"
+                )
+            prio = _check_int(entry[0], where, "a table's request priority", "an integer")
+            if any(prio == p for p, _ in table):
+                raise RetentionError(f"{where}: request priority {prio} appears twice in the table")
+            ret = _check_priority(entry[1], f"priority mapping table entry for request priority {prio}")
+            table.append((prio, ret))
+        object.__setattr__(self, "table", tuple(table))
 
     def retention_for(self, request_priority: int) -> int:
         for prio, ret in self.table:
@@ -161,7 +215,12 @@ class PriorityMapping:
 
     @classmethod
     def parse(cls, spec: str) -> PriorityMapping:
-        """Parse ``"normal=1,step=10,base=35"`` or a table ``"0:80,1:35,2:10"``."""
+        """Parse ``"normal=1,step=10,base=35"`` or a table ``"0:80,1:35,2:10"`` (``""``: the default)."""
+        if not isinstance(spec, str):
+            raise RetentionError(
+                f"priority mapping must be a string such as 'normal=0,step=10,base=35' or '0:80,1:35', "
+                f"got {_show(spec)}"
+            )
         spec = spec.strip()
         if not spec:
             return cls()
@@ -206,14 +265,23 @@ class RetentionConfig:
     scope: str | None = None
 
     def __post_init__(self) -> None:
+        raw = self.directives
+        if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Iterable):
+            raise RetentionError(
+                f"retention directives must be a list of RetentionDirective or objects, got {_show(raw)}"
+            )
+        directives = tuple(
+            d if isinstance(d, RetentionDirective) else RetentionDirective.from_dict(d, i)
+            for i, d in enumerate(raw)
+        )
         if self.decode_priority is not None:
             _check_priority(self.decode_priority, "decode_priority")
         object.__setattr__(
             self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s")
         )
         if self.scope is not None and not isinstance(self.scope, str):
-            raise RetentionError(f"retention_scope must be a string, got {self.scope!r}")
-        ordered = sorted(self.directives, key=lambda d: d.start)
+            raise RetentionError(f"retention_scope must be a string, got {_show(self.scope)}")
+        ordered = sorted(directives, key=lambda d: d.start)
         for a, b in zip(ordered, ordered[1:], strict=False):
             if a.end is None or a.end > b.start:
                 raise RetentionError(
@@ -285,9 +353,6 @@ def _longer(a: float | None, b: float | None) -> bool:
     if a is None:
         return b is not None
     return b is not None and a > b
-
-
-DEFAULT_RETENTION = RetentionConfig()
 
 
 def validate_directive_list(raw: Sequence[Mapping[str, Any]]) -> tuple[RetentionDirective, ...]:

@@ -176,9 +176,6 @@ class Request:
         return None if s is None else s - self.arrival_time
 
     # --- order ----------------------------------------------------------------------------------------
-    def sort_key(self) -> tuple[int, float, str]:
-        return (self.priority, self.arrival_time, self.request_id)
-
     def __lt__(self, other: Request) -> bool:
         return (self.priority, self.arrival_time, self.request_id) < (
             other.priority,

@@ -131,11 +131,13 @@ def generate_multi_tenant(
     return scale_and_limit(requests, time_scale, limit)
 
 
-def _seq(rng: random.Random, bounds: Range) -> TokenSeq:
+def seeded_span(rng: random.Random, bounds: Range) -> TokenSeq:
+    """A fresh seeded token span whose length is drawn uniformly from the inclusive range ``bounds``."""
     return TokenSeq.seeded(rng.getrandbits(63), rng.randint(*bounds))
 
 
-def _poisson(rng: random.Random, rate: float, duration: float) -> list[float]:
+def poisson_times(rng: random.Random, rate: float, duration: float) -> list[float]:
+    """Arrival times of a Poisson process of ``rate`` per second in ``[0, duration)``."""
     times: list[float] = []
     t = 0.0
     while rate > 0:
@@ -149,17 +151,17 @@ def _poisson(rng: random.Random, rate: float, duration: float) -> list[float]:
 def _chat(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
     system = TokenSeq.seeded(rng.getrandbits(63), cfg.chat_system_tokens)
     out: list[WorkloadRequest] = []
-    for s, start in enumerate(_poisson(rng, cfg.chat_session_rate, cfg.duration_s)):
+    for s, start in enumerate(poisson_times(rng, cfg.chat_session_rate, cfg.duration_s)):
         sid = f"chat-{s}"
         context = system
         if rng.random() < cfg.chat_attachment_prob:
-            context = context + _seq(rng, cfg.chat_attachment_tokens)
+            context = context + seeded_span(rng, cfg.chat_attachment_tokens)
         t, think, prev = start, 0.0, None
         for k in range(rng.randint(*cfg.chat_turns)):
             if rng.random() < cfg.chat_rag_prob:
-                context = context + _seq(rng, cfg.chat_rag_tokens)
-            prompt = context + _seq(rng, cfg.chat_user_tokens)
-            output = _seq(rng, cfg.chat_output_tokens)
+                context = context + seeded_span(rng, cfg.chat_rag_tokens)
+            prompt = context + seeded_span(rng, cfg.chat_user_tokens)
+            output = seeded_span(rng, cfg.chat_output_tokens)
             rid = f"{sid}-turn-{k}"
             out.append(
                 WorkloadRequest(
@@ -186,12 +188,12 @@ def _agents(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]
     system = TokenSeq.seeded(rng.getrandbits(63), cfg.agent_system_tokens)
     keep = (RetentionDirective(0, None, cfg.agent_retention_priority, cfg.agent_retention_duration_s),)
     out: list[WorkloadRequest] = []
-    for a, start in enumerate(_poisson(rng, cfg.agent_rate, cfg.duration_s)):
+    for a, start in enumerate(poisson_times(rng, cfg.agent_rate, cfg.duration_s)):
         sid = f"agent-{a}"
-        prompt = system + _seq(rng, cfg.agent_task_tokens)
+        prompt = system + seeded_span(rng, cfg.agent_task_tokens)
         t, pause, prev = start, 0.0, None
         for k in range(rng.randint(*cfg.agent_steps)):
-            output = _seq(rng, cfg.agent_output_tokens)
+            output = seeded_span(rng, cfg.agent_output_tokens)
             rid = f"{sid}-step-{k}"
             out.append(
                 WorkloadRequest(
@@ -207,7 +209,7 @@ def _agents(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]
                     think_s=pause,
                 )
             )
-            prompt, prev = prompt + output + _seq(rng, cfg.agent_tool_result_tokens), rid
+            prompt, prev = prompt + output + seeded_span(rng, cfg.agent_tool_result_tokens), rid
             pause = rng.uniform(*cfg.agent_tool_pause_s)
             t += len(output) * cfg.est_s_per_output_token + pause
             if t >= cfg.duration_s:
@@ -217,18 +219,18 @@ def _agents(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]
 
 def _batch(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
     system = TokenSeq.seeded(rng.getrandbits(63), cfg.batch_system_tokens)
-    documents = [system + _seq(rng, cfg.batch_document_tokens) for _ in range(cfg.batch_documents)]
+    documents = [system + seeded_span(rng, cfg.batch_document_tokens) for _ in range(cfg.batch_documents)]
     out: list[WorkloadRequest] = []
-    for j, start in enumerate(_poisson(rng, cfg.batch_job_rate, cfg.duration_s)):
+    for j, start in enumerate(poisson_times(rng, cfg.batch_job_rate, cfg.duration_s)):
         doc = rng.randrange(len(documents))
         sid = f"batch-{j}"
         for q in range(rng.randint(*cfg.batch_questions_per_job)):
-            output = _seq(rng, cfg.batch_output_tokens)
+            output = seeded_span(rng, cfg.batch_output_tokens)
             out.append(
                 WorkloadRequest(
                     f"{sid}-doc-{doc}-q-{q}",
                     start + rng.uniform(0.0, cfg.batch_job_spread_s),
-                    documents[doc] + _seq(rng, cfg.batch_question_tokens),
+                    documents[doc] + seeded_span(rng, cfg.batch_question_tokens),
                     len(output),
                     cfg.batch_priority,
                     session_id=sid,

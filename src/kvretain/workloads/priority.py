@@ -2,12 +2,16 @@
 ``kvretain replay`` and ``kvretain simulate`` (``--priority-rule``).
 
 A rule maps a request to its priority (lower = more important). ``PRIORITY_RULES`` maps a name to a factory
-returning the rule; build one with :func:`make_rule` (or ``PRIORITY_RULES.create(name, **options)``) and
-apply it with :func:`tag_priorities`. A rule reads only a request's scalar fields (``request_id``,
+returning the rule; build one with :func:`make_rule` (``make_rule(name, requests, rng, **options)``: it hands
+the workload and a seeded rng to the factories that take them; or ``PRIORITY_RULES.create(name, **options)``)
+and apply it with :func:`tag_priorities`. A rule reads only a request's scalar fields (``request_id``,
 ``arrival_s``, ``prompt_len``, ``output_len``, ``priority``, ``session_id``, ``cache_salt``,
 ``block_ids``): the replay applies it to trace records
-(:class:`~kvretain.workloads.mooncake.TraceRecord`), which have those fields and no tokens. A factory that
-takes an ``rng`` argument gets the caller's seeded ``random.Random``.
+(:class:`~kvretain.workloads.mooncake.TraceRecord`), which have those fields and no tokens.
+
+Session rules pick whole conversations. A request's conversation is ``session_key(r)``: its ``session_id``
+when the workload names one, else, for a Mooncake trace, the reference rule's key (``hash_ids[1]``, the
+conversation's first own block after the shared system prompt; ``hash_ids[0]`` for one-block requests).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import dataclasses
 import inspect
 import random
 import zlib
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvretain.registry import Registry
@@ -37,14 +42,39 @@ def rule_choices() -> list[str]:
     return [KEEP, *PRIORITY_RULES.names()]
 
 
-def make_rule(name: str, rng: random.Random | None = None, **options: Any) -> PriorityRule | None:
-    """The rule registered as ``name`` (``None`` for ``keep``); ``rng`` goes to factories that take one."""
+def session_key(r: WorkloadRequest) -> str | int:
+    """The conversation ``r`` belongs to (see the module docstring); ``request_id`` when nothing names one."""
+    if r.session_id is not None:
+        return r.session_id
+    ids = r.block_ids
+    if ids:
+        return _trace_session_id(ids)
+    return r.request_id
+
+
+def _trace_session_id(ids: Sequence[int]) -> int:
+    return ids[1] if len(ids) > 1 else ids[0]
+
+
+def make_rule(
+    name: str,
+    requests: Sequence[Any] | None = None,
+    rng: random.Random | None = None,
+    **options: Any,
+) -> PriorityRule | None:
+    """The rule registered as ``name`` (``None`` for ``keep``), handing ``requests`` (the whole workload:
+    workload requests or trace records) and ``rng`` to factories that take them; a rule that needs the
+    workload raises :class:`WorkloadError` without it."""
     if name == KEEP:
         return None
-    factory = PRIORITY_RULES.get(name)
-    if "rng" in inspect.signature(factory).parameters:
+    params = inspect.signature(PRIORITY_RULES.get(name)).parameters
+    if "requests" in params:
+        if requests is None:
+            raise WorkloadError(f"priority rule {name!r} needs the whole workload (requests)")
+        options["requests"] = requests
+    if "rng" in params:
         options["rng"] = rng if rng is not None else random.Random(0)
-    return factory(**options)
+    return PRIORITY_RULES.create(name, **options)
 
 
 def tag_priorities(requests: Iterable[R], rule: PriorityRule) -> list[R]:
@@ -64,8 +94,7 @@ def reference_rule(important: int = 0, other: int = 1) -> PriorityRule:
         ids = r.block_ids
         if not ids:
             raise WorkloadError(f"request {r.request_id}: the reference priority rule needs block_ids")
-        key = ids[1] if len(ids) > 1 else ids[0]
-        return important if key % 4 == 0 else other
+        return important if _trace_session_id(ids) % 4 == 0 else other
 
     return rule
 
@@ -89,6 +118,50 @@ def by_session_rule(fraction: float = 0.25, important: int = 0, other: int = 1) 
         return important if zlib.crc32(key.encode()) < fraction * 2**32 else other
 
     return rule
+
+
+@PRIORITY_RULES.register("random-sessions")
+def random_sessions_rule(
+    rng: random.Random | None = None, fraction: float = 0.1, important: int = 0, other: int = 1
+) -> PriorityRule:
+    """Whole conversations (``session_key``) important with probability ``fraction``, one draw per session.
+
+    Draws come from the seeded ``rng`` (default ``Random(0)``) in order of first appearance, so a workload
+    in arrival order always gets the same sessions; every turn of a session shares its class.
+    """
+    _check_fraction(fraction)
+    draw = rng or random.Random(0)
+    chosen: dict[str | int, bool] = {}
+
+    def rule(r: WorkloadRequest) -> int:
+        key = session_key(r)
+        pick = chosen.get(key)
+        if pick is None:
+            pick = chosen[key] = draw.random() < fraction
+        return important if pick else other
+
+    return rule
+
+
+@PRIORITY_RULES.register("longest")
+def longest_rule(
+    requests: Sequence[WorkloadRequest], fraction: float = 0.25, important: int = 0, other: int = 1
+) -> PriorityRule:
+    """The longest conversations are the important ones: the top ``fraction`` of sessions (``session_key``),
+    ranked by number of turns, then total prompt tokens.
+
+    ``round(fraction * sessions)`` sessions are chosen; ties at the cut are broken by first appearance.
+    """
+    _check_fraction(fraction)
+    turns: Counter[str | int] = Counter()
+    tokens: Counter[str | int] = Counter()
+    for r in requests:
+        key = session_key(r)
+        turns[key] += 1
+        tokens[key] += r.prompt_len
+    ranked = sorted(turns, key=lambda k: (-turns[k], -tokens[k]))  # stable: first appearance breaks ties
+    top = set(ranked[: round(fraction * len(ranked))])
+    return lambda r: important if session_key(r) in top else other
 
 
 @PRIORITY_RULES.register("none")

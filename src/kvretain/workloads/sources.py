@@ -2,7 +2,8 @@
 
 ``WORKLOADS.create(name, rng=..., path=..., limit=..., time_scale=..., **options)`` returns the requests
 sorted by arrival. ``path`` is required by the trace loaders and ignored by generators; ``options`` are the
-loader's own keywords (``block_size`` for Mooncake) or, for ``multi-tenant``, ``MultiTenantConfig`` fields.
+loader's own keywords (``block_size`` for Mooncake) or, for a generator, its config's fields
+(``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanConfig``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.registry import Registry
+from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
 from kvretain.workloads.azure import load_azure
 from kvretain.workloads.mooncake import load_mooncake
 from kvretain.workloads.multi_tenant import MultiTenantConfig, generate_multi_tenant
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
+from kvretain.workloads.retrieval_scan import RetrievalScanConfig, generate_retrieval_scan
 
 Workload = list[WorkloadRequest]
 
@@ -37,11 +40,41 @@ def multi_tenant(
     **options: Any,
 ) -> Workload:
     """Chat (priority 0), agents with retention directives (1) and batch document jobs (2) on one replica."""
-    try:
-        config = MultiTenantConfig(**options)
-    except TypeError as e:
-        raise WorkloadError(f"multi-tenant: {e}") from None
+    config = _config(MultiTenantConfig, "multi-tenant", options)
     return generate_multi_tenant(config, rng, limit=limit, time_scale=time_scale)
+
+
+def _config(cls: Any, name: str, options: dict[str, Any]) -> Any:
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise WorkloadError(f"{name}: {e}") from None
+
+
+@WORKLOADS.register("agent-pauses")
+def agent_pauses(
+    rng: random.Random,
+    path: str | Path | None = None,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    **options: Any,
+) -> Workload:
+    """Agent sessions with long tool-call pauses between steps over a growing context (no directives)."""
+    config = _config(AgentPausesConfig, "agent-pauses", options)
+    return generate_agent_pauses(config, rng, limit=limit, time_scale=time_scale)
+
+
+@WORKLOADS.register("retrieval-scan")
+def retrieval_scan(
+    rng: random.Random,
+    path: str | Path | None = None,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    **options: Any,
+) -> Workload:
+    """Queries over a Zipf-popular document pool, scanned by a stream of one-off documents."""
+    config = _config(RetrievalScanConfig, "retrieval-scan", options)
+    return generate_retrieval_scan(config, rng, limit=limit, time_scale=time_scale)
 
 
 @WORKLOADS.register("mooncake")

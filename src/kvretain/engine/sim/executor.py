@@ -10,7 +10,6 @@ from collections.abc import Mapping
 
 from kvretain.engine.sim.costmodel import CostModel
 from kvretain.engine.sim.request import SimRequest
-from kvretain.registry import Registry
 from kvretain.sched.output import RunnerOutput, SchedulerOutput
 
 
@@ -47,7 +46,3 @@ class SimExecutor:
                 ids.append(c.request_id)
                 toks.append(r.output_token(len(r.output_token_ids)))
         return RunnerOutput(tuple(ids), tuple(toks))
-
-
-EXECUTORS: Registry[SimExecutor] = Registry("executor")
-EXECUTORS.add("sim", SimExecutor, "virtual-time executor priced by the cost model")

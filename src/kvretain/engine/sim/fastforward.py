@@ -159,7 +159,7 @@ def plan_decode_run(rep: Replica, now: float) -> DecodeRun | None:
         allocs[a] += 1
         if g != a:
             events[g].append(i)
-    free = rep.kv.pool.get_num_allocatable()
+    free = rep.kv.pool.get_num_free_blocks()
     if sum(allocs) * (k // bs + 1) > free:
         used = 0
         for s in range(1, k + 1):

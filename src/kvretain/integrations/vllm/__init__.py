@@ -1,6 +1,6 @@
 """kvretain as a vLLM 0.33 general plugin: priority-aware retention of vLLM's prefix cache.
 
-Installed with ``pip install 'kvretain[vllm]'``; vLLM finds :func:`register` through the entry point
+Installed from a clone with ``pip install -e '.[vllm]'``; vLLM finds :func:`register` through the entry point
 ``vllm.general_plugins: kvretain``. The plugin is inert unless ``KVRETAIN_POLICY`` names a policy (see
 :mod:`kvretain.integrations.vllm.config` for every variable)::
 

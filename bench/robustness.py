@@ -1,0 +1,629 @@
+"""The robustness grid (issue 10): does ``unified`` with its one default setting hold on traces, priority rules
+and capacities it was not tuned on?
+
+    python bench/robustness.py [--quick] [--jobs N] [--set key=value ...] [--json FILE] [--out DIR]
+    python bench/robustness.py --trace mine.jsonl [--trace other.jsonl]   # your own Mooncake-format traces
+
+Traces (default set):
+  * the Mooncake conversation trace (``--mooncake``) whole, its first 6,000 requests and the rest;
+  * the ``multi-tenant`` workload at seeds 0-4, ``agent-pauses`` and ``retrieval-scan`` at seed 0, each
+    written in the Mooncake replay format by ``kvretain.workloads.export`` (what ``kvretain workload
+    export`` writes; the files land in ``OUT/traces/``) and read back through the one trace parser
+    (``kvretain.workloads.mooncake.read_trace``, as ``kvretain replay`` reads them).
+  ``--trace FILE`` (repeatable) replaces the set with your files.
+Priority rules (class 0 = important), one row each:
+  * ``reference`` (``hash_ids[1] % 4 == 0``) on traces without priorities of their own; ``native`` (the
+    trace's own priority field) on the generated workloads and on any trace that carries priorities (the
+    reference rule keys on the second block, which in those workloads is a shared system prompt);
+  * ``random-10%`` / ``random-50%``: that share of conversations, drawn per session from ``--seed``;
+  * ``longest-25%``: the quarter of conversations with the most turns (then prompt tokens).
+  A conversation is ``kvretain.workloads.priority.session_key``: the trace's ``session_id``, else the
+  reference rule's key (``hash_ids[1]``, ``hash_ids[0]`` for one-block requests).
+Capacities: 8 points log-spaced from 500 to 32,000 blocks of 512 tokens, ``500 * 64 ** (i / 7)`` rounded to
+  the nearest integer: 500, 906, 1641, 2972, 5384, 9752, 17665, 32000.
+Every cell (trace x rule x capacity): ``lru``, ``s3fifo``, ``arc``, ``priority``, ``unified`` (defaults, plus
+  any ``--set``), ``belady`` and the isolation reference (class 0 alone in the same pool under ``lru``, as
+  bench/replay_table.py computes it); a policy not registered is skipped with one warning. The class-0
+  target is ``min(0.9 x isolation, 1.25 x lru's class 0)``. Per trace x capacity also a one-class run
+  (every request priority 0, no directives): ``unified`` against ``lru`` / ``s3fifo`` / ``arc``; and the
+  frontier: ``unified`` at fixed protected shares (``isolation_goal=None``) under the trace's first rule,
+  one PNG per trace in ``OUT/`` (``--out``, default reports/robustness).
+
+Last stdout line, JSON: ``{"cells": n, "min_overall_vs_lru": r, "cells_class0_target_met": k,
+"min_class0_vs_lru": r, "one_class_min_vs_lru": r}`` (ratios of ``unified`` with the default setting to
+``lru``; a ratio over an ``lru`` figure of 0 is left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvretain.core.policy import PolicyConfig, policy_names
+from kvretain.replay import ReplayRequest, TraceError, replay, replay_requests
+from kvretain.workloads import WORKLOADS, WorkloadError
+from kvretain.workloads.export import write_mooncake
+from kvretain.workloads.mooncake import TraceRecord, read_trace
+from kvretain.workloads.priority import make_rule
+
+DEFAULT_MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+BLOCK_TOKENS = 512
+CAPACITIES = [round(500 * 64 ** (i / 7)) for i in range(8)]
+QUICK_CAPACITIES = [500, 4000, 32000]
+BUDGETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 0.95]
+QUICK_BUDGETS = [0.0, 0.2, 0.5, 0.95]
+POLICIES = ["lru", "s3fifo", "arc", "priority", "unified", "belady"]
+ONE_CLASS_POLICIES = ["lru", "s3fifo", "arc", "unified"]
+RULES = {  # name -> (registered rule, options); "first" is reference or native, per trace
+    "random-10%": ("random-sessions", {"fraction": 0.1}),
+    "random-50%": ("random-sessions", {"fraction": 0.5}),
+    "longest-25%": ("longest", {"fraction": 0.25}),
+}
+QUICK_RULES = ["random-10%"]
+ISO = "isolation"
+# Replay time per block lookup relative to lru, measured on the Mooncake trace at 500 and 32,000 blocks
+# (lru 1, priority 1.6, unified 1.8, belady 2.6); used only for the duration estimate. s3fifo and arc are
+# taken at priority's cost (not measured here; the estimate is only a progress hint).
+COST = {"lru": 1.0, "s3fifo": 1.6, "arc": 1.6, "priority": 1.6, "unified": 1.8, "belady": 2.6, ISO: 0.5}
+SPLIT = 6000  # the Mooncake halves: the first 6,000 requests and the rest
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One trace of the grid: requests ``[start, stop)`` of a Mooncake-format file."""
+
+    name: str
+    path: str
+    start: int = 0
+    stop: int | None = None
+    native: bool = False  # the first rule is the trace's own priorities, not the reference rule
+
+    @property
+    def first_rule(self) -> str:
+        return "native" if self.native else "reference"
+
+    def rules(self, quick: bool) -> list[str]:
+        return [self.first_rule, *(QUICK_RULES if quick else RULES)]
+
+
+# ---------------------------------------------------------------------------------------- per process
+_LOADED: dict[Trace, tuple[list[ReplayRequest], list[TraceRecord]]] = {}
+_TAGGED: dict[tuple[Trace, str, int], list[ReplayRequest]] = {}
+
+
+def _load(trace: Trace) -> tuple[list[ReplayRequest], list[TraceRecord]]:
+    """The trace's records (the one trace parser, sorted by timestamp, sliced) and their replay requests,
+    in the same order: the priority rules read the records, the replay the requests."""
+    got = _LOADED.get(trace)
+    if got is None:
+        records = read_trace(trace.path, BLOCK_TOKENS)[trace.start : trace.stop]
+        got = _LOADED[trace] = (replay_requests(records), records)
+    return got
+
+
+def tagged(trace: Trace, rule: str, seed: int) -> list[ReplayRequest]:
+    """The trace's replay requests with priorities from ``rule`` (``one-class``: all 0, no directives)."""
+    key = (trace, rule, seed)
+    got = _TAGGED.get(key)
+    if got is not None:
+        return got
+    rr, records = _load(trace)
+    if rule == "native":
+        got = rr
+    elif rule == "one-class":
+        got = [dataclasses.replace(r, priority=0, retention=None) for r in rr]
+    else:
+        name, options = ("reference", {}) if rule == "reference" else RULES[rule]
+        fn = make_rule(name, records, random.Random(seed), **options)
+        assert fn is not None  # "keep" is not a grid rule
+        got = [dataclasses.replace(r, priority=fn(rec)) for r, rec in zip(rr, records, strict=True)]
+    _TAGGED[key] = got
+    return got
+
+
+def _figures(reqs: Sequence[ReplayRequest], cap: int, policy: str, cfg: PolicyConfig) -> dict[str, Any]:
+    res = replay(reqs, cap, policy, cfg, block_tokens=BLOCK_TOKENS)
+    c0 = res.classes.get(0)
+    return {"overall": round(res.hit_rate, 6), "class0": None if c0 is None else round(c0.hit_rate, 6)}
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "cell", "one-class" or "frontier"
+    trace: Trace
+    rule: str
+    capacity: int
+    policies: tuple[str, ...]
+    overrides: tuple[tuple[str, Any], ...]
+    budgets: tuple[float, ...] = ()
+    seed: int = 0
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    base = PolicyConfig(block_size=BLOCK_TOKENS)
+    tuned = PolicyConfig(**{"block_size": BLOCK_TOKENS, **dict(job.overrides)})
+    reqs = tagged(job.trace, job.rule, job.seed)
+    out: dict[str, Any] = {
+        "kind": job.kind,
+        "trace": job.trace.name,
+        "rule": job.rule,
+        "capacity": job.capacity,
+    }
+    if job.kind == "frontier":
+        pts = []
+        for b in job.budgets:
+            cfg = dataclasses.replace(tuned, budget=b, isolation_goal=None)
+            pts.append({"budget": b, **_figures(reqs, job.capacity, "unified", cfg)})
+        out["points"] = pts
+        return out
+    for p in job.policies:
+        out[p] = _figures(reqs, job.capacity, p, tuned if p == "unified" else base)
+    if job.kind == "cell":
+        c0 = [r for r in reqs if r.priority == 0]
+        out["class0_requests"] = len(c0)
+        out["class0_block_share"] = round(sum(len(r.hashes) for r in c0) / max(1, _blocks(reqs)), 4)
+        out[ISO] = replay(c0, job.capacity, "lru", base, block_tokens=BLOCK_TOKENS).hit_rate if c0 else None
+    return out
+
+
+def _blocks(reqs: Sequence[ReplayRequest]) -> int:
+    return sum(len(r.hashes) for r in reqs)
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set key=value`` -> PolicyConfig overrides (numbers, ``none``); one clear error per mistake."""
+    known = {f.name for f in dataclasses.fields(PolicyConfig)} - {"next_use", "block_size"}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise ValueError(f"--set {item!r}: expected key=value with key one of {', '.join(sorted(known))}")
+        value: Any
+        if raw.strip().lower() in ("none", "null"):
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    raise ValueError(f"--set {item!r}: the value must be a number or none") from None
+        out[key] = value
+    PolicyConfig(**out)  # validates the values (raises ValueError naming the field)
+    return out
+
+
+def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
+    if args.trace:
+        traces = []
+        for p in args.trace:
+            if not Path(p).is_file():
+                raise TraceError(f"trace file not found: {p}")
+            native = any(r.priority != 0 for r in read_trace(p, BLOCK_TOKENS))
+            traces.append(Trace(Path(p).stem, str(p), native=native))
+        return traces
+    traces = []
+    moon = Path(args.mooncake)
+    if moon.is_file():
+        if args.quick:
+            traces.append(Trace("mooncake-first2000", str(moon), 0, 2000))
+        else:
+            traces += [
+                Trace("mooncake", str(moon)),
+                Trace(f"mooncake-first{SPLIT}", str(moon), 0, SPLIT),
+                Trace(f"mooncake-from{SPLIT}", str(moon), SPLIT, None),
+            ]
+    else:
+        print(f"robustness: warning: {moon} not found, the Mooncake traces are skipped", file=sys.stderr)
+    gen_dir = out_dir / "traces"
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    generated: list[tuple[str, int, dict[str, Any]]]
+    if args.quick:
+        generated = [("agent-pauses", 0, {"duration_s": 900.0})]
+    else:
+        generated = [("multi-tenant", s, {}) for s in range(5)]
+        generated += [("agent-pauses", 0, {}), ("retrieval-scan", 0, {})]
+    for name, seed, options in generated:
+        label = f"{name}-s{seed}"
+        path = gen_dir / f"{label}.jsonl"
+        write_mooncake(WORKLOADS.create(name, rng=random.Random(seed), **options), path, BLOCK_TOKENS)
+        traces.append(Trace(label, str(path), native=True))
+    if not traces:
+        raise TraceError("no traces: pass --mooncake PATH or --trace FILE")
+    return traces
+
+
+def make_jobs(
+    traces: Sequence[Trace], caps: Sequence[int], args: argparse.Namespace, overrides: dict[str, Any]
+) -> list[Job]:
+    have = set(policy_names())
+    ov = tuple(sorted(overrides.items()))
+    cell_pols = tuple(p for p in POLICIES if p in have)
+    one_pols = tuple(p for p in ONE_CLASS_POLICIES if p in have)
+    budgets = tuple(QUICK_BUDGETS if args.quick else BUDGETS)
+    jobs = []
+    for t in traces:
+        for cap in caps:
+            for rule in t.rules(args.quick):
+                jobs.append(Job("cell", t, rule, cap, cell_pols, ov, seed=args.seed))
+            jobs.append(Job("one-class", t, "one-class", cap, one_pols, ov, seed=args.seed))
+            jobs.append(Job("frontier", t, t.first_rule, cap, (), ov, budgets, args.seed))
+    return jobs
+
+
+def job_cost(job: Job, blocks: dict[Trace, int]) -> float:
+    n = blocks[job.trace]
+    if job.kind == "frontier":
+        return n * COST["unified"] * len(job.budgets)
+    return n * (sum(COST[p] for p in job.policies) + (COST[ISO] if job.kind == "cell" else 0.0))
+
+
+def timing(traces: Sequence[Trace]) -> tuple[dict[Trace, int], float, str]:
+    """Block lookups per trace, and the seconds per lookup of one lru replay of the largest trace."""
+    blocks = {}
+    for t in traces:
+        rr, _ = _load(t)
+        blocks[t] = _blocks(rr)
+    big = max(traces, key=lambda t: blocks[t])
+    rr, _ = _load(big)
+    t0 = time.perf_counter()
+    replay(rr, CAPACITIES[3], "lru", PolicyConfig(block_size=BLOCK_TOKENS), block_tokens=BLOCK_TOKENS)
+    wall = time.perf_counter() - t0
+    note = (
+        f"timing: one lru replay of {big.name} ({len(rr)} requests, {blocks[big]} block lookups, "
+        f"{CAPACITIES[3]} blocks): {wall:.2f} s"
+    )
+    return blocks, wall / max(1, blocks[big]), note
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def analyse_cell(c: dict[str, Any]) -> None:
+    """Adds the class-0 target, the ratios and which acceptance bounds the cell misses."""
+    lru, uni, iso = c["lru"], c["unified"], c[ISO]
+    target = None
+    if iso is not None and lru["class0"] is not None:
+        target = min(0.9 * iso, 1.25 * lru["class0"])
+    c["class0_target"] = None if target is None else round(target, 6)
+    c["overall_vs_lru"] = ratio(uni["overall"], lru["overall"])
+    c["class0_vs_lru"] = ratio(uni["class0"], lru["class0"])
+    met = target is None or (uni["class0"] is not None and uni["class0"] >= target - 1e-12)
+    c["class0_target_met"] = met
+    misses = []
+    if not met:
+        misses.append("class-0 target")
+    if c["overall_vs_lru"] is not None and c["overall_vs_lru"] < 0.98:
+        misses.append("overall < 0.98x lru")
+    if c["class0_vs_lru"] is not None and c["class0_vs_lru"] < 1.0:
+        misses.append("class 0 < lru")
+    c["misses"] = misses
+
+
+def _pair(fig: dict[str, Any] | None) -> str:
+    if fig is None:
+        return "-"
+    c0 = fig["class0"]
+    return f"{fig['overall']:.4f}/{'-' if c0 is None else f'{c0:.4f}'}"
+
+
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_table(rows: Sequence[dict[str, str]]) -> str:
+    cols = list(rows[0])
+    widths = [max(len(c), *(len(r[c]) for r in rows)) for c in cols]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(r[c].rjust(w) for c, w in zip(cols, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def trace_tables(name: str, cells: list[dict[str, Any]], one: list[dict[str, Any]], pols: list[str]) -> str:
+    rows = []
+    for c in sorted(cells, key=lambda c: (c["capacity"], c["rule"])):
+        row = {"blocks": str(c["capacity"]), "rule": c["rule"], "c0 share": f"{c['class0_block_share']:.2f}"}
+        for p in pols:
+            row[p] = _pair(c.get(p))
+        row["iso c0"] = _num(c[ISO], ".4f")
+        row["target"] = _num(c["class0_target"], ".4f")
+        row["u/lru"] = _num(c["overall_vs_lru"])
+        row["u0/lru0"] = _num(c["class0_vs_lru"])
+        row["met"] = "yes" if c["class0_target_met"] else "NO"
+        rows.append(row)
+    out = [f"== {name}: overall/class-0 hit ratio per policy (u = unified)", format_table(rows)]
+    rows = []
+    for c in sorted(one, key=lambda c: c["capacity"]):
+        row = {"blocks": str(c["capacity"])}
+        others = [c[p]["overall"] for p in ("s3fifo", "arc") if p in c]
+        for p in ONE_CLASS_POLICIES:
+            if p in c:
+                row[p] = f"{c[p]['overall']:.4f}"
+        row["u/lru"] = _num(c["vs_lru"])
+        row["u/best(s3fifo,arc)"] = _num(ratio(c["unified"]["overall"], max(others)) if others else None)
+        rows.append(row)
+    out += [f"-- {name}: one class (every request priority 0), overall hit ratio", format_table(rows)]
+    return "\n".join(out)
+
+
+def plot_frontiers(
+    name: str, fronts: list[dict[str, Any]], cells: list[dict[str, Any]], rule: str, path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fronts = sorted(fronts, key=lambda f: f["capacity"])
+    by_cap = {c["capacity"]: c for c in cells if c["rule"] == rule}
+    ncols = min(4, len(fronts))
+    nrows = math.ceil(len(fronts) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.3 * nrows + 0.9), squeeze=False)
+    for ax in axes.flat[len(fronts) :]:
+        ax.set_visible(False)
+    for ax, f in zip(axes.flat, fronts, strict=False):
+        cap = f["capacity"]
+        pts = [p for p in f["points"] if p["class0"] is not None]
+        xs, ys = [p["overall"] for p in pts], [p["class0"] for p in pts]
+        ax.plot(xs, ys, "-o", color="tab:blue", ms=4, lw=1, label="unified, fixed protected share", zorder=2)
+        cell = by_cap.get(cap)
+        if cell is not None:
+            lru, uni = cell["lru"], cell["unified"]
+            if lru["class0"] is not None:
+                ax.plot(lru["overall"], lru["class0"], "kX", ms=7, label="lru", zorder=5)
+            if uni["class0"] is not None:
+                ax.plot(
+                    uni["overall"], uni["class0"], "r*", ms=12, label="unified, default setting", zorder=3
+                )
+            if cell["class0_target"] is not None:
+                ax.axhline(cell["class0_target"], color="tab:green", ls="--", lw=1, label="class-0 target")
+            if lru["overall"] > 0:
+                ax.axvline(0.98 * lru["overall"], color="tab:gray", ls=":", lw=1, label="0.98 x lru overall")
+        ax.margins(0.08)
+        for (x, y), label in _point_labels(pts, ax.get_xlim(), ax.get_ylim()):
+            ax.annotate(
+                label,
+                (x, y),
+                fontsize=6,
+                color="tab:blue",
+                xytext=(3, 2),
+                textcoords="offset points",
+                zorder=6,
+            )
+        ax.set_title(f"{cap:,} blocks", fontsize=9)
+        ax.ticklabel_format(useOffset=False, style="plain")
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.yaxis.set_major_locator(MaxNLocator(5))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("overall hit ratio", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("class-0 hit ratio", fontsize=8)
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+            labels[lab] = lab
+    fig.legend(
+        list(handles.values()),
+        list(handles),
+        loc="lower center",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(
+        f"{name} (priority rule: {rule}): class-0 against overall hit ratio as unified's fixed protected "
+        "share varies\n(point labels: the share; points too close to label apart share one label, e.g. 0-0.3)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _point_labels(
+    pts: list[dict[str, Any]], xlim: tuple[float, float], ylim: tuple[float, float]
+) -> list[tuple[tuple[float, float], str]]:
+    """One label per cluster of frontier points that would overlap on the panel (within 6% of its width
+    and height, in budget order), e.g. ``0.2`` or ``0,0.05`` or ``0-0.3``."""
+    dx, dy = (xlim[1] - xlim[0]) or 1.0, (ylim[1] - ylim[0]) or 1.0
+    clusters: list[tuple[dict[str, Any], list[float]]] = []
+    for p in pts:
+        if clusters:
+            first, budgets = clusters[-1]
+            if (
+                abs(p["overall"] - first["overall"]) / dx < 0.06
+                and abs(p["class0"] - first["class0"]) / dy < 0.06
+            ):
+                budgets.append(p["budget"])
+                continue
+        clusters.append((p, [p["budget"]]))
+    out = []
+    for first, budgets in clusters:
+        label = (
+            ",".join(f"{b:g}" for b in budgets) if len(budgets) <= 2 else f"{budgets[0]:g}-{budgets[-1]:g}"
+        )
+        out.append(((first["overall"], first["class0"]), label))
+    return out
+
+
+def summarise(cells: list[dict[str, Any]], one: list[dict[str, Any]]) -> dict[str, Any]:
+    def mn(xs: list[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return round(min(vals), 4) if vals else None
+
+    return {
+        "cells": len(cells),
+        "min_overall_vs_lru": mn([c["overall_vs_lru"] for c in cells]),
+        "cells_class0_target_met": sum(1 for c in cells if c["class0_target_met"]),
+        "min_class0_vs_lru": mn([c["class0_vs_lru"] for c in cells]),
+        "one_class_min_vs_lru": mn([c["vs_lru"] for c in one]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="the Mooncake conversation trace")
+    ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 traces, 2 rules, 3 capacities")
+    ap.add_argument("--capacities", type=int, nargs="+", default=None, help="override the capacities")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a PolicyConfig field for unified in every cell (repeatable)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument("--out", default="reports/robustness", help="folder for the PNGs and generated traces")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write every cell to FILE")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        overrides = parse_sets(args.set)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        caps = args.capacities or (QUICK_CAPACITIES if args.quick else CAPACITIES)
+        if any(c < 1 for c in caps):
+            raise ValueError("--capacities must be positive")
+        out_dir = Path(args.out)
+        traces = prepare_traces(args, out_dir)
+        blocks, per_block, note = timing(traces)
+    except (ValueError, TraceError, WorkloadError, OSError) as exc:
+        print(f"robustness: error: {exc}", file=sys.stderr)
+        return 2
+    missing = [p for p in POLICIES if p not in set(policy_names())]
+    if missing:
+        print(f"robustness: warning: not registered, skipped: {', '.join(missing)}", file=sys.stderr)
+    jobs = sorted(make_jobs(traces, caps, args, overrides), key=lambda j: -job_cost(j, blocks))
+    total = sum(job_cost(j, blocks) for j in jobs) * per_block
+    n_proc = min(args.jobs, len(jobs))
+    n_cells = sum(1 for j in jobs if j.kind == "cell")
+    print(note)
+    print(
+        f"grid: {len(traces)} traces, {len(caps)} capacities, {n_cells} cells, {len(jobs)} jobs; expected "
+        f"~{total / n_proc / 60:.1f} min on {n_proc} processes ({total / 60:.1f} CPU-min)",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    results = run_all(jobs, n_proc, not args.no_progress)
+    wall = time.perf_counter() - t0
+    cells = [r for r in results if r["kind"] == "cell"]
+    one = [r for r in results if r["kind"] == "one-class"]
+    fronts = [r for r in results if r["kind"] == "frontier"]
+    for c in cells:
+        analyse_cell(c)
+    for c in one:
+        c["vs_lru"] = ratio(c["unified"]["overall"], c["lru"]["overall"])
+    pols = [p for p in POLICIES if p not in missing]
+    for t in traces:
+        mine = [c for c in cells if c["trace"] == t.name]
+        print(trace_tables(t.name, mine, [c for c in one if c["trace"] == t.name], pols))
+        if not args.no_plots:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            png = out_dir / f"frontier-{_slug(t.name)}.png"
+            plot_frontiers(t.name, [f for f in fronts if f["trace"] == t.name], mine, t.first_rule, png)
+            print(f"frontier plot: {png}")
+    summary = summarise(cells, one)
+    bad = [c for c in cells if c["misses"]]
+    print(f"\ncells missing a bound ({len(bad)} of {len(cells)}; grid ran {wall / 60:.1f} min):")
+    for c in sorted(bad, key=lambda c: (c["overall_vs_lru"] or 9, c["class0_vs_lru"] or 9)):
+        u, lr = c["unified"], c["lru"]
+        print(
+            f"  {c['trace']} {c['rule']} {c['capacity']}: {', '.join(c['misses'])}; unified "
+            f"{_pair(u)} ({_num(c['overall_vs_lru'])}x / {_num(c['class0_vs_lru'])}x lru {_pair(lr)}), "
+            f"class-0 target {_num(c['class0_target'], '.4f')} (isolation {_num(c[ISO], '.4f')})"
+        )
+    one_bad = [c for c in one if c["vs_lru"] is not None and c["vs_lru"] < 1.0]
+    rivals = [p for p in ("s3fifo", "arc") if p not in missing]
+    better = sum(1 for c in one if all(c["unified"]["overall"] >= c[p]["overall"] for p in rivals))
+    print(
+        f"one class: unified below lru in {len(one_bad)} of {len(one)} runs; at least the better of "
+        + (f"{'/'.join(rivals)} in {better}" if rivals else "s3fifo/arc: neither is registered")
+    )
+    for c in one_bad:
+        print(
+            f"  {c['trace']} {c['capacity']}: unified {c['unified']['overall']:.4f} vs lru "
+            f"{c['lru']['overall']:.4f} ({c['vs_lru']:.3f}x)"
+        )
+    if args.json:
+        doc = {
+            "config": {"overrides": overrides, "capacities": caps, "seed": args.seed, "skipped": missing},
+            "traces": {
+                t.name: {
+                    "path": t.path,
+                    "start": t.start,
+                    "stop": t.stop,
+                    "blocks": blocks[t],
+                    "rules": t.rules(args.quick),
+                }
+                for t in traces
+            },
+            "cells": cells,
+            "one_class": one,
+            "frontiers": fronts,
+            "one_class_at_least_best_of_s3fifo_arc": better if rivals else None,
+            "wall_s": round(wall, 1),
+            "summary": summary,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(summary))
+    return 0
+
+
+def run_all(jobs: Sequence[Job], n_proc: int, progress: bool) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(jobs), desc="cells", unit="job", file=sys.stderr, disable=not progress, smoothing=0)
+    results = []
+    if n_proc == 1:
+        for j in jobs:
+            results.append(run_job(j))
+            bar.update()
+    else:
+        with ProcessPoolExecutor(max_workers=n_proc) as ex:
+            futures = [ex.submit(run_job, j) for j in jobs]
+            for fut in as_completed(futures):
+                results.append(fut.result())
+                bar.update()
+    bar.close()
+    return results
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name).strip("_")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Option types and the argument parser of the ``kvretain`` command line.
+
+Each type checks one option's value when the command line is parsed, before anything runs: argparse then
+names the option (``argument --priority-weight: ...``) and :class:`Parser` prints that as ONE line and exits
+with status 2 (no usage block, no traceback). Ranges are the ones the library enforces (``PolicyConfig``,
+``PriorityMapping``, ``parse_slos``): the types call those checks instead of repeating them where they can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable
+from typing import NoReturn
+
+from kvretain.core.retention import PriorityMapping, RetentionError
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line: ``kvretain simulate: error: argument --x: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def integer(lo: int, hi: int | None = None, what: str = "") -> Callable[[str], int]:
+    """An integer in ``[lo, hi]`` (``hi=None``: no upper bound); ``1e6`` is accepted for 1000000."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            f = _number(text)
+            if not (math.isfinite(f) and f.is_integer()):
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            value = int(f)
+        if value < lo or (hi is not None and value > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {rng}{what}, got {text}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(
+    lo: float, hi: float = math.inf, *, lo_open: bool = False, what: str = ""
+) -> Callable[[str], float]:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+        if not ok:
+            left = "(" if lo_open else "["
+            rng = f"> {lo:g}" if lo_open and hi == math.inf else f">= {lo:g}" if hi == math.inf else ""
+            rng = rng or f"in {left}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"must be a finite number {rng}{what}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def share(text: str) -> float:
+    """A share in [0, 1]."""
+    return number(0.0, 1.0)(text)
+
+
+def priority_mapping(text: str) -> PriorityMapping:
+    """``normal=0,step=10,base=35`` or a table ``0:60,1:35`` (``""``: the default mapping)."""
+    try:
+        return PriorityMapping.parse(text)
+    except RetentionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def slo_spec(text: str) -> str:
+    """``class=ttft_s:tpot_s,...``: at least one class, each target a positive number (``inf``: none)."""
+    from kvretain.engine.sim.metrics import parse_slos
+
+    try:
+        slos = parse_slos(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not slos:
+        raise argparse.ArgumentTypeError(f"expected 'class=ttft_s:tpot_s,...' (e.g. '0=2:0.1'), got {text!r}")
+    for cls, slo in slos.items():
+        for name, v in (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s)):
+            if not v > 0:  # also NaN
+                raise argparse.ArgumentTypeError(f"class {cls}: {name} must be > 0 seconds, got {v:g}")
+    return text
+
+
+def names_of(registry_names: Callable[[], list[str]], kind: str) -> Callable[[str], list[str]]:
+    """A comma-separated, non-empty list of distinct registered names (checked before anything runs)."""
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        known = registry_names()
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {bad[0]!r}; choose from: {', '.join(known)}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{kind} listed twice in {text!r}")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def shares(text: str) -> list[float]:
+    """A comma-separated, non-empty list of distinct shares in [0, 1]."""
+    values = [share(p.strip()) for p in text.split(",") if p.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated shares in [0, 1] such as 0.2,0.8, got {text!r}"
+        )
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"a budget is listed twice in {text!r}")
+    return values
+
+
+def fail(prog: str, message: str) -> int:
+    """Print a user error as one line (as :class:`Parser` does) and return the exit status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def option_error(exc: ValueError, fields: Iterable[str]) -> str:
+    """``exc``'s message (from a config built after parsing) prefixed by the options of the ``fields`` it names
+    first: ``priority_weight and frequency_exponent: ...`` -> ``argument --priority-weight/--frequency-exponent``."""
+    msg = str(exc)
+    known = set(fields)
+    named = ["--" + w.replace("_", "-") for w in msg.replace(":", " ").split()[:3] if w in known]
+    return f"argument {'/'.join(named)}: {msg}" if named else msg

@@ -1,0 +1,104 @@
+"""``kvretain workload export`` and ``kvretain workload list``: any registered workload as a Mooncake-format
+trace, for ``kvretain replay``, ``bench/robustness.py`` or another tool that reads that format.
+
+``add_subcommands(subparsers)`` is called by :func:`kvretain.cli.build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from typing import Any
+
+from kvretain.cli_args import integer, number
+from kvretain.workloads import WORKLOADS, WorkloadError, tag_priorities
+from kvretain.workloads.export import write_mooncake
+from kvretain.workloads.priority import make_rule, rule_choices
+
+
+def parse_options(items: list[str], what: str) -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: value}``; a value is read as JSON when it parses (numbers, lists as
+    tuples, ``null``), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise WorkloadError(f"{what}: expected key=value, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    options = parse_options(args.option, "--option")
+    reqs = WORKLOADS.create(
+        args.name,
+        rng=random.Random(args.seed),
+        path=args.trace,
+        limit=args.limit,
+        time_scale=args.time_scale,
+        **options,
+    )
+    rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
+    if rule is not None:
+        reqs = tag_priorities(reqs, rule)
+    try:
+        n = write_mooncake(reqs, args.out, args.block_tokens)
+    except OSError as exc:
+        raise WorkloadError(f"cannot write {args.out}: {exc.strerror}") from None
+    summary = {"workload": args.name, "seed": args.seed, "requests": n, "out": args.out}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for name, doc in WORKLOADS.describe().items():
+        print(f"{name:15s} {doc}")
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    w = sub.add_parser("workload", help="list workloads or export one as a Mooncake-format trace")
+    wsub = w.add_subparsers(dest="workload_command", required=True)
+    e = wsub.add_parser(
+        "export",
+        help="write a workload in the Mooncake replay format (priority, session_id, retention kept)",
+        description="Write a workload as Mooncake JSONL: one line per request with hash_ids (one id per "
+        "block, the last one partial), priority, session_id and retention directives.",
+    )
+    e.add_argument("name", choices=WORKLOADS.names(), help="workload")
+    e.add_argument("--out", required=True, help="output JSONL file")
+    e.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
+    e.add_argument("--trace", default=None, help="input trace (for the mooncake / azure loaders)")
+    e.add_argument("--limit", type=integer(1), default=None, help="only the first N requests")
+    e.add_argument(
+        "--time-scale",
+        type=number(0.0, lo_open=True),
+        default=1.0,
+        help="multiply arrival and think times (> 0; default 1)",
+    )
+    e.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload setting, e.g. duration_s=600 or steps=[4,8] (repeatable)",
+    )
+    e.add_argument(
+        "--priority-rule",
+        default="keep",
+        choices=rule_choices(),
+        help="re-tag priorities (keep: the workload's own; session rules draw from seed + 1)",
+    )
+    e.add_argument("--block-tokens", type=integer(1), default=512, help="tokens per hash id (Mooncake: 512)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_export)
+    ls = wsub.add_parser("list", help="list the workloads")
+    ls.set_defaults(func=cmd_list)

@@ -1,0 +1,113 @@
+"""Whether a block pool of a given size fits in this machine's memory, checked before anything is allocated.
+
+A pool keeps one slotted object per block (``BlockState``, or the policy's subclass of it), the policy's own
+per-block entries and, once blocks are cached, their hashes in the pool's index. :func:`pool_bytes_per_block`
+measures all of that (peak traced allocation, ``tracemalloc``) on a small pool of the same policy filled with
+cached blocks and released, so the estimate follows the real objects rather than a constant.
+:func:`check_pool_fits` compares ``num_blocks`` x that with the memory available now (``MemAvailable`` of
+``/proc/meminfo``, or ``os.sysconf`` elsewhere; a lower cgroup limit wins) and raises :class:`PoolTooLargeError`
+with the estimate. ``kvretain replay`` and ``kvretain simulate`` / ``compare`` call it before building pools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tracemalloc
+from dataclasses import replace
+from pathlib import Path
+
+from kvretain.core.block_pool import BlockPool
+from kvretain.core.policy import INF, PolicyConfig, make_policy
+
+SAMPLE_BLOCKS = 4096
+"""Blocks of the pool measured: large enough that per-pool constants are a small share of the figure."""
+
+
+class PoolTooLargeError(ValueError):
+    """A pool that cannot fit in the memory available; the message gives the estimate."""
+
+
+def pool_bytes_per_block(policy: str, config: PolicyConfig | None = None) -> float:
+    """Bytes one block of a ``policy`` pool takes at its peak (built, every block cached, released)."""
+    cfg = config or PolicyConfig()
+    if cfg.next_use is None:
+        cfg = replace(cfg, next_use=lambda h: INF)  # belady needs an oracle; its own tables are not per block
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        pool = BlockPool(SAMPLE_BLOCKS, make_policy(policy, SAMPLE_BLOCKS, cfg))
+        blocks = pool.get_new_blocks(SAMPLE_BLOCKS)
+        assert blocks is not None
+        hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(SAMPLE_BLOCKS)]
+        pool.cache_blocks(blocks, hashes, 0, SAMPLE_BLOCKS)
+        pool.free_blocks(blocks)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        del pool, blocks, hashes
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    return peak / SAMPLE_BLOCKS
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still allocate (bytes), or None when the system does not say."""
+    avail: int | None = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    cg = Path("/sys/fs/cgroup")
+    limit, used = _read_int(cg / "memory.max"), _read_int(cg / "memory.current")
+    if limit is not None and used is not None:
+        avail = limit - used if avail is None else min(avail, limit - used)
+    return avail
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} PiB"  # pragma: no cover - the loop always returns
+
+
+def check_pool_fits(
+    num_blocks: int,
+    policies: list[str],
+    config: PolicyConfig | None = None,
+    what: str = "num_blocks",
+    pools: int = 1,
+) -> None:
+    """Raise :class:`PoolTooLargeError` when ``pools`` pools of ``num_blocks`` blocks (the most demanding of
+    ``policies``) would not fit in the memory available. ``what`` names the setting in the message."""
+    avail = available_memory_bytes()
+    if avail is None or num_blocks <= SAMPLE_BLOCKS:
+        return
+    per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
+    need = per * num_blocks * pools
+    if need > avail:
+        count = f"{num_blocks:,} blocks" + (f" x {pools} replicas" if pools > 1 else "")
+        raise PoolTooLargeError(
+            f"{what}: {count} need about {_human(need)} of memory ({per:,.0f} bytes per block under "
+            f"{name!r}), more than the {_human(avail)} available; use fewer blocks"
+        )

@@ -1,0 +1,127 @@
+"""Write any workload in the Mooncake replay format (``kvretain workload export``).
+
+One JSON line per request, in arrival order::
+
+    {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...],
+     "priority": int, "session_id": str, "retention": [{start, end, priority, duration_s}], "cache_salt": str}
+
+``priority`` is always written; ``session_id``, ``retention`` and ``cache_salt`` when the request has them.
+``retention`` is the directive list, or, when the request also has a retention scope or decode settings, the
+object ``{directives, scope, decode_priority, decode_duration_s}``. These are the fields of the one trace
+schema (:func:`kvretain.workloads.mooncake.read_trace`, behind both ``kvretain replay`` and
+``kvretain simulate``), so an export reads back as the requests it came from.
+
+Hash ids. Block ``i`` of a prompt covers tokens ``[i*B, min((i+1)*B, n))`` (``B = block_size``, 512 as in
+the published traces; the last block may be partial, as in Mooncake). Its content is a list of *pieces*
+``(chunk, offset, length)`` of the prompt's chunks: a seeded chunk's tokens depend on its seed alone, so equal
+pieces mean equal tokens (the identity :class:`~kvretain.engine.sim.request.SimRequest` hashes, at any block
+size). A block's id is the number of the distinct ``(parent id, pieces)`` it is, counted from 0 in order of
+first appearance: two requests share their first k ids exactly when they share their first k blocks
+(``cache_salt`` keys the first block). Ids are exact (a dict, no hash collisions) and deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvretain.workloads.request import WorkloadError, WorkloadRequest
+from kvretain.workloads.tokens import SeededChunk, TokenSeq
+
+Piece = tuple[int | tuple[int, ...], int, int]  # (seed or literal tokens, offset, length)
+
+
+def block_pieces(prompt: TokenSeq, block_size: int) -> Iterator[tuple[Piece, ...]]:
+    """The pieces of each ``block_size``-token block of ``prompt``, the trailing partial block included."""
+    if block_size < 1:
+        raise WorkloadError(f"block_size must be >= 1, got {block_size}")
+    pieces: list[Piece] = []
+    need = block_size
+    for c in prompt.chunks:
+        key: int | tuple[int, ...] = c.seed if isinstance(c, SeededChunk) else c.tokens
+        off = 0
+        while off < c.length:
+            take = min(need, c.length - off)
+            pieces.append((key, off, take))
+            off += take
+            need -= take
+            if need == 0:
+                yield tuple(pieces)
+                pieces, need = [], block_size
+    if pieces:
+        yield tuple(pieces)
+
+
+class BlockIds:
+    """Numbers distinct blocks across requests (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[object, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def of(self, request: WorkloadRequest, block_size: int) -> list[int]:
+        parent: object = ("salt", request.cache_salt)
+        out: list[int] = []
+        ids = self._ids
+        for pieces in block_pieces(request.prompt, block_size):
+            key = (parent, pieces)
+            bid = ids.get(key)
+            if bid is None:
+                bid = ids[key] = len(ids)
+            out.append(bid)
+            parent = bid
+        return out
+
+
+def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512) -> Iterator[dict[str, Any]]:
+    """The Mooncake-format record of each request, sorted by arrival (see the module docstring)."""
+    ids = BlockIds()
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        if r.prompt_len < 1:
+            raise WorkloadError(f"request {r.request_id}: an empty prompt has no Mooncake record")
+        rec: dict[str, Any] = {
+            "timestamp": round(r.arrival_s * 1000.0, 3),
+            "input_length": r.prompt_len,
+            "output_length": r.output_len,
+            "hash_ids": ids.of(r, block_size),
+            "priority": r.priority,
+        }
+        if r.session_id is not None:
+            rec["session_id"] = r.session_id
+        retention = _retention_field(r)
+        if retention is not None:
+            rec["retention"] = retention
+        if r.cache_salt is not None:
+            rec["cache_salt"] = r.cache_salt
+        yield rec
+
+
+def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any] | None:
+    """The trace schema's ``retention`` field of ``r`` (see the module docstring); ``None``: nothing to say."""
+    cfg = r.retention_config()
+    if cfg is None:
+        return None
+    directives = [d.to_dict() for d in cfg.directives]
+    extra: dict[str, Any] = {
+        "scope": cfg.scope,
+        "decode_priority": cfg.decode_priority,
+        "decode_duration_s": cfg.decode_duration_s,
+    }
+    given = {k: v for k, v in extra.items() if v is not None}
+    if not given:
+        return directives
+    return {"directives": directives, **given}
+
+
+def write_mooncake(requests: Iterable[WorkloadRequest], path: str | Path, block_size: int = 512) -> int:
+    """Write ``requests`` to ``path`` as Mooncake JSONL; returns the number of lines written."""
+    n = 0
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for rec in mooncake_records(requests, block_size):
+            fh.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
+            n += 1
+    return n

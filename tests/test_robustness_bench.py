@@ -1,0 +1,69 @@
+"""bench/robustness.py end to end on a tiny generated trace (--quick: 3 capacities, 2 rules; seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
+from kvretain.workloads.export import write_mooncake
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "robustness.py"
+KEYS = ["cells", "min_overall_vs_lru", "cells_class0_target_met", "min_class0_vs_lru", "one_class_min_vs_lru"]
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.bench
+def test_quick_grid_prints_the_summary_last(tmp_path: Path) -> None:
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    plots = importlib.util.find_spec("matplotlib") is not None
+    out = tmp_path / "report"
+    res = _run(
+        "--quick",
+        "--trace",
+        str(trace),
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+        str(out / "grid.json"),
+        "--no-progress",
+        *([] if plots else ["--no-plots"]),
+    )
+    assert res.returncode == 0, res.stderr
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert list(last) == KEYS
+    assert last["cells"] == 3 * 2  # 3 capacities x (native rule, random-10%)
+    doc = json.loads((out / "grid.json").read_text())
+    assert doc["summary"] == last and len(doc["cells"]) == 6 and len(doc["one_class"]) == 3
+    cell = doc["cells"][0]
+    assert {"lru", "s3fifo", "arc", "priority", "unified", "belady", "isolation", "class0_target"} <= set(
+        cell
+    )
+    assert doc["config"]["skipped"] == [] and "skipped" not in res.stderr
+    assert all({"lru", "s3fifo", "arc", "unified"} <= set(c) for c in doc["one_class"])
+    assert all(len(f["points"]) == 4 for f in doc["frontiers"])
+    if plots:
+        assert (out / "frontier-tiny.png").stat().st_size > 0
+
+
+def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:
+    res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--set", "no_such_knob=1")
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.strip().splitlines()) == 1 and "no_such_knob" in res.stderr
+    res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"))
+    assert res.returncode == 2 and "not found" in res.stderr

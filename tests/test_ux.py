@@ -1,0 +1,235 @@
+"""Newcomer-facing behaviour (issue 11, defects 15, 17-19 and acceptance 5): dead code gone, docs and packaging
+that describe what exists, help and hints that work, progress only on a terminal, honest compare reports and
+plots, test scripts that say what they are doing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvretain.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--limit", "40", "--kv-blocks", "1500"]
+
+
+# ---------------------------------------------------------------- 15: dead code
+def test_dead_code_is_gone() -> None:
+    import kvretain.core.retention as retention
+    import kvretain.engine.sim.executor as executor
+    from kvretain.core.block_pool import BlockPool
+    from kvretain.core.kv_cache_manager import KVCacheManager
+    from kvretain.sched.request import Request
+
+    assert not hasattr(KVCacheManager, "cache_computed")
+    assert not hasattr(retention, "DEFAULT_RETENTION")
+    assert not hasattr(executor, "EXECUTORS")
+    assert not hasattr(Request, "sort_key")
+    assert not hasattr(BlockPool, "get_num_allocatable")
+
+
+# ---------------------------------------------------------------- 17: a true map, no phantom extras
+def test_architecture_map_names_only_modules_that_exist() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "engine.torch" not in text and "`server`" not in text
+    layers = text.split("\n\n")[1]
+    assert "`workloads`" in layers and "`replay`" in layers
+    for name in set(re.findall(r"`(kvretain(?:\.\w+)+)", text)):
+        assert importlib.util.find_spec(name) is not None, (
+            f"docs/architecture.md names {name}, which is missing"
+        )
+
+
+def test_pyproject_has_no_phantom_extras_and_an_spdx_license() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = meta["project"]
+    assert set(project["optional-dependencies"]) == {"xxhash", "plots", "vllm", "dev"}
+    assert project["license"] == "Apache-2.0"  # the SPDX form: no setuptools deprecation warning
+    assert "setuptools>=77" in meta["build-system"]["requires"]  # the first that reads it
+    assert "PyTorch engine" not in project["description"]
+
+
+# ---------------------------------------------------------------- 18: newcomer friction
+def test_install_hints_work_from_a_clone() -> None:
+    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in (ROOT / "src").rglob("*.py"))]
+    for text in texts:
+        assert "pip install 'kvretain[" not in text and "pip install kvretain[" not in text
+
+
+def test_compare_report_folder_is_ignored_by_git() -> None:
+    assert "/report/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def test_help_has_no_internal_text_and_every_option_has_help() -> None:
+    parser = build_parser()
+    subs = _subparsers(parser)
+    assert set(subs) == {"replay", "policies", "simulate", "compare", "workload"}
+    nested = {f"workload {k}": v for k, v in _subparsers(subs.pop("workload")).items()}
+    assert set(nested) == {"workload export", "workload list"}
+    for name, sub in {**subs, **nested}.items():
+        text = sub.format_help()
+        assert "SIM_POLICY_DEFAULTS" not in text and "docstring" not in text, name
+        for action in sub._actions:
+            assert action.help and action.help.strip(), f"kvretain {name} {action.option_strings} has no help"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvretain import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvretain {__version__}"
+
+
+def test_replay_has_no_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--sessions", "3", "--policy", "lru", "--no-progress", "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # capsys's stderr is not a terminal: neither compare's bar over the runs nor a run's bar may be drawn
+    argv = ["compare", *SMALL, "--policies", "lru", "--budgets", "0.5", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "%|" not in err and "run/s" not in err and "req/s" not in err, err
+
+
+def test_compare_without_matplotlib_claims_no_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "r"
+    argv = ["compare", *SMALL, "--policies", "lru", "--budgets", "0.5", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    wrote = next(line for line in captured.out.splitlines() if line.startswith("wrote"))
+    assert "plots" not in wrote and ".png" not in wrote
+    assert "no plots written" in captured.err and "pip install -e '.[plots]'" in captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "summary.json", "summary.md"]
+
+
+# ---------------------------------------------------------------- 19: compare's report
+def _fake_result(label: str, budget: float | None, c0_mean: float, paid: int) -> dict[str, Any]:
+    return {
+        "label": label,
+        "budget": budget,
+        "output_tokens_per_s": 192.8,  # identical everywhere: must not look like a trade-off
+        "hit_rate": 0.5,
+        "classes": {
+            "0": {
+                "ttft_mean_s": c0_mean,
+                "ttft_p99_s": 3 * c0_mean,
+                "recomputed_tokens": 10,
+                "hit_rate": 0.2,
+            },
+            "2": {"ttft_mean_s": 1.0, "ttft_p99_s": 2.0, "recomputed_tokens": paid, "hit_rate": 0.7},
+        },
+    }
+
+
+def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [
+        _fake_result("lru", None, 3.0, 1_000_000),
+        _fake_result("unified", None, 2.0, 1_100_000),
+        _fake_result("unified-b0.1", 0.1, 2.5, 1_050_000),
+        _fake_result("unified-b0.2", 0.2, 2.5, 1_050_000),  # same result as 0.1: one shared label
+        _fake_result("unified-b0.8", 0.8, 1.5, 1_300_000),
+    ]
+    assert _plots(tmp_path, results, {}, ["lru", "unified"]) == ["ttft_by_class.png", "frontier.png"]
+    left, mid, right = figures[-1].axes
+    for ax in (left, mid, right):
+        for axis in (ax.xaxis, ax.yaxis):
+            fmt = axis.get_major_formatter()
+            if isinstance(fmt, ScalarFormatter):
+                assert not fmt.get_useOffset(), "offset notation hides the scale"
+    assert "lower is better" in left.get_ylabel() and "lower is better" in left.get_xlabel()
+    assert "higher is better" in mid.get_ylabel() and "lower is better" in right.get_ylabel()
+    assert "class 2" in left.get_xlabel()  # the least important class pays
+    assert sorted(t.get_text() for t in left.texts) == ["b=0.1, 0.2", "b=0.8"]
+    # the anchors are drawn above the frontier line, so that a coinciding marker stays visible
+    zorders = {line.get_label(): line.get_zorder() for line in left.lines}
+    assert zorders["unified"] > zorders["unified, fixed budget b"]
+    # what every class gets and pays
+    for ax in (mid, right):
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["class 0", "class 2"]
+
+
+def test_compare_capacity_derives_from_the_protected_working_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import math
+
+    from kvretain.cli_sim import load_workload, protected_peak_blocks, sim_config
+    from kvretain.workloads import working_set
+
+    argv = ["compare", "--limit", "600", "--policies", "lru", "--budgets", "0.9", "--no-progress"]
+    args = build_parser().parse_args([*argv, "--out", str(tmp_path / "r")])
+    reqs, _ = load_workload(args)
+    cfg = sim_config(args, "unified")
+    peak = math.ceil(working_set([r for r in reqs if r.priority == 0]).peak_tokens / cfg.block_size)
+    largest = max(math.ceil((len(r.prompt) + r.output_len) / cfg.block_size) for r in reqs)
+    expected = protected_peak_blocks(reqs, cfg)
+    assert expected == max(peak, largest) and peak > 0
+    assert protected_peak_blocks([r for r in reqs if r.priority != 0], cfg) == 0  # nothing protected
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert {r["kv_blocks_per_replica"] for r in summary} == {expected}
+    assert "peak working set" in (tmp_path / "r" / "summary.md").read_text()
+    by = {r["label"]: r for r in summary}
+    # the pool is tight for class 0: protecting it buys it hits that lru's recency order loses
+    assert by["unified-b0.9"]["classes"]["0"]["hit_rate"] > by["lru"]["classes"]["0"]["hit_rate"]
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------- acceptance 5: the test scripts talk
+def _logical_lines(path: Path) -> list[str]:
+    return re.sub(r"\\\n\s*", " ", path.read_text()).splitlines()
+
+
+@pytest.mark.parametrize("script", ["test.sh", "test_vllm.sh"])
+def test_every_slow_command_of_the_test_scripts_is_announced(script: str) -> None:
+    slow = re.compile(r"-m venv|-m pip install|bin/mypy|-m pytest|ruff check")
+    for line in _logical_lines(ROOT / "scripts" / script):
+        code = line.split("#", 1)[0].strip()
+        if slow.search(code):
+            assert re.search(r"(^|\|\| |&& )(quiet_)?step \"", code), f"{script}: not announced: {code}"
+
+
+def test_quiet_step_reports_while_a_step_runs() -> None:
+    script = 'source scripts/steps.sh; quiet_step "napping" sleep 2.5; quiet_step "failing" sh -c "echo boom; exit 3"'
+    proc = subprocess.run(
+        ["bash", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "KVRETAIN_HEARTBEAT_S": "1"},
+        check=False,
+    )
+    assert proc.returncode == 3
+    assert "== napping" in proc.stdout and "... still napping (1 s)" in proc.stdout
+    assert "boom" in proc.stdout and "failed (3)" in proc.stderr

@@ -1,0 +1,263 @@
+"""Workload export (Mooncake format), the agent-pauses and retrieval-scan generators, the session rules."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvretain.cli import main
+from kvretain.core.retention import RetentionDirective
+from kvretain.replay import load_trace, replay, replay_requests
+from kvretain.workloads import WORKLOADS, TokenSeq, WorkloadError, WorkloadRequest, load_mooncake
+from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
+from kvretain.workloads.export import block_pieces, mooncake_records, write_mooncake
+from kvretain.workloads.mooncake import read_trace
+from kvretain.workloads.multi_tenant import MultiTenantConfig, generate_multi_tenant
+from kvretain.workloads.priority import make_rule, session_key
+from kvretain.workloads.retrieval_scan import RetrievalScanConfig, generate_retrieval_scan
+
+SMALL_MT = MultiTenantConfig(duration_s=300.0)
+# a long window against the agents' lifetimes: few sessions cut short by the end of the window (a cut
+# session loses the pause that would have crossed it, which biases the share of long pauses down)
+SMALL_AGENTS = AgentPausesConfig(duration_s=1e7, agent_rate=2e-5)
+SMALL_RAG = RetrievalScanConfig(duration_s=300.0, documents=50)
+
+
+def _req(rid: str, prompt: TokenSeq, **kw: object) -> WorkloadRequest:
+    return WorkloadRequest(rid, float(kw.pop("arrival_s", 0.0)), prompt, 4, **kw)  # type: ignore[arg-type]
+
+
+# --- export ------------------------------------------------------------------------------------------
+
+
+def test_block_ids_follow_token_identity_and_partial_blocks() -> None:
+    system, doc = TokenSeq.seeded(1, 1000), TokenSeq.seeded(2, 300)
+    a = _req("a", system + doc)  # 1,300 tokens: blocks of 512, 512, 276
+    b = _req("b", system + doc + TokenSeq.seeded(3, 800), arrival_s=1.0)  # shares two full blocks
+    c = _req("c", system, arrival_s=2.0, cache_salt="tenant")  # same tokens, other salt: no sharing
+    d = _req("d", TokenSeq.seeded(1, 1000), arrival_s=3.0)  # same tokens as a's first 1,000: shares
+    ra, rb, rc, rd = mooncake_records([a, b, c, d])
+    assert len(ra["hash_ids"]) == 3 and len(rb["hash_ids"]) == 5
+    assert rb["hash_ids"][:2] == ra["hash_ids"][:2] and rb["hash_ids"][2] != ra["hash_ids"][2]
+    assert not set(rc["hash_ids"]) & set(ra["hash_ids"] + rb["hash_ids"])
+    assert rd["hash_ids"][0] == ra["hash_ids"][0] and rd["hash_ids"][1] not in ra["hash_ids"]  # 488 vs 512
+    # the pieces of each block are exactly its tokens
+    seq = system + doc + TokenSeq.seeded(3, 800)
+    toks = seq.materialize()
+    for i, pieces in enumerate(block_pieces(seq, 512)):
+        got: list[int] = []
+        for seed, off, n in pieces:
+            got += TokenSeq.seeded(seed, off + n).materialize()[off:]  # type: ignore[arg-type]
+        assert got == toks[i * 512 : (i + 1) * 512]
+
+
+def test_ids_shared_exactly_when_tokens_shared() -> None:
+    reqs = generate_multi_tenant(MultiTenantConfig(duration_s=120.0), random.Random(2))
+    by_block: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for r, rec in zip(sorted(reqs, key=lambda r: r.arrival_s), mooncake_records(reqs), strict=True):
+        parent = -1
+        for h, block in zip(rec["hash_ids"], r.prompt.blocks(512, partial=True), strict=True):
+            content = (parent, block)  # by induction: an id stands for its whole prefix of tokens
+            assert by_block.setdefault(h, content) == content
+            parent = h
+    assert len(set(by_block.values())) == len(by_block)  # no two ids for the same prefix
+
+
+def test_export_round_trip_through_the_trace_schema(tmp_path: Path) -> None:
+    """An export reads back through the one trace parser (``read_trace``, behind replay and simulate)."""
+    reqs = generate_multi_tenant(SMALL_MT, random.Random(0))
+    path = tmp_path / "mt.jsonl"
+    assert write_mooncake(reqs, path) == len(reqs)
+    ordered = sorted(reqs, key=lambda r: r.arrival_s)
+    records = read_trace(path)
+    assert [r.priority for r in records] == [r.priority for r in ordered]
+    assert [r.input_length for r in records] == [r.prompt_len for r in ordered]
+    assert [r.output_length for r in records] == [r.output_len for r in ordered]
+    assert [r.session_id for r in records] == [r.session_id for r in ordered]
+    assert [r.cache_salt for r in records] == [r.cache_salt for r in ordered]
+    assert [r.timestamp_ms / 1000 for r in records] == pytest.approx([r.arrival_s for r in ordered], abs=1e-6)
+    assert all(len(b.hash_ids) == -(-r.prompt_len // 512) for b, r in zip(records, ordered, strict=True))
+    assert any(r.retention for r in ordered)
+    assert [b.retention for b in records] == [r.retention_config() for r in ordered]
+    wl = load_mooncake(path)
+    assert [w.block_ids for w in wl] == [b.hash_ids for b in records]
+    assert [w.retention for w in wl] == [r.retention or None for r in ordered]
+    # the file holds exactly the records; the replay reads what the parser reads
+    again = [json.loads(line) for line in path.read_text().splitlines()]
+    assert again == list(mooncake_records(reqs))
+    back = load_trace(path)
+    assert back == replay_requests(records)
+    assert replay(back, 300, "lru").hit_blocks > 0
+
+
+def test_retention_scope_and_decode_settings_survive_export(tmp_path: Path) -> None:
+    keep = (RetentionDirective(0, 512, 80, 12.0),)
+    a = _req("a", TokenSeq.seeded(1, 600), retention=keep, retention_scope="s1", decode_priority=60)
+    b = _req("b", TokenSeq.seeded(2, 600), arrival_s=1.0, retention_scope="s2", decode_duration_s=3.5)
+    path = tmp_path / "r.jsonl"
+    write_mooncake([a, b], path)
+    ra, rb = read_trace(path)
+    assert ra.retention == a.retention_config() and rb.retention == b.retention_config()
+    wa, wb = load_mooncake(path)
+    assert (wa.retention, wa.retention_scope, wa.decode_priority) == (keep, "s1", 60)
+    assert (wb.retention, wb.retention_scope, wb.decode_duration_s) == (None, "s2", 3.5)
+
+
+def test_export_rejects_an_empty_prompt() -> None:
+    with pytest.raises(WorkloadError, match="empty prompt"):
+        list(mooncake_records([_req("e", TokenSeq.of([]))]))
+
+
+def test_workload_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "a.jsonl"
+    argv = ["workload", "export", "agent-pauses", "--seed", "3", "--out", str(out)]
+    assert main([*argv, "--option", "duration_s=300", "--option", "steps=[2,3]", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = out.read_text().splitlines()
+    assert summary["requests"] == len(lines) > 0
+    expected = generate_agent_pauses(AgentPausesConfig(duration_s=300, steps=(2, 3)), random.Random(3))
+    assert [json.loads(x) for x in lines] == list(mooncake_records(expected))
+    assert main([*argv, "--option", "bogus=1"]) == 2
+    assert main([*argv, "--option", "duration_s"]) == 2
+    assert main(["workload", "export", "agent-pauses", "--out", str(tmp_path / "no" / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("kvretain workload export: error:") for e in err)
+    assert main(["workload", "list"]) == 0
+    assert "retrieval-scan" in capsys.readouterr().out
+
+
+# --- generators -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("agent-pauses", {"duration_s": 600.0}), ("retrieval-scan", {"duration_s": 120.0, "documents": 20})],
+)
+def test_generators_are_deterministic_per_seed(name: str, options: dict[str, float]) -> None:
+    def recs(seed: int) -> list[dict[str, object]]:
+        return list(mooncake_records(WORKLOADS.create(name, rng=random.Random(seed), **options)))
+
+    assert recs(4) == recs(4)
+    assert recs(4) != recs(5)
+
+
+def test_agent_pauses_shape() -> None:
+    cfg = SMALL_AGENTS
+    reqs = generate_agent_pauses(cfg, random.Random(1))
+    by_session: dict[str, list[WorkloadRequest]] = {}
+    for r in reqs:
+        assert r.session_id is not None and r.retention is None
+        by_session.setdefault(r.session_id, []).append(r)
+    pauses = []
+    for steps in by_session.values():
+        assert len({s.priority for s in steps}) == 1
+        for prev, nxt in zip(steps, steps[1:], strict=False):
+            # the context grows: the next prompt is this prompt, its tool call, and the tool result
+            assert prev.output is not None
+            n = len(prev.prompt.chunks) + len(prev.output.chunks)
+            assert nxt.prompt.chunks[:n] == prev.prompt.chunks + prev.output.chunks
+            assert len(nxt.prompt.chunks) == n + 1
+            assert nxt.after == prev.request_id
+            pauses.append(nxt.think_s)
+    long = [p for p in pauses if p >= cfg.long_pause_s[0]]
+    assert all(cfg.short_pause_s[0] <= p <= cfg.short_pause_s[1] for p in pauses if p < cfg.long_pause_s[0])
+    assert all(p <= cfg.long_pause_s[1] for p in long)
+    assert len(long) / len(pauses) == pytest.approx(cfg.long_pause_prob, abs=0.06)
+    important = sum(1 for s in by_session.values() if s[0].priority == cfg.important_priority)
+    assert important / len(by_session) == pytest.approx(cfg.important_share, abs=0.12)
+
+
+def test_retrieval_scan_shape() -> None:
+    cfg = SMALL_RAG
+    reqs = generate_retrieval_scan(cfg, random.Random(2))
+    scans = [r for r in reqs if r.priority == cfg.scan_priority]
+    queries = [r for r in reqs if r.priority != cfg.scan_priority]
+    expected = cfg.scan_rate / (cfg.scan_rate + cfg.query_rate)
+    assert len(scans) / len(reqs) == pytest.approx(expected, abs=0.05)
+    # a scan's document is read once: its chunk appears in no other request
+    seen = Counter(c for r in reqs for c in r.prompt.chunks[1:2])
+    assert all(seen[r.prompt.chunks[1]] == 1 for r in scans)
+    # queries follow Zipf popularity: the most popular document is read far more than the median one
+    docs = Counter(r.session_id for r in queries)
+    assert docs["doc-0"] == max(docs.values()) and docs["doc-0"] > 3 * sorted(docs.values())[len(docs) // 2]
+    share0 = sum(1 for r in queries if r.priority == cfg.interactive_priority) / len(queries)
+    assert share0 == pytest.approx(cfg.interactive_share, abs=0.05)
+    assert all(r.prompt.chunks[0] == reqs[0].prompt.chunks[0] for r in reqs)  # one shared system prompt
+
+
+def test_generator_configs_reject_bad_values() -> None:
+    with pytest.raises(WorkloadError, match="long_pause_prob"):
+        AgentPausesConfig(long_pause_prob=1.5)
+    with pytest.raises(WorkloadError, match="document_tokens"):
+        RetrievalScanConfig(document_tokens=(10, 5))
+    with pytest.raises(WorkloadError, match="retrieval-scan"):
+        WORKLOADS.create("retrieval-scan", rng=random.Random(0), bogus=1)
+
+
+# --- session rules ---------------------------------------------------------------------------------
+
+
+def _mooncake_like(sessions: int, seed: int = 0) -> list[WorkloadRequest]:
+    """Conversations as in the Mooncake trace: block 0 shared, the session's own first block at index 1."""
+    rng = random.Random(seed)
+    out = []
+    nxt = 1
+    for s in range(sessions):
+        own = nxt
+        nxt += 10
+        for t in range(1 + s % 7):
+            ids = (0, own, *range(own + 1, own + 2 + t))
+            out.append(
+                WorkloadRequest(
+                    f"r{s}-{t}", rng.random(), TokenSeq.seeded(s, 512 * len(ids)), 1, block_ids=ids
+                )
+            )
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def test_session_key_matches_the_reference_rule() -> None:
+    reqs = _mooncake_like(40)
+    ref = make_rule("reference")
+    for r in reqs:
+        key = session_key(r)
+        assert r.block_ids is not None and key == r.block_ids[1]
+        assert ref(r) == (0 if key % 4 == 0 else 1)  # type: ignore[operator]
+    named = WorkloadRequest("x", 0.0, TokenSeq.seeded(1, 5), 1, session_id="s-1", block_ids=(3, 4))
+    assert session_key(named) == "s-1"
+    assert session_key(WorkloadRequest("y", 0.0, TokenSeq.seeded(1, 5), 1, block_ids=(9,))) == 9
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_random_sessions_picks_that_share_of_whole_sessions(fraction: float) -> None:
+    reqs = _mooncake_like(2000)
+    rule = make_rule("random-sessions", reqs, random.Random(7), fraction=fraction)
+    classes: dict[object, set[int]] = {}
+    for r in reqs:
+        classes.setdefault(session_key(r), set()).add(rule(r))
+    assert all(len(c) == 1 for c in classes.values())  # every turn of a session in one class
+    share = sum(1 for c in classes.values() if c == {0}) / len(classes)
+    assert share == pytest.approx(fraction, abs=0.03)
+    again = make_rule("random-sessions", reqs, random.Random(7), fraction=fraction)
+    assert [again(r) for r in reqs] == [rule(r) for r in reqs]
+
+
+def test_longest_rule_picks_the_longest_sessions() -> None:
+    reqs = _mooncake_like(40)  # session s has 1 + s % 7 turns
+    rule = make_rule("longest", reqs, fraction=0.25)
+    turns = Counter(session_key(r) for r in reqs)
+    chosen = {session_key(r) for r in reqs if rule(r) == 0}
+    assert len(chosen) == 10
+    assert min(turns[k] for k in chosen) >= max(turns[k] for k in turns if k not in chosen)
+    with pytest.raises(WorkloadError, match="whole workload"):
+        make_rule("longest")
+
+
+def test_directive_survives_export() -> None:
+    keep = (RetentionDirective(0, None, 80, 12.0),)
+    (rec,) = mooncake_records([_req("a", TokenSeq.seeded(1, 600), retention=keep, session_id="s")])
+    assert rec["retention"] == [{"start": 0, "end": None, "priority": 80, "duration_s": 12.0}]
+    assert rec["session_id"] == "s" and rec["priority"] == 0
