@@ -87,12 +87,10 @@ def test_policy_settings_pass_through_and_simulation_defaults() -> None:
 
     args = build_parser().parse_args(["simulate"])
     pc = sim_config(args, "unified").policy_config
-    assert (
-        pc == SIM_POLICY_DEFAULTS
-        and pc.priority_weight == 8.0
-        and pc.budget == 0.8
-        and pc.isolation_goal == 0.9
-    )
+    # one set of defaults: core's PolicyConfig, as replay and the plugin use it (issue 10, deliverable 6)
+    from kvretain.core.policy import PolicyConfig
+
+    assert pc == SIM_POLICY_DEFAULTS == PolicyConfig(block_size=16)
     argv = "simulate --protect-threshold 50 --cost-scale-tokens 28000 --isolation-goal 0"
     argv += " --priority-weight 2 --budget 0.5 --priority-mapping 0:60,1:35,2:10"
     args = build_parser().parse_args(argv.split())

@@ -33,21 +33,10 @@ from kvretain.workloads.priority import make_rule, rule_choices
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
-SIM_POLICY_DEFAULTS = PolicyConfig(priority_weight=8.0, budget=0.8)
-"""Eviction-policy settings of ``kvretain simulate`` / ``compare`` (each overridable by a flag).
-
-Core's ``PolicyConfig`` defaults, except ``priority_weight`` 8 instead of 2 and ``budget`` 0.8 instead of 0.95.
-With the default request-priority mapping (priority 0 -> retention 35, 1 -> 25, 2 -> 15) and
-``protect_threshold`` 35, only request priority 0 is protected (plus blocks under an explicit directive >= 35,
-such as the agents' 80 for 12 s); the adaptive protected share (``isolation_goal`` 0.9) sizes itself to what
-priority 0 needs, up to ``budget``. On the multi-tenant workload priority 0 stays below its goal, so the
-share sits at the budget: 0.8 leaves a fifth of the pool to the other tenants (0.9 and 0.95 raised class-0
-p99 TTFT at seed 0 without helping other seeds). Outside the protected tier, and when protected blocks
-exceed their share, blocks compete on GreedyDual keys whose value is
-``priority_weight ** ((retention - 35) / 10)`` times their use count: weight 8 makes a chat block worth 64x a
-batch block of equal use (weight 2: 4x). Measured on the multi-tenant defaults in docs/results.md; the
-Mooncake figures there use the same settings.
-"""
+SIM_POLICY_DEFAULTS = PolicyConfig()
+"""Eviction-policy settings of ``kvretain simulate`` / ``compare`` (each overridable by a flag): core's
+``PolicyConfig`` defaults, the same as ``kvretain replay`` and the vLLM plugin (one set of defaults; the
+plugin's run queue differs only in its ghost table, measured in docs/results.md)."""
 
 
 # ---------------------------------------------------------------------------------------------- args
@@ -126,8 +115,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
     d = SIM_POLICY_DEFAULTS
     c = p.add_argument_group(
-        f"cache (unified's settings here: core's defaults except priority weight {d.priority_weight:g} "
-        f"and budget {d.budget:g}, measured in docs/results.md)"
+        "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin)"
     )
     c.add_argument(
         "--budget",
