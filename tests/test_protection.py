@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvretain.core import PolicyConfig, make_policy
-from kvretain.core.policies.protection import SHARDS_SAMPLE, ProtectionController, spatial_key
+from kvretain.core.policies.protection import BALANCE_SAMPLE, SHARDS_SAMPLE, ProtectionController, spatial_key
 
 
 def _ctl(n: int = 100, **kw: object) -> ProtectionController:
@@ -119,14 +119,19 @@ def test_sampling_is_spatial_and_sized_for_the_pool() -> None:
     rng = random.Random(7)
     ids = [rng.getrandbits(63) for _ in range(20000)]
     digests = [hashlib.sha256(str(i).encode()).digest() for i in range(20000)]
-    cut = 0.25 * 2**24
+    cut = 0.25 * 2**16
     for keys in (ids, digests, list(range(20000))):  # sequential trace ids are mixed too
         share = sum(1 for h in keys if spatial_key(h) < cut) / len(keys)
         assert share == pytest.approx(0.25, abs=0.02)
     # the same identity is always sampled the same way (no per-process hash seed)
-    assert spatial_key(digests[0]) == int.from_bytes(digests[0][:3], "little")
-    ctl.on_lookup(ids[:400], 0, 25)
-    assert 60 <= len(ctl._lru.entries) <= 140
+    assert spatial_key(digests[0]) == int.from_bytes(digests[0][:2], "little")
+    for keys in (ids, digests):
+        ctl = ProtectionController(n, PolicyConfig())
+        ctl.on_lookup(keys[:400], 0, 25)
+        assert 60 <= len(ctl._lru.entries) <= 140
+        # the recency/frequency candidates track a sub-sample of the controller's: BALANCE_SAMPLE blocks
+        assert ctl.balance is not None and ctl.balance._tracked == BALANCE_SAMPLE
+        assert 10 <= len(ctl.balance._lru) <= 40
 
 
 def test_unified_reports_the_controller_state() -> None:

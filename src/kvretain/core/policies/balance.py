@@ -5,10 +5,11 @@ sample, sets how much ``unified``'s value counts a block's uses.
 (shared system prompts, long conversations) through scans of one-off blocks; when the pool holds most of the
 working set, or when reuse comes in bursts (agents returning after a pause), old counts keep blocks whose reuse
 is over, and plain recency does better. ARC (Megiddo and Modha, FAST'03) adapts its split between a recency and
-a frequency list from hits in their ghosts; here the two candidates are simulated side by side on the
-controller's SHARDS sample (:mod:`kvretain.core.policies.protection`), each as large as the sampled pool:
+a frequency list from hits in their ghosts; here the two candidates are simulated side by side on a spatial
+sample of the traffic (a sub-sample of the controller's, ``BALANCE_SAMPLE`` blocks: the two are compared on the
+same references, so a small sample resolves their difference), each as large as the sampled pool:
 
-- the controller's LRU shadow (``alpha = 0``: GreedyDual with equal values is LRU);
+- an LRU shadow (``alpha = 0``: GreedyDual with equal values is LRU);
 - a GreedyDual-Frequency shadow (``alpha = frequency_exponent``, use counts remembered across eviction as the
   pool remembers them, no priorities).
 
@@ -22,6 +23,7 @@ controller is built to resolve). ``p`` starts at ``START_SHARE`` (0.5); ``alpha`
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
@@ -89,11 +91,13 @@ class FrequencyBalance:
     """The frequency exponent of a value order, set by which of recency and frequency hits more (module
     docstring)."""
 
-    __slots__ = ("_e", "_exp", "_g", "_gain", "_shadow", "level", "share")
+    __slots__ = ("_e", "_exp", "_g", "_gain", "_lru", "_shadow", "_tracked", "level", "share")
 
     def __init__(self, tracked: int, exponent: float, cap: int, ghost_factor: float, margin: float) -> None:
         self._exp = exponent
         self._shadow = _GDShadow(tracked, exponent, cap, int(ghost_factor * tracked))
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        self._tracked = tracked
         self._gain = 1.0 / max(margin, 0.01)
         self._e = 0.0
         self._g = 0.0
@@ -104,11 +108,24 @@ class FrequencyBalance:
     def alpha(self) -> float:
         return self._exp * self.level / ALPHA_STEPS
 
-    def update(self, sampled: Sequence[BlockHash], lru_hits: int, decay: float, window: float) -> bool:
-        """One lookup's ``sampled`` blocks (``lru_hits`` of them hit the LRU shadow); ``decay`` and ``window``
-        are the controller's. Returns True when ``alpha`` moved a step."""
+    def update(self, sampled: Sequence[BlockHash], decay: float, window: float) -> bool:
+        """One lookup's ``sampled`` blocks (prefix order); ``decay`` is the controller's for this lookup and
+        ``window`` its window in these references. Returns True when ``alpha`` moved a step."""
+        lru = self._lru
+        e_hits = 0
+        for h in sampled:
+            if h in lru:
+                e_hits += 1
+        for i in range(len(sampled) - 1, -1, -1):  # deepest first, as a release orders them
+            h = sampled[i]
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        while len(lru) > self._tracked:
+            lru.popitem(last=False)
         g = self._shadow.reference(sampled)
-        self._e = e = self._e * decay + lru_hits
+        self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g
         m = e if e > gg else gg
         if m <= 0.0:

@@ -70,16 +70,25 @@ BIAS_STEPS = 64
 """Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
 WINDOW_TURNOVERS = 4.0
 """The controller's measurement window in pool turnovers (see the module docstring)."""
-_MASK = (1 << 24) - 1
+BALANCE_SAMPLE = 2048
+"""Tracked blocks of the recency/frequency candidates' shadows (:mod:`kvretain.core.policies.balance`): they are
+compared with each other on the same references, so a smaller sample than the controller's resolves them."""
+_KEYS = 1 << 16
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential int ids (trace hash ids) over the range
 
 
 def spatial_key(block_hash: BlockHash) -> int:
-    """A 24-bit value of a block's identity, uniform and the same in every process (SHARDS's hash): the block
-    is sampled at rate ``R`` when it is below ``R * 2**24``. Digests use their first bytes; ints are mixed."""
+    """A 16-bit value of a block's identity, uniform and the same in every process (SHARDS's hash): the block
+    is sampled at rate ``R`` when it is below ``R * 2**16``. Digests use their first two bytes; ints are
+    mixed."""
     if isinstance(block_hash, int):
-        return ((block_hash * _MIX) >> 40) & _MASK
-    return int.from_bytes(block_hash[:3], "little")
+        return ((block_hash * _MIX) >> 48) & 0xFFFF
+    return block_hash[0] | (block_hash[1] << 8)
+
+
+def _cut(num_blocks: int, sample: int) -> int:
+    """Keys below this are sampled: ``min(1, sample / num_blocks)`` of them, at least one key in 2**16."""
+    return max(1, min(_KEYS, math.ceil(_KEYS * sample / max(1, num_blocks))))
 
 
 class _LRUShadow:
@@ -123,6 +132,8 @@ class ProtectionController:
 
     __slots__ = (
         "_acc",
+        "_balance_cut",
+        "_balance_share",
         "_bias_step",
         "_cap",
         "_floor_refs",
@@ -157,14 +168,20 @@ class ProtectionController:
         self._bias_step = BIAS_STEPS
         self.weights = retention_weights(cfg.priority_weight)
         self._pw = cfg.priority_weight
-        self.rate = rate = min(1.0, SHARDS_SAMPLE / max(1, num_blocks))
-        self._rate_cut = int(rate * (_MASK + 1))
+        self._rate_cut = cut = _cut(num_blocks, SHARDS_SAMPLE)
+        self.rate = rate = cut / _KEYS
         tracked = max(1, round(rate * num_blocks))
         self._lru = _LRUShadow(tracked)
         self._iso = _LRUShadow(tracked)
+        self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
+        self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
             FrequencyBalance(
-                tracked, cfg.frequency_exponent, cfg.frequency_cap, cfg.ghost_factor, cfg.max_reuse_loss
+                max(1, round(bcut / _KEYS * num_blocks)),
+                cfg.frequency_exponent,
+                cfg.frequency_cap,
+                cfg.ghost_factor,
+                cfg.max_reuse_loss,
             )
             if cfg.adapt_frequency and cfg.frequency_exponent > 0.0
             else None
@@ -188,12 +205,15 @@ class ProtectionController:
         (callers that keep a reference to the lists take the new ones)."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
-        if self._rate_cut > _MASK:
+        cut = self._rate_cut
+        if cut >= _KEYS:
             sampled: Sequence[BlockHash] = hashes
             hits = num_hits
         else:
-            cut = self._rate_cut
-            picked = [i for i, h in enumerate(hashes) if spatial_key(h) < cut]
+            if isinstance(hashes[0], int):
+                picked = [i for i, h in enumerate(hashes) if spatial_key(h) < cut]
+            else:  # digests (vLLM's, the core's): the first two bytes, no call per block
+                picked = [i for i, h in enumerate(hashes) if h[0] | (h[1] << 8) < cut]  # type: ignore[index]
             if not picked:
                 return False
             sampled = [hashes[i] for i in picked]
@@ -214,9 +234,15 @@ class ProtectionController:
         acc[1] += lru_hits
         acc[4] += n
         changed = False
-        if self.balance is not None and self.balance.update(sampled, lru_hits, d, window):
-            self.frequency = self.balance.table(self._cap)
-            changed = True
+        if self.balance is not None:
+            bcut = self._balance_cut
+            if bcut >= cut:
+                sub: Sequence[BlockHash] = sampled
+            else:
+                sub = [h for h in sampled if spatial_key(h) < bcut]
+            if sub and self.balance.update(sub, d, window * self._balance_share):
+                self.frequency = self.balance.table(self._cap)
+                changed = True
         if self._goal is None:
             return changed
         if protected:
