@@ -5,8 +5,9 @@ CPU with a fake model runner (one sampled token per request whose prefill comple
 decoding), stock and with the plugin enabled (``unified``, default options), and prints per-class prefix hit
 tokens, preemptions and the scheduler's time per step. The last line is JSON.
 
-Workload: priority 0 when ``hash_ids[1] % 4 == 0`` (``hash_ids[0]`` for one-block requests), else 1 (the
-reference rule); every trace hash id stands for 512 deterministic tokens (``SeededChunk(hash_id, 512)``,
+Workload: the trace read by ``kvretain.workloads.mooncake.read_trace``, priorities by the ``reference`` rule
+of ``kvretain.workloads.priority`` (0 when ``hash_ids[1] % 4 == 0``, ``hash_ids[0]`` for one-block requests,
+else 1); every trace hash id stands for 512 deterministic tokens (``SeededChunk(hash_id, 512)``,
 truncated to the request's ``input_length``), so requests sharing hash ids share exactly those tokens and
 vLLM's own block hashing finds the reuse. Arrivals follow the trace timestamps, ``--step-ms`` of trace time
 per scheduler step. The KV cache holds ``--pool-blocks`` blocks of ``--block-size`` tokens.
@@ -48,43 +49,39 @@ import _vllm_harness as harness
 HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 TRACE_BLOCK = 512
+"""Tokens per trace hash id (``MOONCAKE_BLOCK_TOKENS``)."""
 
 
 @dataclass
 class TraceRequest:
     rid: str
     arrival_step: int
-    hash_ids: list[int]
+    hash_ids: tuple[int, ...]
     input_length: int
     output_length: int
     priority: int
 
 
-def reference_priority(hash_ids: list[int]) -> int:
-    key = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
-    return 0 if key % 4 == 0 else 1
-
-
 def load_trace(path: Path, limit: int, step_ms: float, max_output: int) -> list[TraceRequest]:
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i >= limit:
-                break
-            rec = json.loads(line)
-            ids = list(rec["hash_ids"])
-            out.append(
-                TraceRequest(
-                    rid=f"m{i:05d}",
-                    arrival_step=int(rec["timestamp"] / step_ms),
-                    hash_ids=ids,
-                    input_length=min(int(rec["input_length"]), TRACE_BLOCK * len(ids)),
-                    output_length=max(1, min(int(rec["output_length"]), max_output)),
-                    priority=reference_priority(ids),
-                )
-            )
-    out.sort(key=lambda r: r.arrival_step)
-    return out
+    """The first ``limit`` requests, read by the project's one trace parser and tagged by its reference rule."""
+    from kvretain.workloads.mooncake import read_trace
+    from kvretain.workloads.priority import make_rule
+
+    rule = make_rule("reference")
+    assert rule is not None
+    # NOTE: read_trace sorts by timestamp (stably), so the requests are in arrival-step order already; the
+    # request id is the 0-based line number (vLLM's waiting queue breaks priority and arrival ties on it)
+    return [
+        TraceRequest(
+            rid=f"m{rec.line - 1:05d}",
+            arrival_step=int(rec.timestamp_ms / step_ms),
+            hash_ids=rec.hash_ids,
+            input_length=rec.input_length,
+            output_length=max(1, min(rec.output_length, max_output)),
+            priority=rule(rec),
+        )
+        for rec in read_trace(path, TRACE_BLOCK, limit)
+    ]
 
 
 def prompt_tokens(req: TraceRequest) -> list[int]:
@@ -328,7 +325,12 @@ def main() -> None:
         run_child(args)
         return
 
-    reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
+    from kvretain.workloads.mooncake import TraceError
+
+    try:
+        reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
+    except TraceError as e:  # the parser's message names the file, line and field
+        sys.exit(str(e))
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "
