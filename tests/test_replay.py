@@ -101,6 +101,7 @@ def test_an_eviction_is_charged_to_the_blocks_last_releaser(policy: str) -> None
     assert all(type(c) is ClassStats for c in res.classes.values())  # the core's one per-class type
     assert (res.classes[0].requests, res.classes[0].hit_tokens) == (1, MOONCAKE_BLOCK_TOKENS)
     assert res.to_json()["classes"]["0"]["hit_blocks"] == 1 and res.classes[0].resumes == 0
+    assert (res.classes[0].released_blocks, res.classes[2].released_blocks) == (1, 3)  # every release counts
 
 
 def test_everything_fits_every_policy_hits_the_same(trace: list[ReplayRequest]) -> None:

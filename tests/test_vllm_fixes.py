@@ -320,4 +320,30 @@ def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
         req.num_preemptions += 1
     c = plugin.stats()["by_priority"][1]
     assert (c["requests"], c["query_tokens"], c["hit_tokens"]) == (1, 56, 48)
-    assert (c["preempted_requests"], c["preempted_hit_tokens"]) == (2, 96)
+    assert (c["preempted_requests"], c["preempted_query_tokens"], c["preempted_hit_tokens"]) == (2, 112, 96)
+
+
+def test_the_plugin_counts_with_the_cores_one_per_class_type() -> None:
+    """Issue 11, item 14: the plugin had its own counters type; it counts with ``kvretain.core.stats`` (the
+    type and the rules of the core manager, replay and simulator), under its own public names."""
+    from kvretain.core.stats import ClassStats
+
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = plain_manager()
+    req = make_request("r", list(range(48)), priority=3)
+    kvm.get_computed_blocks(req)
+    assert kvm.allocate_slots(req, 48) is not None
+    kvm.free(req)
+    st = _runtime.COUNTERS.by_priority[3]
+    assert type(st) is ClassStats and st.released_blocks == 3
+    snap = plugin.stats()["by_priority"][3]
+    assert snap == {name: getattr(st, f) for f, name in _runtime.STATS_KEYS}
+    assert set(snap) >= {
+        "requests",
+        "query_tokens",
+        "hit_tokens",
+        "preempted_requests",
+        "preempted_hit_tokens",
+        "released_blocks",
+        "evicted_blocks",
+    }

@@ -1,5 +1,6 @@
 """Per request-priority-class cache statistics: the one type that the core :class:`KVCacheManager`, the
-block replay (:mod:`kvretain.replay`) and the simulator count with.
+block replay (:mod:`kvretain.replay`), the simulator and the vLLM plugin (:mod:`kvretain.integrations.vllm`)
+count with.
 
 Counting rules (each written here once):
 
@@ -15,6 +16,8 @@ Counting rules (each written here once):
   retention is what the releasing request asks for), so an eviction is charged to the class whose retention
   the policy weighed when it chose the victim. A block's first allocator is not used: a system prompt
   allocated once by a batch request and re-used (and released) by chat requests is chat's to lose.
+* **Releases.** ``released_blocks`` counts the blocks a request of the class released, at every release
+  (a block held by several requests counts once per releasing request).
 
 :class:`CacheStats` holds one :class:`ClassStats` per class and the per-block releaser classes that the
 eviction rule needs.
@@ -40,6 +43,8 @@ class ClassStats:
     """Lookups of requests resumed after a preemption (counted apart from ``requests``)."""
     resume_query_tokens: int = 0
     resume_hit_tokens: int = 0
+    released_blocks: int = 0
+    """Blocks released by requests of this class (each release counts)."""
     evicted_blocks: int = 0
     """Cached blocks evicted whose last releaser had this class."""
 
@@ -109,6 +114,7 @@ class CacheStats:
         rel = self._releaser
         for b in block_ids:
             rel[b] = priority
+        self.of(priority).released_blocks += len(block_ids)
 
     def evicted(self, block_ids: Sequence[int], block_hashes: object = None) -> None:
         """``block_ids`` were evicted (the signature of ``BlockPool.on_evict_batch``)."""

@@ -140,12 +140,15 @@ def stats() -> dict[str, Any]:
     """Per request-priority counters of this process (lower priority value = more important)::
 
     {"enabled": bool, "policy": name | None, "by_priority": {prio: {requests, query_tokens, hit_tokens,
-     preempted_requests, preempted_hit_tokens, released_blocks, evicted_blocks}},
+     preempted_requests, preempted_query_tokens, preempted_hit_tokens, released_blocks, evicted_blocks}},
      "hook_errors": {hook: count}}
 
-    ``requests`` / ``query_tokens`` / ``hit_tokens`` count each request's first lookup (its admission);
-    a resume after preemption looks the cache up again and is counted apart (``preempted_*``), as vLLM's own
-    prefix-cache metrics do. ``hook_errors``: errors swallowed inside the plugin's hooks (see ``_patches``).
+    Each ``by_priority`` entry is a :class:`kvretain.core.stats.ClassStats` (the core's counting rules) under
+    the plugin's names (``_runtime.STATS_KEYS``). ``requests`` / ``query_tokens`` / ``hit_tokens`` count each
+    request's first lookup (its admission); a resume after preemption looks the cache up again and is counted
+    apart (``preempted_*``, the core's ``resume*``), as vLLM's own prefix-cache metrics do; an eviction is
+    charged to the block's last releaser. ``hook_errors``: errors swallowed inside the plugin's hooks (see
+    ``_patches``).
     """
     import sys
 

@@ -233,15 +233,9 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
         after preemption (its hits are counted apart, as vLLM does, and it is no new lookup)."""
         prio = int(getattr(request, "priority", 0) or 0)
-        c = self.counters.get(prio)
-        if getattr(request, "num_preemptions", 0) > 0:
-            c.preempted_requests += 1
-            c.preempted_hit_tokens += num_hit_tokens
-            return None
-        c.requests += 1
-        c.query_tokens += int(request.num_tokens)
-        c.hit_tokens += num_hit_tokens
-        return self._mapped_for(prio)
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        self.counters.get(prio).record_lookup(int(request.num_tokens), num_hit_tokens, resumed)
+        return None if resumed else self._mapped_for(prio)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

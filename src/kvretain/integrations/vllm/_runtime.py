@@ -7,7 +7,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+
+from kvretain.core.stats import ClassStats
 
 LOGGER_NAME = "vllm.kvretain"
 """The plugin logs under vLLM's own ``vllm`` logger (the one ``vllm.logger.init_logger`` names hang under):
@@ -30,42 +31,46 @@ def set_clock(clock: Callable[[], float] | None) -> None:
     _clock = clock if clock is not None else time.monotonic
 
 
-@dataclass(slots=True)
-class PriorityCounters:
-    """Counters of one request-priority class (vLLM ``priority``, lower = more important)."""
-
-    requests: int = 0
-    """Admissions that looked up the prefix cache (first schedule; resumes after preemption excluded)."""
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    preempted_requests: int = 0
-    """Admissions of requests resumed after a preemption (their hits are counted apart, as vLLM does)."""
-    preempted_hit_tokens: int = 0
-    released_blocks: int = 0
-    evicted_blocks: int = 0
-    """Cached blocks evicted whose last releasing request had this priority."""
+STATS_KEYS = (
+    ("requests", "requests"),
+    ("query_tokens", "query_tokens"),
+    ("hit_tokens", "hit_tokens"),
+    ("resumes", "preempted_requests"),
+    ("resume_query_tokens", "preempted_query_tokens"),
+    ("resume_hit_tokens", "preempted_hit_tokens"),
+    ("released_blocks", "released_blocks"),
+    ("evicted_blocks", "evicted_blocks"),
+)
+"""``(ClassStats field, name in stats() and /metrics)``: the plugin's public names, vLLM's ``preempted_*``
+spelling for the core's ``resume*`` counters (a resume after preemption is counted apart, as vLLM does)."""
 
 
 class Counters:
-    """Per-priority counters shared by every retention queue of the process."""
+    """Per-priority statistics shared by every retention queue of the process: one
+    :class:`~kvretain.core.stats.ClassStats` per request priority (vLLM ``priority``, lower = more important),
+    counted by the core's rules (first lookups and resumes apart; an eviction charged to the block's last
+    releaser, whose class the queues keep per block)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.by_priority: dict[int, PriorityCounters] = {}
+        self.by_priority: dict[int, ClassStats] = {}
 
-    def get(self, priority: int) -> PriorityCounters:
+    def get(self, priority: int) -> ClassStats:
         c = self.by_priority.get(priority)
         if c is None:
             with self._lock:
-                c = self.by_priority.setdefault(priority, PriorityCounters())
+                c = self.by_priority.setdefault(priority, ClassStats())
         return c
 
     def snapshot(self) -> dict[int, dict[str, int]]:
+        """``{priority: {name: count}}`` under the :data:`STATS_KEYS` names."""
         # NOTE: copied under the lock: the engine thread inserts new priorities while a Prometheus scrape of an
         # in-process engine iterates (a dict changing size during iteration raises)
         with self._lock:
-            items = sorted(self.by_priority.items())
-        return {p: asdict(c) for p, c in items}
+            return {
+                p: {name: getattr(c, f) for f, name in STATS_KEYS}
+                for p, c in sorted(self.by_priority.items())
+            }
 
     def reset(self) -> None:
         with self._lock:
