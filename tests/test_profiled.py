@@ -63,6 +63,18 @@ def test_fit_with_noise_stays_close_and_nonnegative() -> None:
     assert median_relative_error(got, pts) < 0.05
 
 
+def test_a_few_stalled_steps_do_not_pull_the_fit() -> None:
+    # three steps slowed 5x-20x (another process held the CPU): the absolute-error fit keeps the others exact
+    pts = grid_points(TRUE)
+    for i, k in ((0, 5.0), (9, 20.0), (17, 8.0)):
+        p = pts[i]
+        pts[i] = StepPoint(p.tokens, p.pairs, p.sampled, p.seconds * k, p.kind)
+    got = fit(pts)
+    for a, b in zip(got.as_tuple(), TRUE.as_tuple(), strict=True):
+        assert a == pytest.approx(b, rel=1e-3)
+    assert median_relative_error(got, pts) < 1e-3
+
+
 def test_fit_clamps_a_coefficient_the_data_wants_negative() -> None:
     # step times that fall with the number of sampled sequences: the unconstrained fit would price
     # per_sequence_s < 0; the fit drops that coefficient instead

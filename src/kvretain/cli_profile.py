@@ -83,10 +83,22 @@ def add_subcommands(sub: Any) -> None:
         help="decode context lengths (default 32,256,1024)",
     )
     p.add_argument(
-        "--repeats", type=integer(1), default=3, help="timed prefills per point; the median (default 3)"
+        "--repeats",
+        type=integer(1),
+        default=5,
+        help="timed prefills per point and round (default 5)",
     )
     p.add_argument(
-        "--decode-steps", type=integer(1), default=4, help="timed decode steps per point (default 4)"
+        "--decode-steps",
+        type=integer(1),
+        default=5,
+        help="timed decode steps per point and round (default 5)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=integer(1),
+        default=3,
+        help="passes over the whole grid; a point's fastest step counts (default 3)",
     )
     p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
@@ -122,6 +134,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
         "decode": [[b, c] for c in args.contexts for b in args.batch_sizes],
         "repeats": args.repeats,
         "decode_steps": args.decode_steps,
+        "rounds": args.rounds,
         "dtype": args.dtype,
     }
     src = str(Path(kvretain.__file__).resolve().parent.parent)
@@ -223,6 +236,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "device": f"{platform.machine()} cpu x{os.cpu_count()}",
         "block_size": args.block_size,
         "dtype": args.dtype,
+        "statistic": f"fastest of {args.rounds} rounds x {args.repeats} prefills / {args.decode_steps} decode "
+        "steps per point",
         "points": len(points),
     }
     profile = Profile(coef, tuple(points), info)

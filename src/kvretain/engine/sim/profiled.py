@@ -11,12 +11,14 @@ pair, ``per_sequence_s`` what each sampled sequence adds (LM head row, sampler, 
 the roofline model's (:class:`~kvretain.engine.sim.costmodel.CostModel`): a prefill chunk of ``n`` tokens after
 ``p`` cached has ``n*p + n*(n+1)/2`` pairs, a decode with context ``C`` has ``C``.
 
-The coefficients come from a least-squares fit of measured step times, weighted by ``1/t`` so that every point
-counts by its relative error (short decode steps and long prefills alike), and constrained to be >= 0: a
-negative coefficient would price some step below zero. With four coefficients the constrained optimum is found
-exactly by fitting every subset of them and keeping the best one whose coefficients are all >= 0.
+The coefficients come from a fit of measured step times that minimizes the sum of absolute *relative* errors
+(every point counts by its relative error: short decode steps and long prefills alike; absolute rather than
+squared so that a few steps slowed by other processes on a shared machine do not pull the fit), solved as
+iteratively reweighted least squares, and constrained to be >= 0: a negative coefficient would price some
+step below zero. With four coefficients the constraint is met by fitting every subset of them and keeping the
+best non-negative one.
 
-Pure Python (no numpy): the fit solves a 4x4 system. The file is TOML::
+Pure Python (no numpy): each iteration solves a 4x4 system. The file is TOML::
 
     [profile]          # what was measured: informational, and the fit error
     [coefficients]     # the four seconds above
@@ -112,9 +114,11 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def _weighted_lstsq(points: Sequence[StepPoint], active: Sequence[int]) -> tuple[list[float], float] | None:
-    """Least squares of ``t`` over the ``active`` features, each residual divided by ``t``: ``(coefficients
-    of all four features, 0 where inactive; sum of squared relative residuals)``, None when degenerate.
+def _weighted_lstsq(
+    points: Sequence[StepPoint], active: Sequence[int], weights: Sequence[float]
+) -> list[float] | None:
+    """Least squares of ``t`` over the ``active`` features, residual ``i`` divided by ``t_i`` and weighted by
+    ``weights[i]``: the coefficients of all four features (0 where inactive), None when degenerate.
 
     The features are scaled to unit size before the normal equations so that counts of 1 and of 10^6 pairs
     condition alike."""
@@ -122,20 +126,47 @@ def _weighted_lstsq(points: Sequence[StepPoint], active: Sequence[int]) -> tuple
     scale = [max(abs(r[k]) for r in rows) or 1.0 for k in range(len(active))]
     rows = [[r[k] / scale[k] for k in range(len(active))] for r in rows]
     k = len(active)
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
-    atb = [sum(r[i] for r in rows) for i in range(k)]  # target t/t = 1
+    pairs = list(zip(rows, weights, strict=True))
+    ata = [[sum(w * r[i] * r[j] for r, w in pairs) for j in range(k)] for i in range(k)]
+    atb = [sum(w * r[i] for r, w in pairs) for i in range(k)]  # target t/t = 1
     x = _solve(ata, atb)
     if x is None:
         return None
     coef = [0.0] * 4
     for i, j in enumerate(active):
         coef[j] = x[i] / scale[i]
-    sse = sum((1.0 - sum(coef[j] * f for j, f in enumerate(p.features())) / p.seconds) ** 2 for p in points)
-    return coef, sse
+    return coef
+
+
+def _residuals(coef: Sequence[float], points: Sequence[StepPoint]) -> list[float]:
+    return [sum(c * f for c, f in zip(coef, p.features(), strict=True)) / p.seconds - 1.0 for p in points]
+
+
+_IRLS_ROUNDS = 40
+_IRLS_FLOOR = 1e-6
+"""Iterations of the L1 fit, and the smallest residual a weight divides by (so exact data keeps finite
+weights). The best iterate is kept, so more rounds can only lower the sum of absolute errors."""
+
+
+def _l1_fit(points: Sequence[StepPoint], active: Sequence[int]) -> tuple[list[float], float] | None:
+    """The coefficients over ``active`` minimizing the sum of absolute relative residuals, by iteratively
+    reweighted least squares (weights ``1/|r|``), and that sum; None when degenerate."""
+    weights = [1.0] * len(points)
+    best: tuple[list[float], float] | None = None
+    for _ in range(_IRLS_ROUNDS):
+        coef = _weighted_lstsq(points, active, weights)
+        if coef is None:
+            return best
+        res = _residuals(coef, points)
+        score = sum(abs(r) for r in res)
+        if min(coef) >= 0 and (best is None or score < best[1]):
+            best = (coef, score)
+        weights = [1.0 / max(abs(r), _IRLS_FLOOR) for r in res]
+    return best
 
 
 def fit(points: Sequence[StepPoint]) -> StepCoefficients:
-    """The non-negative least-squares fit (relative residuals) of the four coefficients to ``points``.
+    """The non-negative least-absolute-relative-error fit of the four coefficients to ``points``.
 
     Raises ``ValueError`` with fewer points than coefficients or when no subset of coefficients fits.
     """
@@ -146,14 +177,12 @@ def fit(points: Sequence[StepPoint]) -> StepCoefficients:
         for active in combinations(range(len(COEFFICIENTS)), size):
             if 0 not in active and 1 not in active:
                 continue  # a model without overhead and per-token cost prices a prefill-only step at 0
-            got = _weighted_lstsq(points, active)
+            got = _l1_fit(points, active)
             if got is None:
                 continue
-            coef, sse = got
-            if min(coef) < 0:
-                continue
-            if best is None or sse < best[0] * (1 - 1e-12):
-                best = (sse, coef)
+            coef, score = got
+            if best is None or score < best[0] * (1 - 1e-12):
+                best = (score, coef)
     if best is None:
         raise ValueError("no non-negative fit of the step times: are the points all the same step?")
     return StepCoefficients(*best[1])

@@ -11,6 +11,12 @@ batches:
   the next steps are pure decodes of all ``b``, each timed (contexts from each request's tokens so far), and the
   requests are aborted.
 
+Each shape runs once untimed first (a new shape's first call builds kernels and buffers), then ``repeats``
+(prefill) or ``decode_steps`` (decode) timed steps; the whole grid is measured ``rounds`` times, so that a
+point's repeats are spread over the run, and a point's time is the minimum of all: on a shared machine the
+slower repeats measure other processes (a stall of ~0.1 s spans many consecutive 2 ms steps), not the engine
+(their median goes to the caller too).
+
 Each measured point goes to stdout as one line ``KVRETAIN-PROFILE {json}`` (other lines are vLLM's); the
 fit and the file are :mod:`kvretain.engine.sim.profiled`'s, in the caller's environment. Imports vLLM only
 (not the plugin), and only when run.
@@ -50,7 +56,8 @@ def main(spec_path: str) -> int:
     max_batch = max([b for b, _ in decode] + [1])
     budget = max([n for n, _ in prefill] + [2048])
     batch_tokens = max(budget, longest, 8192)
-    emit({"event": "plan", "total": len(prefill) + len(decode) + 1})
+    rounds = int(spec.get("rounds", 1))
+    emit({"event": "plan", "total": rounds * (len(prefill) + len(decode)) + 1})
     llm = LLM(
         model=spec["model"],
         enable_prefix_caching=True,
@@ -87,63 +94,66 @@ def main(spec_path: str) -> int:
     drain()
     emit({"event": "done", "what": "warm-up"})
 
-    for n, p in prefill:
+    def measure_prefill(n: int, p: int) -> tuple[list[float], int]:
         prefix = tokens(p)
         if p:
             add(prefix + tokens(1), 1)  # caches the prefix's full blocks
             drain()
-        times, cached = [], []
-        for _ in range(repeats):
+        times = []
+        for i in range(repeats + 1):  # the first, untimed: the shape's first call (kernels, buffers)
             add(prefix + tokens(n), 1)
             t0 = time.perf_counter()
             outs = engine.step()
-            times.append(time.perf_counter() - t0)
+            if i:
+                times.append(time.perf_counter() - t0)
             fin = [o for o in outs if o.finished]
             if engine.has_unfinished_requests() or len(fin) != 1:
                 raise RuntimeError(f"prefill n={n} p={p} did not finish in one step")
-            cached.append(fin[0].num_cached_tokens or 0)
-        if min(cached) != p:
-            raise RuntimeError(f"prefill n={n} p={p}: {min(cached)} tokens came from the cache, not {p}")
-        pairs = n * p + n * (n + 1) // 2
-        emit(
-            {
-                "event": "point",
-                "kind": "prefill",
-                "tokens": n,
-                "pairs": pairs,
-                "sampled": 1,
-                "seconds": statistics.median(times),
-                "label": f"prefill n={n} p={p}",
-            }
-        )
+            if (fin[0].num_cached_tokens or 0) != p:
+                raise RuntimeError(f"prefill n={n} p={p}: {fin[0].num_cached_tokens} tokens cached, not {p}")
+        return times, n * p + n * (n + 1) // 2
 
-    for b, c in decode:
+    def measure_decode(b: int, c: int) -> tuple[list[float], int]:
         # enough tokens that none finishes while the others' prefills still run (chunked over several steps)
         setup_steps = -(-b * c // batch_tokens) + 2
-        gen: dict[str, int] = {add(tokens(c), decode_steps + setup_steps + 2): 0 for _ in range(b)}
+        gen: dict[str, int] = {add(tokens(c), decode_steps + setup_steps + 3): 0 for _ in range(b)}
         while min(gen.values()) < 1:
             for o in engine.step():
                 gen[o.request_id] = len(o.outputs[0].token_ids)
         times, ctx = [], []
-        for _ in range(decode_steps):
-            ctx.append(sum(c + g for g in gen.values()))
+        for i in range(decode_steps + 1):  # the first, untimed, as for prefills
+            if i:
+                ctx.append(sum(c + g for g in gen.values()))
             t0 = time.perf_counter()
             outs = engine.step()
-            times.append(time.perf_counter() - t0)
+            if i:
+                times.append(time.perf_counter() - t0)
             for o in outs:
                 gen[o.request_id] = len(o.outputs[0].token_ids)
             if len(outs) != b:
                 raise RuntimeError(f"decode b={b} c={c}: a step emitted {len(outs)} tokens, not {b}")
         engine.abort_request(list(gen))
+        return times, round(statistics.mean(ctx))
+
+    grid = [("prefill", n, p) for n, p in prefill] + [("decode", b, c) for b, c in decode]
+    seen: dict[int, list[float]] = {i: [] for i in range(len(grid))}
+    pairs_of: dict[int, int] = {}
+    for _ in range(rounds):
+        for i, (kind, x, y) in enumerate(grid):
+            times, pairs_of[i] = measure_prefill(x, y) if kind == "prefill" else measure_decode(x, y)
+            seen[i] += times
+            emit({"event": "done", "what": f"{kind} {x} {y}"})
+    for i, (kind, x, y) in enumerate(grid):
         emit(
             {
                 "event": "point",
-                "kind": "decode",
-                "tokens": b,
-                "pairs": round(statistics.mean(ctx)),
-                "sampled": b,
-                "seconds": statistics.median(times),
-                "label": f"decode b={b} c={c}",
+                "kind": kind,
+                "tokens": x,
+                "pairs": pairs_of[i],
+                "sampled": 1 if kind == "prefill" else x,
+                "seconds": min(seen[i]),
+                "median_seconds": statistics.median(seen[i]),
+                "label": f"prefill n={x} p={y}" if kind == "prefill" else f"decode b={x} c={y}",
             }
         )
     emit({"event": "info", "engine": f"vllm {vllm.__version__}", "block_size": block})
