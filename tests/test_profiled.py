@@ -202,3 +202,38 @@ def test_profile_cli_errors_are_one_line(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "multiple of --block-size" in r.stderr
+
+
+def test_profile_command_fits_and_writes_with_a_fake_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a stand-in for the vLLM Python: prints the measuring module's lines for steps priced by TRUE
+    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}', "some vLLM log line"]
+    for p in grid_points(TRUE):
+        ev = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs, "sampled": p.sampled}
+        ev |= {"seconds": p.seconds, "label": f"{p.kind} {p.tokens}"}
+        lines.append("KVRETAIN-PROFILE " + json.dumps(ev))
+    lines.append('KVRETAIN-PROFILE {"event": "info", "engine": "fake 1.0", "block_size": 32}')
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(lines) + "\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "cost.toml"
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["median_abs_rel_error"] < 1e-9 and obj["points"] == len(grid_points(TRUE))
+    if obj["plot"] is not None:  # matplotlib importable
+        assert Path(obj["plot"]).stat().st_size > 0
+    prof = load_profile(out)
+    assert prof.coefficients.per_token_s == pytest.approx(TRUE.per_token_s, rel=1e-6)
+    assert prof.info["engine"] == "fake 1.0"
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "median |relative error| 0.0%" in table and "within the 10% target" in table
+    # a measuring process that fails: one line with its last words, status 2
+    fake.write_text("#!/bin/sh\necho 'RuntimeError: no vLLM here'\nexit 1\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "failed with status 1: RuntimeError: no vLLM here" in err
