@@ -126,6 +126,7 @@ def test_simulate_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureF
     assert main([*argv, "--cost-model", "roofline"]) == 0
     roof = json.loads(capsys.readouterr().out)
     assert prof["requests"] == roof["requests"] == 30
+    assert prof["cost_model"] == str(path) and roof["cost_model"] == "roofline"
     # a step costs >= 20 ms here against a few ms on an H100's roofline: the profiled run takes longer
     assert prof["simulated_s"] > roof["simulated_s"]
     slow = tmp_path / "slow.toml"

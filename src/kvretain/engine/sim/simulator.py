@@ -284,6 +284,7 @@ class Simulation:
             "evictions": sum(rep.kv.pool.num_evictions for rep in self.replicas),
             "model": cfg.model,
             "gpu": cfg.gpu,
+            "cost_model": cfg.cost_model,
             "replicas": cfg.replicas,
             "router": cfg.router,
             "kv_blocks_per_replica": self.num_blocks,
