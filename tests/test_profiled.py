@@ -238,3 +238,17 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "failed with status 1: RuntimeError: no vLLM here" in err
+
+
+def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--cost-model", "profiled", "--no-progress"]) == 2
+    assert "needs its file" in capsys.readouterr().err
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--timeout", "1", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran past 1 s" in err

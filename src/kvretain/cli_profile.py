@@ -16,6 +16,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ def add_subcommands(sub: Any) -> None:
     p = sub.add_parser(
         "profile",
         help="measure a real vLLM engine's step times here and write a cost-model file (TOML)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Measure a real vLLM engine's step times on this machine (in a Python with vLLM: --python), "
+        "fit a step-time model and write the cost-model file that `kvretain simulate --cost-model FILE` reads.",
     )
     p.add_argument("--model", required=True, help="model directory vLLM can serve")
     p.add_argument(
@@ -151,6 +153,8 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     bar = None
+    proc = None
+    timer = None
     try:
         proc = subprocess.Popen(
             [args.python, "-m", "kvretain.integrations.vllm.stepprofile", f.name],
@@ -159,6 +163,8 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
             text=True,
             env=env,
         )
+        timer = threading.Timer(args.timeout, proc.kill)
+        timer.start()
         assert proc.stdout is not None
         for line in proc.stdout:
             if not line.startswith(MARK):
@@ -178,11 +184,21 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
                 info.update({k: v for k, v in ev.items() if k != "event"})
             if bar is not None and ev["event"] in ("point", "done"):
                 bar.update(1)
-        rc = proc.wait(timeout=args.timeout)
+        rc = proc.wait()
+        timed_out = not timer.is_alive()
     finally:
+        if timer is not None:
+            timer.cancel()
+        if proc is not None and proc.poll() is None:  # interrupted: stop the engine too
+            proc.kill()
+            proc.wait()
         if bar is not None:
             bar.close()
         os.unlink(f.name)
+    if rc != 0 and timed_out:
+        raise ValueError(
+            f"argument --timeout: the measuring process ran past {args.timeout} s and was stopped"
+        )
     if rc != 0:
         last = next((t for t in reversed(tail) if t.strip()), "no output")
         raise ValueError(f"the measuring process ({args.python}) failed with status {rc}: {last}")

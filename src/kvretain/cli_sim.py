@@ -50,6 +50,10 @@ def cost_model_option(text: str) -> str:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         return text
+    if text == "profiled":
+        raise argparse.ArgumentTypeError(
+            "'profiled' needs its file: pass --cost-model FILE.toml (kvretain profile)"
+        )
     if text not in COST_MODELS:
         raise argparse.ArgumentTypeError(
             f"invalid choice {text!r} (choose from {', '.join(COST_MODELS.names())}, or a FILE.toml)"

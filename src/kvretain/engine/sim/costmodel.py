@@ -210,8 +210,7 @@ def ideal_cost_model(model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> C
 def profiled_cost_model(
     model: ModelSpec, gpu: GPUSpec, tp: int | None = None, path: str | None = None
 ) -> CostModel:
-    """step times fitted to a real engine's measured steps: pass the file (--cost-model FILE.toml, from
-    `kvretain profile`)"""
+    """step times fitted to a real engine's steps: pass the file, --cost-model FILE.toml (kvretain profile)"""
     from kvretain.engine.sim.profiled import ProfiledCostModel, load_profile
 
     if path is None:
