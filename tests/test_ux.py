@@ -78,7 +78,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_help_has_no_internal_text_and_every_option_has_help() -> None:
     parser = build_parser()
     subs = _subparsers(parser)
-    assert set(subs) == {"replay", "policies", "simulate", "compare", "workload"}
+    assert set(subs) == {"replay", "policies", "simulate", "compare", "workload", "profile"}
     nested = {f"workload {k}": v for k, v in _subparsers(subs.pop("workload")).items()}
     assert set(nested) == {"workload export", "workload list"}
     for name, sub in {**subs, **nested}.items():

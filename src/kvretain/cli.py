@@ -1,5 +1,6 @@
 """The ``kvretain`` command line: ``kvretain replay``, ``kvretain policies``; ``simulate`` and ``compare``
-live in :mod:`kvretain.cli_sim`, ``workload export`` / ``workload list`` in :mod:`kvretain.cli_workload`.
+live in :mod:`kvretain.cli_sim`, ``workload export`` / ``workload list`` in :mod:`kvretain.cli_workload`,
+``profile`` in :mod:`kvretain.cli_profile`.
 
 Choices (policies, priority rules) are listed from the registries.
 """
@@ -234,11 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=cmd_policies)
 
+    from kvretain.cli_profile import add_subcommands as add_profile_subcommands
     from kvretain.cli_sim import add_subcommands
     from kvretain.cli_workload import add_subcommands as add_workload_subcommands
 
     add_subcommands(sub)
     add_workload_subcommands(sub)
+    add_profile_subcommands(sub)
     return p
 
 

@@ -22,7 +22,7 @@ from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
 from kvretain.core.retention import MAX_RETENTION_PRIORITY, MIN_RETENTION_PRIORITY
 from kvretain.engine.sim.catalog import load_catalog
-from kvretain.engine.sim.costmodel import COST_MODELS
+from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
@@ -40,6 +40,27 @@ plugin's run queue differs only in its ghost table, measured in docs/results.md)
 
 
 # ---------------------------------------------------------------------------------------------- args
+def cost_model_option(text: str) -> str:
+    """``--cost-model``: a registered name, or a profile file (``kvretain profile``) read and checked now."""
+    if is_cost_model_file(text):
+        from kvretain.engine.sim.profiled import load_profile
+
+        try:
+            load_profile(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    if text == "profiled":
+        raise argparse.ArgumentTypeError(
+            "'profiled' needs its file: pass --cost-model FILE.toml (kvretain profile)"
+        )
+    if text not in COST_MODELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r} (choose from {', '.join(COST_MODELS.names())}, or a FILE.toml)"
+        )
+    return text
+
+
 def _choices_help(docs: dict[str, str]) -> str:
     """``name: doc; ...`` from a registry's descriptions, escaped for argparse's %-formatting of help."""
     return "; ".join(f"{k}: {v.rstrip('.')}" for k, v in docs.items()).replace("%", "%%")
@@ -90,7 +111,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--cost-model",
         default="roofline",
-        choices=COST_MODELS.names(),
+        type=cost_model_option,
+        metavar="{" + ",".join(COST_MODELS.names()) + "} or FILE.toml",
         help="how a step is priced: " + _choices_help(COST_MODELS.describe()),
     )
     h.add_argument("--replicas", type=integer(1), default=1, help="replicas behind the router (default 1)")

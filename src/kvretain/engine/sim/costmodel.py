@@ -204,3 +204,29 @@ COST_MODELS.add(
 def ideal_cost_model(model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> CostModel:
     """Pure roofline at 100% of peak with no step overhead (the field notes' ideal numbers)."""
     return CostModel(model, gpu.ideal(), tp)
+
+
+@COST_MODELS.register("profiled")
+def profiled_cost_model(
+    model: ModelSpec, gpu: GPUSpec, tp: int | None = None, path: str | None = None
+) -> CostModel:
+    """step times fitted to a real engine's steps: pass the file, --cost-model FILE.toml (kvretain profile)"""
+    from kvretain.engine.sim.profiled import ProfiledCostModel, load_profile
+
+    if path is None:
+        raise ValueError(
+            "cost model 'profiled' needs its file: pass --cost-model FILE.toml (kvretain profile)"
+        )
+    return ProfiledCostModel(model, gpu, tp, load_profile(path))
+
+
+def is_cost_model_file(spec: str) -> bool:
+    """Whether a ``--cost-model`` value names a file (a profile) rather than a registered model."""
+    return spec not in COST_MODELS and (spec.endswith(".toml") or "/" in spec or "\\" in spec)
+
+
+def make_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> CostModel:
+    """The cost model ``spec`` names: a registered name, or the path of a profile file (``profiled``)."""
+    if is_cost_model_file(spec):
+        return COST_MODELS.create("profiled", model, gpu, tp, path=spec)
+    return COST_MODELS.create(spec, model, gpu, tp)

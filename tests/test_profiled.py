@@ -1,0 +1,254 @@
+"""The profiled cost model: the fit recovers known coefficients, the TOML round trip, ``simulate --cost-model
+FILE`` prices steps with it, and bad files or options fail on one line with status 2."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.cli import main
+from kvretain.engine.sim.catalog import builtin_catalog
+from kvretain.engine.sim.costmodel import COST_MODELS, make_cost_model
+from kvretain.engine.sim.profiled import (
+    Profile,
+    ProfiledCostModel,
+    StepCoefficients,
+    StepPoint,
+    dumps,
+    fit,
+    load_profile,
+    loads,
+    median_relative_error,
+    write_profile,
+)
+
+TRUE = StepCoefficients(step_overhead_s=0.02, per_token_s=3e-5, per_pair_s=2e-9, per_sequence_s=4e-4)
+
+
+def grid_points(coef: StepCoefficients, noise: float = 0.0, seed: int = 0) -> list[StepPoint]:
+    """The profiler's grid (prefills after cached prefixes, decode batches), priced by ``coef``."""
+    rng = random.Random(seed)
+    shapes = []
+    for p in (0, 256, 768):
+        for n in (32, 128, 512, 1024):
+            shapes.append(("prefill", n, n * p + n * (n + 1) // 2, 1))
+    for c in (32, 256, 1024):
+        for b in (1, 4, 16, 32):
+            shapes.append(("decode", b, b * (c + 2), b))
+    out = []
+    for kind, t, pairs, s in shapes:
+        sec = coef.predict(t, pairs, s) * (1 + rng.uniform(-noise, noise))
+        out.append(StepPoint(t, pairs, s, sec, kind))
+    return out
+
+
+def test_fit_recovers_known_coefficients_exactly() -> None:
+    got = fit(grid_points(TRUE))
+    for a, b in zip(got.as_tuple(), TRUE.as_tuple(), strict=True):
+        assert a == pytest.approx(b, rel=1e-7)
+    assert median_relative_error(got, grid_points(TRUE)) < 1e-9
+
+
+def test_fit_with_noise_stays_close_and_nonnegative() -> None:
+    pts = grid_points(TRUE, noise=0.05, seed=3)
+    got = fit(pts)
+    assert min(got.as_tuple()) >= 0
+    assert got.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.15)
+    assert got.per_token_s == pytest.approx(TRUE.per_token_s, rel=0.15)
+    assert median_relative_error(got, pts) < 0.05
+
+
+def test_a_few_stalled_steps_do_not_pull_the_fit() -> None:
+    # three steps slowed 5x-20x (another process held the CPU): the absolute-error fit keeps the others exact
+    pts = grid_points(TRUE)
+    for i, k in ((0, 5.0), (9, 20.0), (17, 8.0)):
+        p = pts[i]
+        pts[i] = StepPoint(p.tokens, p.pairs, p.sampled, p.seconds * k, p.kind)
+    got = fit(pts)
+    for a, b in zip(got.as_tuple(), TRUE.as_tuple(), strict=True):
+        assert a == pytest.approx(b, rel=1e-3)
+    assert median_relative_error(got, pts) < 1e-3
+
+
+def test_fit_clamps_a_coefficient_the_data_wants_negative() -> None:
+    # step times that fall with the number of sampled sequences: the unconstrained fit would price
+    # per_sequence_s < 0; the fit drops that coefficient instead
+    pts = [StepPoint(t, 0, s, 0.01 + 1e-4 * t - 1e-5 * s) for t in (8, 64, 256, 512) for s in (1, 8)]
+    got = fit(pts)
+    assert got.per_sequence_s == 0 and min(got.as_tuple()) >= 0
+
+
+def test_fit_needs_enough_points() -> None:
+    with pytest.raises(ValueError, match="at least 4 points"):
+        fit(grid_points(TRUE)[:3])
+
+
+def test_toml_round_trip(tmp_path: Path) -> None:
+    pts = grid_points(TRUE, noise=0.02)
+    prof = Profile(fit(pts), tuple(pts), {"engine": 'vllm "0.32"', "model": "/m/tiny", "block_size": 32})
+    path = tmp_path / "cost.toml"
+    write_profile(path, prof)
+    back = load_profile(path)
+    assert back.coefficients == prof.coefficients
+    assert back.points == prof.points
+    err = prof.median_relative_error()
+    assert back.info == {**prof.info, "median_abs_rel_error": err}
+    assert dumps(back) == dumps(prof)
+
+
+def test_profiled_cost_model_prices_steps_with_the_coefficients() -> None:
+    cat = builtin_catalog()
+    model, gpu = cat.model("llama-3-8b"), cat.gpu("h100-sxm")
+    cm = ProfiledCostModel(model, gpu, None, Profile(TRUE))
+    # a prefill of 100 after 64 cached (finishing) plus two decodes at contexts 10 and 20
+    t = cm.step_time(((100, 64, True),), (10, 20))
+    assert t == pytest.approx(TRUE.predict(102, 100 * 64 + 5050 + 30, 3))
+    assert cm.decode_step_time(2, 30) == pytest.approx(TRUE.predict(2, 30, 2))
+    assert cm.step_time((), ()) == 0.0
+    # sizes stay the catalog's
+    assert cm.kv_bytes_per_token() == make_cost_model("roofline", model, gpu).kv_bytes_per_token()
+    assert "profiled" in COST_MODELS
+    with pytest.raises(ValueError, match="needs its file"):
+        COST_MODELS.create("profiled", model, gpu)
+
+
+def test_simulate_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cost.toml"
+    write_profile(path, Profile(TRUE))
+    argv = ["simulate", "--limit", "30", "--kv-blocks", "2000", "--no-progress", "--json"]
+    assert main([*argv, "--cost-model", str(path)]) == 0
+    prof = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--cost-model", "roofline"]) == 0
+    roof = json.loads(capsys.readouterr().out)
+    assert prof["requests"] == roof["requests"] == 30
+    assert prof["cost_model"] == str(path) and roof["cost_model"] == "roofline"
+    # a step costs >= 20 ms here against a few ms on an H100's roofline: the profiled run takes longer
+    assert prof["simulated_s"] > roof["simulated_s"]
+    slow = tmp_path / "slow.toml"
+    write_profile(slow, Profile(StepCoefficients(0.04, 6e-5, 4e-9, 8e-4)))
+    assert main([*argv, "--cost-model", str(slow)]) == 0
+    assert json.loads(capsys.readouterr().out)["simulated_s"] > prof["simulated_s"]
+
+
+BAD = {
+    "missing.toml": None,
+    "not-toml.toml": "this is = = not toml",
+    "no-coef.toml": "[profile]\nformat = 1\n",
+    "lacks.toml": "[coefficients]\nstep_overhead_s = 0.1\n",
+    "negative.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = -1.0\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\n",
+    "text.toml": '[coefficients]\nstep_overhead_s = "fast"\nper_token_s = 1.0\nper_pair_s = 0.0\n'
+    "per_sequence_s = 0.0\n",
+    "unknown.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = 1.0\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\nper_block_s = 1.0\n",
+    "badpoint.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = 1.0\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\n[[point]]\ntokens = 3\npairs = 1\nsampled = 1\nseconds = -2.0\n",
+    "format.toml": "[profile]\nformat = 9\n",
+}
+WORDS = {
+    "missing.toml": "No such file",
+    "not-toml.toml": "not TOML",
+    "no-coef.toml": "no [coefficients]",
+    "lacks.toml": "lacks per_token_s",
+    "negative.toml": "per_token_s must be a finite number >= 0",
+    "text.toml": "step_overhead_s must be",
+    "unknown.toml": "unknown field(s) per_block_s",
+    "badpoint.toml": "point 1: point seconds must be a number > 0",
+    "format.toml": "format 9",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_cost_model_files_fail_on_one_line(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / name
+    if BAD[name] is not None:
+        path.write_text(BAD[name] or "")
+    with pytest.raises(ValueError, match=str(path.name)):
+        load_profile(path)
+    assert main(["simulate", "--limit", "5", "--no-progress", "--cost-model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --cost-model" in err and WORDS[name] in err
+
+
+def test_unknown_cost_model_name_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--cost-model", "fancy", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "roofline" in err and "FILE.toml" in err
+
+
+def test_loads_names_where() -> None:
+    with pytest.raises(ValueError, match=r"^here: no"):
+        loads("", where="here")
+
+
+def test_profile_cli_errors_are_one_line(tmp_path: Path) -> None:
+    # a missing model directory and a missing measuring Python: status 2, one line, nothing started
+    for extra in (["--model", str(tmp_path / "nope")], ["--model", str(tmp_path), "--python", "/no/python"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "kvretain", "profile", *extra], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "argument --" in r.stderr
+    argv = ["profile", "--model", str(tmp_path), "--python", sys.executable, "--cached", "10"]
+    r = subprocess.run(
+        [sys.executable, "-m", "kvretain", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "multiple of --block-size" in r.stderr
+
+
+def test_profile_command_fits_and_writes_with_a_fake_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a stand-in for the vLLM Python: prints the measuring module's lines for steps priced by TRUE
+    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}', "some vLLM log line"]
+    for p in grid_points(TRUE):
+        ev = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs, "sampled": p.sampled}
+        ev |= {"seconds": p.seconds, "label": f"{p.kind} {p.tokens}"}
+        lines.append("KVRETAIN-PROFILE " + json.dumps(ev))
+    lines.append('KVRETAIN-PROFILE {"event": "info", "engine": "fake 1.0", "block_size": 32}')
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(lines) + "\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "cost.toml"
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["median_abs_rel_error"] < 1e-9 and obj["points"] == len(grid_points(TRUE))
+    if obj["plot"] is not None:  # matplotlib importable
+        assert Path(obj["plot"]).stat().st_size > 0
+    prof = load_profile(out)
+    assert prof.coefficients.per_token_s == pytest.approx(TRUE.per_token_s, rel=1e-6)
+    assert prof.info["engine"] == "fake 1.0"
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "median |relative error| 0.0%" in table and "within the 10% target" in table
+    # a measuring process that fails: one line with its last words, status 2
+    fake.write_text("#!/bin/sh\necho 'RuntimeError: no vLLM here'\nexit 1\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "failed with status 1: RuntimeError: no vLLM here" in err
+
+
+def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--cost-model", "profiled", "--no-progress"]) == 2
+    assert "needs its file" in capsys.readouterr().err
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--timeout", "1", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran past 1 s" in err
