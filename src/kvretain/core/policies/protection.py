@@ -21,7 +21,11 @@ Per block reference the controller keeps decayed sums of: the pool's hits ``A`` 
 traffic. Two relative errors follow::
 
     reuse slack   s = (A - (1 - max_reuse_loss) * E) / max(A, E)      # > 0: overall reuse above its floor
-    isolation gap g = (isolation_goal * E_p - A_p) / max(A_p, E_p)    # > 0: protected traffic short of its goal
+    isolation gap g = (max(isolation_goal * E_p, L_p) - A_p) / max(A_p, E_p)    # > 0: protected traffic short
+
+where ``L_p`` is the LRU shadow's hits of protected traffic: the goal never asks for less than what protected
+traffic gets from plain LRU in the shared pool (where LRU already gives it most of its isolated hits, a goal
+of 0.9 of them would otherwise let the controller give protected traffic less than no protection at all).
 
 and one actuator, the *protection level* ``lam`` in [-1, 1], integrates the tighter of the two, ``u = min(g,
 s)``: it rises while protected traffic is short of its goal *and* overall reuse has room above its floor, and
@@ -195,8 +199,8 @@ class ProtectionController:
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
         self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
-        # (protected traffic); sampled references of each
-        self._acc = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic
+        self._acc = [0.0] * 7
         self.binding = "none"
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
@@ -228,7 +232,7 @@ class ProtectionController:
         if h > 0.0 and self._hits_needed / h > window:
             window = self._hits_needed / h
         d = math.exp(-n / window)
-        for i in range(6):
+        for i in range(7):
             acc[i] *= d
         acc[0] += hits
         acc[1] += lru_hits
@@ -249,13 +253,19 @@ class ProtectionController:
             acc[2] += hits
             acc[3] += self._iso.reference(sampled)
             acc[5] += n
+            acc[6] += lru_hits
         a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]
+        # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
+        # LRU gives it in the shared pool (protection must not leave it worse off than no protection at all)
+        want = self._goal * ep
+        if acc[6] > want:
+            want = acc[6]
         # relative to the larger count, so that both errors lie in [-1, 1] (and a shadow that hits nothing
         # leaves full room, not a division by zero)
         m = e if e > a else a
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
         m = ep if ep > ap else ap
-        gap = (self._goal * ep - ap) / m if m > 0.0 else -1.0
+        gap = (want - ap) / m if m > 0.0 else -1.0
         u = gap if gap < slack else slack
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
         evidence = a if a > e else e
