@@ -131,7 +131,7 @@ def test_sampling_is_spatial_and_sized_for_the_pool() -> None:
         assert 60 <= len(ctl._lru.entries) <= 140
         # the recency/frequency candidates track a sub-sample of the controller's: BALANCE_SAMPLE blocks
         assert ctl.balance is not None and ctl.balance._tracked == BALANCE_SAMPLE
-        assert 10 <= len(ctl.balance._lru) <= 40
+        assert 10 <= len(ctl.balance._lru.entries) <= 40
 
 
 def test_unified_reports_the_controller_state() -> None:

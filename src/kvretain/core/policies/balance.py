@@ -22,69 +22,17 @@ controller is built to resolve). ``p`` starts at ``START_SHARE`` (0.5); ``alpha`
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.rules import HALF_USE
+from kvretain.core.policies.shadow import GDShadow, LRUShadow
 
 ALPHA_STEPS = 32
 """Quantization of ``alpha`` (the frequency table is rebuilt when it moves by one step)."""
 START_SHARE = 0.5
 """The recency share before any evidence: halfway between the two candidates (with nothing known about the
 traffic, the midpoint bounds the early loss against whichever of the two turns out better)."""
-
-
-class _GDShadow:
-    """A directory of block identities under GreedyDual-Frequency: key ``L + uses ** exponent``, ``L`` the key
-    of the last victim; ``capacity`` entries, use counts of evicted ones remembered (``ghost`` entries)."""
-
-    __slots__ = ("L", "_exp", "_ghost", "_heap", "_serial", "cap", "capacity", "entries")
-
-    def __init__(self, capacity: int, exponent: float, cap: int, ghost: int) -> None:
-        self.capacity = max(1, capacity)
-        self._exp = exponent
-        self.cap = cap
-        self.entries: dict[BlockHash, tuple[float, int, int]] = {}  # hash -> (key, uses, serial)
-        self._heap: list[tuple[float, int, BlockHash]] = []
-        self._serial = 0
-        self._ghost = GhostTable(ghost)
-        self.L = 0.0
-
-    def reference(self, sampled: Sequence[BlockHash]) -> int:
-        """Look up ``sampled`` (prefix order), count those resident, then use them, deepest first."""
-        entries = self.entries
-        hits = 0
-        for h in sampled:
-            if h in entries:
-                hits += 1
-        heap = self._heap
-        exp = self._exp
-        for i in range(len(sampled) - 1, -1, -1):
-            h = sampled[i]
-            got = entries.get(h)
-            uses = (got[1] if got is not None else self._ghost.take(h)) + 1
-            if uses > self.cap:
-                uses = self.cap
-            key = self.L + float(uses) ** exp
-            self._serial += 1
-            entries[h] = (key, uses, self._serial)
-            heapq.heappush(heap, (key, self._serial, h))  # ties: the older first
-        while len(entries) > self.capacity:
-            key, serial, h = heapq.heappop(heap)
-            got = entries.get(h)
-            if got is None or got[2] != serial:
-                continue  # a stale entry (the block was used again since)
-            del entries[h]
-            self._ghost.put(h, got[1])
-            if key > self.L:
-                self.L = key
-        if len(heap) > 4 * self.capacity + 64:  # drop stale entries
-            self._heap = [(k, s, h) for k, s, h in heap if h in entries and entries[h][2] == s]
-            heapq.heapify(self._heap)
-        return hits
 
 
 class FrequencyBalance:
@@ -95,8 +43,8 @@ class FrequencyBalance:
 
     def __init__(self, tracked: int, exponent: float, cap: int, ghost_factor: float, margin: float) -> None:
         self._exp = exponent
-        self._shadow = _GDShadow(tracked, exponent, cap, int(ghost_factor * tracked))
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        self._shadow = GDShadow(tracked, exponent, cap, int(ghost_factor * tracked))
+        self._lru = LRUShadow(tracked)
         self._tracked = tracked
         self._gain = 1.0 / max(margin, 0.01)
         self._e = 0.0
@@ -111,19 +59,7 @@ class FrequencyBalance:
     def update(self, sampled: Sequence[BlockHash], decay: float, window: float) -> bool:
         """One lookup's ``sampled`` blocks (prefix order); ``decay`` is the controller's for this lookup and
         ``window`` its window in these references. Returns True when ``alpha`` moved a step."""
-        lru = self._lru
-        e_hits = 0
-        for h in sampled:
-            if h in lru:
-                e_hits += 1
-        for i in range(len(sampled) - 1, -1, -1):  # deepest first, as a release orders them
-            h = sampled[i]
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-        while len(lru) > self._tracked:
-            lru.popitem(last=False)
+        e_hits = self._lru.reference(sampled)
         g = self._shadow.reference(sampled)
         self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g

@@ -60,12 +60,12 @@ passed):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
 from kvretain.core.policies.rules import frequency_terms, retention_weights
+from kvretain.core.policies.shadow import LRUShadow
 from kvretain.core.policy import PolicyConfig
 
 SHARDS_SAMPLE = 8192
@@ -93,37 +93,6 @@ def spatial_key(block_hash: BlockHash) -> int:
 def _cut(num_blocks: int, sample: int) -> int:
     """Keys below this are sampled: ``min(1, sample / num_blocks)`` of them, at least one key in 2**16."""
     return max(1, min(_KEYS, math.ceil(_KEYS * sample / max(1, num_blocks))))
-
-
-class _LRUShadow:
-    """A directory of block identities in LRU order, ``capacity`` entries (no data: a shadow of a cache)."""
-
-    __slots__ = ("capacity", "entries")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self.entries: OrderedDict[BlockHash, None] = OrderedDict()
-
-    def reference(self, sampled: Sequence[BlockHash]) -> int:
-        """Look up ``sampled`` (one request's tracked blocks, in prefix order), count those resident, then
-        make them the most recent, deepest first (a request's blocks are released deepest first, so its
-        prefix stays behind its tail in LRU order)."""
-        entries = self.entries
-        hits = 0
-        for h in sampled:
-            if h in entries:
-                hits += 1
-        move = entries.move_to_end
-        for i in range(len(sampled) - 1, -1, -1):
-            h = sampled[i]
-            if h in entries:
-                move(h)
-            else:
-                entries[h] = None
-        cap = self.capacity
-        while len(entries) > cap:
-            entries.popitem(last=False)
-        return hits
 
 
 class ProtectionController:
@@ -175,8 +144,8 @@ class ProtectionController:
         self._rate_cut = cut = _cut(num_blocks, SHARDS_SAMPLE)
         self.rate = rate = cut / _KEYS
         tracked = max(1, round(rate * num_blocks))
-        self._lru = _LRUShadow(tracked)
-        self._iso = _LRUShadow(tracked)
+        self._lru = LRUShadow(tracked)
+        self._iso = LRUShadow(tracked)
         self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
         self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
