@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvretain.integrations.vllm.launch import VLLMServer, tiny_server_args  # noqa: E402
+from kvretain.integrations.vllm.launch import VLLMServer, stream_chat, tiny_server_args  # noqa: E402
 
 WORDS = tuple(
     [
@@ -189,28 +189,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
 async def stream(
     client: Any, model: str, messages: list[dict[str, str]], prio: int, max_tokens: int
 ) -> tuple[Result, str]:
-    t0 = time.monotonic()
-    ttft = None
-    parts: list[str] = []
-    usage = None
-    st = await client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"priority": prio, "ignore_eos": True},
-    )
-    async for chunk in st:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for ch in chunk.choices:
-            if ch.delta.content:
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                parts.append(ch.delta.content)
-    e2e = time.monotonic() - t0
+    got = await stream_chat(client, model, messages, prio, max_tokens)
+    usage, ttft, e2e = got.usage, got.ttft, got.e2e
     details = usage.prompt_tokens_details if usage is not None else None
     res = Result(
         cls=prio,
@@ -220,7 +200,7 @@ async def stream(
         ttft=e2e if ttft is None else ttft,
         e2e=e2e,
     )
-    return res, "".join(parts)
+    return res, got.text
 
 
 async def drive(

@@ -9,6 +9,8 @@ import time
 import openai
 from _client import user
 
+from kvretain.integrations.vllm.launch import stream_chat
+
 CLIENTS = 64
 DURATION_S = 20.0
 """Clients start requests for this long, then finish the ones in flight (each is 16 tokens)."""
@@ -17,28 +19,8 @@ PROMPTS_PER_CLASS = 8
 
 
 async def _stream(client, model, prompt, priority):
-    t0 = time.monotonic()
-    ttft = None
-    parts: list[str] = []
-    usage = None
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"priority": priority, "ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for ch in chunk.choices:
-            if ch.delta.content:
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                parts.append(ch.delta.content)
-    return ttft, "".join(parts), usage.completion_tokens if usage else None
+    got = await stream_chat(client, model, prompt, priority, MAX_TOKENS)
+    return got.ttft, got.text, got.usage.completion_tokens if got.usage else None
 
 
 def _p99(xs):

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -176,3 +177,41 @@ def tiny_server_args(num_blocks: int, max_model_len: int = 512, extra: Sequence[
         "--enable-prompt-tokens-details",
         *extra,
     ]
+
+
+@dataclass
+class Streamed:
+    """One streamed chat completion as a client sees it: time to the first content token (``None``: no content),
+    total time, the text, and the final usage chunk (``None`` when the server sent none)."""
+
+    ttft: float | None
+    e2e: float
+    text: str
+    usage: Any
+
+
+async def stream_chat(client: Any, model: str, messages: Any, priority: int, max_tokens: int) -> Streamed:
+    """Send one greedy streaming chat completion at ``priority`` through an ``openai.AsyncOpenAI`` client (the
+    serve tests' and ``bench/vllm_serve.py``'s one request loop)."""
+    t0 = time.monotonic()
+    ttft = None
+    parts: list[str] = []
+    usage = None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"priority": priority, "ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                parts.append(ch.delta.content)
+    return Streamed(ttft, time.monotonic() - t0, "".join(parts), usage)
