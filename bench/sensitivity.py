@@ -55,6 +55,10 @@ CONSTANTS = ("WINDOW_TURNOVERS", "SHARDS_SAMPLE")
 FIELDS = ("max_reuse_loss", "isolation_goal", "priority_weight", "budget", "frequency_exponent")
 KNOBS = (*FIELDS, *CONSTANTS)
 FACTORS = (0.5, 2.0)
+# one-class runs (every request priority 0): by default only for the default setting and the knobs that the base
+# order's recency/frequency balance reads (its exponent; its window, from max_reuse_loss and WINDOW_TURNOVERS),
+# to keep the pass short; --one-class-all runs every setting
+ONE_CLASS_KNOBS = ("max_reuse_loss", "frequency_exponent", "WINDOW_TURNOVERS")
 FIGURES = (
     "min_overall_vs_lru",
     "cells_below_floor",
@@ -85,6 +89,13 @@ class Setting:
     @property
     def constants(self) -> tuple[tuple[str, Any], ...]:
         return ((self.knob, self.value),) if self.knob in CONSTANTS else ()
+
+
+def same_as_default(s: Setting, capacity: int) -> bool:
+    """True where the setting replays exactly as the default by construction (not run, the default's figures
+    are used): ``SHARDS_SAMPLE`` at pools no larger than both its value and its default, where both
+    sample every block (rate 1)."""
+    return s.knob == "SHARDS_SAMPLE" and capacity <= min(s.value, default_of(s.knob))
 
 
 def default_of(knob: str) -> Any:
@@ -155,7 +166,7 @@ def make_jobs(
     settings: Sequence[Setting],
     quick: bool,
     seed: int,
-    one_class: bool,
+    one_class: Sequence[Setting],
 ) -> list[SensJob]:
     jobs = []
     for t in traces:
@@ -163,13 +174,17 @@ def make_jobs(
             for rule in t.rules(quick):
                 jobs.append(SensJob("reference", grid.Job("cell", t, rule, cap, ("lru",), (), seed=seed)))
                 for s in settings:
+                    if same_as_default(s, cap):
+                        continue
                     job = grid.Job("policies", t, rule, cap, ("unified",), s.overrides, seed=seed)
                     jobs.append(SensJob(s.key, job, s.constants))
             if one_class:
                 jobs.append(
                     SensJob("reference", grid.Job("one-class", t, "one-class", cap, ("lru",), (), seed=seed))
                 )
-                for s in settings:
+                for s in one_class:
+                    if same_as_default(s, cap):
+                        continue
                     job = grid.Job("one-class", t, "one-class", cap, ("unified",), s.overrides, seed=seed)
                     jobs.append(SensJob(s.key, job, s.constants))
     return jobs
@@ -183,7 +198,7 @@ def job_cost(sj: SensJob, blocks: dict[grid.Trace, int]) -> float:
 
 
 def assemble(
-    results: Sequence[dict[str, Any]], settings: Sequence[Setting]
+    results: Sequence[dict[str, Any]], settings: Sequence[Setting], one_class: Sequence[str]
 ) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
     """Per setting key: its cells (the reference cell with this setting's ``unified``, analysed as the grid
     does) and its one-class runs (with ``vs_lru``)."""
@@ -191,6 +206,16 @@ def assemble(
         (r["kind"], r["trace"], r["rule"], r["capacity"]): r for r in results if r["setting"] == "reference"
     }
     out: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {s.key: ([], []) for s in settings}
+    results = list(results)
+    for s in settings:  # the runs skipped as identical to the default: the default's figures
+        if s.factor is not None:
+            results += [
+                {**r, "setting": s.key, "same_as_default": True}
+                for r in results
+                if r["setting"] == "default"
+                and same_as_default(s, r["capacity"])
+                and (r["kind"] != "one-class" or s.key in one_class)
+            ]
     for r in results:
         if r["setting"] == "reference":
             continue
@@ -252,7 +277,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--knobs", nargs="+", default=list(KNOBS), metavar="KNOB", help=f"a subset of {', '.join(KNOBS)}"
     )
+    ap.add_argument(
+        "--traces", nargs="+", default=None, metavar="NAME", help="only these of the grid's traces (by name)"
+    )
     ap.add_argument("--no-one-class", action="store_true", help="skip the one-class runs")
+    ap.add_argument(
+        "--one-class-all",
+        action="store_true",
+        help=f"one-class runs for every setting (default: the default and {', '.join(ONE_CLASS_KNOBS)})",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     ap.add_argument("--out", default="reports/robustness", help="folder for the generated traces")
@@ -274,12 +307,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--capacities must be positive")
         settings = make_settings(list(dict.fromkeys(args.knobs)))
         traces = grid.prepare_traces(args, Path(args.out))
+        if args.traces:
+            names = [t.name for t in traces]
+            unknown = [n for n in args.traces if n not in names]
+            if unknown:
+                raise ValueError(f"--traces: unknown {', '.join(unknown)}; the grid has {', '.join(names)}")
+            traces = [t for t in traces if t.name in args.traces]
         blocks, per_block, note = grid.timing(traces)
     except (ValueError, TraceError, WorkloadError, OSError) as exc:
         print(f"sensitivity: error: {exc}", file=sys.stderr)
         return 2
+    one_class = (
+        []
+        if args.no_one_class
+        else [s for s in settings if args.one_class_all or s.factor is None or s.knob in ONE_CLASS_KNOBS]
+    )
     jobs = sorted(
-        make_jobs(traces, caps, settings, args.quick, args.seed, not args.no_one_class),
+        make_jobs(traces, caps, settings, args.quick, args.seed, one_class),
         key=lambda j: -job_cost(j, blocks),
     )
     total = sum(job_cost(j, blocks) for j in jobs) * per_block
@@ -294,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = grid.run_all(jobs, n_proc, not args.no_progress, fn=run_sens)
     wall = time.perf_counter() - t0
-    per_setting = assemble(results, settings)
+    per_setting = assemble(results, settings, [s.key for s in one_class])
     summaries = {k: summarise(cells, one) for k, (cells, one) in per_setting.items()}
     n_cells = summaries["default"]["cells"]
     print(f"\nknob sensitivity of unified: {n_cells} cells per setting; ran {wall / 60:.1f} min")
@@ -306,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "capacities": caps,
                 "seed": args.seed,
                 "knobs": args.knobs,
-                "one_class": not args.no_one_class,
+                "one_class": [s.key for s in one_class],
                 "traces": {t.name: {"path": t.path, "rules": t.rules(args.quick)} for t in traces},
             },
             "settings": [
