@@ -1,0 +1,139 @@
+"""bench/sensitivity.py: the knob settings, the module-constant override in pool workers, and the CLI end to end
+on tiny generated traces (seconds)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.core.policies import protection
+from kvretain.workloads import WORKLOADS
+from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
+from kvretain.workloads.export import write_mooncake
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import robustness as grid
+import sensitivity as sens
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+FIGURES = [
+    "min_overall_vs_lru",
+    "cells_below_floor",
+    "min_class0_vs_lru",
+    "cells_class0_below_lru",
+    "cells_class0_target_met",
+    "one_class_min_vs_lru",
+]
+
+
+def test_settings_scale_each_knob_with_the_documented_exceptions() -> None:
+    got = {s.key: s for s in sens.make_settings(sens.KNOBS)}
+    assert next(iter(got)) == "default" and len(got) == 1 + 2 * len(sens.KNOBS)
+    assert got["max_reuse_loss=0.5x"].value == 0.01 and got["max_reuse_loss=2x"].value == 0.04
+    # the goal's tolerance 1 - goal is scaled, not the goal
+    assert got["isolation_goal=0.5x"].value == 0.95 and got["isolation_goal=2x"].value == 0.8
+    # a share of the pool: 2 x 0.95 is clamped to 1
+    assert got["budget=0.5x"].value == 0.475 and got["budget=2x"].value == 1.0
+    assert "clamped" in got["budget=2x"].note
+    assert got["SHARDS_SAMPLE=0.5x"].value == protection.SHARDS_SAMPLE // 2
+    assert isinstance(got["SHARDS_SAMPLE=2x"].value, int)
+    assert got["WINDOW_TURNOVERS=2x"].constants == (("WINDOW_TURNOVERS", 2 * protection.WINDOW_TURNOVERS),)
+    assert got["WINDOW_TURNOVERS=2x"].overrides == () and got["budget=2x"].constants == ()
+
+
+def test_protection_constants_are_restored_and_checked() -> None:
+    before = protection.WINDOW_TURNOVERS
+    with sens.protection_constants({"WINDOW_TURNOVERS": 99.0}):
+        assert protection.WINDOW_TURNOVERS == 99.0
+    assert before == protection.WINDOW_TURNOVERS
+    with pytest.raises(ValueError, match="BIAS_STEPS"), sens.protection_constants({"BIAS_STEPS": 1}):
+        pass
+
+
+def test_module_constants_reach_the_pool_workers_and_move_the_figures(tmp_path: Path) -> None:
+    path = tmp_path / "agents.jsonl"
+    write_mooncake(WORKLOADS.create("agent-pauses", rng=random.Random(0), duration_s=300.0), path, 512)
+    trace = grid.Trace("agents", str(path), native=True)
+    job = grid.Job("policies", trace, "native", 200, ("unified",), ())
+    settings = [(), (("WINDOW_TURNOVERS", 64.0),), (("SHARDS_SAMPLE", 16),)]
+    jobs = [sens.SensJob(str(i), job, c) for i, c in enumerate(settings)]
+    out = {r["setting"]: r for r in grid.run_all(jobs, 2, False, fn=sens.run_sens)}
+    default = out["0"]
+    assert default["constants_seen"] == {
+        "WINDOW_TURNOVERS": protection.WINDOW_TURNOVERS,
+        "SHARDS_SAMPLE": protection.SHARDS_SAMPLE,
+    }
+    assert out["1"]["constants_seen"]["WINDOW_TURNOVERS"] == 64.0
+    assert out["2"]["constants_seen"]["SHARDS_SAMPLE"] == 16
+    # each override changes what unified does in the worker (the hit ratios are deterministic)
+    assert out["1"]["unified"] != default["unified"] and out["2"]["unified"] != default["unified"]
+    assert protection.WINDOW_TURNOVERS == 4.0 and protection.SHARDS_SAMPLE == 8192  # this process untouched
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "sensitivity.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.bench
+def test_sensitivity_cli_table_json_and_a_knob_that_moves_a_figure(tmp_path: Path) -> None:
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    out = tmp_path / "sens.json"
+    res = _run(
+        "--quick",
+        "--trace",
+        str(trace),
+        "--capacities",
+        "16",
+        "48",
+        "--knobs",
+        "budget",
+        "WINDOW_TURNOVERS",
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+        "--out",
+        str(tmp_path / "report"),
+        "--no-progress",
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    last = json.loads(lines[-1])
+    keys = ["default", "budget=0.5x", "budget=2x", "WINDOW_TURNOVERS=0.5x", "WINDOW_TURNOVERS=2x"]
+    assert list(last) == ["cells", "settings"] and last["cells"] == 2 * 2  # 2 capacities x 2 rules
+    assert list(last["settings"]) == keys
+    assert all(list(s) == FIGURES for s in last["settings"].values())
+    assert any(line.lstrip().startswith("budget") and "clamped to 1" in line for line in lines)
+    # half the budget must change the figures on this trace (at 16 blocks the default's protection costs reuse)
+    assert last["settings"]["budget=0.5x"] != last["settings"]["default"]
+    # one-class runs: the default and WINDOW_TURNOVERS (the balance reads it), not budget
+    assert last["settings"]["budget=2x"]["one_class_min_vs_lru"] is None
+    assert last["settings"]["WINDOW_TURNOVERS=2x"]["one_class_min_vs_lru"] is not None
+    doc = json.loads(out.read_text())
+    assert doc["summary"] == last
+    assert [s["key"] for s in doc["settings"]] == keys
+    assert all(len(doc["cells"][k]) == 4 for k in keys)
+    cell = doc["cells"]["WINDOW_TURNOVERS=2x"][0]
+    assert {"lru", "unified", "isolation", "class0_target", "misses"} <= set(cell)
+    assert cell["constants_seen"]["WINDOW_TURNOVERS"] == 2 * protection.WINDOW_TURNOVERS
+    assert all(c["unified"] for c in doc["one_class"]["default"]) and doc["one_class"]["budget=2x"] == []
+
+
+def test_bad_knob_is_one_line_and_status_2(tmp_path: Path) -> None:
+    res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--knobs", "no_such_knob")
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.strip().splitlines()) == 1 and "no_such_knob" in res.stderr
