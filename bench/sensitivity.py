@@ -1,14 +1,17 @@
 """Knob sensitivity of ``unified`` on the robustness grid (issue 10, deliverable 8): the grid's acceptance
 figures with every knob at its default and at 0.5x and 2x it, one knob at a time.
 
-    python bench/sensitivity.py [--capacities 500 2972 9752 32000] [--jobs N] [--knobs K ...] [--json FILE]
+    python bench/sensitivity.py [--capacities 500 5384 32000] [--traces NAME ...] [--jobs N] [--knobs K ...] [--json FILE]
     python bench/sensitivity.py --quick            # smoke test: bench/robustness.py's --quick grid
 
 The traces, priority rules and capacities are bench/robustness.py's (imported, not copied: ``--mooncake``,
 ``--trace``, ``--quick``, ``--capacities``, ``--seed``, ``--out`` as there), and so are the cell analysis and
 the summary. Per cell (trace x rule x capacity) ``lru`` and the isolation reference run once (they do not
 depend on ``unified``'s knobs); ``unified`` runs once per setting. Per trace x capacity the one-class run
-(every request priority 0) of ``lru`` once and of ``unified`` per setting (``--no-one-class`` skips it).
+(every request priority 0) of ``lru`` once and of ``unified`` at the default and at the settings of
+``ONE_CLASS_KNOBS`` (``--one-class-all``: every setting; ``--no-one-class``: none). ``--traces`` keeps only
+the named grid traces. A ``SHARDS_SAMPLE`` setting at a pool no larger than both it and its default samples
+every block, as the default does, so it is not rerun: the default's figures stand for it.
 
 Knobs and their settings (0.5x and 2x the default, except where said):
   * ``PolicyConfig`` fields: ``max_reuse_loss``, ``isolation_goal``, ``priority_weight``, ``budget``,
@@ -55,9 +58,10 @@ CONSTANTS = ("WINDOW_TURNOVERS", "SHARDS_SAMPLE")
 FIELDS = ("max_reuse_loss", "isolation_goal", "priority_weight", "budget", "frequency_exponent")
 KNOBS = (*FIELDS, *CONSTANTS)
 FACTORS = (0.5, 2.0)
-# one-class runs (every request priority 0): by default only for the default setting and the knobs that the base
-# order's recency/frequency balance reads (its exponent; its window, from max_reuse_loss and WINDOW_TURNOVERS),
-# to keep the pass short; --one-class-all runs every setting
+# one-class runs (every request priority 0): by default only for the default setting and the knobs of the base
+# order (frequency_exponent; max_reuse_loss and WINDOW_TURNOVERS, which also set the recency/frequency balance's
+# window), to keep the pass short. The other knobs can move a one-class run too (every request then maps to
+# retention 35, the protect threshold, so all traffic is protected traffic): --one-class-all measures them.
 ONE_CLASS_KNOBS = ("max_reuse_loss", "frequency_exponent", "WINDOW_TURNOVERS")
 FIGURES = (
     "min_overall_vs_lru",
