@@ -35,6 +35,8 @@ import json
 import math
 import os
 import random
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +50,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
+from kvretain.engine.sim.profiled import load_profile  # noqa: E402
 from kvretain.engine.sim.simulator import SimConfig, Simulation  # noqa: E402
 from kvretain.integrations.vllm.config import PluginConfig  # noqa: E402
 from kvretain.sched.config import SchedulerConfig  # noqa: E402
@@ -58,6 +61,7 @@ POLICIES = ("lru", "unified")
 TARGET_RATIO = 0.20
 TARGET_HIT = 0.03
 """Issue 13's acceptance: simulated TTFT p50 and TPOT p50 within 20% of the real server's, hits within 0.03."""
+WARMUPS = 4
 TOKEN_LO, TOKEN_HI = 256, 49152
 """Prompt token ids: SmolLM2's vocabulary (49,152) above its special and byte tokens."""
 
@@ -235,9 +239,12 @@ def run_sim(
 
 
 # ---------------------------------------------------------------------------------------------- real side
-async def drive(base_url: str, model: str, workload: Sequence[WorkloadRequest]) -> list[Record]:
+async def drive(
+    base_url: str, model: str, workload: Sequence[WorkloadRequest]
+) -> tuple[list[Record], list[float]]:
     """Send the workload to the server at its release times: open-loop requests at ``arrival_s``, a session's
-    next turn ``think_s`` after the previous one's last token."""
+    next turn ``think_s`` after the previous one's last token. Also returns the TTFTs of the warm-up requests
+    (8-token prompts on the idle server, the first one's included)."""
     import openai
 
     from kvretain.integrations.vllm.launch import stream_completion
@@ -252,8 +259,10 @@ async def drive(base_url: str, model: str, workload: Sequence[WorkloadRequest]) 
         else:
             roots.append(w)
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600)
-    for i in range(3):  # warm-up, not measured: short prompts that fill no block
-        await stream_completion(client, model, [TOKEN_LO + i] * 8, 1, 2)
+    idle = []
+    for i in range(WARMUPS):  # warm-up, not measured: short prompts that fill no block
+        got = await stream_completion(client, model, [TOKEN_LO + i] * 8, 1, 2)
+        idle.append(got.e2e if got.ttft is None else got.ttft)
     records: list[Record] = []
     t0 = time.monotonic()
 
@@ -286,12 +295,12 @@ async def drive(base_url: str, model: str, workload: Sequence[WorkloadRequest]) 
         for w in roots:
             tg.create_task(later(w, w.arrival_s - (time.monotonic() - t0), tg))
     await client.close()
-    return records
+    return records, idle
 
 
 def run_real(
     workload: Sequence[WorkloadRequest], limits: Limits, policy: str, args: argparse.Namespace
-) -> list[Record]:
+) -> tuple[list[Record], list[float]]:
     from kvretain.integrations.vllm.launch import VLLMServer
 
     env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy}
@@ -304,14 +313,31 @@ def run_real(
     )
     t0 = time.monotonic()
     with srv:
+        bound = re.search(r"core ids=\[([0-9, ]*)\]", srv.log_text())
+        if (
+            bound is not None
+            and [int(c) for c in bound.group(1).split(",") if c.strip()] != server_engine_cpus()
+        ):
+            print(
+                f"   NOTE: the server's engine is bound to cores [{bound.group(1)}], the profile's to "
+                f"{server_engine_cpus()}"
+            )
         print(
             f"   {policy}: server ready in {time.monotonic() - t0:.0f} s; sending {len(workload)} requests",
             flush=True,
         )
         t1 = time.monotonic()
-        recs = asyncio.run(drive(srv.base_url, str(args.model), workload))
+        recs, idle = asyncio.run(drive(srv.base_url, str(args.model), workload))
         print(f"   {policy}: done in {time.monotonic() - t1:.0f} s", flush=True)
-    return recs
+    return recs, idle
+
+
+def server_engine_cpus() -> list[int]:
+    """The cores a vLLM 0.32 server on x86 CPU binds its engine core to (one OMP thread each): all allowed
+    cores but the last, which it reserves for its API server (``VLLM_CPU_OMP_THREADS_BIND=auto``; its log
+    says "core ids=[...]", which :func:`run_real` checks)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:-1] or cpus
 
 
 def profile(limits: Limits, args: argparse.Namespace) -> str:
@@ -350,6 +376,8 @@ def profile(limits: Limits, args: argparse.Namespace) -> str:
         "4",
         "--statistic",
         args.profile_statistic,
+        "--cpus",
+        ",".join(map(str, server_engine_cpus())),
         "--block-size",
         str(limits.block_size),
         "--no-progress",
@@ -589,13 +617,15 @@ def main(argv: list[str] | None = None) -> int:
         print("== profiling the engine on this machine (kvretain profile)", flush=True)
         cost_model = profile(limits, args)
     real_recs: dict[str, list[Record]] = {}
+    idle: dict[str, list[float]] = {}
     if args.real:
         saved = json.loads(Path(args.real).read_text())
         real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
+        idle = saved.get("idle_ttft", {})
     elif not args.sim_only:
         for pol in POLICIES:
             print(f"== real server, {pol}", flush=True)
-            real_recs[pol] = run_real(workload, limits, pol, args)
+            real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
     sim_recs = {pol: run_sim(workload, limits, pol, cost_model) for pol in POLICIES}
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
@@ -610,7 +640,17 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print(table(cmp))
     print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
+    # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups
+    # after the first) against the cost model's price of its one prefill step
+    coef = load_profile(cost_model).coefficients
+    idle_ms = {p: round(statistics.median(v[1:]) * 1e3, 1) for p, v in idle.items() if len(v) > 1}
+    print(
+        f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step "
+        f"{coef.predict(8, 36, 1) * 1e3:.1f} ms"
+    )
     cmp.summary.update(
+        idle_ttft_ms=idle_ms,
+        idle_step_predicted_ms=round(coef.predict(8, 36, 1) * 1e3, 1),
         requests=len(workload),
         cost_model=cost_model,
         wall_s=round(time.monotonic() - t_start, 1),
@@ -624,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                 "limits": asdict(limits),
                 "real_records": {p: [asdict(r) for r in rs] for p, rs in real_recs.items()},
                 "sim_records": {p: [asdict(r) for r in rs] for p, rs in sim_recs.items()},
+                "idle_ttft": idle,
                 "summary": cmp.summary,
             }
         )

@@ -109,6 +109,13 @@ def add_subcommands(sub: Any) -> None:
         help="a point's time: its fastest step (the engine alone; default) or its median step (the engine as "
         "it runs beside this machine's other processes: for comparing with a server on a shared machine)",
     )
+    p.add_argument(
+        "--cpus",
+        type=int_list,
+        default=None,
+        help="pin the measured engine to these core ids, one thread each (default: unpinned, torch's threads); "
+        "a vLLM server on CPU binds its engine core to all allowed cores but one, kept for its API server",
+    )
     p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
     p.add_argument("--timeout", type=integer(1), default=1800, help="seconds before giving up (default 1800)")
@@ -145,6 +152,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
         "decode_steps": args.decode_steps,
         "rounds": args.rounds,
         "dtype": args.dtype,
+        "cpus": args.cpus,
     }
     src = str(Path(kvretain.__file__).resolve().parent.parent)
     env = dict(os.environ)
@@ -264,6 +272,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "steps per point",
         "points": len(points),
     }
+    if args.cpus:
+        info["cpus"] = ",".join(map(str, args.cpus))
     profile = Profile(coef, tuple(points), info)
     write_profile(args.out, profile)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
