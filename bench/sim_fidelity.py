@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ TOKEN_LO, TOKEN_HI = 256, 49152
 class Limits:
     """The engine's settings, the one source of both sides: the server's options and the simulator's."""
 
-    blocks: int = 160
+    blocks: int = 96
     """``--num-gpu-blocks-override``: vLLM keeps one of them as its null block, the simulator gets the rest."""
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 256
@@ -120,23 +120,24 @@ class WorkloadSpec:
 
     seed: int = 0
     sessions: int = 24
-    turns: int = 6
+    turns: int = 5
     think_s: float = 10.0
     """Mean think time between a turn's end and the next turn (uniform in 0.5x-1.5x)."""
     system_blocks: int = 4
     """Class 0's system prompt, shared by every session."""
-    context_blocks: int = 4
+    context_blocks: int = 2
     """Each session's own context after the system prompt."""
     question_blocks: tuple[int, int] = (1, 2)
     answer_blocks: int = 1
     """The previous answer as the next turn's prompt holds it (not the model's tokens: see the docstring)."""
-    one_shot: int = 160
+    one_shot: int = 180
     prefix_blocks: int = 2
     """Class 1's instruction prefix, shared by every class-1 request."""
-    document_tokens: tuple[int, int] = (160, 352)
-    horizon_s: float = 240.0
-    """Class-1 arrivals and session starts are spread over this many seconds."""
-    max_tokens: tuple[int, int] = (16, 16)
+    document_tokens: tuple[int, int] = (96, 224)
+    horizon_s: float = 300.0
+    """Class-1 arrivals and session starts are spread over this many seconds (the bench sets it from the
+    cost model: :func:`scale_to_utilization`)."""
+    max_tokens: tuple[int, int] = (8, 8)
     """Output tokens of class 0 and class 1."""
     block_size: int = 32
 
@@ -236,6 +237,21 @@ def run_sim(
     workload: Sequence[WorkloadRequest], limits: Limits, policy: str, cost_model: str
 ) -> list[Record]:
     return sim_records(Simulation(limits.sim_config(policy, cost_model), workload).run())
+
+
+def scale_to_utilization(
+    spec: WorkloadSpec, limits: Limits, cost_model: str, target: float, rounds: int = 3
+) -> WorkloadSpec:
+    """``spec`` with the horizon at which the simulated engine (stock ``lru``) is busy ``target`` of it: the
+    load follows the machine's speed as just profiled (busy time changes with the horizon through batching,
+    hence a few rounds). Only times change: the requests and their tokens are the same at any horizon."""
+    h = spec.horizon_s
+    for _ in range(rounds):
+        sim = Simulation(
+            limits.sim_config("lru", cost_model), make_workload(replace(spec, horizon_s=h))
+        ).run()
+        h = max(sum(r.executor.busy_s for r in sim.replicas) / target, spec.turns * (spec.think_s + 1.0))
+    return replace(spec, horizon_s=round(h, 1))
 
 
 # ---------------------------------------------------------------------------------------------- real side
@@ -570,6 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=WorkloadSpec.sessions)
     ap.add_argument("--turns", type=int, default=WorkloadSpec.turns)
     ap.add_argument("--one-shot", type=int, default=WorkloadSpec.one_shot)
+    ap.add_argument(
+        "--utilization",
+        type=float,
+        default=0.6,
+        help="offered load: the horizon is set so the simulated engine is busy this fraction of it (default "
+        "0.6; 0: keep --horizon-s)",
+    )
     ap.add_argument("--horizon-s", type=float, default=WorkloadSpec.horizon_s)
     ap.add_argument("--think-s", type=float, default=WorkloadSpec.think_s)
     ap.add_argument("--blocks", type=int, default=Limits.blocks)
@@ -595,7 +618,6 @@ def main(argv: list[str] | None = None) -> int:
         think_s=args.think_s,
     )
     limits = Limits(args.blocks, args.max_num_seqs, args.max_num_batched_tokens)
-    workload = make_workload(spec)
     need_server = args.real is None and not args.sim_only
     if need_server and not (args.model / "config.json").exists():
         print(
@@ -607,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load = os.getloadavg()
     print(
-        f"== {len(workload)} requests ({spec.sessions} sessions x {spec.turns} turns, {spec.one_shot} one-shot); "
+        f"== {spec.requests} requests ({spec.sessions} sessions x {spec.turns} turns, {spec.one_shot} one-shot); "
         f"{limits.blocks} blocks of {limits.block_size}, max_num_seqs {limits.max_num_seqs}, "
         f"max_num_batched_tokens {limits.max_num_batched_tokens}; load average {load[0]:.2f}",
         flush=True,
@@ -616,10 +638,16 @@ def main(argv: list[str] | None = None) -> int:
     if cost_model is None:
         print("== profiling the engine on this machine (kvretain profile)", flush=True)
         cost_model = profile(limits, args)
+    if args.real:
+        saved = json.loads(Path(args.real).read_text())
+        spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
+    elif args.utilization > 0:
+        spec = scale_to_utilization(spec, limits, cost_model, args.utilization)
+    print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
+    workload = make_workload(spec)
     real_recs: dict[str, list[Record]] = {}
     idle: dict[str, list[float]] = {}
     if args.real:
-        saved = json.loads(Path(args.real).read_text())
         real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
         idle = saved.get("idle_ttft", {})
     elif not args.sim_only:

@@ -29,6 +29,19 @@ def test_workload_is_deterministic_in_its_seed() -> None:
     assert [w.prompt.materialize() for w in a] != [w.prompt.materialize() for w in c]
 
 
+def test_scaling_to_a_utilization_changes_times_only(tmp_path: Path) -> None:
+    path = tmp_path / "cost.toml"
+    write_profile(path, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
+    limits = sf.Limits(blocks=64)
+    lo = sf.scale_to_utilization(SMALL, limits, str(path), 0.01)
+    hi = sf.scale_to_utilization(SMALL, limits, str(path), 0.02)
+    assert SMALL.turns * (SMALL.think_s + 1) < hi.horizon_s < lo.horizon_s and replace(
+        lo, horizon_s=0
+    ) == replace(hi, horizon_s=0)
+    a, b = sf.make_workload(lo), sf.make_workload(hi)
+    assert sorted(w.prompt.materialize() for w in a) == sorted(w.prompt.materialize() for w in b)
+
+
 def test_workload_shape() -> None:
     ws = sf.make_workload(SMALL)
     assert len(ws) == SMALL.requests == 3 * 3 + 6
@@ -106,19 +119,19 @@ def test_the_simulator_side_and_the_json_last_line(tmp_path: Path) -> None:
     sim = {p: sf.run_sim(ws, limits, p, str(cost)) for p in sf.POLICIES}
     for recs in sim.values():
         assert len(recs) == len(ws)
-        assert all(r.prompt_tokens >= r.cached_tokens >= 0 and r.output_tokens == 16 for r in recs)
+        assert all(
+            r.prompt_tokens >= r.cached_tokens >= 0 and r.output_tokens == SMALL.max_tokens[r.cls]
+            for r in recs
+        )
         assert any(r.cached_tokens > 0 for r in recs if r.cls == 0)  # the shared system prompt hits
     real = {
         p: [asdict(replace(r, ttft=2 * r.ttft, tpot=None if r.tpot is None else r.tpot / 2)) for r in recs]
         for p, recs in sim.items()
     }
     saved = tmp_path / "saved.json"
-    saved.write_text(json.dumps({"real_records": real}))
+    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))  # the run's workload
     args = ["--real", str(saved), "--cost-model", str(cost), "--out", str(tmp_path / "out"), "--blocks", "64"]
-    args += ["--seed", "3", "--sessions", "3", "--turns", "3", "--one-shot", "6", "--horizon-s", "60"]
-    got = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--think-s", "2"], capture_output=True, text=True, timeout=120
-    )
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     last = json.loads(got.stdout.strip().splitlines()[-1])
     assert last["ttft_p50_worst_ratio"] == 0.5 and last["tpot_p50_worst_ratio"] == 2.0
