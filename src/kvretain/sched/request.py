@@ -69,9 +69,9 @@ class Request:
     manager hashes tokens). ``max_tokens`` >= 1 output tokens are generated. Times are in the caller's clock
     (virtual seconds in the simulator): ``arrival_time`` on construction, ``first_scheduled_time`` when it
     first gets a step, ``token_times`` one per output token, ``finish_time`` at the end.
-    ``num_cached_tokens``: the prefix-cache hit of its first admission (``None`` before), as vLLM's
-    ``Request.num_cached_tokens`` that its API reports as ``usage.prompt_tokens_details.cached_tokens``
-    (a resume after preemption does not change it).
+    ``num_cached_tokens``: the prefix-cache hit of its first admission (``None`` before), what vLLM's API
+    reports as ``usage.prompt_tokens_details.cached_tokens`` (the hit of the first scheduled prefill; a
+    resume after preemption does not change it).
     """
 
     __slots__ = (
