@@ -252,3 +252,32 @@ def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
     assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ran past 1 s" in err
+
+
+def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --cpus goes to the measuring process; the fake engine's median steps take twice its fastest:
+    # --statistic median fits those
+    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
+    for p in grid_points(TRUE):
+        ev = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs, "sampled": p.sampled}
+        ev |= {"seconds": p.seconds, "median_seconds": 2 * p.seconds, "label": f"{p.kind} {p.tokens}"}
+        lines.append("KVRETAIN-PROFILE " + json.dumps(ev))
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(lines) + "\n")
+    fake = tmp_path / "python"
+    spec = tmp_path / "spec.json"
+    fake.write_text(f'#!/bin/sh\ncp "$3" {spec}\ncat {data}\n')  # argv: -m MODULE SPEC
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "c.toml"), "--cpus", "0"]) == 0
+    capsys.readouterr()
+    assert (
+        json.loads(spec.read_text())["cpus"] == [0] and load_profile(tmp_path / "c.toml").info["cpus"] == "0"
+    )
+    for stat, factor in (("min", 1), ("median", 2)):
+        out = tmp_path / f"{stat}.toml"
+        assert main([*argv, "--out", str(out), "--statistic", stat]) == 0
+        capsys.readouterr()
+        prof = load_profile(out)
+        assert prof.coefficients.per_token_s == pytest.approx(factor * TRUE.per_token_s, rel=1e-6)
+        assert prof.info["statistic"].startswith("fastest" if stat == "min" else "median")

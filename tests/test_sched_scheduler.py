@@ -282,3 +282,20 @@ def test_times_are_recorded_from_the_clock() -> None:
 def test_runner_output_must_pair_ids_and_tokens() -> None:
     with pytest.raises(ValueError, match="2 request ids but 1 token ids"):
         RunnerOutput(("a", "b"), (1,))
+
+
+def test_num_cached_tokens_is_the_first_admissions_hit() -> None:
+    s = make(16)
+    a = req("a", 9, out=2, base=100)
+    s.add_request(a)
+    assert a.num_cached_tokens is None
+    while not a.is_finished:
+        step(s)
+    assert a.num_cached_tokens == 0
+    b = req("b", 12, out=2, base=100)  # shares a's first two full blocks (8 tokens)
+    s.add_request(b)
+    step(s)
+    assert b.num_cached_tokens == 8
+    while not b.is_finished:
+        step(s)
+    assert b.num_cached_tokens == 8

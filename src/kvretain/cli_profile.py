@@ -102,6 +102,20 @@ def add_subcommands(sub: Any) -> None:
         default=3,
         help="passes over the whole grid; a point's fastest step counts (default 3)",
     )
+    p.add_argument(
+        "--statistic",
+        choices=("min", "median"),
+        default="min",
+        help="a point's time: its fastest step (the engine alone; default) or its median step (the engine as "
+        "it runs beside this machine's other processes: for comparing with a server on a shared machine)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=int_list,
+        default=None,
+        help="pin the measured engine to these core ids, one thread each (default: unpinned, torch's threads); "
+        "a vLLM server on CPU binds its engine core to all allowed cores but one, kept for its API server",
+    )
     p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
     p.add_argument("--timeout", type=integer(1), default=1800, help="seconds before giving up (default 1800)")
@@ -138,6 +152,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
         "decode_steps": args.decode_steps,
         "rounds": args.rounds,
         "dtype": args.dtype,
+        "cpus": args.cpus,
     }
     src = str(Path(kvretain.__file__).resolve().parent.parent)
     env = dict(os.environ)
@@ -176,7 +191,8 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
 
                 bar = tqdm(total=ev["total"], desc="profile", unit="pt", file=sys.stderr, disable=None)
             elif ev["event"] == "point":
-                points.append(StepPoint(ev["tokens"], ev["pairs"], ev["sampled"], ev["seconds"], ev["kind"]))
+                secs = ev["seconds"] if args.statistic == "min" else ev.get("median_seconds", ev["seconds"])
+                points.append(StepPoint(ev["tokens"], ev["pairs"], ev["sampled"], secs, ev["kind"]))
                 labels.append(ev["label"])
                 if bar is not None:
                     bar.set_postfix_str(ev["label"])
@@ -252,10 +268,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "device": f"{platform.machine()} cpu x{os.cpu_count()}",
         "block_size": args.block_size,
         "dtype": args.dtype,
-        "statistic": f"fastest of {args.rounds} rounds x {args.repeats} prefills / {args.decode_steps} decode "
+        "statistic": f"{'fastest' if args.statistic == 'min' else 'median'} of {args.rounds} rounds x {args.repeats} prefills / {args.decode_steps} decode "
         "steps per point",
         "points": len(points),
     }
+    if args.cpus:
+        info["cpus"] = ",".join(map(str, args.cpus))
     profile = Profile(coef, tuple(points), info)
     write_profile(args.out, profile)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))

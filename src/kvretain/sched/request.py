@@ -69,6 +69,9 @@ class Request:
     manager hashes tokens). ``max_tokens`` >= 1 output tokens are generated. Times are in the caller's clock
     (virtual seconds in the simulator): ``arrival_time`` on construction, ``first_scheduled_time`` when it
     first gets a step, ``token_times`` one per output token, ``finish_time`` at the end.
+    ``num_cached_tokens``: the prefix-cache hit of its first admission (``None`` before), what vLLM's API
+    reports as ``usage.prompt_tokens_details.cached_tokens`` (the hit of the first scheduled prefill; a
+    resume after preemption does not change it).
     """
 
     __slots__ = (
@@ -77,6 +80,7 @@ class Request:
         "finish_time",
         "first_scheduled_time",
         "max_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -118,6 +122,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []

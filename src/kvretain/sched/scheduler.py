@@ -191,6 +191,7 @@ class Scheduler:
         req.num_computed_tokens = n_cached
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
+            req.num_cached_tokens = n_cached
         self.running.append(req)
         st.add(req, n, need)
 

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -194,9 +194,6 @@ async def stream_chat(client: Any, model: str, messages: Any, priority: int, max
     """Send one greedy streaming chat completion at ``priority`` through an ``openai.AsyncOpenAI`` client (the
     serve tests' and ``bench/vllm_serve.py``'s one request loop)."""
     t0 = time.monotonic()
-    ttft = None
-    parts: list[str] = []
-    usage = None
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -206,12 +203,40 @@ async def stream_chat(client: Any, model: str, messages: Any, priority: int, max
         stream_options={"include_usage": True},
         extra_body={"priority": priority, "ignore_eos": True},
     )
+    return await _consume(stream, t0, lambda ch: ch.delta.content or "", first_on_empty=False)
+
+
+async def stream_completion(
+    client: Any, model: str, prompt: Sequence[int], priority: int, max_tokens: int
+) -> Streamed:
+    """The same loop for a completion of a prompt given as token ids (no chat template, no tokenization: the
+    server sees exactly these tokens; ``bench/sim_fidelity.py``). The first token's time is that of the first
+    chunk with a choice, whatever its text (a token may decode to no text yet)."""
+    t0 = time.monotonic()
+    stream = await client.completions.create(
+        model=model,
+        prompt=list(prompt),
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"priority": priority, "ignore_eos": True},
+    )
+    return await _consume(stream, t0, lambda ch: ch.text or "", first_on_empty=True)
+
+
+async def _consume(stream: Any, t0: float, text_of: Callable[[Any], str], first_on_empty: bool) -> Streamed:
+    """Read a chat or completion stream: the first token's time (the first chunk with content, or with any
+    choice when ``first_on_empty``), the text and the final usage chunk."""
+    ttft = None
+    parts: list[str] = []
+    usage = None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
-            if ch.delta.content:
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                parts.append(ch.delta.content)
+            text = text_of(ch)
+            if ttft is None and (text or first_on_empty):
+                ttft = time.monotonic() - t0
+            parts.append(text)
     return Streamed(ttft, time.monotonic() - t0, "".join(parts), usage)

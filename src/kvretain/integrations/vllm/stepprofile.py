@@ -45,6 +45,12 @@ def main(spec_path: str) -> int:
         spec = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cpus = spec.get("cpus")
+    if cpus:
+        # NOTE: before torch is imported (it reads OMP_NUM_THREADS once): the engine in-process gets the cores a
+        # vLLM server's engine core is bound to (one OMP thread each), not torch's default of every core
+        os.sched_setaffinity(0, [int(c) for c in cpus])
+        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
     import vllm
     from vllm import LLM, SamplingParams
 

