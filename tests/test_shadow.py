@@ -129,3 +129,13 @@ def test_gd_shadow_equals_one_loop_per_block(
     for blocks in lookups:
         assert fast.reference(blocks) == ref.reference(blocks)
         assert fast.entries == ref.entries and fast.L == ref.L
+
+
+def test_gd_shadow_drops_its_stale_queue_entries() -> None:
+    # a working set that fits, used over and over: no evictions, every use leaves a stale queue entry behind
+    fast, ref = GDShadow(20, 1.0, 64, 10), _ReferenceGD(20, 1.0, 64, 10)
+    for i in range(400):
+        blocks = list(range(10)) if i % 50 else list(range(100 + i, 130 + i))
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert fast.entries == ref.entries and fast.L == ref.L
+    assert sum(len(q) for q in fast._buckets.values()) <= 4 * 20 + 64 + 30 + len(fast.entries)

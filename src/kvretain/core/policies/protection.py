@@ -156,7 +156,7 @@ def spatial_sample(
                 lim = sub_cut.int_limit
                 sub = [h for h in sampled if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
         else:
-            second = bytes(map(_SECOND, hashes))
+            second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
             if cut is not None:
                 mask = cut.digest_mask(second, hashes)
                 sampled = list(compress(hashes, mask))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, repeat
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
 
-_consume = deque(maxlen=0).extend
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 """Run an iterator for its side effects, in C."""
 
 
@@ -53,17 +53,38 @@ class LRUShadow:
 
 class GDShadow:
     """A directory of block identities under GreedyDual-Frequency: key ``L + uses ** exponent``, ``L`` the key
-    of the last victim; ``capacity`` entries, use counts of evicted ones remembered (``ghost`` entries)."""
+    of the last victim; ``capacity`` entries, use counts of evicted ones remembered (``ghost`` entries). The
+    victim is the entry of least key, the least recently used among equal keys.
 
-    __slots__ = ("L", "_ghost", "_heap", "_serial", "_terms", "cap", "capacity", "entries")
+    NOTE: the queue is a bucket per distinct key (FIFO, so in use order) and a heap of the keys, not one heap
+    entry per use: the live keys lie in ``[L, L + cap ** exponent]``, a few dozen distinct values at integer
+    exponents, so a use costs a deque append instead of a push through a heap of every entry. A use of a
+    resident block leaves its earlier queue entry behind (skipped when it comes up; dropped in bulk when such
+    entries outnumber the live ones).
+    """
+
+    __slots__ = (
+        "L",
+        "_buckets",
+        "_ghost",
+        "_keys",
+        "_serial",
+        "_stale",
+        "_terms",
+        "cap",
+        "capacity",
+        "entries",
+    )
 
     def __init__(self, capacity: int, exponent: float, cap: int, ghost: int) -> None:
         self.capacity = max(1, capacity)
         self.cap = cap
         self._terms = [float(u) ** exponent for u in range(cap + 1)]  # uses -> uses ** exponent
         self.entries: dict[BlockHash, tuple[float, int, int]] = {}  # hash -> (key, uses, serial)
-        self._heap: list[tuple[float, int, BlockHash]] = []
+        self._buckets: dict[float, deque[tuple[int, BlockHash]]] = {}  # key -> (serial, hash), oldest first
+        self._keys: list[float] = []  # heap of the buckets' keys
         self._serial = 0
+        self._stale = 0  # queue entries of blocks used again since
         self._ghost = GhostTable(ghost)
         self.L = 0.0
 
@@ -71,19 +92,21 @@ class GDShadow:
         """Look up ``sampled`` (prefix order), count those resident, then use them, deepest first."""
         entries = self.entries
         hits = sum(map(entries.__contains__, sampled))
-        heap = self._heap
-        push = heapq.heappush
+        buckets = self._buckets
+        bucket = buckets.get
+        keys = self._keys
         get = entries.get
         cap = self.cap
         terms = self._terms
         L = self.L
         serial = self._serial
-        ghost = self._ghost
-        take = ghost.take if ghost.capacity else None  # (an empty table remembers nothing)
+        stale = self._stale
+        take = self._ghost.take if self._ghost.capacity else None  # (an empty table remembers nothing)
         for h in reversed(sampled):
             got = get(h)
             if got is not None:
                 uses = got[1] + 1
+                stale += 1
             elif take is not None:
                 uses = take(h) + 1
             else:
@@ -93,29 +116,58 @@ class GDShadow:
             key = L + terms[uses]
             serial += 1
             entries[h] = (key, uses, serial)
-            push(heap, (key, serial, h))  # ties: the older first
+            q = bucket(key)
+            if q is None:
+                buckets[key] = q = deque()
+                heapq.heappush(keys, key)
+            q.append((serial, h))
         self._serial = serial
+        self._stale = stale
         if len(entries) > self.capacity:
-            self._evict(heap)
-        if len(heap) > 4 * self.capacity + 64:  # drop stale entries
-            self._heap = [(k, s, h) for k, s, h in heap if h in entries and entries[h][2] == s]
-            heapq.heapify(self._heap)
+            self._evict()
+        if self._stale > 4 * self.capacity + 64:
+            self._compact()
         return hits
 
-    def _evict(self, heap: list[tuple[float, int, BlockHash]]) -> None:
+    def _evict(self) -> None:
         entries = self.entries
         capacity = self.capacity
-        pop = heapq.heappop
+        buckets = self._buckets
+        keys = self._keys
         put = self._ghost.put if self._ghost.capacity else None
         L = self.L
+        stale = self._stale
+        key = keys[0]
+        q = buckets[key]
         while len(entries) > capacity:
-            key, serial, h = pop(heap)
+            while not q:
+                del buckets[key]
+                heapq.heappop(keys)
+                key = keys[0]
+                q = buckets[key]
+            serial, h = q.popleft()
             got = entries.get(h)
             if got is None or got[2] != serial:
-                continue  # a stale entry (the block was used again since)
+                stale -= 1  # (the block was used again since)
+                continue
             del entries[h]
             if put is not None:
                 put(h, got[1])
             if key > L:
                 L = key
+        if not q:
+            del buckets[key]
+            heapq.heappop(keys)
         self.L = L
+        self._stale = stale
+
+    def _compact(self) -> None:
+        entries = self.entries
+        kept: dict[float, deque[tuple[int, BlockHash]]] = {}
+        for key, q in self._buckets.items():
+            live = deque(e for e in q if (got := entries.get(e[1])) is not None and got[2] == e[0])
+            if live:
+                kept[key] = live
+        self._buckets = kept
+        self._keys = sorted(kept)
+        self._stale = 0
