@@ -102,11 +102,15 @@ class _ReferenceGD:
         return hits
 
 
-LOOKUPS = st.lists(st.lists(st.integers(0, 40), max_size=12), min_size=1, max_size=80)
+LOOKUPS = st.lists(
+    st.lists(st.integers(0, 60), max_size=12) | st.lists(st.integers(0, 80), min_size=30, max_size=70),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(lookups=LOOKUPS, capacity=st.integers(1, 30))
+@given(lookups=LOOKUPS, capacity=st.integers(1, 90))
 def test_lru_shadow_equals_one_loop_per_block(lookups: list[list[int]], capacity: int) -> None:
     fast, ref = LRUShadow(capacity), _ReferenceLRU(capacity)
     for blocks in lookups:
