@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress
+from operator import itemgetter
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
@@ -95,6 +97,82 @@ def _cut(num_blocks: int, sample: int) -> int:
     return max(1, min(_KEYS, math.ceil(_KEYS * sample / max(1, num_blocks))))
 
 
+_SECOND = itemgetter(1)
+_LOW64 = (1 << 64) - 1
+
+
+class SpatialCut:
+    """The blocks whose :func:`spatial_key` is below ``cut`` (see :func:`spatial_sample`)."""
+
+    __slots__ = ("_lo", "_table", "cut", "int_limit")
+
+    def __init__(self, cut: int) -> None:
+        self.cut = cut
+        # an int's key is below the cut when its mixed 64 low bits are below the cut's top 16 bits
+        self.int_limit = cut << 48
+        hi, self._lo = divmod(cut, 256)
+        # by a digest's second byte: 1 below the cut's (sampled), 2 equal to it (the first byte decides), 0 above
+        self._table = bytes(1 if b < hi else (2 if b == hi and self._lo else 0) for b in range(256))
+
+    def digest_mask(self, second: bytes, hashes: Sequence[BlockHash]) -> bytes | bytearray:
+        """One byte per digest of ``hashes`` (their second bytes are ``second``): 1 when it is sampled."""
+        mask = second.translate(self._table)
+        if 2 not in mask:
+            return mask
+        lo = self._lo
+        fixed = bytearray(mask)
+        i = fixed.find(2)
+        while i >= 0:
+            fixed[i] = 1 if hashes[i][0] < lo else 0  # type: ignore[index]
+            i = fixed.find(2, i + 1)
+        return fixed
+
+
+def spatial_sample(
+    hashes: Sequence[BlockHash], num_hits: int, cut: SpatialCut | None, sub_cut: SpatialCut | None
+) -> tuple[Sequence[BlockHash], int, list[BlockHash] | None]:
+    """The blocks of a lookup (``hashes``, the first ``num_hits`` hit) with a :func:`spatial_key` below ``cut``
+    (``None``: all of them), in their order; how many of those hit; and those of them below ``sub_cut`` (``None``
+    when not asked), the same as ``spatial_key`` block by block.
+
+    NOTE: the controller's hot path (every block of every lookup, inside vLLM's scheduler step): for digests
+    the second bytes are gathered and classified in C (``bytes(map(...))``, ``translate``, ``compress``) and only
+    the blocks whose second byte equals a cut's (1 in 256) read their first byte; for ints the key test is
+    one expression, no call. A list that mixes ints and digests takes ``spatial_key`` block by block.
+    """
+    k = num_hits if num_hits > 0 else 0
+    sampled: Sequence[BlockHash] = hashes
+    hits = num_hits
+    sub: list[BlockHash] | None = None
+    try:
+        if isinstance(hashes[0], int):
+            if cut is not None:
+                lim = cut.int_limit
+                picked = [h for h in hashes[:k] if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
+                hits = len(picked)
+                picked += [h for h in hashes[k:] if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
+                sampled = picked
+            if sub_cut is not None:
+                lim = sub_cut.int_limit
+                sub = [h for h in sampled if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
+        else:
+            second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
+            if cut is not None:
+                mask = cut.digest_mask(second, hashes)
+                sampled = list(compress(hashes, mask))
+                hits = mask.count(1, 0, k) if k else 0
+            if sub_cut is not None:  # (a subset of the sampled blocks, in their order)
+                sub = list(compress(hashes, sub_cut.digest_mask(second, hashes)))
+    except (TypeError, OverflowError):  # mixed identities (an int times a digest is a repetition)
+        keys = [spatial_key(h) for h in hashes]
+        if cut is not None:
+            sampled = [h for h, key in zip(hashes, keys, strict=True) if key < cut.cut]
+            hits = sum(1 for key in keys[:k] if key < cut.cut)
+        if sub_cut is not None:
+            sub = [h for h, key in zip(hashes, keys, strict=True) if key < sub_cut.cut]
+    return sampled, hits, sub
+
+
 class ProtectionController:
     """The protected target of ``unified``: see the module docstring.
 
@@ -109,6 +187,7 @@ class ProtectionController:
         "_balance_share",
         "_bias_step",
         "_cap",
+        "_cut_at",
         "_floor_refs",
         "_gain",
         "_goal",
@@ -118,6 +197,7 @@ class ProtectionController:
         "_lru",
         "_pw",
         "_rate_cut",
+        "_sub_cut",
         "balance",
         "binding",
         "frequency",
@@ -159,6 +239,10 @@ class ProtectionController:
             if cfg.adapt_frequency and cfg.frequency_exponent > 0.0
             else None
         )
+        # the spatial cuts of a lookup: the controller's (None: every block), the balance's finer one (None: the
+        # same blocks, or no balance)
+        self._cut_at = SpatialCut(cut) if cut < _KEYS else None
+        self._sub_cut = SpatialCut(bcut) if bcut < cut and self.balance is not None else None
         # uses -> the frequency term of the value (the balance may move its exponent)
         self.frequency = (
             self.balance.table(cfg.frequency_cap) if self.balance is not None else frequency_terms(cfg)
@@ -178,19 +262,9 @@ class ProtectionController:
         (callers that keep a reference to the lists take the new ones)."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
-        cut = self._rate_cut
-        if cut >= _KEYS:
-            sampled: Sequence[BlockHash] = hashes
-            hits = num_hits
-        else:
-            if isinstance(hashes[0], int):
-                picked = [i for i, h in enumerate(hashes) if spatial_key(h) < cut]
-            else:  # digests (vLLM's, the core's): the first two bytes, no call per block
-                picked = [i for i, h in enumerate(hashes) if h[0] | (h[1] << 8) < cut]  # type: ignore[index]
-            if not picked:
-                return False
-            sampled = [hashes[i] for i in picked]
-            hits = sum(1 for i in picked if i < num_hits)
+        sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut)
+        if not sampled:
+            return False
         n = len(sampled)
         lru_hits = self._lru.reference(sampled)
         protected = retention >= self.threshold
@@ -208,12 +282,8 @@ class ProtectionController:
         acc[4] += n
         changed = False
         if self.balance is not None:
-            bcut = self._balance_cut
-            if bcut >= cut:
-                sub: Sequence[BlockHash] = sampled
-            else:
-                sub = [h for h in sampled if spatial_key(h) < bcut]
-            if sub and self.balance.update(sub, d, window * self._balance_share):
+            balanced = sampled if sub is None else sub
+            if balanced and self.balance.update(balanced, d, window * self._balance_share):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:

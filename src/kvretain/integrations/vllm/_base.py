@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
@@ -50,7 +51,11 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         k = n - base
         self._held -= k
         self.num_free_blocks -= k
-        ret.extend(map(self.pool_blocks.__getitem__, self._evict(k, _runtime.now())))
+        ids = self._evict(k, _runtime.now())
+        if len(ids) == 1:
+            ret.append(self.pool_blocks[ids[0]])
+        else:  # (one C call for the whole batch)
+            ret.extend(itemgetter(*ids)(self.pool_blocks))
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:

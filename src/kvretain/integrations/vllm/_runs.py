@@ -168,6 +168,8 @@ class RunFreeQueue(HookedFreeQueue):
         # path; the ghost reads the hash from vLLM's block when a sampled block is evicted.
         # NOTE: bytes, not lists: 1 MB instead of 8 MB per array at 10^6 blocks, fewer cache lines touched
         self._r = array("b", [NEW]) * n
+        self._news = array("b", [NEW]) * n  # (slices of these clear the state of an evicted id range)
+        self._nones: list[_Run | None] = [None] * n
         self._uses = bytearray(n)
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
         # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
@@ -244,6 +246,9 @@ class RunFreeQueue(HookedFreeQueue):
         sampled = self._sampled
         uses = self._uses
         put = self._ghost.put
+        ghost = self._ghost.capacity > 0  # (else ``put`` keeps nothing)
+        nones = self._nones
+        news = self._news
         blocks = self.pool_blocks
         lapse = self._lapse
         owner = self._owner
@@ -278,12 +283,24 @@ class RunFreeQueue(HookedFreeQueue):
                     if run_of[bid] is run:
                         chunk.append(bid)
                 taken = len(chunk)
-            for bid in chunk:
-                run_of[bid] = None
-                if sampled[bid]:
-                    put(blocks[bid]._block_hash, uses[bid])
-                    sampled[bid] = 0
-                rr[bid] = NEW
+            if ghost:
+                for bid in chunk:
+                    run_of[bid] = None
+                    if sampled[bid]:
+                        put(blocks[bid]._block_hash, uses[bid])
+                        sampled[bid] = 0
+                    rr[bid] = NEW
+            elif taken and max(chunk) - min(chunk) + 1 == taken:
+                # NOTE: a run's blocks are distinct, so a chunk that spans ``taken`` ids is exactly the id range
+                # (most are: vLLM allocates a request's blocks as they leave the free queue, runs in order); its
+                # per-block state is cleared by two slice assignments (without a ghost, ``_sampled`` is unused)
+                lo = min(chunk)
+                run_of[lo : lo + taken] = nones[:taken]
+                rr[lo : lo + taken] = news[:taken]
+            else:
+                for bid in chunk:
+                    run_of[bid] = None
+                    rr[bid] = NEW
             ids.extend(chunk)
             if lapse or owner:
                 for bid in chunk:

@@ -1,0 +1,145 @@
+"""The controller's fast paths equal the straightforward ones: spatial sampling of a lookup
+(:func:`~kvretain.core.policies.protection.spatial_sample`, C-level over digests) against ``spatial_key`` block by
+block, and the shadow directories (:mod:`kvretain.core.policies.shadow`, C-level iterators) against one Python
+loop per block, on random lookups (repeated identities included)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvretain.core.hashing import BlockHash
+from kvretain.core.policies.lfu import GhostTable
+from kvretain.core.policies.protection import SpatialCut, spatial_key, spatial_sample
+from kvretain.core.policies.shadow import GDShadow, LRUShadow
+
+
+def _reference_sample(
+    hashes: Sequence[BlockHash], num_hits: int, cut: int | None, sub_cut: int | None
+) -> tuple[list[BlockHash], int, list[BlockHash] | None]:
+    picked = [i for i, h in enumerate(hashes) if cut is None or spatial_key(h) < cut]
+    sampled = [hashes[i] for i in picked]
+    hits = num_hits if cut is None else sum(1 for i in picked if i < num_hits)
+    sub = None if sub_cut is None else [h for h in sampled if spatial_key(h) < sub_cut]
+    return sampled, hits, sub
+
+
+CUTS = st.one_of(st.none(), st.integers(1, 1 << 16), st.sampled_from([256, 512, 8192, 2048, 26844, 300]))
+DIGESTS = st.lists(st.binary(min_size=2, max_size=40), min_size=1, max_size=60)
+SAME_LENGTH = st.integers(2, 32).flatmap(
+    lambda n: st.lists(st.binary(min_size=n, max_size=n), min_size=1, max_size=60)
+)
+INTS = st.lists(st.integers(-(1 << 127), (1 << 127) - 1) | st.integers(0, 5000), min_size=1, max_size=60)
+MIXED = st.lists(st.integers(0, 1 << 40) | st.binary(min_size=2, max_size=8), min_size=1, max_size=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    hashes=st.one_of(DIGESTS, SAME_LENGTH, INTS, MIXED),
+    num_hits=st.integers(-3, 70),
+    cut=CUTS,
+    sub=CUTS,
+)
+def test_spatial_sample_equals_spatial_key_block_by_block(
+    hashes: list[BlockHash], num_hits: int, cut: int | None, sub: int | None
+) -> None:
+    if sub is not None and cut is not None:
+        sub = min(sub, cut)  # (the balance's cut never exceeds the controller's)
+    sampled, hits, got_sub = spatial_sample(
+        hashes, num_hits, None if cut is None else SpatialCut(cut), None if sub is None else SpatialCut(sub)
+    )
+    want = _reference_sample(hashes, num_hits, cut, sub)
+    assert (list(sampled), hits, got_sub) == want
+
+
+class _ReferenceLRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def reference(self, sampled: Sequence[BlockHash]) -> int:
+        hits = sum(1 for h in sampled if h in self.entries)
+        for h in reversed(sampled):
+            if h in self.entries:
+                self.entries.move_to_end(h)
+            else:
+                self.entries[h] = None
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+        return hits
+
+
+class _ReferenceGD:
+    def __init__(self, capacity: int, exponent: float, cap: int, ghost: int) -> None:
+        self.capacity, self.exp, self.cap = capacity, exponent, cap
+        self.entries: dict[BlockHash, tuple[float, int, int]] = {}
+        self.heap: list[tuple[float, int, BlockHash]] = []
+        self.serial = 0
+        self.ghost = GhostTable(ghost)
+        self.L = 0.0
+
+    def reference(self, sampled: Sequence[BlockHash]) -> int:
+        hits = sum(1 for h in sampled if h in self.entries)
+        for h in reversed(sampled):
+            got = self.entries.get(h)
+            uses = min((got[1] if got is not None else self.ghost.take(h)) + 1, self.cap)
+            key = self.L + float(uses) ** self.exp
+            self.serial += 1
+            self.entries[h] = (key, uses, self.serial)
+            heapq.heappush(self.heap, (key, self.serial, h))
+        while len(self.entries) > self.capacity:
+            key, serial, h = heapq.heappop(self.heap)
+            got = self.entries.get(h)
+            if got is None or got[2] != serial:
+                continue
+            del self.entries[h]
+            self.ghost.put(h, got[1])
+            self.L = max(self.L, key)
+        return hits
+
+
+LOOKUPS = st.lists(
+    st.lists(st.integers(0, 60), max_size=12) | st.lists(st.integers(0, 80), min_size=30, max_size=70),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lookups=LOOKUPS, capacity=st.integers(1, 90))
+def test_lru_shadow_equals_one_loop_per_block(lookups: list[list[int]], capacity: int) -> None:
+    fast, ref = LRUShadow(capacity), _ReferenceLRU(capacity)
+    for blocks in lookups:
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert list(fast.entries) == list(ref.entries)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lookups=LOOKUPS,
+    capacity=st.integers(1, 30),
+    exponent=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    cap=st.integers(1, 8),
+    ghost=st.sampled_from([0, 5, 100]),
+)
+def test_gd_shadow_equals_one_loop_per_block(
+    lookups: list[list[int]], capacity: int, exponent: float, cap: int, ghost: int
+) -> None:
+    fast, ref = GDShadow(capacity, exponent, cap, ghost), _ReferenceGD(capacity, exponent, cap, ghost)
+    for blocks in lookups:
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert fast.entries == ref.entries and fast.L == ref.L
+
+
+def test_gd_shadow_drops_its_stale_queue_entries() -> None:
+    # a working set that fits, used over and over: no evictions, every use leaves a stale queue entry behind
+    fast, ref = GDShadow(20, 1.0, 64, 10), _ReferenceGD(20, 1.0, 64, 10)
+    for i in range(400):
+        blocks = list(range(10)) if i % 50 else list(range(100 + i, 130 + i))
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert fast.entries == ref.entries and fast.L == ref.L
+    assert sum(len(q) for q in fast._buckets.values()) <= 4 * 20 + 64 + 30 + len(fast.entries)
