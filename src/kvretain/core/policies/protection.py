@@ -72,7 +72,7 @@ SHARDS_SAMPLE = 8192
 """Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
 BIAS_STEPS = 64
 """Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
-WINDOW_TURNOVERS = 4.0
+WINDOW_TURNOVERS = 1.0
 """The controller's measurement window in pool turnovers (see the module docstring)."""
 BALANCE_SAMPLE = 2048
 """Tracked blocks of the recency/frequency candidates' shadows (:mod:`kvretain.core.policies.balance`): they are
@@ -111,6 +111,7 @@ class ProtectionController:
         "_cap",
         "_floor_refs",
         "_gain",
+        "_gain_floor",
         "_goal",
         "_hits_needed",
         "_iso",
@@ -167,9 +168,10 @@ class ProtectionController:
         self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
         self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
+        self._gain_floor = 1.0 / max(cfg.max_reuse_loss, 0.01)  # the same, at the floor's own tolerance
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
         # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic
-        self._acc = [0.0] * 7
+        self._acc = [0.0] * 8
         self.binding = "none"
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
@@ -196,16 +198,19 @@ class ProtectionController:
         protected = retention >= self.threshold
         acc = self._acc
         # the window: the longer of the turnover floor and the references holding ``_hits_needed`` hits
-        h = acc[0] / acc[4] if acc[0] > 0.0 else 0.0
+        # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
-        if h > 0.0 and self._hits_needed / h > window:
-            window = self._hits_needed / h
+        if acc[7] > 0.0 and acc[1] > 0.0:
+            need = acc[4] * acc[7] / (acc[1] * acc[1] * self._resolve(acc[0], acc[1]))
+            if need > window:
+                window = need
         d = math.exp(-n / window)
-        for i in range(7):
+        for i in range(8):
             acc[i] *= d
         acc[0] += hits
         acc[1] += lru_hits
         acc[4] += n
+        acc[7] += (hits - lru_hits) * (hits - lru_hits)
         changed = False
         if self.balance is not None:
             bcut = self._balance_cut
@@ -235,11 +240,24 @@ class ProtectionController:
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
         m = ep if ep > ap else ap
         gap = (want - ap) / m if m > 0.0 else -1.0
-        u = gap if gap < slack else slack
+        gain = self._gain
+        if gap > 0.0:  # short of the goal: rise as far as the floor allows
+            u = gap
+            if slack < gap:
+                u, gain = slack, self._gain_floor
+        else:  # beyond the goal: give the excess back while protection costs reuse against LRU; else hold
+            u = gap if a < e else 0.0
+            if slack < u:
+                u, gain = slack, self._gain_floor
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
-        evidence = a if a > e else e
-        confidence = evidence / self._hits_needed if evidence < self._hits_needed else 1.0
-        lam = self.level + self._gain / window * confidence * u * n
+        # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
+        if acc[7] > 0.0:
+            confidence = e * e * self._resolve(a, e) / acc[7]
+            if confidence > 1.0:
+                confidence = 1.0
+        else:
+            confidence = 1.0
+        lam = self.level + gain / window * confidence * u * n
         self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
         self.target = lam * self.max_target if lam > 0.0 else 0.0
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
@@ -248,6 +266,19 @@ class ProtectionController:
             self.weights = retention_weights(self._pw, step / BIAS_STEPS)
             changed = True
         return changed
+
+    def _resolve(self, a: float, e: float) -> float:
+        """The squared relative difference the window must resolve: the reuse margin, or the measured
+        difference between the pool's and the LRU shadow's hits when that is larger (a large error is acted on
+        as soon as the paired noise is below it)."""
+        m = e if e > a else a
+        err = abs(a - e) / m if m > 0.0 else 0.0
+        tol = 1.0 - self._keep
+        if err > tol:
+            tol = err
+        if tol < 0.01:
+            tol = 0.01
+        return tol * tol
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window) and which
