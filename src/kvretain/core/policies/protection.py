@@ -200,8 +200,9 @@ class ProtectionController:
         # the window: the longer of the turnover floor and the references holding ``_hits_needed`` hits
         # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
-        if acc[7] > 0.0 and acc[1] > 0.0:
-            need = acc[4] * acc[7] / (acc[1] * acc[1] * self._resolve(acc[0], acc[1]))
+        big = acc[1] if acc[1] > acc[0] else acc[0]
+        if acc[7] > 0.0 and big > 0.0:
+            need = acc[4] * acc[7] / (big * big * self._resolve(acc[0], acc[1]))
             if need > window:
                 window = need
         d = math.exp(-n / window)
@@ -245,14 +246,18 @@ class ProtectionController:
             u = gap
             if slack < gap:
                 u, gain = slack, self._gain_floor
-        else:  # beyond the goal: give the excess back while protection costs reuse against LRU; else hold
-            u = gap if a < e else 0.0
+        else:  # beyond the goal: give back while protection costs reuse against LRU (excess or cost), else hold
+            u = 0.0
+            if a < e:
+                cost = (a - e) / (e if e > a else a)
+                u = gap if gap < cost else cost
             if slack < u:
                 u, gain = slack, self._gain_floor
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
         # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
         if acc[7] > 0.0:
-            confidence = e * e * self._resolve(a, e) / acc[7]
+            big = e if e > a else a
+            confidence = big * big * self._resolve(a, e) / acc[7]
             if confidence > 1.0:
                 confidence = 1.0
         else:
