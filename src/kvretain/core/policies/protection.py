@@ -27,10 +27,16 @@ where ``L_p`` is the LRU shadow's hits of protected traffic: the goal never asks
 traffic gets from plain LRU in the shared pool (where LRU already gives it most of its isolated hits, a goal
 of 0.9 of them would otherwise let the controller give protected traffic less than no protection at all).
 
-and one actuator, the *protection level* ``lam`` in [-1, 1], integrates the tighter of the two, ``u = min(g,
-s)``: it rises while protected traffic is short of its goal *and* overall reuse has room above its floor, and
-falls as soon as either the floor is crossed or the goal is exceeded (protection beyond the goal only costs
-reuse). The level sets everything by which priority bends the order::
+and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
+
+- while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, ``min(g, s)``
+  (it rises while overall reuse has room above its floor, falls as soon as the floor is crossed);
+- beyond the goal (``g <= 0``): while the pool hits less than the LRU shadow (protection costs reuse), the
+  larger of the excess and that cost, ``min(g, (A - E) / max(A, E))``, so protection nobody needs is given
+  back; while the pool hits at least as much as LRU, nothing (protection that costs no reuse is kept: giving it
+  back would lower protected hits and gain nothing measurable); the floor, ``s``, still caps it.
+
+The level sets everything by which priority bends the order::
 
     lam in [0, 1]:   protected target = lam x budget x pool, full retention weights
     lam in [-1, 0]:  protected target = 0, retention weights priority_weight ** ((r - 35) / 10 x (1 + lam))
@@ -40,21 +46,25 @@ reuse floor can always be kept as far as the base order keeps it. Which term is 
 the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
 measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).
 
-Windows and gains, from the pool size, the observed hit rate and the margin (no constant chosen because it
+Windows and gains, from the pool size, the observed hits and the margin (no constant chosen because it
 passed):
 
 - the sums decay with a time constant, in sampled block references, of the longer of two windows: (a)
-  ``WINDOW_TURNOVERS`` pool turnovers (``rate x pool`` references each): a target change shows in the hits
-  only after the blocks it keeps or drops have been re-referenced, about a turnover; averaging over several
-  keeps the reading from following single bursts; (b) the references it takes to count ``1 /
-  max_reuse_loss**2`` hits at the hit ratio observed so far: a count of N hits has a relative noise of about
-  ``1 / sqrt(N)``, so the window must hold enough hits for that noise to be no larger than the margin the
-  floor allows (2,500 hits for the default 2%);
-- the gain lets the level cross half its range (the target's range, 0 to 1) in one window at an error as large as
-  the isolation goal's own tolerance (``1 - isolation_goal``: 10% by default): an error of that size is the
-  one the goal says matters, while the measurement's noise (about the reuse margin, by (b)) moves the level by
-  a fraction of its range per window; while the window holds fewer hits (pool's or LRU shadow's) than (b) asks (a cold start), the
-  step is scaled down by that fraction.
+  ``WINDOW_TURNOVERS`` = 1 pool turnover (``rate x pool`` references): a target change shows in the hits only
+  after the blocks it keeps or drops have been re-referenced, about a turnover (the plant's delay; a shorter
+  window reads the effect of a change before it can show); (b) the references it takes for the *paired*
+  difference between the pool's and the LRU shadow's hits (the same sampled blocks of the same lookups) to be
+  resolved: with ``D`` the sum over lookups of ``(pool hits - LRU hits)**2`` and ``M = max(A, E)``, the
+  relative noise of ``A - E`` is ``sqrt(D) / M``, and the window must bring it below the error to be resolved,
+  the reuse margin ``max_reuse_loss`` or the measured ``|A - E| / M`` when that is larger (a large error is
+  acted on as soon as it is above the noise, a small one waits for the evidence that resolves it). Counting
+  lookups' hits in pairs matters: a request's prefix hits or misses together, so N hits of a few lookups carry
+  the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup);
+- the gain lets the level cross half its range in one window at an error as large as the constraint's own
+  tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
+  ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
+  level as fast as an error of the goal's size); while the window holds less than (b) asks (a cold start),
+  the step is scaled down by that share (the confidence).
 """
 
 from __future__ import annotations
