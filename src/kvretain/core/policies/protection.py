@@ -84,6 +84,12 @@ BIAS_STEPS = 64
 """Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
 WINDOW_TURNOVERS = 1.0
 """The controller's measurement window in pool turnovers (see the module docstring)."""
+BALANCE_TURNOVERS = 4.0
+"""The recency/frequency balance's shortest window, in pool turnovers: longer than the protection target's one
+turnover because a change of the frequency exponent shows only once blocks have been re-used several times
+(their counts), and because its two candidates differ by a few percent, which a short window reads as noise
+(at one turnover, 20 of 80 one-class grid runs fell below lru). Four is the value it had before the
+controller's window was shortened, kept; its sensitivity is in docs/results.md."""
 BALANCE_SAMPLE = 2048
 """Tracked blocks of the recency/frequency candidates' shadows (:mod:`kvretain.core.policies.balance`): they are
 compared with each other on the same references, so a smaller sample than the controller's resolves them."""
@@ -116,6 +122,7 @@ class ProtectionController:
     __slots__ = (
         "_acc",
         "_balance_cut",
+        "_balance_refs",
         "_balance_share",
         "_bias_step",
         "_cap",
@@ -175,6 +182,7 @@ class ProtectionController:
             self.balance.table(cfg.frequency_cap) if self.balance is not None else frequency_terms(cfg)
         )
         self._floor_refs = WINDOW_TURNOVERS * tracked
+        self._balance_refs = BALANCE_TURNOVERS * tracked
         self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
         self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
@@ -229,7 +237,10 @@ class ProtectionController:
                 sub: Sequence[BlockHash] = sampled
             else:
                 sub = [h for h in sampled if spatial_key(h) < bcut]
-            if sub and self.balance.update(sub, d, window * self._balance_share):
+            # the balance's own window: at least BALANCE_TURNOVERS turnovers (its decay then its own)
+            bw = self._balance_refs if self._balance_refs > window else window
+            bd = d if bw == window else math.exp(-n / bw)
+            if sub and self.balance.update(sub, bd, bw * self._balance_share):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:
