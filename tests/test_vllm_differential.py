@@ -11,6 +11,7 @@ eviction's victims with the pool's) and bounds it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -173,12 +174,18 @@ def _events(seed: int, steps: int) -> list[tuple[str, Any]]:
     return out
 
 
-def _replay(granularity: str, seed: int, steps: int = 1500, n: int = 60) -> dict[str, Any]:
+def _replay(
+    granularity: str, seed: int, steps: int = 1500, n: int = 60, controlled: bool = True
+) -> dict[str, Any]:
+    """``controlled=False``: a fixed protected share (no isolation controller), so that the victims compare the
+    two orders alone, not also two controllers that have drifted apart on slightly different hits."""
     cfg = (
         PolicyConfig(block_size=BLOCK, ghost_factor=0.0)
         if granularity == "run"
         else PolicyConfig(block_size=BLOCK)
     )
+    if not controlled:
+        cfg = dataclasses.replace(cfg, isolation_goal=None)
     clock = [0.0]
     _runtime.set_clock(lambda: clock[0])
     try:
@@ -233,9 +240,26 @@ def test_the_per_block_queue_decides_exactly_as_the_pool(seed: int) -> None:
 def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
     got = _replay("run", seed)
     assert got["evictions"] > 100
-    # measured at seeds 0-2: hit blocks 0.997x-1.002x the pool's, the same hits on 99.3-100% of admissions,
-    # victim sets overlapping 94.9-96.9% (the rest: a run keeps a parent and its child in one bucket order where
-    # the pool evicts the child first by leaf-only links); the bounds leave a margin of a few points over that
+    # measured at seeds 0-2 with the controller: hit blocks 0.996x-1.006x the pool's, the same hits on 97.4-99.1%
+    # of admissions; the bounds leave a margin of a few points over that
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
     assert got["same_hits"] >= 0.95
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_run_queue_orders_close_to_the_pool(seed: int) -> None:
+    # the order alone (a fixed protected share): with the controller, two controllers fed slightly different
+    # hits drift apart and their victims with them (overlap 0.76-0.92 at seeds 0-2), which says nothing of the
+    # order. Measured: victim sets overlapping 94.9-96.9% (the rest: a run keeps a parent and its child in one
+    # bucket order where the pool evicts the child first by leaf-only links); the bound leaves a margin
+    got = _replay("run", seed, controlled=False)
+    assert got["evictions"] > 100
     assert got["victim_overlap"] >= 0.85
+    assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_per_block_queue_orders_exactly_as_the_pool_at_a_fixed_share(seed: int) -> None:
+    got = _replay("block", seed, controlled=False)
+    assert got["evictions"] > 100
+    assert got["hits"][0] == got["hits"][1] and got["victim_overlap"] == 1.0

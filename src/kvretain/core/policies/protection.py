@@ -27,10 +27,16 @@ where ``L_p`` is the LRU shadow's hits of protected traffic: the goal never asks
 traffic gets from plain LRU in the shared pool (where LRU already gives it most of its isolated hits, a goal
 of 0.9 of them would otherwise let the controller give protected traffic less than no protection at all).
 
-and one actuator, the *protection level* ``lam`` in [-1, 1], integrates the tighter of the two, ``u = min(g,
-s)``: it rises while protected traffic is short of its goal *and* overall reuse has room above its floor, and
-falls as soon as either the floor is crossed or the goal is exceeded (protection beyond the goal only costs
-reuse). The level sets everything by which priority bends the order::
+and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
+
+- while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, ``min(g, s)``
+  (it rises while overall reuse has room above its floor, falls as soon as the floor is crossed);
+- beyond the goal (``g <= 0``): while the pool hits less than the LRU shadow (protection costs reuse), the
+  larger of the excess and that cost, ``min(g, (A - E) / max(A, E))``, so protection nobody needs is given
+  back; while the pool hits at least as much as LRU, nothing (protection that costs no reuse is kept: giving it
+  back would lower protected hits and gain nothing measurable); the floor, ``s``, still caps it.
+
+The level sets everything by which priority bends the order::
 
     lam in [0, 1]:   protected target = lam x budget x pool, full retention weights
     lam in [-1, 0]:  protected target = 0, retention weights priority_weight ** ((r - 35) / 10 x (1 + lam))
@@ -40,21 +46,25 @@ reuse floor can always be kept as far as the base order keeps it. Which term is 
 the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
 measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).
 
-Windows and gains, from the pool size, the observed hit rate and the margin (no constant chosen because it
+Windows and gains, from the pool size, the observed hits and the margin (no constant chosen because it
 passed):
 
 - the sums decay with a time constant, in sampled block references, of the longer of two windows: (a)
-  ``WINDOW_TURNOVERS`` pool turnovers (``rate x pool`` references each): a target change shows in the hits
-  only after the blocks it keeps or drops have been re-referenced, about a turnover; averaging over several
-  keeps the reading from following single bursts; (b) the references it takes to count ``1 /
-  max_reuse_loss**2`` hits at the hit ratio observed so far: a count of N hits has a relative noise of about
-  ``1 / sqrt(N)``, so the window must hold enough hits for that noise to be no larger than the margin the
-  floor allows (2,500 hits for the default 2%);
-- the gain lets the level cross half its range (the target's range, 0 to 1) in one window at an error as large as
-  the isolation goal's own tolerance (``1 - isolation_goal``: 10% by default): an error of that size is the
-  one the goal says matters, while the measurement's noise (about the reuse margin, by (b)) moves the level by
-  a fraction of its range per window; while the window holds fewer hits (pool's or LRU shadow's) than (b) asks (a cold start), the
-  step is scaled down by that fraction.
+  ``WINDOW_TURNOVERS`` = 1 pool turnover (``rate x pool`` references): a target change shows in the hits only
+  after the blocks it keeps or drops have been re-referenced, about a turnover (the plant's delay; a shorter
+  window reads the effect of a change before it can show); (b) the references it takes for the *paired*
+  difference between the pool's and the LRU shadow's hits (the same sampled blocks of the same lookups) to be
+  resolved: with ``D`` the sum over lookups of ``(pool hits - LRU hits)**2`` and ``M = max(A, E)``, the
+  relative noise of ``A - E`` is ``sqrt(D) / M``, and the window must bring it below the error to be resolved,
+  the reuse margin ``max_reuse_loss`` or the measured ``|A - E| / M`` when that is larger (a large error is
+  acted on as soon as it is above the noise, a small one waits for the evidence that resolves it). Counting
+  lookups' hits in pairs matters: a request's prefix hits or misses together, so N hits of a few lookups carry
+  the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup);
+- the gain lets the level cross half its range in one window at an error as large as the constraint's own
+  tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
+  ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
+  level as fast as an error of the goal's size); while the window holds less than (b) asks (a cold start),
+  the step is scaled down by that share (the confidence).
 """
 
 from __future__ import annotations
@@ -74,8 +84,14 @@ SHARDS_SAMPLE = 8192
 """Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
 BIAS_STEPS = 64
 """Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
-WINDOW_TURNOVERS = 4.0
+WINDOW_TURNOVERS = 1.0
 """The controller's measurement window in pool turnovers (see the module docstring)."""
+BALANCE_TURNOVERS = 4.0
+"""The recency/frequency balance's shortest window, in pool turnovers: longer than the protection target's one
+turnover because a change of the frequency exponent shows only once blocks have been re-used several times
+(their counts), and because its two candidates differ by a few percent, which a short window reads as noise
+(at one turnover, 20 of 80 one-class grid runs fell below lru). Four is the value it had before the
+controller's window was shortened, kept; its sensitivity is in docs/results.md."""
 BALANCE_SAMPLE = 2048
 """Tracked blocks of the recency/frequency candidates' shadows (:mod:`kvretain.core.policies.balance`): they are
 compared with each other on the same references, so a smaller sample than the controller's resolves them."""
@@ -184,14 +200,15 @@ class ProtectionController:
     __slots__ = (
         "_acc",
         "_balance_cut",
+        "_balance_refs",
         "_balance_share",
         "_bias_step",
         "_cap",
         "_cut_at",
         "_floor_refs",
         "_gain",
+        "_gain_floor",
         "_goal",
-        "_hits_needed",
         "_iso",
         "_keep",
         "_lru",
@@ -248,12 +265,14 @@ class ProtectionController:
             self.balance.table(cfg.frequency_cap) if self.balance is not None else frequency_terms(cfg)
         )
         self._floor_refs = WINDOW_TURNOVERS * tracked
-        self._hits_needed = 1.0 / max(cfg.max_reuse_loss, 0.01) ** 2
+        self._balance_refs = BALANCE_TURNOVERS * tracked
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
         self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
+        self._gain_floor = 1.0 / max(cfg.max_reuse_loss, 0.01)  # the same, at the floor's own tolerance
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
-        # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic
-        self._acc = [0.0] * 7
+        # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic; the sum of
+        # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
+        self._acc = [0.0] * 8
         self.binding = "none"
 
     def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
@@ -269,21 +288,27 @@ class ProtectionController:
         lru_hits = self._lru.reference(sampled)
         protected = retention >= self.threshold
         acc = self._acc
-        # the window: the longer of the turnover floor and the references holding ``_hits_needed`` hits
-        h = acc[0] / acc[4] if acc[0] > 0.0 else 0.0
+        # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
-        if h > 0.0 and self._hits_needed / h > window:
-            window = self._hits_needed / h
+        big = acc[1] if acc[1] > acc[0] else acc[0]
+        if acc[7] > 0.0 and big > 0.0:
+            need = acc[4] * acc[7] / (big * big * self._resolve(acc[0], acc[1]))
+            if need > window:
+                window = need
         d = math.exp(-n / window)
-        for i in range(7):
+        for i in range(8):
             acc[i] *= d
         acc[0] += hits
         acc[1] += lru_hits
         acc[4] += n
+        acc[7] += (hits - lru_hits) * (hits - lru_hits)
         changed = False
         if self.balance is not None:
             balanced = sampled if sub is None else sub
-            if balanced and self.balance.update(balanced, d, window * self._balance_share):
+            # the balance's own window: at least BALANCE_TURNOVERS turnovers (its decay then its own)
+            bw = self._balance_refs if self._balance_refs > window else window
+            bd = d if bw == window else math.exp(-n / bw)
+            if balanced and self.balance.update(balanced, bd, bw * self._balance_share):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:
@@ -305,11 +330,28 @@ class ProtectionController:
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
         m = ep if ep > ap else ap
         gap = (want - ap) / m if m > 0.0 else -1.0
-        u = gap if gap < slack else slack
+        gain = self._gain
+        if gap > 0.0:  # short of the goal: rise as far as the floor allows
+            u = gap
+            if slack < gap:
+                u, gain = slack, self._gain_floor
+        else:  # beyond the goal: give back while protection costs reuse against LRU (excess or cost), else hold
+            u = 0.0
+            if a < e:
+                cost = (a - e) / (e if e > a else a)
+                u = gap if gap < cost else cost
+            if slack < u:
+                u, gain = slack, self._gain_floor
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
-        evidence = a if a > e else e
-        confidence = evidence / self._hits_needed if evidence < self._hits_needed else 1.0
-        lam = self.level + self._gain / window * confidence * u * n
+        # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
+        if acc[7] > 0.0:
+            big = e if e > a else a
+            confidence = big * big * self._resolve(a, e) / acc[7]
+            if confidence > 1.0:
+                confidence = 1.0
+        else:
+            confidence = 1.0
+        lam = self.level + gain / window * confidence * u * n
         self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
         self.target = lam * self.max_target if lam > 0.0 else 0.0
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
@@ -318,6 +360,19 @@ class ProtectionController:
             self.weights = retention_weights(self._pw, step / BIAS_STEPS)
             changed = True
         return changed
+
+    def _resolve(self, a: float, e: float) -> float:
+        """The squared relative difference the window must resolve: the reuse margin, or the measured
+        difference between the pool's and the LRU shadow's hits when that is larger (a large error is acted on
+        as soon as the paired noise is below it)."""
+        m = e if e > a else a
+        err = abs(a - e) / m if m > 0.0 else 0.0
+        tol = 1.0 - self._keep
+        if err > tol:
+            tol = err
+        if tol < 0.01:
+            tol = 0.01
+        return tol * tol
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window) and which
