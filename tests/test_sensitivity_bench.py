@@ -63,17 +63,15 @@ def test_module_constants_reach_the_pool_workers_and_move_the_figures(tmp_path: 
     job = grid.Job("policies", trace, "native", 200, ("unified",), ())
     settings = [(), (("WINDOW_TURNOVERS", 64.0),), (("SHARDS_SAMPLE", 16),)]
     jobs = [sens.SensJob(str(i), job, c) for i, c in enumerate(settings)]
+    before = {k: getattr(protection, k) for k in sens.CONSTANTS}
     out = {r["setting"]: r for r in grid.run_all(jobs, 2, False, fn=sens.run_sens)}
     default = out["0"]
-    assert default["constants_seen"] == {
-        "WINDOW_TURNOVERS": protection.WINDOW_TURNOVERS,
-        "SHARDS_SAMPLE": protection.SHARDS_SAMPLE,
-    }
+    assert default["constants_seen"] == before
     assert out["1"]["constants_seen"]["WINDOW_TURNOVERS"] == 64.0
     assert out["2"]["constants_seen"]["SHARDS_SAMPLE"] == 16
     # each override changes what unified does in the worker (the hit ratios are deterministic)
     assert out["1"]["unified"] != default["unified"] and out["2"]["unified"] != default["unified"]
-    assert protection.WINDOW_TURNOVERS == 4.0 and protection.SHARDS_SAMPLE == 8192  # this process untouched
+    assert {k: getattr(protection, k) for k in sens.CONSTANTS} == before  # this process untouched
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
