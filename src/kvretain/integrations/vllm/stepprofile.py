@@ -115,7 +115,7 @@ def main(spec_path: str) -> int:
         finally:
             core_time[0] = time.perf_counter() - t
 
-    core_client.get_output = timed_get_output  # type: ignore[method-assign]
+    core_client.get_output = timed_get_output
 
     def step() -> tuple[list[Any], tuple[float, float]]:
         """One ``engine.step()``: its outputs and (core seconds, whole-step seconds)."""
