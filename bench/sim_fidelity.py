@@ -363,7 +363,9 @@ def profile(limits: Limits, args: argparse.Namespace, name: str) -> str:
     NOTE: ``--statistic median`` (``--profile-statistic``): a point's median step rather than its fastest. The
     fastest step is the engine with the machine to itself; on this shared 2-core machine (load averages of
     4-8) the server's steps run beside the other processes as the median profiled step does, and the latencies
-    compared are percentiles over all of them, not best cases."""
+    compared are percentiles over all of them, not best cases. ``--what core`` (``--profile-what``): the
+    engine core's own step, what the server's engine-core process spends per step; its API process does the
+    output processing on the other core, overlapped with the next step."""
     out = str(Path(args.out) / f"cost-model-{name}.toml")
     b, n = limits.max_num_seqs, limits.max_num_batched_tokens
     cmd = [
@@ -393,6 +395,8 @@ def profile(limits: Limits, args: argparse.Namespace, name: str) -> str:
         "4",
         "--statistic",
         args.profile_statistic,
+        "--what",
+        args.profile_what,
         "--cpus",
         ",".join(map(str, server_engine_cpus())),
         "--block-size",
@@ -608,6 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("min", "median"),
         default="median",
         help="kvretain profile --statistic (default median: see profile())",
+    )
+    ap.add_argument(
+        "--profile-what",
+        choices=("core", "step"),
+        default="core",
+        help="kvretain profile --what: the engine core's own step, as the server's engine-core process runs "
+        "it (default), or the whole in-process llm_engine.step() with the output processing",
     )
     ap.add_argument("--sim-only", action="store_true", help="only the simulator (needs --cost-model)")
     args = ap.parse_args(argv)

@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,16 @@ def grid_points(coef: StepCoefficients, noise: float = 0.0, seed: int = 0) -> li
         sec = coef.predict(t, pairs, s) * (1 + rng.uniform(-noise, noise))
         out.append(StepPoint(t, pairs, s, sec, kind))
     return out
+
+
+def point_event(p: StepPoint, step: float = 1.5, median: float = 2.0) -> dict[str, object]:
+    """The measuring module's ``point`` event for ``p``: its engine-core step takes ``p.seconds`` (fastest),
+    the whole step ``step`` times that, the median steps ``median`` times the fastest."""
+    ev: dict[str, object] = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs}
+    fastest = {"core": p.seconds, "step": step * p.seconds}
+    ev |= {"sampled": p.sampled, "seconds": fastest, "label": f"{p.kind} {p.tokens}"}
+    ev["median_seconds"] = {k: median * v for k, v in fastest.items()}
+    return ev
 
 
 def test_fit_recovers_known_coefficients_exactly() -> None:
@@ -99,6 +110,48 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     err = prof.median_relative_error()
     assert back.info == {**prof.info, "median_abs_rel_error": err}
     assert dumps(back) == dumps(prof)
+
+
+def test_step_seconds_round_trip_and_checked() -> None:
+    # the whole step's time kept beside the engine core's: written, read back, never fitted
+    pts = [replace(p, step_seconds=1.5 * p.seconds) for p in grid_points(TRUE)]
+    prof = Profile(fit(pts), tuple(pts))
+    back = loads(dumps(prof))
+    assert back.points == prof.points and back.points[0].step_seconds == pytest.approx(1.5 * pts[0].seconds)
+    assert prof.coefficients.per_token_s == pytest.approx(TRUE.per_token_s, rel=1e-6)
+    assert "step_seconds" not in dumps(Profile(prof.coefficients, tuple(grid_points(TRUE))))
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="point step_seconds must be a number > 0"):
+            StepPoint(8, 36, 1, 0.01, "prefill", bad)  # type: ignore[arg-type]
+
+
+def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the fake engine's whole steps take 1.5x its engine-core steps: --what core (the default) fits the core's
+    # times and keeps the whole step's beside them; --what step fits the whole step's
+    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
+    lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in grid_points(TRUE)]
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(lines) + "\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    for what, factor in ((None, 1.0), ("core", 1.0), ("step", 1.5)):
+        out = tmp_path / f"{what}.toml"
+        assert (
+            main([*argv, "--out", str(out), *(["--what", what] if what else []), "--statistic", "min"]) == 0
+        )
+        capsys.readouterr()
+        prof = load_profile(out)
+        assert prof.coefficients.per_token_s == pytest.approx(factor * TRUE.per_token_s, rel=1e-6)
+        assert str(prof.info["measured"]).startswith("engine core" if factor == 1.0 else "whole")
+        steps = [p.step_seconds for p in prof.points]
+        if factor == 1.0:
+            assert steps == pytest.approx([1.5 * p.seconds for p in prof.points])
+        else:
+            assert steps == [None] * len(steps)
+    assert main([*argv, "--what", "engine"]) == 2
+    assert "argument --what" in capsys.readouterr().err
 
 
 def test_profiled_cost_model_prices_steps_with_the_coefficients() -> None:
@@ -211,9 +264,7 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     # a stand-in for the vLLM Python: prints the measuring module's lines for steps priced by TRUE
     lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}', "some vLLM log line"]
     for p in grid_points(TRUE):
-        ev = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs, "sampled": p.sampled}
-        ev |= {"seconds": p.seconds, "label": f"{p.kind} {p.tokens}"}
-        lines.append("KVRETAIN-PROFILE " + json.dumps(ev))
+        lines.append("KVRETAIN-PROFILE " + json.dumps(point_event(p)))
     lines.append('KVRETAIN-PROFILE {"event": "info", "engine": "fake 1.0", "block_size": 32}')
     data = tmp_path / "lines.txt"
     data.write_text("\n".join(lines) + "\n")
@@ -259,9 +310,7 @@ def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixtur
     # --statistic median fits those
     lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
     for p in grid_points(TRUE):
-        ev = {"event": "point", "kind": p.kind, "tokens": p.tokens, "pairs": p.pairs, "sampled": p.sampled}
-        ev |= {"seconds": p.seconds, "median_seconds": 2 * p.seconds, "label": f"{p.kind} {p.tokens}"}
-        lines.append("KVRETAIN-PROFILE " + json.dumps(ev))
+        lines.append("KVRETAIN-PROFILE " + json.dumps(point_event(p)))
     data = tmp_path / "lines.txt"
     data.write_text("\n".join(lines) + "\n")
     fake = tmp_path / "python"

