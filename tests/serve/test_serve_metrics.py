@@ -46,10 +46,14 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     assert _value(s, "kvretain:pool_blocks") == 32
     share = _value(s, "kvretain:protected_block_share")
     assert share is not None and 0 < share <= 1
-    assert _value(s, "kvretain:protected_target_blocks") > 0
-    assert _value(s, "kvretain:protected_budget_blocks") == pytest.approx(0.95 * 32)
+    # the controller's state, consistent: the target is the level's share of the budget (0 below level 0); its
+    # value depends on the traffic the server saw before (the controller is the engine's, not the test's)
+    budget = _value(s, "kvretain:protected_budget_blocks")
+    level = _value(s, "kvretain:protection_level")
+    assert budget == pytest.approx(0.95 * 32)
+    assert -1.0 <= level <= 1.0
+    assert _value(s, "kvretain:protected_target_blocks") == pytest.approx(max(0.0, level) * budget, abs=1e-6)
     assert _value(s, "kvretain:lru_hit_ratio_estimate") is not None
-    assert -1.0 <= _value(s, "kvretain:protection_level") <= 1.0
     assert _value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
 
 
