@@ -80,24 +80,6 @@ class ClassicPolicy(EvictionPolicy, Generic[B]):
         else:
             self._access(b)
 
-    def release(
-        self,
-        block_id: int,
-        retention: int,
-        duration_s: float | None,
-        scope: str | None,
-        now: float,
-        base: int,
-        evictable: bool,
-    ) -> None:
-        b = self._blocks[block_id]
-        if b.fresh:
-            b.fresh = False
-        else:
-            self._access(b)
-        if evictable:
-            self.push(block_id, now)
-
     def release_run(
         self,
         block_ids: Sequence[int],
