@@ -36,7 +36,9 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
         h0 = _value(s, "kvretain:prefix_cache_hits_total", priority="0")
         q1 = _value(s, "kvretain:prefix_cache_queries_total", priority="1")
         ev1 = _value(s, "kvretain:evicted_blocks_total", priority="1")
-        if (q0 and h0 and q1 and ev1) or time.monotonic() > deadline:
+        # the counters reach /metrics with a lag (the engine's stats interval): wait for the whole flood
+        done = q0 and q0 >= 3 * 120 and h0 and h0 >= 2 * 96 and q1 and q1 >= 12 * 120 and ev1
+        if done or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert q0 and q0 >= 3 * 120, s
