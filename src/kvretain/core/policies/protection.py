@@ -59,7 +59,8 @@ passed):
   the reuse margin ``max_reuse_loss`` or the measured ``|A - E| / M`` when that is larger (a large error is
   acted on as soon as it is above the noise, a small one waits for the evidence that resolves it). Counting
   lookups' hits in pairs matters: a request's prefix hits or misses together, so N hits of a few lookups carry
-  the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup);
+  the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup). The rule, once:
+  :mod:`kvretain.core.policies.evidence`;
 - the gain lets the level cross half its range in one window at an error as large as the constraint's own
   tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
   ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
@@ -76,6 +77,7 @@ from operator import itemgetter
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
+from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs
 from kvretain.core.policies.rules import frequency_terms, retention_weights
 from kvretain.core.policies.shadow import LRUShadow
 from kvretain.core.policy import PolicyConfig
@@ -212,6 +214,7 @@ class ProtectionController:
         "_iso",
         "_keep",
         "_lru",
+        "_margin",
         "_pw",
         "_rate_cut",
         "_sub_cut",
@@ -232,6 +235,7 @@ class ProtectionController:
         self.max_target = cfg.budget * num_blocks
         self._goal = cfg.isolation_goal
         self._keep = 1.0 - cfg.max_reuse_loss
+        self._margin = 1.0 - self._keep  # (as the floor computes it)
         self.level = 1.0
         self.target = self.max_target
         # retention weight of every priority 0..100 at the current level (full weights for lam >= 0)
@@ -267,8 +271,12 @@ class ProtectionController:
         self._floor_refs = WINDOW_TURNOVERS * tracked
         self._balance_refs = BALANCE_TURNOVERS * tracked
         tolerance = 1.0 - self._goal if self._goal is not None else 1.0
-        self._gain = 1.0 / max(tolerance, cfg.max_reuse_loss, 0.01)  # level per window at an error of 1
-        self._gain_floor = 1.0 / max(cfg.max_reuse_loss, 0.01)  # the same, at the floor's own tolerance
+        self._gain = 1.0 / max(
+            tolerance, cfg.max_reuse_loss, MIN_TOLERANCE
+        )  # level per window at an error of 1
+        self._gain_floor = 1.0 / max(
+            cfg.max_reuse_loss, MIN_TOLERANCE
+        )  # the same, at the floor's own tolerance
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
         # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic; the sum of
         # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
@@ -290,11 +298,9 @@ class ProtectionController:
         acc = self._acc
         # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
-        big = acc[1] if acc[1] > acc[0] else acc[0]
-        if acc[7] > 0.0 and big > 0.0:
-            need = acc[4] * acc[7] / (big * big * self._resolve(acc[0], acc[1]))
-            if need > window:
-                window = need
+        need = needed_refs(acc[4], acc[7], acc[0], acc[1], self._margin)
+        if need > window:
+            window = need
         d = math.exp(-n / window)
         for i in range(8):
             acc[i] *= d
@@ -344,14 +350,8 @@ class ProtectionController:
                 u, gain = slack, self._gain_floor
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
         # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
-        if acc[7] > 0.0:
-            big = e if e > a else a
-            confidence = big * big * self._resolve(a, e) / acc[7]
-            if confidence > 1.0:
-                confidence = 1.0
-        else:
-            confidence = 1.0
-        lam = self.level + gain / window * confidence * u * n
+        conf = confidence(acc[7], a, e, self._margin)
+        lam = self.level + gain / window * conf * u * n
         self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
         self.target = lam * self.max_target if lam > 0.0 else 0.0
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
@@ -360,19 +360,6 @@ class ProtectionController:
             self.weights = retention_weights(self._pw, step / BIAS_STEPS)
             changed = True
         return changed
-
-    def _resolve(self, a: float, e: float) -> float:
-        """The squared relative difference the window must resolve: the reuse margin, or the measured
-        difference between the pool's and the LRU shadow's hits when that is larger (a large error is acted on
-        as soon as the paired noise is below it)."""
-        m = e if e > a else a
-        err = abs(a - e) / m if m > 0.0 else 0.0
-        tol = 1.0 - self._keep
-        if err > tol:
-            tol = err
-        if tol < 0.01:
-            tol = 0.01
-        return tol * tol
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window) and which
