@@ -220,3 +220,24 @@ def test_the_goal_never_asks_less_than_plain_lru_gives_protected_traffic() -> No
     st = ctl.stats()
     assert st["reuse_floor_binds"] == 0.0 and st["isolation_goal_met"] == 0.0
     assert ctl.level > 0.1  # (rising: before this rule it fell to -1, the goal met)
+
+
+def test_balance_does_not_buy_overall_reuse_with_protected_traffics_hits() -> None:
+    # pool 40; unprotected: a hot set of 10 read every other round and a scan of 20 one-off blocks a round
+    # (frequency keeps the hot set: more hits overall); protected: sessions of 6 blocks read in 6 consecutive
+    # rounds and then never again (recency keeps the live session; frequency keeps dead sessions' high counts)
+    def drive(protected_retention: int) -> ProtectionController:
+        ctl = ProtectionController(40, PolicyConfig(isolation_goal=None, frequency_exponent=1.0))
+        for i in range(3000):
+            if i % 2 == 0:
+                ctl.on_lookup(list(range(1, 11)), 0, 25)
+            ctl.on_lookup([10**6 + 20 * i + j for j in range(20)], 0, 25)
+            ctl.on_lookup([1000 + 6 * (i // 6) + j for j in range(6)], 0, protected_retention)
+        return ctl
+
+    # all traffic at one class (nothing protected at 25 < 35): frequency hits more, and wins
+    unprotected = drive(25)
+    assert unprotected.balance is not None and unprotected.balance.alpha == 1.0
+    # the sessions protected: they would lose hits to frequency, so the order stays with recency
+    protected = drive(60)
+    assert protected.balance is not None and protected.balance.alpha == 0.0

@@ -314,7 +314,7 @@ class ProtectionController:
             # the balance's own window: at least BALANCE_TURNOVERS turnovers (its decay then its own)
             bw = self._balance_refs if self._balance_refs > window else window
             bd = d if bw == window else math.exp(-n / bw)
-            if balanced and self.balance.update(balanced, bd, bw * self._balance_share):
+            if balanced and self.balance.update(balanced, bd, bw * self._balance_share, protected):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:
