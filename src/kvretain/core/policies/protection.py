@@ -154,7 +154,8 @@ def spatial_sample(
     when not asked), the same as ``spatial_key`` block by block.
 
     NOTE: the controller's hot path (every block of every lookup, inside vLLM's scheduler step): for digests
-    the second bytes are gathered and classified in C (``bytes(map(...))``, ``translate``, ``compress``) and only
+    the second bytes are gathered and classified in C (a strided slice of the digests' concatenation when they
+    have one length, else ``bytes(map(...))``; ``translate``, ``compress``) and only
     the blocks whose second byte equals a cut's (1 in 256) read their first byte; for ints the key test is
     one expression, no call. A list that mixes ints and digests takes ``spatial_key`` block by block.
     """
@@ -174,7 +175,13 @@ def spatial_sample(
                 lim = sub_cut.int_limit
                 sub = [h for h in sampled if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
         else:
-            second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
+            size = len(hashes[0])  # type: ignore[arg-type]
+            if size >= 2 and list(map(len, hashes)).count(size) == len(hashes):  # type: ignore[arg-type]
+                # NOTE: digests of one length (one hash function's, as an engine's are): their second bytes are a
+                # strided slice of the concatenation (C calls only, no Python-level call per block)
+                second = b"".join(hashes)[1::size]  # type: ignore[arg-type]
+            else:
+                second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
             if cut is not None:
                 mask = cut.digest_mask(second, hashes)
                 sampled = list(compress(hashes, mask))
