@@ -25,9 +25,10 @@ eviction rule needs.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import repeat
 from typing import Any
 
 
@@ -111,13 +112,20 @@ class CacheStats:
 
     def released(self, block_ids: Sequence[int], priority: int) -> None:
         """A request of class ``priority`` releases ``block_ids`` (call it for every release)."""
-        rel = self._releaser
-        for b in block_ids:
-            rel[b] = priority
+        # (a C-level loop, run by an empty deque: once per released block)
+        deque(map(self._releaser.__setitem__, block_ids, repeat(priority)), maxlen=0)
         self.of(priority).released_blocks += len(block_ids)
 
     def evicted(self, block_ids: Sequence[int], block_hashes: object = None) -> None:
         """``block_ids`` were evicted (the signature of ``BlockPool.on_evict_batch``)."""
-        for c, k in Counter(map(self._releaser.__getitem__, block_ids)).items():
+        classes = list(map(self._releaser.__getitem__, block_ids))
+        if not classes:
+            return
+        first = classes[0]
+        if classes.count(first) == len(classes):  # one class (a Counter costs more than the count)
+            if first is not None:
+                self.of(first).evicted_blocks += len(classes)
+            return
+        for c, k in Counter(classes).items():
             if c is not None:
                 self.of(c).evicted_blocks += k

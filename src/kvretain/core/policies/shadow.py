@@ -37,6 +37,12 @@ class LRUShadow:
         self.capacity = max(1, capacity)
         self.entries: OrderedDict[BlockHash, None] = OrderedDict()
 
+    def copy(self) -> LRUShadow:
+        """A shadow of the same capacity holding the same blocks in the same order."""
+        out = LRUShadow(self.capacity)
+        out.entries = OrderedDict(self.entries)
+        return out
+
     def reference(self, sampled: Sequence[BlockHash]) -> int:
         """Look up ``sampled`` (one request's tracked blocks, in prefix order), count those resident, then
         make them the most recent, deepest first (a request's blocks are released deepest first, so its
