@@ -159,7 +159,13 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+CORE_COMMANDS = ("replay", "policies")
+"""The commands this module defines; the others come from the modules named in the module docstring."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` one of :data:`CORE_COMMANDS`, only those (the simulator's
+    modules, which the other commands import, are not loaded: a replay starts faster)."""
     p = Parser(prog="kvretain", description="Priority-aware KV cache retention for LLM serving.")
     p.add_argument("--version", action="version", version=f"kvretain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=cmd_policies)
+    if command in CORE_COMMANDS:
+        return p
 
     from kvretain.cli_profile import add_subcommands as add_profile_subcommands
     from kvretain.cli_sim import add_subcommands
@@ -246,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line)
