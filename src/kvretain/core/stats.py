@@ -25,10 +25,9 @@ eviction rule needs.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from itertools import repeat
 from typing import Any
 
 
@@ -112,8 +111,9 @@ class CacheStats:
 
     def released(self, block_ids: Sequence[int], priority: int) -> None:
         """A request of class ``priority`` releases ``block_ids`` (call it for every release)."""
-        # (a C-level loop, run by an empty deque: once per released block)
-        deque(map(self._releaser.__setitem__, block_ids, repeat(priority)), maxlen=0)
+        rel = self._releaser
+        for b in block_ids:
+            rel[b] = priority
         self.of(priority).released_blocks += len(block_ids)
 
     def evicted(self, block_ids: Sequence[int], block_hashes: object = None) -> None:
