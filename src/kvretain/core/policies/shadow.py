@@ -126,14 +126,14 @@ class GDShadow:
         L = self.L
         serial = self._serial
         stale = self._stale
-        take = self._ghost.take if self._ghost.capacity else None  # (an empty table remembers nothing)
+        take = self._ghost.take_or if self._ghost.capacity else None  # (an empty table remembers nothing)
         for h in reversed(sampled):
             got = get(h)
             if got is not None:
                 uses = got[1] + 1
                 stale += 1
             elif take is not None:
-                uses = take(h) + 1
+                uses = take(h, 0) + 1
             else:
                 uses = 1
             if uses > cap:
