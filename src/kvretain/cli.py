@@ -8,11 +8,13 @@ Choices (policies, priority rules) are listed from the registries.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -117,8 +119,25 @@ def load_replay_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest],
     return replay_requests(records), str(args.trace)
 
 
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (restored after).
+
+    NOTE: loading a trace builds hundreds of thousands of small objects that form no cycles (records, block
+    keys, the hasher's tables); each collection would traverse them again (~0.1 s of a 1.3 s replay of the
+    conversation trace). Reference counting still frees everything as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
-    requests, source = load_replay_requests(args)
+    with _no_cycle_collection():
+        requests, source = load_replay_requests(args)
     policies = policy_names() if args.policy == "all" else [args.policy]
     mapping = args.priority_mapping
     results = []
