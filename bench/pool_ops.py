@@ -12,8 +12,14 @@ counts. vLLM's own
     python bench/pool_ops.py [--sizes 10000 100000 1000000] [--ops 300000] [--pools unified vllm]
     python bench/pool_ops.py --count-opcodes     # bytecodes per block op instead of time (deterministic)
 
-Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy: r}, "flatness": {...}}``.
-``ratio_vs_vllm`` is the policy's ns/op over vLLM's, averaged over sizes.
+Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy: r}, "flatness": {...},
+"replay_command_s": {blocks: s}}``. ``ratio_vs_vllm`` is the policy's ns/op over vLLM's, averaged over sizes.
+
+``replay_command_s`` is the other half of issue 10's acceptance 6 (the whole conversation trace replayed in under
+2 s): the wall time of the whole command ``kvretain replay TRACE --policy unified --capacity-blocks C --json``
+in a fresh process (interpreter start, imports, reading and keying the trace, the replay), the median of
+``--command-repeats`` runs (3) at each of ``--command-capacities`` (500 5000 32000); wall time, so run it on a
+quiet machine. ``--command-capacities`` with no value skips it; so does a missing ``--trace``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +44,8 @@ from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
 
 POLICIES = ["lru", "lfu", "priority", "unified", "s3fifo", "arc"]
+SRC = Path(__file__).resolve().parents[1] / "src"
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def make_sequence(num_requests: int, seed: int, num_blocks: int) -> list[tuple[list[bytes], int]]:
@@ -218,6 +229,23 @@ def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None
     return _timed(timed_ops, perf)
 
 
+def replay_command_seconds(trace: Path, capacity: int, repeats: int) -> float:
+    """The median wall time of ``kvretain replay TRACE --policy unified --capacity-blocks C --json``, each run
+    in a fresh interpreter (this checkout's ``src`` first on the path)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "kvretain", "replay", str(trace), "--policy", "unified"]
+    cmd += ["--capacity-blocks", str(capacity), "--json"]
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
@@ -240,6 +268,15 @@ def main() -> None:
         help="instead of timing, count the bytecodes each pool executes per block operation (one run each; "
         "deterministic: flat across sizes = O(1) Python-level work)",
     )
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace of the replay-command figure")
+    ap.add_argument(
+        "--command-capacities",
+        type=int,
+        nargs="*",
+        default=[500, 5000, 32000],
+        help="pool sizes of the replay-command figure (none: skip it)",
+    )
+    ap.add_argument("--command-repeats", type=int, default=3, help="runs per size of that figure (median)")
     args = ap.parse_args()
     if args.ops is None:
         args.ops = 20_000 if args.count_opcodes else 300_000
@@ -289,10 +326,18 @@ def main() -> None:
             if p == "vllm":
                 continue
             ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
+    command: dict[str, float] = {}
+    if args.command_capacities and args.trace.is_file():
+        for cap in args.command_capacities:
+            command[str(cap)] = round(replay_command_seconds(args.trace, cap, args.command_repeats), 3)
+            print(f"kvretain replay (whole command, unified, {cap} blocks): {command[str(cap)]:.2f} s wall")
+    elif args.command_capacities:
+        print(f"no trace at {args.trace}: no replay-command figure", file=sys.stderr)
     out = {
         "ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
         "ratio_vs_vllm": ratio,
         "flatness": flat,
+        "replay_command_s": command,
     }
     print(json.dumps(out))
 

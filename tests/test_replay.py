@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvretain.core import PolicyConfig
+from kvretain.core.stats import CacheStats
 from kvretain.replay import (
     MOONCAKE_BLOCK_TOKENS,
     ReplayRequest,
@@ -257,3 +261,26 @@ def test_integrity_every_request_under_pressure(policy: str, tmp_path: Path) -> 
     res = replay(reqs, 6, policy, check_every=1)
     assert res.requests == len(rows)
     assert 0 < res.hit_blocks < res.blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 9), max_size=8), st.sampled_from([0, 1, 2])),
+        max_size=40,
+    )
+)
+def test_evictions_go_to_the_last_releaser_class(events: list[tuple[bool, list[int], int]]) -> None:
+    # CacheStats' one-class shortcut against a count of the releasers block by block (None: never released)
+    stats = CacheStats(10)
+    releaser: list[int | None] = [None] * 10
+    want: Counter[int] = Counter()
+    for is_release, ids, prio in events:
+        if is_release:
+            stats.released(ids, prio)
+            for b in ids:
+                releaser[b] = prio
+        else:
+            stats.evicted(ids)
+            want.update(c for c in (releaser[b] for b in ids) if c is not None)
+    assert {c: st_.evicted_blocks for c, st_ in stats.by_class.items() if st_.evicted_blocks} == dict(want)

@@ -14,8 +14,16 @@ from hypothesis import strategies as st
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.protection import SpatialCut, spatial_key, spatial_sample
+from kvretain.core.policies.protection import (
+    BALANCE_SAMPLE,
+    SHARDS_SAMPLE,
+    ProtectionController,
+    SpatialCut,
+    spatial_key,
+    spatial_sample,
+)
 from kvretain.core.policies.shadow import GDShadow, LRUShadow
+from kvretain.core.policy import PolicyConfig
 
 
 def _reference_sample(
@@ -143,3 +151,39 @@ def test_gd_shadow_drops_its_stale_queue_entries() -> None:
         assert fast.reference(blocks) == ref.reference(blocks)
         assert fast.entries == ref.entries and fast.L == ref.L
     assert sum(len(q) for q in fast._buckets.values()) <= 4 * 20 + 64 + 30 + len(fast.entries)
+
+
+def _controller_state(ctl: ProtectionController) -> tuple[object, ...]:
+    return (ctl.level, ctl.target, ctl.binding, list(ctl.weights), list(ctl.frequency), list(ctl._acc))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lookups=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 60), min_size=1, max_size=12)
+            | st.lists(st.integers(0, 300), min_size=30, max_size=50),
+            st.integers(0, 12),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    one_class_first=st.integers(0, 60),
+    num_blocks=st.sampled_from([3, 40, 3 * BALANCE_SAMPLE, 3 * SHARDS_SAMPLE]),
+)
+def test_controller_shortcuts_equal_separate_shadows(
+    lookups: list[tuple[list[int], int, bool]], one_class_first: int, num_blocks: int
+) -> None:
+    # the controller's two shortcuts (the isolated shadow taken from the LRU shadow while every lookup was
+    # protected; the balance's LRU candidate taken from the controller's when it samples the same blocks)
+    # against a controller that keeps every shadow apart
+    cfg = PolicyConfig()
+    fast, ref = ProtectionController(num_blocks, cfg), ProtectionController(num_blocks, cfg)
+    ref._iso_is_lru = False
+    ref._balance_takes_lru = False
+    for i, (blocks, hits, protected) in enumerate(lookups):
+        retention = 80 if protected or i < one_class_first else 25
+        hits = min(hits, len(blocks))
+        assert fast.on_lookup(blocks, hits, retention) == ref.on_lookup(blocks, hits, retention)
+        assert _controller_state(fast) == _controller_state(ref)

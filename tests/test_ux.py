@@ -88,6 +88,18 @@ def test_help_has_no_internal_text_and_every_option_has_help() -> None:
             assert action.help and action.help.strip(), f"kvretain {name} {action.option_strings} has no help"
 
 
+def test_replay_loads_none_of_the_simulator() -> None:
+    # `kvretain replay` / `policies` build only their own parsers: the simulator's modules stay unloaded
+    code = (
+        "import sys; from kvretain.cli import main; main(['policies']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('kvretain.engine', 'kvretain.cli_'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "['kvretain.cli_args']"
+    assert set(_subparsers(build_parser("replay"))) == {"replay", "policies"}
+    assert "simulate" in _subparsers(build_parser("simulate"))
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     from kvretain import __version__
 

@@ -118,6 +118,14 @@ class CacheStats:
 
     def evicted(self, block_ids: Sequence[int], block_hashes: object = None) -> None:
         """``block_ids`` were evicted (the signature of ``BlockPool.on_evict_batch``)."""
-        for c, k in Counter(map(self._releaser.__getitem__, block_ids)).items():
+        classes = list(map(self._releaser.__getitem__, block_ids))
+        if not classes:
+            return
+        first = classes[0]
+        if classes.count(first) == len(classes):  # one class (a Counter costs more than the count)
+            if first is not None:
+                self.of(first).evicted_blocks += len(classes)
+            return
+        for c, k in Counter(classes).items():
             if c is not None:
                 self.of(c).evicted_blocks += k

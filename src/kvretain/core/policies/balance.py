@@ -67,11 +67,19 @@ class FrequencyBalance:
     def alpha(self) -> float:
         return self._exp * self.level / ALPHA_STEPS
 
-    def update(self, sampled: Sequence[BlockHash], decay: float, window: float, protected: bool) -> bool:
+    def update(
+        self,
+        sampled: Sequence[BlockHash],
+        decay: float,
+        window: float,
+        protected: bool,
+        lru_hits: int | None = None,
+    ) -> bool:
         """One lookup's ``sampled`` blocks (prefix order), from a ``protected`` request or not; ``decay`` is the
-        controller's for this lookup and ``window`` its window in these references. Returns True when
-        ``alpha`` moved a step."""
-        e_hits = self._lru.reference(sampled)
+        controller's for this lookup and ``window`` its window in these references. ``lru_hits``: the hits of
+        an LRU shadow of this size that has seen every lookup the balance has (the controller's, when it
+        samples the same blocks), in place of the balance's own. Returns True when ``alpha`` moved a step."""
+        e_hits = self._lru.reference(sampled) if lru_hits is None else lru_hits
         g = self._shadow.reference(sampled)
         self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g

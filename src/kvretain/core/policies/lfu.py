@@ -20,13 +20,15 @@ class GhostTable:
     table is a heuristic, so this approximation is accepted.
     """
 
-    __slots__ = ("capacity", "pos", "ring", "table")
+    __slots__ = ("capacity", "pos", "ring", "table", "take_or")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
         self.table: dict[BlockHash, int] = {}
         self.ring: list[BlockHash | None] = [None] * self.capacity
         self.pos = 0
+        self.take_or = self.table.pop
+        """``take_or(hash, 0)`` is :meth:`take` without a Python call (the dict's own method, for hot loops)."""
 
     def put(self, block_hash: BlockHash, uses: int) -> None:
         if not self.capacity:

@@ -213,6 +213,7 @@ class ProtectionController:
         "_balance_cut",
         "_balance_refs",
         "_balance_share",
+        "_balance_takes_lru",
         "_bias_step",
         "_cap",
         "_cut_at",
@@ -221,6 +222,7 @@ class ProtectionController:
         "_gain_floor",
         "_goal",
         "_iso",
+        "_iso_is_lru",
         "_keep",
         "_lru",
         "_margin",
@@ -279,6 +281,13 @@ class ProtectionController:
         # same blocks, or no balance)
         self._cut_at = SpatialCut(cut) if cut < _KEYS else None
         self._sub_cut = SpatialCut(bcut) if bcut < cut and self.balance is not None else None
+        # NOTE: speed, same figures. The isolated shadow sees the protected lookups, the LRU shadow every lookup:
+        # while no lookup has been unprotected (one class) the two hold the same blocks in the same order, so the
+        # isolated one starts as a copy of the LRU one at the first unprotected lookup. The balance's LRU
+        # candidate sees the controller's sample at the controller's size when its cut is the controller's: it
+        # takes the controller's LRU hits.
+        self._iso_is_lru = True
+        self._balance_takes_lru = bcut == cut
         # uses -> the frequency term of the value (the balance may move its exponent)
         self.frequency = (
             self.balance.table(cfg.frequency_cap) if self.balance is not None else frequency_terms(cfg)
@@ -312,8 +321,11 @@ class ProtectionController:
         if not sampled:
             return False
         n = len(sampled)
-        lru_hits = self._lru.reference(sampled)
         protected = retention >= self.threshold
+        if not protected and self._iso_is_lru:
+            self._iso = self._lru.copy()
+            self._iso_is_lru = False
+        lru_hits = self._lru.reference(sampled)
         acc = self._acc
         # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
@@ -333,14 +345,15 @@ class ProtectionController:
             # the balance's own window: at least BALANCE_TURNOVERS turnovers (its decay then its own)
             bw = self._balance_refs if self._balance_refs > window else window
             bd = d if bw == window else math.exp(-n / bw)
-            if balanced and self.balance.update(balanced, bd, bw * self._balance_share, protected):
+            shared = lru_hits if self._balance_takes_lru else None
+            if balanced and self.balance.update(balanced, bd, bw * self._balance_share, protected, shared):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:
             return changed
         if protected:
             acc[2] += hits
-            acc[3] += self._iso.reference(sampled)
+            acc[3] += lru_hits if self._iso_is_lru else self._iso.reference(sampled)
             acc[5] += n
             acc[6] += lru_hits
         a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]

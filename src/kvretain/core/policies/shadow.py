@@ -37,6 +37,12 @@ class LRUShadow:
         self.capacity = max(1, capacity)
         self.entries: OrderedDict[BlockHash, None] = OrderedDict()
 
+    def copy(self) -> LRUShadow:
+        """A shadow of the same capacity holding the same blocks in the same order."""
+        out = LRUShadow(self.capacity)
+        out.entries = OrderedDict(self.entries)
+        return out
+
     def reference(self, sampled: Sequence[BlockHash]) -> int:
         """Look up ``sampled`` (one request's tracked blocks, in prefix order), count those resident, then
         make them the most recent, deepest first (a request's blocks are released deepest first, so its
@@ -120,14 +126,14 @@ class GDShadow:
         L = self.L
         serial = self._serial
         stale = self._stale
-        take = self._ghost.take if self._ghost.capacity else None  # (an empty table remembers nothing)
+        take = self._ghost.take_or if self._ghost.capacity else None  # (an empty table remembers nothing)
         for h in reversed(sampled):
             got = get(h)
             if got is not None:
                 uses = got[1] + 1
                 stale += 1
             elif take is not None:
-                uses = take(h) + 1
+                uses = take(h, 0) + 1
             else:
                 uses = 1
             if uses > cap:

@@ -228,7 +228,7 @@ class UnifiedPolicy(EvictionPolicy):
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
         m = self._meta[block_id]
         if depth % self._stride == 0:
-            uses = self._ghost.take(block_hash)
+            uses = self._ghost.take_or(block_hash, 0)
         elif depth == self._last_depth + 1:
             uses = self._last_uses  # the previous block of its segment, cached just before
         else:
