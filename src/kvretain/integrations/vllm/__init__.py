@@ -69,7 +69,12 @@ def register() -> None:
 
     vLLM calls it in every process (API server, engine core, workers); the patches matter in the engine core.
     What it installed, or why it refused, is logged through vLLM's own logger (see ``_runtime.LOGGER_NAME``).
+    ``KVRETAIN_STEP_LOG=FILE`` also logs every engine step (:mod:`kvretain.integrations.vllm.steplog`), with
+    or without a policy.
     """
+    from kvretain.integrations.vllm import steplog
+
+    steplog.install_from_env()
     try:
         cfg = config_from_env()
     except Exception as exc:
