@@ -51,9 +51,18 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
-from kvretain.engine.sim.profiled import load_profile  # noqa: E402
+from kvretain.engine.sim.profiled import (  # noqa: E402
+    Profile,
+    StepPoint,
+    fit,
+    load_profile,
+    relative_errors,
+    step_point,
+    write_profile,
+)
 from kvretain.engine.sim.simulator import SimConfig, Simulation  # noqa: E402
 from kvretain.integrations.vllm.config import PluginConfig  # noqa: E402
+from kvretain.integrations.vllm.steplog import ENV_STEP_LOG, read_step_log  # noqa: E402
 from kvretain.sched.config import SchedulerConfig  # noqa: E402
 from kvretain.workloads import TokenSeq, WorkloadRequest  # noqa: E402
 
@@ -240,6 +249,107 @@ def run_sim(
     return sim_records(Simulation(limits.sim_config(policy, cost_model), workload).run())
 
 
+Chunks = tuple[tuple[int, int, int], ...]
+"""One step's batch: ``(n, p, s)`` per scheduled request (the step log's ``reqs``, the simulator's chunks)."""
+
+
+def sim_steps(
+    workload: Sequence[WorkloadRequest], limits: Limits, policy: str, cost_model: str
+) -> list[tuple[Chunks, float]]:
+    """Every step the simulator runs for ``policy`` (fast-forward off, the same schedule step by step): its
+    chunks and its priced seconds, to compare with the real server's step log."""
+    cfg = replace(limits.sim_config(policy, cost_model), fast_forward=False)
+    sim = Simulation(cfg, workload)
+    steps: list[tuple[Chunks, float]] = []
+    for rep in sim.replicas:
+        priced = rep.executor.step_time
+
+        def record(out: Any, priced: Any = priced) -> float:
+            t = float(priced(out))
+            steps.append(
+                (tuple((c.num_new_tokens, c.num_computed_tokens, int(c.samples)) for c in out.chunks), t)
+            )
+            return t
+
+        rep.executor.step_time = record  # type: ignore[method-assign]
+    sim.run()
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------- in-run fit
+def in_run_points(records: Sequence[Any]) -> list[StepPoint]:
+    """The cost-model points of a server's step log (:mod:`kvretain.integrations.vllm.steplog` records).
+
+    A point's time is the engine's whole cycle for that step: from its ``schedule()`` to the next step's when
+    requests were left (``more``: the busy loop went straight on, reading new requests and sending outputs,
+    work the simulator has no other place for), else to its own ``update_from_output()``'s end (the engine
+    then waited for work: idle time is no step's cost). ``step_seconds`` keeps the schedule-to-update time."""
+    out = []
+    for i, r in enumerate(records):
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        cycle = nxt.t0 - r.t0 if r.more and nxt is not None and nxt.t0 >= r.t1 else r.seconds
+        out.append(step_point(r.reqs, max(cycle, 1e-9), max(r.seconds, 1e-9)))
+    return out
+
+
+def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
+    """Fit the cost model to ``policy``'s server step log with ``kvretain profile``'s fit and file format;
+    write it to ``out`` as ``cost-model-inrun-POLICY.toml``; print the fit's error."""
+    recs = read_step_log(step_log)
+    points = in_run_points(recs)
+    coef = fit(points)
+    prof = Profile(
+        coef,
+        tuple(points),
+        {
+            "source": f"in-run step log of the {policy} server ({step_log.name})",
+            "time": "cycle: schedule to the next schedule while busy, else to update_from_output's end",
+            "steps": len(points),
+        },
+    )
+    path = out / f"cost-model-inrun-{policy}.toml"
+    write_profile(path, prof)
+    errs = relative_errors(coef, points)
+    c = coef
+    print(
+        f"   in-run fit of {policy}: {len(points)} steps, median |error| {statistics.median(errs):.1%}, p90 "
+        f"{percentile(sorted(errs), 90):.1%}; overhead {c.step_overhead_s * 1e3:.2f} ms, per token "
+        f"{c.per_token_s * 1e3:.3f} ms, per pair {c.per_pair_s * 1e6:.3f} us, per sequence "
+        f"{c.per_sequence_s * 1e3:.2f} ms",
+        flush=True,
+    )
+    return str(path), prof
+
+
+def step_stats(steps: Sequence[tuple[Chunks, float]]) -> dict[str, float]:
+    """Batch compositions of a run's steps: how many, how many carry prefill tokens, prefill tokens per such
+    step (mean, p50, p90), decode sequences per step (mean), mean decode context, and seconds per step (mean,
+    pure-decode p50, mixed/prefill p50)."""
+    pre = [sum(n for n, _, s in ch if not (n == 1 and s)) for ch, _ in steps]
+    dec = [[p for n, p, s in ch if n == 1 and s] for ch, _ in steps]
+    with_pre = sorted(x for x in pre if x)
+    pure = sorted(t for (_, t), x in zip(steps, pre, strict=True) if not x)
+    mixed = sorted(t for (_, t), x in zip(steps, pre, strict=True) if x)
+    ctx = [c for d in dec for c in d]
+
+    def p(xs: list[float] | list[int], q: float) -> float:
+        return float(percentile(xs, q)) if xs else math.nan
+
+    return {
+        "steps": len(steps),
+        "with_prefill": len(with_pre),
+        "prefill_tokens_mean": statistics.mean(with_pre) if with_pre else math.nan,
+        "prefill_tokens_p50": p(with_pre, 50),
+        "prefill_tokens_p90": p(with_pre, 90),
+        "decode_seqs_mean": statistics.mean(len(d) for d in dec) if dec else math.nan,
+        "decode_context_mean": statistics.mean(ctx) if ctx else math.nan,
+        "step_ms_mean": statistics.mean(t for _, t in steps) * 1e3 if steps else math.nan,
+        "decode_step_ms_p50": p(pure, 50) * 1e3,
+        "prefill_step_ms_p50": p(mixed, 50) * 1e3,
+        "busy_s": sum(t for _, t in steps),
+    }
+
+
 def scale_to_utilization(
     spec: WorkloadSpec, limits: Limits, cost_model: str, target: float, rounds: int = 3
 ) -> WorkloadSpec:
@@ -320,7 +430,10 @@ def run_real(
 ) -> tuple[list[Record], list[float]]:
     from kvretain.integrations.vllm.launch import VLLMServer
 
-    env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy}
+    # every engine step of the run, its batch and wall time (stock too: the log changes no scheduling or caching)
+    step_log = step_log_path(Path(args.out), policy)
+    step_log.unlink(missing_ok=True)
+    env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy, ENV_STEP_LOG: str(step_log)}
     srv = VLLMServer(
         str(args.model),
         limits.server_args(),
@@ -347,6 +460,10 @@ def run_real(
         recs, idle = asyncio.run(drive(srv.base_url, str(args.model), workload))
         print(f"   {policy}: done in {time.monotonic() - t1:.0f} s", flush=True)
     return recs, idle
+
+
+def step_log_path(out: Path, policy: str) -> Path:
+    return out / f"steps-{policy}.jsonl"
 
 
 def server_engine_cpus() -> list[int]:
@@ -579,6 +696,52 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
     return True
 
 
+STEP_KEYS = ("steps", "prefill_tokens_mean", "decode_seqs_mean", "decode_step_ms_p50", "prefill_step_ms_p50")
+"""The step-composition figures the last JSON line keeps (the table prints them all)."""
+
+
+def compositions(
+    workload: Sequence[WorkloadRequest], limits: Limits, cost: dict[str, str], logs: dict[str, Path]
+) -> dict[tuple[str, str], dict[str, float]]:
+    """Per policy, the real server's steps (its step log, when there is one; cycle times as fitted) and the
+    simulator's (step by step, priced by ``cost``): :func:`step_stats` of each."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for p in POLICIES:
+        if not logs[p].exists():
+            continue
+        recs = read_step_log(logs[p])
+        points = in_run_points(recs)
+        out[(p, "real")] = step_stats([(r.reqs, pt.seconds) for r, pt in zip(recs, points, strict=True)])
+        out[(p, "sim")] = step_stats(sim_steps(workload, limits, p, cost[p]))
+    return out
+
+
+def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
+    from kvretain.cli import format_table
+
+    names = {
+        "steps": "steps",
+        "with_prefill": "with prefill",
+        "prefill_tokens_mean": "prefill tok mean",
+        "prefill_tokens_p50": "p50",
+        "prefill_tokens_p90": "p90",
+        "decode_seqs_mean": "decode seqs mean",
+        "decode_context_mean": "decode ctx mean",
+        "step_ms_mean": "step ms mean",
+        "decode_step_ms_p50": "decode-only ms p50",
+        "prefill_step_ms_p50": "with-prefill ms p50",
+        "busy_s": "busy s",
+    }
+    rows = []
+    for (p, side), st in comp.items():
+        row: dict[str, Any] = {"policy": p, "side": side}
+        for k, label in names.items():
+            v = st[k]
+            row[label] = f"{v:.0f}" if k in ("steps", "with_prefill") else f"{v:.1f}"
+        rows.append(row)
+    return format_table(rows, ["policy", "side", *names.values()])
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -620,6 +783,15 @@ def main(argv: list[str] | None = None) -> int:
         help="kvretain profile --what: the engine core's own step, as the server's engine-core process runs "
         "it (default), or the whole in-process llm_engine.step() with the output processing",
     )
+    ap.add_argument(
+        "--calibrate",
+        choices=("profile", "in-run"),
+        default="profile",
+        help="where the simulator's cost model comes from: a `kvretain profile` run right before each server "
+        "(default; or --cost-model), or 'in-run': fitted to the step log of the OTHER policy's server run "
+        "(cross-fit, so no figure is predicted from its own measurements; the own-run fit is reported as a "
+        "diagnostic). With 'in-run' a profile (or --cost-model) only sets the arrivals' horizon",
+    )
     ap.add_argument("--sim-only", action="store_true", help="only the simulator (needs --cost-model)")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -640,8 +812,12 @@ def main(argv: list[str] | None = None) -> int:
             f"bench/sim_fidelity.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr
         )
         return 2
-    if (args.sim_only or args.real) and args.cost_model is None:
+    in_run = args.calibrate == "in-run"
+    if (args.sim_only or (args.real and not in_run)) and args.cost_model is None:
         print("bench/sim_fidelity.py: --sim-only and --real need --cost-model FILE", file=sys.stderr)
+        return 2
+    if in_run and args.sim_only:
+        print("bench/sim_fidelity.py: --calibrate in-run needs server runs (or --real)", file=sys.stderr)
         return 2
     load = os.getloadavg()
     print(
@@ -656,25 +832,43 @@ def main(argv: list[str] | None = None) -> int:
     real_recs: dict[str, list[Record]] = {}
     idle: dict[str, list[float]] = {}
     workload: list[WorkloadRequest] | None = None
+    logs_dir = out
     if args.real:
         saved = json.loads(Path(args.real).read_text())
         spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
         real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
         idle = saved.get("idle_ttft", {})
+        logs_dir = Path(args.real).resolve().parent
+    horizon_cost = args.cost_model
     for pol in POLICIES:
-        if pol not in cost:
-            print(f"== profiling the engine on this machine (kvretain profile), for {pol}", flush=True)
-            cost[pol] = profile(limits, args, pol)
+        # in-run: at most one profile, for the horizon only (the simulation's cost models come from the logs)
+        if pol not in cost and not (in_run and (horizon_cost or args.real or args.utilization <= 0)):
+            what = "the arrivals' horizon" if in_run else pol
+            print(f"== profiling the engine on this machine (kvretain profile), for {what}", flush=True)
+            cost[pol] = horizon_cost = profile(limits, args, pol)
         if workload is None:  # one workload for both policies: its horizon from the first profile
             if args.utilization > 0 and not args.real:
-                spec = scale_to_utilization(spec, limits, cost[pol], args.utilization)
+                assert horizon_cost is not None or pol in cost
+                spec = scale_to_utilization(spec, limits, horizon_cost or cost[pol], args.utilization)
             print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
             workload = make_workload(spec)
         if need_server:
             print(f"== real server, {pol}; load average {os.getloadavg()[0]:.2f}", flush=True)
             real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
     assert workload is not None
+    logs = {p: step_log_path(logs_dir, p) for p in POLICIES}
+    own_cmp: Comparison | None = None
+    if in_run:
+        print("== cost models fitted to the servers' own steps (in-run step logs)", flush=True)
+        own = {p: fit_in_run(logs[p], p, out)[0] for p in POLICIES}
+        a, b = POLICIES
+        cost = {a: own[b], b: own[a]}  # cross-fit: each policy priced by the other policy's run
     sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
+    if in_run and real_recs:
+        own_recs = {pol: run_sim(workload, limits, pol, own[pol]) for pol in POLICIES}
+        own_cmp = compare(
+            {p: figures(r) for p, r in real_recs.items()}, {p: figures(r) for p, r in own_recs.items()}
+        )
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
         for p, by_cls in sim_fig.items():
@@ -688,6 +882,30 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print(table(cmp))
     print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
+    if own_cmp is not None:
+        o = own_cmp.summary
+        print(
+            "diagnostic, each policy priced by the fit of its OWN run: TTFT p50 worst "
+            f"{o['ttft_p50_worst_ratio']}x ({o['ttft_p50_worst_at']}), TPOT p50 worst {o['tpot_p50_worst_ratio']}x "
+            f"({o['tpot_p50_worst_at']}), within 20%: TTFT {o['ttft_within_20pct']}/{o['cells']}, TPOT "
+            f"{o['tpot_within_20pct']}/{o['cells']}"
+        )
+        cmp.summary["own_fit"] = {
+            k: o[k]
+            for k in (
+                "ttft_p50_worst_ratio",
+                "tpot_p50_worst_ratio",
+                "ttft_within_20pct",
+                "tpot_within_20pct",
+            )
+        }
+    comp = compositions(workload, limits, cost, logs)
+    if comp:
+        print(comp_table(comp))
+        cmp.summary["steps"] = {
+            f"{p} {side}": {k: round(v, 2) for k, v in st.items() if k in STEP_KEYS}
+            for (p, side), st in comp.items()
+        }
     # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups
     # after the first) against the cost model's price of its one prefill step
     step_ms = {p: round(load_profile(c).coefficients.predict(8, 36, 1) * 1e3, 1) for p, c in cost.items()}

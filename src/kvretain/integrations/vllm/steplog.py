@@ -153,8 +153,8 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
         return res
 
     _ORIGINALS.update(schedule=orig_schedule, update_from_output=orig_update)
-    scheduler_cls.schedule = schedule  # type: ignore[attr-defined]
-    scheduler_cls.update_from_output = update_from_output  # type: ignore[attr-defined]
+    setattr(scheduler_cls, "schedule", schedule)  # noqa: B010 (a class attribute mypy cannot see)
+    setattr(scheduler_cls, "update_from_output", update_from_output)  # noqa: B010
     _patched = scheduler_cls
     return log
 
