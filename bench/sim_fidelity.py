@@ -52,7 +52,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
 from kvretain.engine.sim.profiled import (  # noqa: E402
+    COEFFICIENTS,
     Profile,
+    StepCoefficients,
     StepPoint,
     fit,
     load_profile,
@@ -254,10 +256,15 @@ Chunks = tuple[tuple[int, int, int], ...]
 
 
 def sim_steps(
-    workload: Sequence[WorkloadRequest], limits: Limits, policy: str, cost_model: str
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    policy: str,
+    cost_model: str,
+    tpots: list[float] | None = None,
 ) -> list[tuple[Chunks, float]]:
     """Every step the simulator runs for ``policy`` (fast-forward off, the same schedule step by step): its
-    chunks and its priced seconds, to compare with the real server's step log."""
+    chunks and its priced seconds, to compare with the real server's step log (``tpots``: gets the requests'
+    TPOTs)."""
     cfg = replace(limits.sim_config(policy, cost_model), fast_forward=False)
     sim = Simulation(cfg, workload)
     steps: list[tuple[Chunks, float]] = []
@@ -273,7 +280,21 @@ def sim_steps(
 
         rep.executor.step_time = record  # type: ignore[method-assign]
     sim.run()
+    if tpots is not None:
+        tpots += [r.tpot for r in sim.finished if r.tpot is not None]
     return steps
+
+
+def engine_tpots(records: Sequence[Any]) -> list[float]:
+    """Per request of a step log (its ``ids``), the engine's own TPOT: from the end of the step that sampled
+    its first token to the end of the one that sampled its last, over the tokens between (no HTTP, no API
+    process: what the client's TPOT would be with a free delivery path)."""
+    sampled: dict[str, list[float]] = {}
+    for r in records:
+        for rid, (_, _, smp) in zip(r.ids, r.reqs, strict=False):
+            if smp:
+                sampled.setdefault(rid, []).append(r.t1)
+    return [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in sampled.values() if len(ts) > 1]
 
 
 # ---------------------------------------------------------------------------------------------- in-run fit
@@ -297,7 +318,17 @@ def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
     write it to ``out`` as ``cost-model-inrun-POLICY.toml``; print the fit's error."""
     recs = read_step_log(step_log)
     points = in_run_points(recs)
-    coef = fit(points)
+    shape = fit(points)
+    errs = relative_errors(shape, points)
+    # NOTE: the fit (least absolute relative error) prices a step as the engine runs it when nothing else gets
+    # in its way (its median), as it should: the shape of the cost over batch compositions, unmoved by stalls.
+    # But the server's steps also ran beside the machine's other processes, which stretched some of them
+    # (some steps 2x or more), and the latencies compared add those up. A stall hits a step in proportion to
+    # its length, so the run's mean slowdown is one factor on every coefficient: the run's busy time over the
+    # fit's price of the same steps (measured, not tuned: it makes the fit's total equal the run's).
+    busy = sum(p.seconds for p in points)
+    load = busy / sum(shape.predict(p.tokens, p.pairs, p.sampled) for p in points)
+    coef = StepCoefficients(*(c * load for c in shape.as_tuple()))
     prof = Profile(
         coef,
         tuple(points),
@@ -305,17 +336,21 @@ def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
             "source": f"in-run step log of the {policy} server ({step_log.name})",
             "time": "cycle: schedule to the next schedule while busy, else to update_from_output's end",
             "steps": len(points),
+            "busy_s": busy,
+            "load_factor": load,
+            "fit_median_abs_rel_error": statistics.median(errs),
+            **{f"fit_{n}": v for n, v in zip(COEFFICIENTS, shape.as_tuple(), strict=True)},
         },
     )
     path = out / f"cost-model-inrun-{policy}.toml"
     write_profile(path, prof)
-    errs = relative_errors(coef, points)
-    c = coef
+    c = shape
     print(
-        f"   in-run fit of {policy}: {len(points)} steps, median |error| {statistics.median(errs):.1%}, p90 "
-        f"{percentile(sorted(errs), 90):.1%}; overhead {c.step_overhead_s * 1e3:.2f} ms, per token "
-        f"{c.per_token_s * 1e3:.3f} ms, per pair {c.per_pair_s * 1e6:.3f} us, per sequence "
-        f"{c.per_sequence_s * 1e3:.2f} ms",
+        f"   in-run fit of {policy}: {len(points)} steps ({busy:.1f} s busy), median |error| "
+        f"{statistics.median(errs):.1%}, p90 {percentile(sorted(errs), 90):.1%}; overhead "
+        f"{c.step_overhead_s * 1e3:.2f} ms, per token {c.per_token_s * 1e3:.3f} ms, per pair "
+        f"{c.per_pair_s * 1e6:.3f} us, per sequence {c.per_sequence_s * 1e3:.2f} ms; load factor {load:.3f} "
+        "(the run's busy time over the fit's)",
         flush=True,
     )
     return str(path), prof
@@ -696,7 +731,15 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
     return True
 
 
-STEP_KEYS = ("steps", "prefill_tokens_mean", "decode_seqs_mean", "decode_step_ms_p50", "prefill_step_ms_p50")
+STEP_KEYS = (
+    "steps",
+    "prefill_tokens_mean",
+    "decode_seqs_mean",
+    "decode_step_ms_p50",
+    "prefill_step_ms_p50",
+    "busy_s",
+    "engine_tpot_ms_p50",
+)
 """The step-composition figures the last JSON line keeps (the table prints them all)."""
 
 
@@ -712,7 +755,11 @@ def compositions(
         recs = read_step_log(logs[p])
         points = in_run_points(recs)
         out[(p, "real")] = step_stats([(r.reqs, pt.seconds) for r, pt in zip(recs, points, strict=True)])
-        out[(p, "sim")] = step_stats(sim_steps(workload, limits, p, cost[p]))
+        real_tpots = sorted(engine_tpots(recs))
+        out[(p, "real")]["engine_tpot_ms_p50"] = percentile(real_tpots, 50) * 1e3 if real_tpots else math.nan
+        tpots: list[float] = []
+        out[(p, "sim")] = step_stats(sim_steps(workload, limits, p, cost[p], tpots))
+        out[(p, "sim")]["engine_tpot_ms_p50"] = percentile(sorted(tpots), 50) * 1e3 if tpots else math.nan
     return out
 
 
@@ -731,6 +778,7 @@ def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
         "decode_step_ms_p50": "decode-only ms p50",
         "prefill_step_ms_p50": "with-prefill ms p50",
         "busy_s": "busy s",
+        "engine_tpot_ms_p50": "engine TPOT ms p50",
     }
     rows = []
     for (p, side), st in comp.items():

@@ -69,10 +69,11 @@ def test_records_each_step_batch_and_times(fake: Any) -> None:
         [[1, 100, 1], [30, 0, 0]],  # a decodes at context 100; b's first chunk does not sample
         [[10, 30, 1]],  # b's last chunk samples (then b is done)
     ]
+    assert [x["ids"] for x in lines] == [["a"], ["a", "b"], ["b"]]
     assert [x["more"] for x in lines] == [True, True, False]
     assert all(x["t0"] <= x["t1"] for x in lines) and lines[0]["t1"] <= lines[1]["t0"]
     recs = steplog.read_step_log(log)
-    assert recs[1].reqs == ((1, 100, 1), (30, 0, 0)) and recs[2].more is False
+    assert recs[1].reqs == ((1, 100, 1), (30, 0, 0)) and recs[2].more is False and recs[1].ids == ("a", "b")
     assert recs[0].seconds == pytest.approx(lines[0]["t1"] - lines[0]["t0"])
 
 
@@ -117,6 +118,7 @@ def test_install_from_env_needs_the_variable() -> None:
         ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 2]], "more": true}', "[n >= 1, p >= 0, s in 0/1]"),
         ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "more": 1}', "more must be true or false"),
         ('{"t0": "x", "t1": 2, "reqs": [[1, 2, 1]], "more": true}', "t0 must be a finite number"),
+        ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "ids": ["a", "b"], "more": true}', "one per reqs entry"),
     ],
 )
 def test_bad_lines_name_the_line_and_field(line: str, needle: str) -> None:

@@ -3,7 +3,7 @@
 Set ``KVRETAIN_STEP_LOG=FILE`` in a vLLM server's (or offline ``LLM``'s) environment and the engine-core process
 appends one JSON line per engine step that scheduled tokens::
 
-    {"t0": 12.345, "t1": 12.389, "reqs": [[n, p, s], ...], "more": true}
+    {"t0": 12.345, "t1": 12.389, "reqs": [[n, p, s], ...], "ids": ["req-a", ...], "more": true}
 
 - ``t0``: ``time.monotonic()`` when ``Scheduler.schedule`` began; ``t1``: when ``Scheduler.update_from_output``
   returned. Between them the engine core schedules, the model runs (in the worker process on a CPU server)
@@ -13,6 +13,7 @@ appends one JSON line per engine step that scheduled tokens::
   when the step samples a token for it (a decode, or the chunk that completes its prompt), else 0. These are
   the simulator's chunk counts (:class:`kvretain.sched.output.ScheduledChunk`'s ``num_new_tokens``,
   ``num_computed_tokens``, ``samples``), so a step's cost-model features follow from them by the same rule.
+- ``ids``: the requests' ids, in ``reqs``' order (vLLM's internal ids: the API server's request id plus a suffix).
 - ``more``: whether the scheduler still had unfinished requests at ``t1``; then the busy loop goes straight on
   (reading new requests, sending outputs) to the next step, so the time until the next ``t0`` belongs to the
   engine's cycle too.
@@ -56,6 +57,8 @@ class StepRecord:
     t1: float
     reqs: tuple[tuple[int, int, int], ...]
     more: bool
+    ids: tuple[str, ...] = ()
+    """The requests' ids in ``reqs``' order (empty when the log has none)."""
 
     @property
     def seconds(self) -> float:
@@ -82,18 +85,18 @@ class StepLog:
         self.path = Path(path)
         self.clock = clock
         self._file: IO[str] | None = None
-        self._pending: tuple[float, list[list[int]]] | None = None
+        self._pending: tuple[float, list[list[int]], list[str]] | None = None
         self._lock = threading.Lock()
 
-    def begin(self, t0: float, reqs: list[list[int]]) -> None:
-        self._pending = (t0, reqs) if reqs else None
+    def begin(self, t0: float, reqs: list[list[int]], ids: list[str]) -> None:
+        self._pending = (t0, reqs, ids) if reqs else None
 
     def end(self, more: bool) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        t0, reqs = pending
-        line = json.dumps({"t0": t0, "t1": self.clock(), "reqs": reqs, "more": bool(more)})
+        t0, reqs, ids = pending
+        line = json.dumps({"t0": t0, "t1": self.clock(), "reqs": reqs, "ids": ids, "more": bool(more)})
         with self._lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,8 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
         cur = _log
         if cur is not None:
             try:
-                cur.begin(t0, composition(self.requests, out.num_scheduled_tokens))
+                n = out.num_scheduled_tokens
+                cur.begin(t0, composition(self.requests, n), [str(r) for r in n])
             except Exception:
                 HOOK_ERRORS.record("steplog.schedule", "kvretain step log: reading a scheduled step failed")
         return out
@@ -214,7 +218,14 @@ def _record(obj: Any, where: str) -> StepRecord:
         chunks.append((r[0], r[1], r[2]))
     if not isinstance(obj["more"], bool):
         raise ValueError(f"{where}: more must be true or false, got {obj['more']!r}")
-    return StepRecord(float(t0), float(t1), tuple(chunks), obj["more"])
+    ids = obj.get("ids", [])
+    if (
+        not isinstance(ids, list)
+        or not all(isinstance(x, str) for x in ids)
+        or len(ids) not in (0, len(chunks))
+    ):
+        raise ValueError(f"{where}: ids must be a list of strings, one per reqs entry")
+    return StepRecord(float(t0), float(t1), tuple(chunks), obj["more"], tuple(ids))
 
 
 def parse_step_log(lines: Iterable[str], where: str = "step log") -> list[StepRecord]:
