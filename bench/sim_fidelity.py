@@ -313,11 +313,10 @@ def in_run_points(records: Sequence[Any]) -> list[StepPoint]:
     return out
 
 
-def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
-    """Fit the cost model to ``policy``'s server step log with ``kvretain profile``'s fit and file format;
-    write it to ``out`` as ``cost-model-inrun-POLICY.toml``; print the fit's error."""
-    recs = read_step_log(step_log)
-    points = in_run_points(recs)
+def fit_in_run(step_logs: Sequence[Path], name: str, out: Path) -> tuple[str, Profile]:
+    """Fit the cost model to server step logs with ``kvretain profile``'s fit and file format; write it to
+    ``out`` as ``cost-model-inrun-NAME.toml``; print the fit's error."""
+    points = [pt for log in step_logs for pt in in_run_points(read_step_log(log))]
     shape = fit(points)
     errs = relative_errors(shape, points)
     # NOTE: the fit (least absolute relative error) prices a step as the engine runs it when nothing else gets
@@ -333,7 +332,7 @@ def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
         coef,
         tuple(points),
         {
-            "source": f"in-run step log of the {policy} server ({step_log.name})",
+            "source": f"in-run step log(s) {', '.join(p.name for p in step_logs)}",
             "time": "cycle: schedule to the next schedule while busy, else to update_from_output's end",
             "steps": len(points),
             "busy_s": busy,
@@ -342,11 +341,11 @@ def fit_in_run(step_log: Path, policy: str, out: Path) -> tuple[str, Profile]:
             **{f"fit_{n}": v for n, v in zip(COEFFICIENTS, shape.as_tuple(), strict=True)},
         },
     )
-    path = out / f"cost-model-inrun-{policy}.toml"
+    path = out / f"cost-model-inrun-{name}.toml"
     write_profile(path, prof)
     c = shape
     print(
-        f"   in-run fit of {policy}: {len(points)} steps ({busy:.1f} s busy), median |error| "
+        f"   in-run fit of {name}: {len(points)} steps ({busy:.1f} s busy), median |error| "
         f"{statistics.median(errs):.1%}, p90 {percentile(sorted(errs), 90):.1%}; overhead "
         f"{c.step_overhead_s * 1e3:.2f} ms, per token {c.per_token_s * 1e3:.3f} ms, per pair "
         f"{c.per_pair_s * 1e6:.3f} us, per sequence {c.per_sequence_s * 1e3:.2f} ms; load factor {load:.3f} "
@@ -905,18 +904,24 @@ def main(argv: list[str] | None = None) -> int:
             real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
     assert workload is not None
     logs = {p: step_log_path(logs_dir, p) for p in POLICIES}
-    own_cmp: Comparison | None = None
+    diagnostics: dict[str, dict[str, str]] = {}
     if in_run:
         print("== cost models fitted to the servers' own steps (in-run step logs)", flush=True)
-        own = {p: fit_in_run(logs[p], p, out)[0] for p in POLICIES}
+        own = {p: fit_in_run([logs[p]], p, out)[0] for p in POLICIES}
+        both = fit_in_run([logs[p] for p in POLICIES], "both", out)[0]
         a, b = POLICIES
         cost = {a: own[b], b: own[a]}  # cross-fit: each policy priced by the other policy's run
+        # diagnostics, not the acceptance: each policy by its own run's fit; both by one fit of both runs
+        diagnostics = {"own_fit": own, "pooled_fit": {p: both for p in POLICIES}}
     sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
-    if in_run and real_recs:
-        own_recs = {pol: run_sim(workload, limits, pol, own[pol]) for pol in POLICIES}
-        own_cmp = compare(
-            {p: figures(r) for p, r in real_recs.items()}, {p: figures(r) for p, r in own_recs.items()}
+    diag_cmp = {
+        name: compare(
+            {p: figures(r) for p, r in real_recs.items()},
+            {p: figures(run_sim(workload, limits, p, models[p])) for p in POLICIES},
         )
+        for name, models in diagnostics.items()
+        if real_recs
+    }
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
         for p, by_cls in sim_fig.items():
@@ -930,21 +935,23 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print(table(cmp))
     print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
-    if own_cmp is not None:
-        o = own_cmp.summary
+    for name, dc in diag_cmp.items():
+        o = dc.summary
         print(
-            "diagnostic, each policy priced by the fit of its OWN run: TTFT p50 worst "
-            f"{o['ttft_p50_worst_ratio']}x ({o['ttft_p50_worst_at']}), TPOT p50 worst {o['tpot_p50_worst_ratio']}x "
-            f"({o['tpot_p50_worst_at']}), within 20%: TTFT {o['ttft_within_20pct']}/{o['cells']}, TPOT "
-            f"{o['tpot_within_20pct']}/{o['cells']}"
+            f"diagnostic, {name.replace('_', ' ')}: TTFT p50 worst {o['ttft_p50_worst_ratio']}x "
+            f"({o['ttft_p50_worst_at']}), TPOT p50 worst {o['tpot_p50_worst_ratio']}x ({o['tpot_p50_worst_at']}); "
+            f"within 20%: TTFT {o['ttft_within_20pct']}/{o['cells']}, TPOT {o['tpot_within_20pct']}/{o['cells']}; "
+            f"signs agree {o['sign_agreement']}"
         )
-        cmp.summary["own_fit"] = {
+        cmp.summary[name] = {
             k: o[k]
             for k in (
                 "ttft_p50_worst_ratio",
                 "tpot_p50_worst_ratio",
                 "ttft_within_20pct",
                 "tpot_within_20pct",
+                "sign_agreement",
+                "acceptance",
             )
         }
     comp = compositions(workload, limits, cost, logs)

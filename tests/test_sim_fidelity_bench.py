@@ -187,12 +187,43 @@ def test_the_in_run_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     assert len(steps) > 20 and any(len(ch) > 1 for ch, _ in steps)
     log = tmp_path / "steps-lru.jsonl"
     write_step_log(log, steps)
-    path, prof = sf.fit_in_run(log, "lru", tmp_path)
+    path, prof = sf.fit_in_run([log], "lru", tmp_path)
     got = prof.coefficients
     for name in ("step_overhead_s", "per_token_s", "per_sequence_s"):
         assert getattr(got, name) == pytest.approx(getattr(KNOWN, name), rel=0.02), name
     assert prof.median_relative_error() == pytest.approx(0, abs=1e-3)
     assert load_profile(path).coefficients == got and len(load_profile(path).points) == len(steps)
+
+
+def test_stalled_steps_leave_the_fit_and_set_the_load_factor(tmp_path: Path) -> None:
+    """Every 5th step 3x as long (another process got the core): the fit keeps the engine's coefficients and the
+    one load factor makes the model's total busy time the run's."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN))
+    steps = sf.sim_steps(sf.make_workload(BUSY), sf.Limits(blocks=64), "lru", str(cost))
+    stalled = [(ch, t * (3.0 if i % 5 == 0 else 1.0)) for i, (ch, t) in enumerate(steps)]
+    log = tmp_path / "steps-lru.jsonl"
+    write_step_log(log, stalled, idle_every=10**9)
+    _, prof = sf.fit_in_run([log], "lru", tmp_path)
+    for name in ("step_overhead_s", "per_token_s", "per_sequence_s"):
+        assert prof.info[f"fit_{name}"] == pytest.approx(getattr(KNOWN, name), rel=0.02), name
+    busy = sum(t for _, t in stalled)
+    assert prof.info["busy_s"] == pytest.approx(busy, rel=1e-3)  # the last step has no next one: 0.1 ms less
+    assert prof.info["load_factor"] == pytest.approx(busy / sum(t for _, t in steps), rel=0.01)
+    c = prof.coefficients
+    assert sum(c.predict(p.tokens, p.pairs, p.sampled) for p in prof.points) == pytest.approx(busy, rel=1e-3)
+
+
+def test_engine_tpots_from_the_logged_ids() -> None:
+    from kvretain.integrations.vllm.steplog import StepRecord
+
+    recs = [
+        StepRecord(0.0, 0.1, ((20, 0, 1), (5, 0, 0)), True, ("a", "b")),
+        StepRecord(0.1, 0.15, ((1, 20, 1), (5, 5, 1)), True, ("a", "b")),
+        StepRecord(0.15, 0.3, ((1, 21, 1), (1, 10, 1)), True, ("a", "b")),
+        StepRecord(0.3, 0.32, ((1, 11, 1),), False, ("b",)),
+    ]
+    assert sorted(sf.engine_tpots(recs)) == pytest.approx([0.085, 0.1])  # b: (0.32-0.15)/2; a: (0.3-0.1)/2
 
 
 def test_step_stats_count_prefill_and_decode() -> None:
@@ -224,7 +255,7 @@ def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> Non
     assert last["ttft_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
     assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
     assert last["hit_ratio_worst_abs_diff"] <= 0.01 and last["acceptance"] is True
-    assert last["own_fit"]["tpot_within_20pct"] == 4
+    assert last["own_fit"]["tpot_within_20pct"] == 4 and last["pooled_fit"]["acceptance"] is True
     assert last["cost_models"]["lru"].endswith("cost-model-inrun-unified.toml")  # the other policy's fit
     assert last["steps"]["lru real"]["steps"] == last["steps"]["lru sim"]["steps"]
     assert "in-run fit of lru" in got.stdout and "decode seqs mean" in got.stdout
