@@ -261,10 +261,11 @@ def sim_steps(
     policy: str,
     cost_model: str,
     tpots: list[float] | None = None,
+    ids: list[tuple[str, ...]] | None = None,
 ) -> list[tuple[Chunks, float]]:
     """Every step the simulator runs for ``policy`` (fast-forward off, the same schedule step by step): its
     chunks and its priced seconds, to compare with the real server's step log (``tpots``: gets the requests'
-    TPOTs)."""
+    TPOTs; ``ids``: each step's request ids)."""
     cfg = replace(limits.sim_config(policy, cost_model), fast_forward=False)
     sim = Simulation(cfg, workload)
     steps: list[tuple[Chunks, float]] = []
@@ -276,6 +277,8 @@ def sim_steps(
             steps.append(
                 (tuple((c.num_new_tokens, c.num_computed_tokens, int(c.samples)) for c in out.chunks), t)
             )
+            if ids is not None:
+                ids.append(tuple(c.request_id for c in out.chunks))
             return t
 
         rep.executor.step_time = record  # type: ignore[method-assign]
@@ -283,6 +286,26 @@ def sim_steps(
     if tpots is not None:
         tpots += [r.tpot for r in sim.finished if r.tpot is not None]
     return steps
+
+
+def interrupted_share(steps: Sequence[tuple[Sequence[str], Chunks]]) -> float:
+    """The share of requests (with two tokens or more) whose decode -- the steps after the one that sampled its
+    first token, to the one that sampled its last -- shares a step with another request's prefill chunk: such a
+    step costs several decode steps (a 256-token chunk ~6x), so this share sets where the TPOT median falls
+    between the two modes of its distribution (plain decodes; a decode with a prefill in it)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    with_prefill = []
+    for i, (rids, chunks) in enumerate(steps):
+        with_prefill.append(any(not (n == 1 and smp) for n, _, smp in chunks))
+        for rid, (_, _, smp) in zip(rids, chunks, strict=False):
+            if smp:
+                first.setdefault(rid, i)
+                last[rid] = i
+    multi = [r for r in first if last[r] > first[r]]
+    if not multi:
+        return math.nan
+    return sum(any(with_prefill[first[r] + 1 : last[r] + 1]) for r in multi) / len(multi)
 
 
 def engine_tpots(records: Sequence[Any]) -> list[float]:
@@ -738,6 +761,7 @@ STEP_KEYS = (
     "prefill_step_ms_p50",
     "busy_s",
     "engine_tpot_ms_p50",
+    "interrupted",
 )
 """The step-composition figures the last JSON line keeps (the table prints them all)."""
 
@@ -756,9 +780,15 @@ def compositions(
         out[(p, "real")] = step_stats([(r.reqs, pt.seconds) for r, pt in zip(recs, points, strict=True)])
         real_tpots = sorted(engine_tpots(recs))
         out[(p, "real")]["engine_tpot_ms_p50"] = percentile(real_tpots, 50) * 1e3 if real_tpots else math.nan
+        out[(p, "real")]["interrupted"] = interrupted_share([(r.ids, r.reqs) for r in recs])
         tpots: list[float] = []
-        out[(p, "sim")] = step_stats(sim_steps(workload, limits, p, cost[p], tpots))
+        ids: list[tuple[str, ...]] = []
+        steps = sim_steps(workload, limits, p, cost[p], tpots, ids)
+        out[(p, "sim")] = step_stats(steps)
         out[(p, "sim")]["engine_tpot_ms_p50"] = percentile(sorted(tpots), 50) * 1e3 if tpots else math.nan
+        out[(p, "sim")]["interrupted"] = interrupted_share(
+            [(rids, ch) for rids, (ch, _) in zip(ids, steps, strict=True)]
+        )
     return out
 
 
@@ -778,13 +808,20 @@ def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
         "prefill_step_ms_p50": "with-prefill ms p50",
         "busy_s": "busy s",
         "engine_tpot_ms_p50": "engine TPOT ms p50",
+        "interrupted": "decodes with a prefill",
     }
     rows = []
     for (p, side), st in comp.items():
         row: dict[str, Any] = {"policy": p, "side": side}
         for k, label in names.items():
             v = st[k]
-            row[label] = f"{v:.0f}" if k in ("steps", "with_prefill") else f"{v:.1f}"
+            row[label] = (
+                f"{v:.0f}"
+                if k in ("steps", "with_prefill")
+                else f"{v:.2f}"
+                if k == "interrupted"
+                else f"{v:.1f}"
+            )
         rows.append(row)
     return format_table(rows, ["policy", "side", *names.values()])
 

@@ -224,6 +224,8 @@ def test_engine_tpots_from_the_logged_ids() -> None:
         StepRecord(0.3, 0.32, ((1, 11, 1),), False, ("b",)),
     ]
     assert sorted(sf.engine_tpots(recs)) == pytest.approx([0.085, 0.1])  # b: (0.32-0.15)/2; a: (0.3-0.1)/2
+    # a's decode (steps 2-3) shares step 2 with b's prefill chunk; b's (steps 3-4) has none
+    assert sf.interrupted_share([(r.ids, r.reqs) for r in recs]) == 0.5
 
 
 def test_step_stats_count_prefill_and_decode() -> None:
