@@ -1007,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_ttft_ms=idle_ms,
         idle_step_predicted_ms=step_ms,
         requests=len(workload),
+        calibrate=args.calibrate,
         cost_models=cost,
         wall_s=round(time.monotonic() - t_start, 1),
         load_avg_start=round(load[0], 2),
