@@ -2,7 +2,8 @@
 
 Installed from a clone with ``pip install -e '.[vllm]'``; vLLM finds :func:`register` through the entry point
 ``vllm.general_plugins: kvretain``. The plugin is inert unless ``KVRETAIN_POLICY`` names a policy (see
-:mod:`kvretain.integrations.vllm.config` for every variable)::
+:mod:`kvretain.integrations.vllm.config` for every variable; ``KVRETAIN_STEP_LOG``, which only logs the engine's
+steps, is :mod:`kvretain.integrations.vllm.steplog`'s)::
 
     KVRETAIN_POLICY=unified KVRETAIN_POLICY_OPTIONS="budget=0.8,isolation_goal=0.9" \\
         vllm serve MODEL --enable-prefix-caching --scheduling-policy priority
