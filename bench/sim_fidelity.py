@@ -390,6 +390,51 @@ def fit_in_run(step_logs: Sequence[Path], name: str, out: Path) -> tuple[str, Pr
     return str(path), prof
 
 
+LOAD_WINDOW_S = 30.0
+"""The windows of the timed diagnostic: ~150 steps each here (enough for a window's busy-time sum to be stable),
+short against the minutes over which the machine's load moves (decode-step medians 33-49 ms from one minute to
+the next in one run, docs/results.md). A choice for a diagnostic, not tuned on the acceptance figures."""
+
+
+def load_over_time(step_log: Path, profile: Profile, window_s: float = LOAD_WINDOW_S) -> list[float]:
+    """Per ``window_s`` of a server run (from its first step after the warm-up requests), the run's busy time in
+    that window over ``profile``'s price of the same steps: the machine's slowdown as it moved during the run
+    (1 on average, as ``profile`` already holds the run's mean factor; 1 where a window has no steps)."""
+    recs = read_step_log(step_log)[2 * WARMUPS :]  # each warm-up request: one prefill step, one decode step
+    if not recs:
+        return [1.0]
+    points = in_run_points(recs)
+    c, start = profile.coefficients, recs[0].t0
+    real: dict[int, float] = {}
+    priced: dict[int, float] = {}
+    for r, pt in zip(recs, points, strict=True):
+        k = int((r.t0 - start) // window_s)
+        real[k] = real.get(k, 0.0) + pt.seconds
+        priced[k] = priced.get(k, 0.0) + c.predict(pt.tokens, pt.pairs, pt.sampled)
+    return [real[k] / priced[k] if k in real else 1.0 for k in range(max(real) + 1)]
+
+
+def run_sim_timed(
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    policy: str,
+    cost_model: str,
+    factors: Sequence[float],
+    window_s: float = LOAD_WINDOW_S,
+) -> list[Record]:
+    """:func:`run_sim` with each step's price times the factor of the window its start falls in (step by step:
+    fast-forward off); after the last window, the last factor."""
+    sim = Simulation(replace(limits.sim_config(policy, cost_model), fast_forward=False), workload)
+    for rep in sim.replicas:
+        priced = rep.executor.step_time
+
+        def timed(out: Any, priced: Any = priced) -> float:
+            return float(priced(out)) * factors[min(int(sim.now // window_s), len(factors) - 1)]
+
+        rep.executor.step_time = timed  # type: ignore[method-assign]
+    return sim_records(sim.run())
+
+
 def step_stats(steps: Sequence[tuple[Chunks, float]]) -> dict[str, float]:
     """Batch compositions of a run's steps: how many, how many carry prefill tokens, prefill tokens per such
     step (mean, p50, p90), decode sequences per step (mean), mean decode context, and seconds per step (mean,
@@ -956,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     diagnostics: dict[str, dict[str, str]] = {}
     if in_run:
         print("== cost models fitted to the servers' own steps (in-run step logs)", flush=True)
-        own = {p: fit_in_run([logs[p]], p, out)[0] for p in POLICIES}
+        own_fits = {p: fit_in_run([logs[p]], p, out) for p in POLICIES}
+        own = {p: path for p, (path, _) in own_fits.items()}
         both = fit_in_run([logs[p] for p in POLICIES], "both", out)[0]
         a, b = POLICIES
         cost = {a: own[b], b: own[a]}  # cross-fit: each policy priced by the other policy's run
@@ -971,6 +1017,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, models in diagnostics.items()
         if real_recs
     }
+    if in_run and real_recs:
+        # the own fit again, with the machine's slowdown as it moved during that run (30 s windows): how much of
+        # what is left is the load's movement within a run, which no fit of another moment can carry over
+        timed = {}
+        for p in POLICIES:
+            factors = load_over_time(logs[p], own_fits[p][1])
+            print(f"   {p} run's load per {LOAD_WINDOW_S:.0f} s: {' '.join(f'{f:.2f}' for f in factors)}")
+            timed[p] = figures(run_sim_timed(workload, limits, p, own[p], factors))
+        diag_cmp["own_fit_timed"] = compare({p: figures(r) for p, r in real_recs.items()}, timed)
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
         for p, by_cls in sim_fig.items():

@@ -261,3 +261,16 @@ def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> Non
     assert last["cost_models"]["lru"].endswith("cost-model-inrun-unified.toml")  # the other policy's fit
     assert last["steps"]["lru real"]["steps"] == last["steps"]["lru sim"]["steps"]
     assert "in-run fit of lru" in got.stdout and "decode seqs mean" in got.stdout
+
+
+def test_load_over_time_is_each_window_busy_time_over_the_model(tmp_path: Path) -> None:
+    """Warm-up steps skipped; a window whose steps ran 2x the model's price gets 2, a window at it gets 1."""
+    coef = StepCoefficients(0.01, 0.0, 0.0, 0.0)  # every step 10 ms
+    lines, t = [], 0.0
+    for i in range(2 * sf.WARMUPS + 40):
+        sec = 0.02 if i >= 2 * sf.WARMUPS + 20 else 0.01  # the last 20 steps stretched 2x
+        lines.append(json.dumps({"t0": t, "t1": t + sec, "reqs": [[1, 5, 1]], "more": True}))
+        t += sec
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(lines))
+    assert sf.load_over_time(log, Profile(coef), window_s=0.2) == pytest.approx([1.0, 2.0, 2.0])
