@@ -232,6 +232,8 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    sent_at: float | None = None
+    """Real side: ``time.monotonic()`` when the client sent it (the engine core's step log has the same clock)."""
 
 
 def sim_records(sim: Simulation) -> list[Record]:
@@ -274,18 +276,26 @@ def sim_steps(
     cost_model: str,
     tpots: list[float] | None = None,
     ids: list[tuple[str, ...]] | None = None,
+    parts: dict[int, list[tuple[float, float]]] | None = None,
 ) -> list[tuple[Chunks, float]]:
     """Every step the simulator runs for ``policy`` (fast-forward off, the same schedule step by step): its
     chunks and its priced seconds, to compare with the real server's step log (``tpots``: gets the requests'
-    TPOTs; ``ids``: each step's request ids)."""
+    TPOTs; ``ids``: each step's request ids; ``parts``: per class, each request's TTFT split as
+    :func:`ttft_parts` splits the real ones, before the engine's first schedule and in the engine)."""
     cfg = replace(limits.sim_config(policy, cost_model), fast_forward=False)
     sim = Simulation(cfg, workload)
     steps: list[tuple[Chunks, float]] = []
+    first: dict[str, float] = {}
+    token: dict[str, float] = {}
     for rep in sim.replicas:
         priced = rep.executor.step_time
 
         def record(out: Any, priced: Any = priced) -> float:
             t = float(priced(out))
+            for c in out.chunks:
+                first.setdefault(c.request_id, sim.now)
+                if c.samples and c.request_id not in token:
+                    token[c.request_id] = sim.now + t
             steps.append(
                 (tuple((c.num_new_tokens, c.num_computed_tokens, int(c.samples)) for c in out.chunks), t)
             )
@@ -297,7 +307,37 @@ def sim_steps(
     sim.run()
     if tpots is not None:
         tpots += [r.tpot for r in sim.finished if r.tpot is not None]
+    if parts is not None:
+        for r in sim.finished:
+            assert r.ttft is not None
+            engine = token[r.request_id] - first[r.request_id]
+            parts.setdefault(r.priority, []).append((r.ttft - engine, engine))
     return steps
+
+
+def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, list[tuple[float, float]]]:
+    """Per class, each real request's TTFT as (before the engine, in the engine): before = from the client's
+    send to the engine core's first ``schedule()`` that includes it (HTTP, the API server, the hop to the engine
+    core, a wait for the step in flight and in the waiting queue); in = from there to the end of the step that
+    sampled its first token; what is left of the TTFT is the token's way back to the client. Matched by id
+    (the client sends ``X-Request-Id``, vLLM names the request ``cmpl-ID-0-SUFFIX``); the client's and the
+    engine core's ``time.monotonic()`` are the same clock on one machine. Requests without a send time or a
+    logged step are left out."""
+    first: dict[str, float] = {}
+    token: dict[str, float] = {}
+    for st in steps:
+        for rid, (_, _, smp) in zip(st.ids, st.reqs, strict=False):
+            key = rid.removeprefix("cmpl-").rsplit("-", 2)[0]
+            first.setdefault(key, st.t0)
+            if smp and key not in token:
+                token[key] = st.t1
+    out: dict[int, list[tuple[float, float]]] = {}
+    for r in records:
+        if r.sent_at is None or r.request_id not in token:
+            continue
+        k = r.request_id
+        out.setdefault(r.cls, []).append((first[k] - r.sent_at, token[k] - first[k]))
+    return out
 
 
 def interrupted_share(steps: Sequence[tuple[Sequence[str], Chunks]]) -> float:
@@ -508,7 +548,10 @@ async def drive(
     t0 = time.monotonic()
 
     async def serve(w: WorkloadRequest, tg: asyncio.TaskGroup) -> None:
-        got = await stream_completion(client, model, prompts[w.request_id], w.priority, w.output_len)
+        sent = time.monotonic()
+        got = await stream_completion(
+            client, model, prompts[w.request_id], w.priority, w.output_len, w.request_id
+        )
         u = got.usage
         details = getattr(u, "prompt_tokens_details", None)
         n_out = u.completion_tokens if u is not None else 0
@@ -523,6 +566,7 @@ async def drive(
                 u.prompt_tokens if u is not None else 0,
                 int(details.cached_tokens or 0) if details is not None else 0,
                 n_out,
+                sent,
             )
         )
         for f in followers.get(w.request_id, ()):
@@ -824,7 +868,11 @@ STEP_KEYS = (
 
 
 def compositions(
-    workload: Sequence[WorkloadRequest], limits: Limits, cost: dict[str, str], logs: dict[str, Path]
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    cost: dict[str, str],
+    logs: dict[str, Path],
+    real: dict[str, list[Record]],
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Per policy, the real server's steps (its step log, when there is one; cycle times as fitted) and the
     simulator's (step by step, priced by ``cost``): :func:`step_stats` of each."""
@@ -840,13 +888,44 @@ def compositions(
         out[(p, "real")]["interrupted"] = interrupted_share([(r.ids, r.reqs) for r in recs])
         tpots: list[float] = []
         ids: list[tuple[str, ...]] = []
-        steps = sim_steps(workload, limits, p, cost[p], tpots, ids)
+        sim_parts: dict[int, list[tuple[float, float]]] = {}
+        steps = sim_steps(workload, limits, p, cost[p], tpots, ids, sim_parts)
         out[(p, "sim")] = step_stats(steps)
         out[(p, "sim")]["engine_tpot_ms_p50"] = percentile(sorted(tpots), 50) * 1e3 if tpots else math.nan
         out[(p, "sim")]["interrupted"] = interrupted_share(
             [(rids, ch) for rids, (ch, _) in zip(ids, steps, strict=True)]
         )
+        for side, got in (("real", ttft_parts(real.get(p, ()), recs)), ("sim", sim_parts)):
+            for c, xs in sorted(got.items()):
+                out[(p, side)][f"class {c} TTFT before engine ms p50"] = (
+                    statistics.median(b for b, _ in xs) * 1e3
+                )
+                out[(p, side)][f"class {c} TTFT in engine ms p50"] = statistics.median(e for _, e in xs) * 1e3
     return out
+
+
+def parts_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
+    """Per policy, side and class: the TTFT's median parts before and in the engine (:func:`ttft_parts`)."""
+    from kvretain.cli import format_table
+
+    rows = []
+    for (p, side), st in comp.items():
+        for c in (0, 1, 2):
+            before = st.get(f"class {c} TTFT before engine ms p50")
+            if before is not None:
+                inside = st[f"class {c} TTFT in engine ms p50"]
+                rows.append(
+                    {
+                        "policy": p,
+                        "side": side,
+                        "class": c,
+                        "TTFT before engine ms p50": f"{before:.0f}",
+                        "TTFT in engine ms p50": f"{inside:.0f}",
+                    }
+                )
+    return format_table(
+        rows, ["policy", "side", "class", "TTFT before engine ms p50", "TTFT in engine ms p50"]
+    )
 
 
 def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
@@ -1058,11 +1137,13 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance",
             )
         }
-    comp = compositions(workload, limits, cost, logs)
+    comp = compositions(workload, limits, cost, logs, real_recs)
     if comp:
         print(comp_table(comp))
+        if any(k.startswith("class ") for (_, side), st in comp.items() if side == "real" for k in st):
+            print(parts_table(comp))
         cmp.summary["steps"] = {
-            f"{p} {side}": {k: round(v, 2) for k, v in st.items() if k in STEP_KEYS}
+            f"{p} {side}": {k: round(v, 2) for k, v in st.items() if k in STEP_KEYS or k.startswith("class ")}
             for (p, side), st in comp.items()
         }
     # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups

@@ -274,3 +274,26 @@ def test_load_over_time_is_each_window_busy_time_over_the_model(tmp_path: Path) 
     log = tmp_path / "steps.jsonl"
     log.write_text("\n".join(lines))
     assert sf.load_over_time(log, Profile(coef), window_s=0.2) == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_ttft_parts_match_the_client_and_the_engine_by_request_id() -> None:
+    """The client's send time and the engine's steps on one clock: the part before the first schedule and the
+    part up to the end of the step that sampled the first token, per class; unmatched requests left out."""
+    from kvretain.integrations.vllm.steplog import StepRecord
+
+    def rec(rid: str, cls: int, sent: float | None) -> sf.Record:
+        return sf.Record(rid, cls, 0.5, 0.01, 0.6, 40, 0, 2, sent)
+
+    steps = [
+        StepRecord(10.0, 10.2, ((20, 0, 0),), True, ("cmpl-c0-s001-t0-0-ab12",)),
+        StepRecord(
+            10.2, 10.3, ((20, 20, 1), (8, 0, 1)), True, ("cmpl-c0-s001-t0-0-ab12", "cmpl-c1-007-0-ff")
+        ),
+        StepRecord(10.3, 10.35, ((1, 40, 1),), False, ("cmpl-c0-s001-t0-0-ab12",)),
+    ]
+    got = sf.ttft_parts(
+        [rec("c0-s001-t0", 0, 9.9), rec("c1-007", 1, 10.05), rec("c1-008", 1, 10.0), rec("c0-x", 0, None)],
+        steps,
+    )
+    assert set(got) == {0, 1} and len(got[0]) == 1 and len(got[1]) == 1
+    assert got[0][0] == pytest.approx((0.1, 0.3)) and got[1][0] == pytest.approx((0.15, 0.1))
