@@ -32,7 +32,9 @@ one measured load factor, the run's busy time over the fit's). Each policy is si
 on the OTHER policy's run (cross-fit: no figure is predicted from its own measurements); the fit on its own
 run and one fit on both runs are reported as diagnostics. Then, per policy, the step compositions of the real
 run (its log) and of the simulation (step by step): steps, prefill tokens per step, decode batch, step times,
-the engine-side TPOT and the share of decodes that share a step with a prefill chunk.
+the engine-side TPOT, the share of decodes that share a step with a prefill chunk, and each class's TTFT split
+at the engine's first schedule (before / in the engine; real requests matched by the ``X-Request-Id`` the client
+sends).
 
 Per policy and class, both sides: TTFT p50 / p90, TPOT p50, e2e mean, prefix hit ratio (cached / prompt
 tokens); a PNG of the TTFT CDFs per class. Last line JSON: the worst simulated/real ratios of TTFT p50 and TPOT
