@@ -2,6 +2,8 @@
 
     .venv-vllm-cpu/bin/python bench/sim_fidelity.py            # after scripts/smollm2.sh (~20 min)
     .venv-vllm-cpu/bin/python bench/sim_fidelity.py --cost-model FILE.toml   # skip the profiling
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py --calibrate in-run      # fit to the servers' own steps
+    .venv-vllm-cpu/bin/python bench/sim_fidelity.py --calibrate in-run --real DIR/results.json  # refit, resimulate
 
 One generator (:func:`make_workload`) builds the workload as kvretain ``WorkloadRequest`` objects whose prompts
 are real token ids (SmolLM2's vocabulary): class-0 chat sessions (a system prompt shared by all sessions, a
@@ -21,6 +23,18 @@ machine right before that policy's server ran (``kvretain profile`` pinned to th
 (less vLLM's null block), block size, ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill and
 priority scheduling, all from one :class:`Limits`; the plugin's ``unified`` settings
 (``PluginConfig().policy_config``).
+
+``--calibrate in-run``: no profile for the simulation (at most one, for the arrivals' horizon). Each server
+runs with ``KVRETAIN_STEP_LOG`` (:mod:`kvretain.integrations.vllm.steplog`: every engine step's batch and wall
+time, written by its engine core; it changes no scheduling or caching), and the cost model is fitted to those
+steps with ``kvretain profile``'s own fit and file format (:func:`fit_in_run`: the fit's median-step shape times
+one measured load factor, the run's busy time over the fit's). Each policy is simulated with the model fitted
+on the OTHER policy's run (cross-fit: no figure is predicted from its own measurements); the fit on its own
+run and one fit on both runs are reported as diagnostics. Then, per policy, the step compositions of the real
+run (its log) and of the simulation (step by step): steps, prefill tokens per step, decode batch, step times,
+the engine-side TPOT, the share of decodes that share a step with a prefill chunk, and each class's TTFT split
+at the engine's first schedule (before / in the engine; real requests matched by the ``X-Request-Id`` the client
+sends).
 
 Per policy and class, both sides: TTFT p50 / p90, TPOT p50, e2e mean, prefix hit ratio (cached / prompt
 tokens); a PNG of the TTFT CDFs per class. Last line JSON: the worst simulated/real ratios of TTFT p50 and TPOT
@@ -51,9 +65,20 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
-from kvretain.engine.sim.profiled import load_profile  # noqa: E402
+from kvretain.engine.sim.profiled import (  # noqa: E402
+    COEFFICIENTS,
+    Profile,
+    StepCoefficients,
+    StepPoint,
+    fit,
+    load_profile,
+    relative_errors,
+    step_point,
+    write_profile,
+)
 from kvretain.engine.sim.simulator import SimConfig, Simulation  # noqa: E402
 from kvretain.integrations.vllm.config import PluginConfig  # noqa: E402
+from kvretain.integrations.vllm.steplog import ENV_STEP_LOG, read_step_log  # noqa: E402
 from kvretain.sched.config import SchedulerConfig  # noqa: E402
 from kvretain.workloads import TokenSeq, WorkloadRequest  # noqa: E402
 
@@ -209,6 +234,8 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    sent_at: float | None = None
+    """Real side: ``time.monotonic()`` when the client sent it (the engine core's step log has the same clock)."""
 
 
 def sim_records(sim: Simulation) -> list[Record]:
@@ -238,6 +265,245 @@ def run_sim(
     workload: Sequence[WorkloadRequest], limits: Limits, policy: str, cost_model: str
 ) -> list[Record]:
     return sim_records(Simulation(limits.sim_config(policy, cost_model), workload).run())
+
+
+Chunks = tuple[tuple[int, int, int], ...]
+"""One step's batch: ``(n, p, s)`` per scheduled request (the step log's ``reqs``, the simulator's chunks)."""
+
+
+def sim_steps(
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    policy: str,
+    cost_model: str,
+    tpots: list[float] | None = None,
+    ids: list[tuple[str, ...]] | None = None,
+    parts: dict[int, list[tuple[float, float]]] | None = None,
+) -> list[tuple[Chunks, float]]:
+    """Every step the simulator runs for ``policy`` (fast-forward off, the same schedule step by step): its
+    chunks and its priced seconds, to compare with the real server's step log (``tpots``: gets the requests'
+    TPOTs; ``ids``: each step's request ids; ``parts``: per class, each request's TTFT split as
+    :func:`ttft_parts` splits the real ones, before the engine's first schedule and in the engine)."""
+    cfg = replace(limits.sim_config(policy, cost_model), fast_forward=False)
+    sim = Simulation(cfg, workload)
+    steps: list[tuple[Chunks, float]] = []
+    first: dict[str, float] = {}
+    token: dict[str, float] = {}
+    for rep in sim.replicas:
+        priced = rep.executor.step_time
+
+        def record(out: Any, priced: Any = priced) -> float:
+            t = float(priced(out))
+            for c in out.chunks:
+                first.setdefault(c.request_id, sim.now)
+                if c.samples and c.request_id not in token:
+                    token[c.request_id] = sim.now + t
+            steps.append(
+                (tuple((c.num_new_tokens, c.num_computed_tokens, int(c.samples)) for c in out.chunks), t)
+            )
+            if ids is not None:
+                ids.append(tuple(c.request_id for c in out.chunks))
+            return t
+
+        rep.executor.step_time = record  # type: ignore[method-assign]
+    sim.run()
+    if tpots is not None:
+        tpots += [r.tpot for r in sim.finished if r.tpot is not None]
+    if parts is not None:
+        for r in sim.finished:
+            assert r.ttft is not None
+            engine = token[r.request_id] - first[r.request_id]
+            parts.setdefault(r.priority, []).append((r.ttft - engine, engine))
+    return steps
+
+
+def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, list[tuple[float, float]]]:
+    """Per class, each real request's TTFT as (before the engine, in the engine): before = from the client's
+    send to the engine core's first ``schedule()`` that includes it (HTTP, the API server, the hop to the engine
+    core, a wait for the step in flight and in the waiting queue); in = from there to the end of the step that
+    sampled its first token; what is left of the TTFT is the token's way back to the client. Matched by id
+    (the client sends ``X-Request-Id``, vLLM names the request ``cmpl-ID-0-SUFFIX``); the client's and the
+    engine core's ``time.monotonic()`` are the same clock on one machine. Requests without a send time or a
+    logged step are left out."""
+    first: dict[str, float] = {}
+    token: dict[str, float] = {}
+    for st in steps:
+        for rid, (_, _, smp) in zip(st.ids, st.reqs, strict=False):
+            key = rid.removeprefix("cmpl-").rsplit("-", 2)[0]
+            first.setdefault(key, st.t0)
+            if smp and key not in token:
+                token[key] = st.t1
+    out: dict[int, list[tuple[float, float]]] = {}
+    for r in records:
+        if r.sent_at is None or r.request_id not in token:
+            continue
+        k = r.request_id
+        out.setdefault(r.cls, []).append((first[k] - r.sent_at, token[k] - first[k]))
+    return out
+
+
+def interrupted_share(steps: Sequence[tuple[Sequence[str], Chunks]]) -> float:
+    """The share of requests (with two tokens or more) whose decode -- the steps after the one that sampled its
+    first token, to the one that sampled its last -- shares a step with another request's prefill chunk: such a
+    step costs several decode steps (a 256-token chunk ~6x), so this share sets where the TPOT median falls
+    between the two modes of its distribution (plain decodes; a decode with a prefill in it)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    with_prefill = []
+    for i, (rids, chunks) in enumerate(steps):
+        with_prefill.append(any(not (n == 1 and smp) for n, _, smp in chunks))
+        for rid, (_, _, smp) in zip(rids, chunks, strict=False):
+            if smp:
+                first.setdefault(rid, i)
+                last[rid] = i
+    multi = [r for r in first if last[r] > first[r]]
+    if not multi:
+        return math.nan
+    return sum(any(with_prefill[first[r] + 1 : last[r] + 1]) for r in multi) / len(multi)
+
+
+def engine_tpots(records: Sequence[Any]) -> list[float]:
+    """Per request of a step log (its ``ids``), the engine's own TPOT: from the end of the step that sampled
+    its first token to the end of the one that sampled its last, over the tokens between (no HTTP, no API
+    process: what the client's TPOT would be with a free delivery path)."""
+    sampled: dict[str, list[float]] = {}
+    for r in records:
+        for rid, (_, _, smp) in zip(r.ids, r.reqs, strict=False):
+            if smp:
+                sampled.setdefault(rid, []).append(r.t1)
+    return [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in sampled.values() if len(ts) > 1]
+
+
+# ---------------------------------------------------------------------------------------------- in-run fit
+def in_run_points(records: Sequence[Any]) -> list[StepPoint]:
+    """The cost-model points of a server's step log (:mod:`kvretain.integrations.vllm.steplog` records).
+
+    A point's time is the engine's whole cycle for that step: from its ``schedule()`` to the next step's when
+    requests were left (``more``: the busy loop went straight on, reading new requests and sending outputs,
+    work the simulator has no other place for), else to its own ``update_from_output()``'s end (the engine
+    then waited for work: idle time is no step's cost). ``step_seconds`` keeps the schedule-to-update time."""
+    out = []
+    for i, r in enumerate(records):
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        cycle = nxt.t0 - r.t0 if r.more and nxt is not None and nxt.t0 >= r.t1 else r.seconds
+        out.append(step_point(r.reqs, max(cycle, 1e-9), max(r.seconds, 1e-9)))
+    return out
+
+
+def fit_in_run(step_logs: Sequence[Path], name: str, out: Path) -> tuple[str, Profile]:
+    """Fit the cost model to server step logs with ``kvretain profile``'s fit and file format; write it to
+    ``out`` as ``cost-model-inrun-NAME.toml``; print the fit's error."""
+    points = [pt for log in step_logs for pt in in_run_points(read_step_log(log))]
+    shape = fit(points)
+    errs = relative_errors(shape, points)
+    # NOTE: the fit (least absolute relative error) prices a step as the engine runs it when nothing else gets
+    # in its way (its median), as it should: the shape of the cost over batch compositions, unmoved by stalls.
+    # But the server's steps also ran beside the machine's other processes, which stretched some of them
+    # (some steps 2x or more), and the latencies compared add those up. A stall hits a step in proportion to
+    # its length, so the run's mean slowdown is one factor on every coefficient: the run's busy time over the
+    # fit's price of the same steps (measured, not tuned: it makes the fit's total equal the run's).
+    busy = sum(p.seconds for p in points)
+    load = busy / sum(shape.predict(p.tokens, p.pairs, p.sampled) for p in points)
+    coef = StepCoefficients(*(c * load for c in shape.as_tuple()))
+    prof = Profile(
+        coef,
+        tuple(points),
+        {
+            "source": f"in-run step log(s) {', '.join(p.name for p in step_logs)}",
+            "time": "cycle: schedule to the next schedule while busy, else to update_from_output's end",
+            "steps": len(points),
+            "busy_s": busy,
+            "load_factor": load,
+            "fit_median_abs_rel_error": statistics.median(errs),
+            **{f"fit_{n}": v for n, v in zip(COEFFICIENTS, shape.as_tuple(), strict=True)},
+        },
+    )
+    path = out / f"cost-model-inrun-{name}.toml"
+    write_profile(path, prof)
+    c = shape
+    print(
+        f"   in-run fit of {name}: {len(points)} steps ({busy:.1f} s busy), median |error| "
+        f"{statistics.median(errs):.1%}, p90 {percentile(sorted(errs), 90):.1%}; overhead "
+        f"{c.step_overhead_s * 1e3:.2f} ms, per token {c.per_token_s * 1e3:.3f} ms, per pair "
+        f"{c.per_pair_s * 1e6:.3f} us, per sequence {c.per_sequence_s * 1e3:.2f} ms; load factor {load:.3f} "
+        "(the run's busy time over the fit's)",
+        flush=True,
+    )
+    return str(path), prof
+
+
+LOAD_WINDOW_S = 30.0
+"""The windows of the timed diagnostic: ~150 steps each here (enough for a window's busy-time sum to be stable),
+short against the minutes over which the machine's load moves (decode-step medians 33-49 ms from one minute to
+the next in one run, docs/results.md). A choice for a diagnostic, not tuned on the acceptance figures."""
+
+
+def load_over_time(step_log: Path, profile: Profile, window_s: float = LOAD_WINDOW_S) -> list[float]:
+    """Per ``window_s`` of a server run (from its first step after the warm-up requests), the run's busy time in
+    that window over ``profile``'s price of the same steps: the machine's slowdown as it moved during the run
+    (1 on average, as ``profile`` already holds the run's mean factor; 1 where a window has no steps)."""
+    recs = read_step_log(step_log)[2 * WARMUPS :]  # each warm-up request: one prefill step, one decode step
+    if not recs:
+        return [1.0]
+    points = in_run_points(recs)
+    c, start = profile.coefficients, recs[0].t0
+    real: dict[int, float] = {}
+    priced: dict[int, float] = {}
+    for r, pt in zip(recs, points, strict=True):
+        k = int((r.t0 - start) // window_s)
+        real[k] = real.get(k, 0.0) + pt.seconds
+        priced[k] = priced.get(k, 0.0) + c.predict(pt.tokens, pt.pairs, pt.sampled)
+    return [real[k] / priced[k] if k in real else 1.0 for k in range(max(real) + 1)]
+
+
+def run_sim_timed(
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    policy: str,
+    cost_model: str,
+    factors: Sequence[float],
+    window_s: float = LOAD_WINDOW_S,
+) -> list[Record]:
+    """:func:`run_sim` with each step's price times the factor of the window its start falls in (step by step:
+    fast-forward off); after the last window, the last factor."""
+    sim = Simulation(replace(limits.sim_config(policy, cost_model), fast_forward=False), workload)
+    for rep in sim.replicas:
+        priced = rep.executor.step_time
+
+        def timed(out: Any, priced: Any = priced) -> float:
+            return float(priced(out)) * factors[min(int(sim.now // window_s), len(factors) - 1)]
+
+        rep.executor.step_time = timed  # type: ignore[method-assign]
+    return sim_records(sim.run())
+
+
+def step_stats(steps: Sequence[tuple[Chunks, float]]) -> dict[str, float]:
+    """Batch compositions of a run's steps: how many, how many carry prefill tokens, prefill tokens per such
+    step (mean, p50, p90), decode sequences per step (mean), mean decode context, and seconds per step (mean,
+    pure-decode p50, mixed/prefill p50)."""
+    pre = [sum(n for n, _, s in ch if not (n == 1 and s)) for ch, _ in steps]
+    dec = [[p for n, p, s in ch if n == 1 and s] for ch, _ in steps]
+    with_pre = sorted(x for x in pre if x)
+    pure = sorted(t for (_, t), x in zip(steps, pre, strict=True) if not x)
+    mixed = sorted(t for (_, t), x in zip(steps, pre, strict=True) if x)
+    ctx = [c for d in dec for c in d]
+
+    def p(xs: list[float] | list[int], q: float) -> float:
+        return float(percentile(xs, q)) if xs else math.nan
+
+    return {
+        "steps": len(steps),
+        "with_prefill": len(with_pre),
+        "prefill_tokens_mean": statistics.mean(with_pre) if with_pre else math.nan,
+        "prefill_tokens_p50": p(with_pre, 50),
+        "prefill_tokens_p90": p(with_pre, 90),
+        "decode_seqs_mean": statistics.mean(len(d) for d in dec) if dec else math.nan,
+        "decode_context_mean": statistics.mean(ctx) if ctx else math.nan,
+        "step_ms_mean": statistics.mean(t for _, t in steps) * 1e3 if steps else math.nan,
+        "decode_step_ms_p50": p(pure, 50) * 1e3,
+        "prefill_step_ms_p50": p(mixed, 50) * 1e3,
+        "busy_s": sum(t for _, t in steps),
+    }
 
 
 def scale_to_utilization(
@@ -284,7 +550,10 @@ async def drive(
     t0 = time.monotonic()
 
     async def serve(w: WorkloadRequest, tg: asyncio.TaskGroup) -> None:
-        got = await stream_completion(client, model, prompts[w.request_id], w.priority, w.output_len)
+        sent = time.monotonic()
+        got = await stream_completion(
+            client, model, prompts[w.request_id], w.priority, w.output_len, w.request_id
+        )
         u = got.usage
         details = getattr(u, "prompt_tokens_details", None)
         n_out = u.completion_tokens if u is not None else 0
@@ -299,6 +568,7 @@ async def drive(
                 u.prompt_tokens if u is not None else 0,
                 int(details.cached_tokens or 0) if details is not None else 0,
                 n_out,
+                sent,
             )
         )
         for f in followers.get(w.request_id, ()):
@@ -320,7 +590,10 @@ def run_real(
 ) -> tuple[list[Record], list[float]]:
     from kvretain.integrations.vllm.launch import VLLMServer
 
-    env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy}
+    # every engine step of the run, its batch and wall time (stock too: the log changes no scheduling or caching)
+    step_log = step_log_path(Path(args.out), policy)
+    step_log.unlink(missing_ok=True)
+    env = {"KVRETAIN_POLICY": "" if policy == "lru" else policy, ENV_STEP_LOG: str(step_log)}
     srv = VLLMServer(
         str(args.model),
         limits.server_args(),
@@ -347,6 +620,10 @@ def run_real(
         recs, idle = asyncio.run(drive(srv.base_url, str(args.model), workload))
         print(f"   {policy}: done in {time.monotonic() - t1:.0f} s", flush=True)
     return recs, idle
+
+
+def step_log_path(out: Path, policy: str) -> Path:
+    return out / f"steps-{policy}.jsonl"
 
 
 def server_engine_cpus() -> list[int]:
@@ -579,6 +856,114 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
     return True
 
 
+STEP_KEYS = (
+    "steps",
+    "prefill_tokens_mean",
+    "decode_seqs_mean",
+    "decode_step_ms_p50",
+    "prefill_step_ms_p50",
+    "busy_s",
+    "engine_tpot_ms_p50",
+    "interrupted",
+)
+"""The step-composition figures the last JSON line keeps (the table prints them all)."""
+
+
+def compositions(
+    workload: Sequence[WorkloadRequest],
+    limits: Limits,
+    cost: dict[str, str],
+    logs: dict[str, Path],
+    real: dict[str, list[Record]],
+) -> dict[tuple[str, str], dict[str, float]]:
+    """Per policy, the real server's steps (its step log, when there is one; cycle times as fitted) and the
+    simulator's (step by step, priced by ``cost``): :func:`step_stats` of each."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for p in POLICIES:
+        if not logs[p].exists():
+            continue
+        recs = read_step_log(logs[p])
+        points = in_run_points(recs)
+        out[(p, "real")] = step_stats([(r.reqs, pt.seconds) for r, pt in zip(recs, points, strict=True)])
+        real_tpots = sorted(engine_tpots(recs))
+        out[(p, "real")]["engine_tpot_ms_p50"] = percentile(real_tpots, 50) * 1e3 if real_tpots else math.nan
+        out[(p, "real")]["interrupted"] = interrupted_share([(r.ids, r.reqs) for r in recs])
+        tpots: list[float] = []
+        ids: list[tuple[str, ...]] = []
+        sim_parts: dict[int, list[tuple[float, float]]] = {}
+        steps = sim_steps(workload, limits, p, cost[p], tpots, ids, sim_parts)
+        out[(p, "sim")] = step_stats(steps)
+        out[(p, "sim")]["engine_tpot_ms_p50"] = percentile(sorted(tpots), 50) * 1e3 if tpots else math.nan
+        out[(p, "sim")]["interrupted"] = interrupted_share(
+            [(rids, ch) for rids, (ch, _) in zip(ids, steps, strict=True)]
+        )
+        for side, got in (("real", ttft_parts(real.get(p, ()), recs)), ("sim", sim_parts)):
+            for c, xs in sorted(got.items()):
+                out[(p, side)][f"class {c} TTFT before engine ms p50"] = (
+                    statistics.median(b for b, _ in xs) * 1e3
+                )
+                out[(p, side)][f"class {c} TTFT in engine ms p50"] = statistics.median(e for _, e in xs) * 1e3
+    return out
+
+
+def parts_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
+    """Per policy, side and class: the TTFT's median parts before and in the engine (:func:`ttft_parts`)."""
+    from kvretain.cli import format_table
+
+    rows = []
+    for (p, side), st in comp.items():
+        for c in (0, 1, 2):
+            before = st.get(f"class {c} TTFT before engine ms p50")
+            if before is not None:
+                inside = st[f"class {c} TTFT in engine ms p50"]
+                rows.append(
+                    {
+                        "policy": p,
+                        "side": side,
+                        "class": c,
+                        "TTFT before engine ms p50": f"{before:.0f}",
+                        "TTFT in engine ms p50": f"{inside:.0f}",
+                    }
+                )
+    return format_table(
+        rows, ["policy", "side", "class", "TTFT before engine ms p50", "TTFT in engine ms p50"]
+    )
+
+
+def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
+    from kvretain.cli import format_table
+
+    names = {
+        "steps": "steps",
+        "with_prefill": "with prefill",
+        "prefill_tokens_mean": "prefill tok mean",
+        "prefill_tokens_p50": "p50",
+        "prefill_tokens_p90": "p90",
+        "decode_seqs_mean": "decode seqs mean",
+        "decode_context_mean": "decode ctx mean",
+        "step_ms_mean": "step ms mean",
+        "decode_step_ms_p50": "decode-only ms p50",
+        "prefill_step_ms_p50": "with-prefill ms p50",
+        "busy_s": "busy s",
+        "engine_tpot_ms_p50": "engine TPOT ms p50",
+        "interrupted": "decodes with a prefill",
+    }
+    rows = []
+    for (p, side), st in comp.items():
+        row: dict[str, Any] = {"policy": p, "side": side}
+        for k, label in names.items():
+            v = st[k]
+            row[label] = (
+                f"{v:.0f}"
+                if k in ("steps", "with_prefill")
+                else f"{v:.2f}"
+                if k == "interrupted"
+                else f"{v:.1f}"
+            )
+        rows.append(row)
+    return format_table(rows, ["policy", "side", *names.values()])
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -620,6 +1005,15 @@ def main(argv: list[str] | None = None) -> int:
         help="kvretain profile --what: the engine core's own step, as the server's engine-core process runs "
         "it (default), or the whole in-process llm_engine.step() with the output processing",
     )
+    ap.add_argument(
+        "--calibrate",
+        choices=("profile", "in-run"),
+        default="profile",
+        help="where the simulator's cost model comes from: a `kvretain profile` run right before each server "
+        "(default; or --cost-model), or 'in-run': fitted to the step log of the OTHER policy's server run "
+        "(cross-fit, so no figure is predicted from its own measurements; the own-run fit is reported as a "
+        "diagnostic). With 'in-run' a profile (or --cost-model) only sets the arrivals' horizon",
+    )
     ap.add_argument("--sim-only", action="store_true", help="only the simulator (needs --cost-model)")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -640,8 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
             f"bench/sim_fidelity.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr
         )
         return 2
-    if (args.sim_only or args.real) and args.cost_model is None:
+    in_run = args.calibrate == "in-run"
+    if (args.sim_only or (args.real and not in_run)) and args.cost_model is None:
         print("bench/sim_fidelity.py: --sim-only and --real need --cost-model FILE", file=sys.stderr)
+        return 2
+    if in_run and args.sim_only:
+        print("bench/sim_fidelity.py: --calibrate in-run needs server runs (or --real)", file=sys.stderr)
         return 2
     load = os.getloadavg()
     print(
@@ -656,25 +1054,59 @@ def main(argv: list[str] | None = None) -> int:
     real_recs: dict[str, list[Record]] = {}
     idle: dict[str, list[float]] = {}
     workload: list[WorkloadRequest] | None = None
+    logs_dir = out
     if args.real:
         saved = json.loads(Path(args.real).read_text())
         spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
         real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
         idle = saved.get("idle_ttft", {})
+        logs_dir = Path(args.real).resolve().parent
+    horizon_cost = args.cost_model
     for pol in POLICIES:
-        if pol not in cost:
-            print(f"== profiling the engine on this machine (kvretain profile), for {pol}", flush=True)
-            cost[pol] = profile(limits, args, pol)
+        # in-run: at most one profile, for the horizon only (the simulation's cost models come from the logs)
+        if pol not in cost and not (in_run and (horizon_cost or args.real or args.utilization <= 0)):
+            what = "the arrivals' horizon" if in_run else pol
+            print(f"== profiling the engine on this machine (kvretain profile), for {what}", flush=True)
+            cost[pol] = horizon_cost = profile(limits, args, pol)
         if workload is None:  # one workload for both policies: its horizon from the first profile
             if args.utilization > 0 and not args.real:
-                spec = scale_to_utilization(spec, limits, cost[pol], args.utilization)
+                assert horizon_cost is not None or pol in cost
+                spec = scale_to_utilization(spec, limits, horizon_cost or cost[pol], args.utilization)
             print(f"   arrivals over {spec.horizon_s:.0f} s", flush=True)
             workload = make_workload(spec)
         if need_server:
             print(f"== real server, {pol}; load average {os.getloadavg()[0]:.2f}", flush=True)
             real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
     assert workload is not None
+    logs = {p: step_log_path(logs_dir, p) for p in POLICIES}
+    diagnostics: dict[str, dict[str, str]] = {}
+    if in_run:
+        print("== cost models fitted to the servers' own steps (in-run step logs)", flush=True)
+        own_fits = {p: fit_in_run([logs[p]], p, out) for p in POLICIES}
+        own = {p: path for p, (path, _) in own_fits.items()}
+        both = fit_in_run([logs[p] for p in POLICIES], "both", out)[0]
+        a, b = POLICIES
+        cost = {a: own[b], b: own[a]}  # cross-fit: each policy priced by the other policy's run
+        # diagnostics, not the acceptance: each policy by its own run's fit; both by one fit of both runs
+        diagnostics = {"own_fit": own, "pooled_fit": {p: both for p in POLICIES}}
     sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
+    diag_cmp = {
+        name: compare(
+            {p: figures(r) for p, r in real_recs.items()},
+            {p: figures(run_sim(workload, limits, p, models[p])) for p in POLICIES},
+        )
+        for name, models in diagnostics.items()
+        if real_recs
+    }
+    if in_run and real_recs:
+        # the own fit again, with the machine's slowdown as it moved during that run (30 s windows): how much of
+        # what is left is the load's movement within a run, which no fit of another moment can carry over
+        timed = {}
+        for p in POLICIES:
+            factors = load_over_time(logs[p], own_fits[p][1])
+            print(f"   {p} run's load per {LOAD_WINDOW_S:.0f} s: {' '.join(f'{f:.2f}' for f in factors)}")
+            timed[p] = figures(run_sim_timed(workload, limits, p, own[p], factors))
+        diag_cmp["own_fit_timed"] = compare({p: figures(r) for p, r in real_recs.items()}, timed)
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
         for p, by_cls in sim_fig.items():
@@ -688,6 +1120,34 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print(table(cmp))
     print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
+    for name, dc in diag_cmp.items():
+        o = dc.summary
+        print(
+            f"diagnostic, {name.replace('_', ' ')}: TTFT p50 worst {o['ttft_p50_worst_ratio']}x "
+            f"({o['ttft_p50_worst_at']}), TPOT p50 worst {o['tpot_p50_worst_ratio']}x ({o['tpot_p50_worst_at']}); "
+            f"within 20%: TTFT {o['ttft_within_20pct']}/{o['cells']}, TPOT {o['tpot_within_20pct']}/{o['cells']}; "
+            f"signs agree {o['sign_agreement']}"
+        )
+        cmp.summary[name] = {
+            k: o[k]
+            for k in (
+                "ttft_p50_worst_ratio",
+                "tpot_p50_worst_ratio",
+                "ttft_within_20pct",
+                "tpot_within_20pct",
+                "sign_agreement",
+                "acceptance",
+            )
+        }
+    comp = compositions(workload, limits, cost, logs, real_recs)
+    if comp:
+        print(comp_table(comp))
+        if any(k.startswith("class ") for (_, side), st in comp.items() if side == "real" for k in st):
+            print(parts_table(comp))
+        cmp.summary["steps"] = {
+            f"{p} {side}": {k: round(v, 2) for k, v in st.items() if k in STEP_KEYS or k.startswith("class ")}
+            for (p, side), st in comp.items()
+        }
     # what a request costs outside the engine's steps: an 8-token prompt's TTFT on the idle server (the warm-ups
     # after the first) against the cost model's price of its one prefill step
     step_ms = {p: round(load_profile(c).coefficients.predict(8, 36, 1) * 1e3, 1) for p, c in cost.items()}
@@ -697,6 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_ttft_ms=idle_ms,
         idle_step_predicted_ms=step_ms,
         requests=len(workload),
+        calibrate=args.calibrate,
         cost_models=cost,
         wall_s=round(time.monotonic() - t_start, 1),
         load_avg_start=round(load[0], 2),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvretain.engine.sim.profiled import Profile, StepCoefficients, write_profile
+from kvretain.engine.sim.profiled import Profile, StepCoefficients, load_profile, write_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sim_fidelity as sf
@@ -138,3 +138,162 @@ def test_the_simulator_side_and_the_json_last_line(tmp_path: Path) -> None:
     assert last["hit_ratio_worst_abs_diff"] == 0.0 and last["requests"] == len(ws)
     assert last["acceptance"] is False and math.isfinite(last["wall_s"])
     assert "sim/real" in got.stdout
+
+
+# ---------------------------------------------------------------------------------------------- in-run fit
+KNOWN = StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)
+BUSY = replace(SMALL, horizon_s=1.0, think_s=0.05)
+"""Arrivals close enough together that steps batch requests (mixed prefill and decode steps)."""
+
+
+def write_step_log(path: Path, steps: list[tuple[sf.Chunks, float]], idle_every: int = 7) -> None:
+    """A server's step log of ``steps`` (chunks, seconds): back to back, with an idle wait of 1 s after every
+    ``idle_every``-th step (``more`` false there) and a 0.1 ms busy-loop gap elsewhere, folded into the step
+    before it."""
+    t, lines = 100.0, []
+    for i, (chunks, sec) in enumerate(steps):
+        idle = i % idle_every == idle_every - 1
+        work = sec if idle else sec - 1e-4  # a busy step's cycle: its own time plus the gap after it
+        lines.append(
+            json.dumps({"t0": t, "t1": t + work, "reqs": [list(c) for c in chunks], "more": not idle})
+        )
+        t += work + (1.0 if idle else 1e-4)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_in_run_points_time_a_busy_step_to_the_next_one() -> None:
+    from kvretain.integrations.vllm.steplog import parse_step_log
+
+    recs = parse_step_log(
+        [
+            '{"t0": 1.0, "t1": 1.03, "reqs": [[1, 99, 1], [20, 0, 0]], "more": true}',
+            '{"t0": 1.04, "t1": 1.06, "reqs": [[1, 100, 1]], "more": false}',
+            '{"t0": 5.0, "t1": 5.02, "reqs": [[8, 0, 1]], "more": true}',
+        ]
+    )
+    pts = sf.in_run_points(recs)
+    assert [p.seconds for p in pts] == pytest.approx([0.04, 0.02, 0.02])  # to the next t0; then t1 - t0 twice
+    assert [p.step_seconds for p in pts] == pytest.approx([0.03, 0.02, 0.02])
+    assert (pts[0].tokens, pts[0].pairs, pts[0].sampled, pts[0].kind) == (21, 100 + 210, 1, "mixed")
+    assert (pts[1].kind, pts[2].kind) == ("decode", "prefill")
+
+
+def test_the_in_run_fit_recovers_known_coefficients(tmp_path: Path) -> None:
+    """Steps the simulator schedules, priced by known coefficients, logged as a server would: the fit (the
+    profile's own) gets the coefficients back and writes a cost-model file the simulator loads."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN))
+    steps = sf.sim_steps(sf.make_workload(BUSY), sf.Limits(blocks=64), "lru", str(cost))
+    assert len(steps) > 20 and any(len(ch) > 1 for ch, _ in steps)
+    log = tmp_path / "steps-lru.jsonl"
+    write_step_log(log, steps)
+    path, prof = sf.fit_in_run([log], "lru", tmp_path)
+    got = prof.coefficients
+    for name in ("step_overhead_s", "per_token_s", "per_sequence_s"):
+        assert getattr(got, name) == pytest.approx(getattr(KNOWN, name), rel=0.02), name
+    assert prof.median_relative_error() == pytest.approx(0, abs=1e-3)
+    assert load_profile(path).coefficients == got and len(load_profile(path).points) == len(steps)
+
+
+def test_stalled_steps_leave_the_fit_and_set_the_load_factor(tmp_path: Path) -> None:
+    """Every 5th step 3x as long (another process got the core): the fit keeps the engine's coefficients and the
+    one load factor makes the model's total busy time the run's."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN))
+    steps = sf.sim_steps(sf.make_workload(BUSY), sf.Limits(blocks=64), "lru", str(cost))
+    stalled = [(ch, t * (3.0 if i % 5 == 0 else 1.0)) for i, (ch, t) in enumerate(steps)]
+    log = tmp_path / "steps-lru.jsonl"
+    write_step_log(log, stalled, idle_every=10**9)
+    _, prof = sf.fit_in_run([log], "lru", tmp_path)
+    for name in ("step_overhead_s", "per_token_s", "per_sequence_s"):
+        assert prof.info[f"fit_{name}"] == pytest.approx(getattr(KNOWN, name), rel=0.02), name
+    busy = sum(t for _, t in stalled)
+    assert prof.info["busy_s"] == pytest.approx(busy, rel=1e-3)  # the last step has no next one: 0.1 ms less
+    assert prof.info["load_factor"] == pytest.approx(busy / sum(t for _, t in steps), rel=0.01)
+    c = prof.coefficients
+    assert sum(c.predict(p.tokens, p.pairs, p.sampled) for p in prof.points) == pytest.approx(busy, rel=1e-3)
+
+
+def test_engine_tpots_from_the_logged_ids() -> None:
+    from kvretain.integrations.vllm.steplog import StepRecord
+
+    recs = [
+        StepRecord(0.0, 0.1, ((20, 0, 1), (5, 0, 0)), True, ("a", "b")),
+        StepRecord(0.1, 0.15, ((1, 20, 1), (5, 5, 1)), True, ("a", "b")),
+        StepRecord(0.15, 0.3, ((1, 21, 1), (1, 10, 1)), True, ("a", "b")),
+        StepRecord(0.3, 0.32, ((1, 11, 1),), False, ("b",)),
+    ]
+    assert sorted(sf.engine_tpots(recs)) == pytest.approx([0.085, 0.1])  # b: (0.32-0.15)/2; a: (0.3-0.1)/2
+    # a's decode (steps 2-3) shares step 2 with b's prefill chunk; b's (steps 3-4) has none
+    assert sf.interrupted_share([(r.ids, r.reqs) for r in recs]) == 0.5
+
+
+def test_step_stats_count_prefill_and_decode() -> None:
+    st = sf.step_stats([(((1, 10, 1), (1, 20, 1)), 0.01), (((1, 11, 1), (50, 0, 0)), 0.03)])
+    assert st["steps"] == 2 and st["with_prefill"] == 1 and st["prefill_tokens_mean"] == 50
+    assert st["decode_seqs_mean"] == 1.5 and st["decode_context_mean"] == pytest.approx(41 / 3)
+    assert st["decode_step_ms_p50"] == pytest.approx(10) and st["prefill_step_ms_p50"] == pytest.approx(30)
+
+
+def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> None:
+    """``--real results.json --calibrate in-run``: the step logs next to the saved run are fitted and each
+    policy is simulated with the other's fit; with "real" steps and records that are the simulator's own (same
+    coefficients on both sides) every ratio is 1."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN))
+    limits = sf.Limits(blocks=64)
+    ws = sf.make_workload(SMALL)
+    run = tmp_path / "run"
+    run.mkdir()
+    for p in sf.POLICIES:
+        write_step_log(sf.step_log_path(run, p), sf.sim_steps(ws, limits, p, str(cost)))
+    real = {p: [asdict(r) for r in sf.run_sim(ws, limits, p, str(cost))] for p in sf.POLICIES}
+    saved = run / "results.json"
+    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))
+    args = ["--real", str(saved), "--calibrate", "in-run", "--out", str(tmp_path / "out"), "--blocks", "64"]
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    last = json.loads(got.stdout.strip().splitlines()[-1])
+    assert last["ttft_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
+    assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
+    assert last["hit_ratio_worst_abs_diff"] <= 0.01 and last["acceptance"] is True
+    assert last["own_fit"]["tpot_within_20pct"] == 4 and last["pooled_fit"]["acceptance"] is True
+    assert last["cost_models"]["lru"].endswith("cost-model-inrun-unified.toml")  # the other policy's fit
+    assert last["steps"]["lru real"]["steps"] == last["steps"]["lru sim"]["steps"]
+    assert "in-run fit of lru" in got.stdout and "decode seqs mean" in got.stdout
+
+
+def test_load_over_time_is_each_window_busy_time_over_the_model(tmp_path: Path) -> None:
+    """Warm-up steps skipped; a window whose steps ran 2x the model's price gets 2, a window at it gets 1."""
+    coef = StepCoefficients(0.01, 0.0, 0.0, 0.0)  # every step 10 ms
+    lines, t = [], 0.0
+    for i in range(2 * sf.WARMUPS + 40):
+        sec = 0.02 if i >= 2 * sf.WARMUPS + 20 else 0.01  # the last 20 steps stretched 2x
+        lines.append(json.dumps({"t0": t, "t1": t + sec, "reqs": [[1, 5, 1]], "more": True}))
+        t += sec
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(lines))
+    assert sf.load_over_time(log, Profile(coef), window_s=0.2) == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_ttft_parts_match_the_client_and_the_engine_by_request_id() -> None:
+    """The client's send time and the engine's steps on one clock: the part before the first schedule and the
+    part up to the end of the step that sampled the first token, per class; unmatched requests left out."""
+    from kvretain.integrations.vllm.steplog import StepRecord
+
+    def rec(rid: str, cls: int, sent: float | None) -> sf.Record:
+        return sf.Record(rid, cls, 0.5, 0.01, 0.6, 40, 0, 2, sent)
+
+    steps = [
+        StepRecord(10.0, 10.2, ((20, 0, 0),), True, ("cmpl-c0-s001-t0-0-ab12",)),
+        StepRecord(
+            10.2, 10.3, ((20, 20, 1), (8, 0, 1)), True, ("cmpl-c0-s001-t0-0-ab12", "cmpl-c1-007-0-ff")
+        ),
+        StepRecord(10.3, 10.35, ((1, 40, 1),), False, ("cmpl-c0-s001-t0-0-ab12",)),
+    ]
+    got = sf.ttft_parts(
+        [rec("c0-s001-t0", 0, 9.9), rec("c1-007", 1, 10.05), rec("c1-008", 1, 10.0), rec("c0-x", 0, None)],
+        steps,
+    )
+    assert set(got) == {0, 1} and len(got[0]) == 1 and len(got[1]) == 1
+    assert got[0][0] == pytest.approx((0.1, 0.3)) and got[1][0] == pytest.approx((0.15, 0.1))

@@ -43,6 +43,13 @@ from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.registry import Registry
 
 
+def chunk_pairs(n_new: int, n_cached: int) -> int:
+    """Attention (query, key) pairs of ``n_new`` tokens computed after ``n_cached`` whose KV is there (causal:
+    each new token attends to the cached ones, the new ones before it and itself); a decode token with
+    context ``C`` so far is ``chunk_pairs(1, C)`` = ``C + 1``."""
+    return n_new * n_cached + n_new * (n_new + 1) // 2
+
+
 class CostModel:
     """Roofline step-time model of one replica (``tp`` GPUs) serving ``model`` on ``gpu``.
 
@@ -123,7 +130,7 @@ class CostModel:
     def prefill_flops(self, n_new: int, n_cached: int = 0, samples: bool = True) -> int:
         """FLOPs to prefill ``n_new`` tokens after ``n_cached`` cached ones (whole replica); ``samples``: the
         chunk completes the prompt, so its last token goes through the LM head."""
-        pairs = n_new * n_cached + n_new * (n_new + 1) // 2
+        pairs = chunk_pairs(n_new, n_cached)
         return self.step_work(n_new, pairs, n_new + n_cached, int(samples))[0]
 
     def step_work(self, tokens: int, pairs: int, kv_tokens: int, sampled: int) -> tuple[int, int]:
@@ -160,7 +167,7 @@ class CostModel:
         kv_tokens = ctx  # KV tokens read or written
         for n, p, s in prefill_chunks:
             tokens += n
-            pairs += n * p + n * (n + 1) // 2
+            pairs += chunk_pairs(n, p)
             kv_tokens += n + p
             sampled += s
         return self._roofline(tokens, pairs, kv_tokens, sampled)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
-from kvretain.engine.sim.costmodel import CostModel
+from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
@@ -76,6 +76,24 @@ class StepPoint:
     def features(self) -> tuple[float, float, float, float]:
         """The step's counts in :data:`COEFFICIENTS` order (1 for the overhead)."""
         return (1.0, float(self.tokens), float(self.pairs), float(self.sampled))
+
+
+def step_point(
+    chunks: Iterable[tuple[int, int, int | bool]], seconds: float, step_seconds: float | None = None
+) -> StepPoint:
+    """The point of a measured step of ``chunks`` ``(n, p, s)``: ``n`` tokens computed after ``p`` whose KV was
+    there, ``s`` true when the step samples for it (the simulator's ``ScheduledChunk`` counts; a decode is
+    ``(1, context so far, 1)``), counted as the cost model counts them (:func:`~.costmodel.chunk_pairs`).
+    ``kind``: ``decode`` when every chunk is a sampled single token, ``prefill`` when none is, else ``mixed``."""
+    tokens = pairs = sampled = decodes = chunks_n = 0
+    for n, p, s in chunks:
+        tokens += n
+        pairs += chunk_pairs(n, p)
+        sampled += int(bool(s))
+        decodes += int(n == 1 and bool(s))
+        chunks_n += 1
+    kind = "decode" if decodes == chunks_n else ("prefill" if decodes == 0 else "mixed")
+    return StepPoint(tokens, pairs, sampled, seconds, kind, step_seconds)
 
 
 @dataclass(frozen=True)

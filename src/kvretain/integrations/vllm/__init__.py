@@ -2,7 +2,8 @@
 
 Installed from a clone with ``pip install -e '.[vllm]'``; vLLM finds :func:`register` through the entry point
 ``vllm.general_plugins: kvretain``. The plugin is inert unless ``KVRETAIN_POLICY`` names a policy (see
-:mod:`kvretain.integrations.vllm.config` for every variable)::
+:mod:`kvretain.integrations.vllm.config` for every variable; ``KVRETAIN_STEP_LOG``, which only logs the engine's
+steps, is :mod:`kvretain.integrations.vllm.steplog`'s)::
 
     KVRETAIN_POLICY=unified KVRETAIN_POLICY_OPTIONS="budget=0.8,isolation_goal=0.9" \\
         vllm serve MODEL --enable-prefix-caching --scheduling-policy priority
@@ -69,7 +70,12 @@ def register() -> None:
 
     vLLM calls it in every process (API server, engine core, workers); the patches matter in the engine core.
     What it installed, or why it refused, is logged through vLLM's own logger (see ``_runtime.LOGGER_NAME``).
+    ``KVRETAIN_STEP_LOG=FILE`` also logs every engine step (:mod:`kvretain.integrations.vllm.steplog`), with
+    or without a policy.
     """
+    from kvretain.integrations.vllm import steplog
+
+    steplog.install_from_env()
     try:
         cfg = config_from_env()
     except Exception as exc:

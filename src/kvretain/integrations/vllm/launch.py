@@ -207,12 +207,19 @@ async def stream_chat(client: Any, model: str, messages: Any, priority: int, max
 
 
 async def stream_completion(
-    client: Any, model: str, prompt: Sequence[int], priority: int, max_tokens: int
+    client: Any,
+    model: str,
+    prompt: Sequence[int],
+    priority: int,
+    max_tokens: int,
+    request_id: str | None = None,
 ) -> Streamed:
     """The same loop for a completion of a prompt given as token ids (no chat template, no tokenization: the
     server sees exactly these tokens; ``bench/sim_fidelity.py``). The first token's time is that of the first
-    chunk with a choice, whatever its text (a token may decode to no text yet)."""
+    chunk with a choice, whatever its text (a token may decode to no text yet). ``request_id`` goes as the
+    ``X-Request-Id`` header: vLLM names the request ``cmpl-ID-...`` inside (its logs, the step log)."""
     t0 = time.monotonic()
+    headers = {"X-Request-Id": request_id} if request_id is not None else None
     stream = await client.completions.create(
         model=model,
         prompt=list(prompt),
@@ -221,6 +228,7 @@ async def stream_completion(
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"priority": priority, "ignore_eos": True},
+        extra_headers=headers,
     )
     return await _consume(stream, t0, lambda ch: ch.text or "", first_on_empty=True)
 

@@ -1,0 +1,133 @@
+"""The step log hook (``KVRETAIN_STEP_LOG``): what it writes per engine step, read back, and its errors. The
+hook is installed here on a stand-in scheduler class with vLLM's two method names and request fields (no vLLM
+needed); the bench's fit of these records is tested in test_sim_fidelity_bench.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvretain.integrations.vllm import steplog
+from kvretain.integrations.vllm._runtime import HOOK_ERRORS
+
+
+class FakeScheduler:
+    """vLLM's ``Scheduler`` as the hook sees it: ``schedule()`` advances ``num_computed_tokens`` by the scheduled
+    tokens (as vLLM's ``_update_after_schedule`` does) and returns an output with ``num_scheduled_tokens``;
+    ``update_from_output`` appends the sampled tokens and drops finished requests."""
+
+    def __init__(self, plan: list[dict[str, int]], requests: dict[str, SimpleNamespace]) -> None:
+        self.plan = plan
+        self.requests = requests
+
+    def schedule(self) -> Any:
+        step = self.plan.pop(0)
+        for rid, n in step.items():
+            self.requests[rid].num_computed_tokens += n
+        return SimpleNamespace(num_scheduled_tokens=step)
+
+    def update_from_output(self, out: Any, model_output: Any) -> str:
+        for rid in out.num_scheduled_tokens:
+            r = self.requests[rid]
+            if r.num_computed_tokens >= r.num_tokens:
+                r.num_tokens += 1  # sampled one token
+                if r.num_tokens >= r.stop:
+                    del self.requests[rid]
+        return "outputs"
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+
+def req(prompt: int, cached: int, out_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(num_computed_tokens=cached, num_tokens=prompt, stop=prompt + out_tokens)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Any:
+    own = {"schedule": FakeScheduler.schedule, "update_from_output": FakeScheduler.update_from_output}
+    cls = type("Sched", (FakeScheduler,), own)  # the methods in the class's own dict, as vLLM's are
+    log = tmp_path / "sub" / "steps.jsonl"
+    steplog.install(log, cls)
+    yield cls, log
+    steplog.uninstall()
+
+
+def test_records_each_step_batch_and_times(fake: Any) -> None:
+    cls, log = fake
+    # a: 100-token prompt, 64 cached (a prefix hit), 2 outputs; b: 40-token prompt, nothing cached, 1 output
+    s = cls([{"a": 36}, {"a": 1, "b": 30}, {"b": 10}], {"a": req(100, 64, 2), "b": req(40, 0, 1)})
+    for _ in range(3):
+        assert s.update_from_output(s.schedule(), None) == "outputs"  # results pass through unchanged
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["reqs"] for x in lines] == [
+        [[36, 64, 1]],  # the prompt's rest after the hit: completes it, samples
+        [[1, 100, 1], [30, 0, 0]],  # a decodes at context 100; b's first chunk does not sample
+        [[10, 30, 1]],  # b's last chunk samples (then b is done)
+    ]
+    assert [x["ids"] for x in lines] == [["a"], ["a", "b"], ["b"]]
+    assert [x["more"] for x in lines] == [True, True, False]
+    assert all(x["t0"] <= x["t1"] for x in lines) and lines[0]["t1"] <= lines[1]["t0"]
+    recs = steplog.read_step_log(log)
+    assert recs[1].reqs == ((1, 100, 1), (30, 0, 0)) and recs[2].more is False and recs[1].ids == ("a", "b")
+    assert recs[0].seconds == pytest.approx(lines[0]["t1"] - lines[0]["t0"])
+
+
+def test_an_empty_step_writes_nothing_and_uninstall_restores(fake: Any) -> None:
+    cls, log = fake
+    s = cls([{}, {"a": 5}], {"a": req(5, 0, 3)})
+    s.update_from_output(s.schedule(), None)
+    assert not log.exists()  # opened lazily: a process that never schedules (the API server) writes no file
+    s.update_from_output(s.schedule(), None)
+    assert len(log.read_text().splitlines()) == 1
+    steplog.uninstall()
+    assert cls.__dict__["schedule"] is FakeScheduler.schedule
+    assert cls.__dict__["update_from_output"] is FakeScheduler.update_from_output
+    s2 = cls([{"a": 1}], {"a": req(5, 5, 3)})
+    s2.update_from_output(s2.schedule(), None)
+    assert len(log.read_text().splitlines()) == 1  # not logged any more
+
+
+def test_a_hook_error_is_counted_never_raised(fake: Any) -> None:
+    cls, _ = fake
+    HOOK_ERRORS.reset()
+    s = cls([{"ghost": 3}], {})
+    s.requests = {"ghost": SimpleNamespace(num_computed_tokens=0)}  # no num_tokens: the hook cannot read it
+    s.schedule()
+    assert HOOK_ERRORS.snapshot() == {"steplog.schedule": 1}
+    HOOK_ERRORS.reset()
+
+
+def test_install_from_env_needs_the_variable() -> None:
+    assert steplog.install_from_env({}) is False
+    assert steplog.install_from_env({steplog.ENV_STEP_LOG: "  "}) is False
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("nope", "line 2: not JSON"),
+        ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]]}', "lacks more"),
+        ('{"t0": 2, "t1": 1, "reqs": [[1, 2, 1]], "more": true}', "t1 1 is before t0 2"),
+        ('{"t0": 1, "t1": 2, "reqs": [], "more": true}', "reqs must be a non-empty list"),
+        ('{"t0": 1, "t1": 2, "reqs": [[0, 2, 1]], "more": true}', "[n >= 1, p >= 0, s in 0/1]"),
+        ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 2]], "more": true}', "[n >= 1, p >= 0, s in 0/1]"),
+        ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "more": 1}', "more must be true or false"),
+        ('{"t0": "x", "t1": 2, "reqs": [[1, 2, 1]], "more": true}', "t0 must be a finite number"),
+        ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "ids": ["a", "b"], "more": true}', "one per reqs entry"),
+    ],
+)
+def test_bad_lines_name_the_line_and_field(line: str, needle: str) -> None:
+    good = '{"t0": 0.5, "t1": 0.6, "reqs": [[3, 0, 1]], "more": true}'
+    with pytest.raises(ValueError, match="step log line 2") as e:
+        steplog.parse_step_log([good, line])
+    assert needle in str(e.value)
+
+
+def test_a_missing_file_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"step log .*nothing\.jsonl"):
+        steplog.read_step_log(tmp_path / "nothing.jsonl")
