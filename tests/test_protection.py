@@ -12,7 +12,7 @@ from kvretain.core.policies.protection import BALANCE_SAMPLE, SHARDS_SAMPLE, Pro
 
 
 def _ctl(n: int = 100, **kw: object) -> ProtectionController:
-    cfg = PolicyConfig(**{"budget": 0.8, "isolation_goal": 0.9, "block_size": 256, **kw})  # type: ignore[arg-type]
+    cfg = PolicyConfig(**{"budget": 0.8, "isolation_goal": 0.9, **kw})  # type: ignore[arg-type]
     return ProtectionController(n, cfg)
 
 
@@ -127,7 +127,7 @@ def test_shadows_are_pool_sized_lru() -> None:
 
 def test_sampling_is_spatial_and_sized_for_the_pool() -> None:
     n = 4 * SHARDS_SAMPLE
-    ctl = ProtectionController(n, PolicyConfig(block_size=256))
+    ctl = ProtectionController(n, PolicyConfig())
     assert ctl.rate == pytest.approx(0.25)
     rng = random.Random(7)
     ids = [rng.getrandbits(63) for _ in range(20000)]
@@ -139,7 +139,7 @@ def test_sampling_is_spatial_and_sized_for_the_pool() -> None:
     # the same identity is always sampled the same way (no per-process hash seed)
     assert spatial_key(digests[0]) == int.from_bytes(digests[0][:2], "little")
     for keys in (ids, digests):
-        ctl = ProtectionController(n, PolicyConfig(block_size=256))
+        ctl = ProtectionController(n, PolicyConfig())
         ctl.on_lookup(keys[:400], 0, 25)
         assert 60 <= len(ctl._lru.entries) <= 140
         # the recency/frequency candidates track a sub-sample of the controller's: BALANCE_SAMPLE blocks
@@ -170,7 +170,7 @@ def test_max_reuse_loss_is_validated() -> None:
 
 
 def _balance_ctl(n: int = 20) -> ProtectionController:
-    return ProtectionController(n, PolicyConfig(isolation_goal=None, frequency_exponent=1.0, block_size=256))
+    return ProtectionController(n, PolicyConfig(isolation_goal=None, frequency_exponent=1.0))
 
 
 def test_balance_starts_halfway_and_learns_frequency_when_it_hits_more() -> None:
@@ -243,13 +243,3 @@ def test_balance_does_not_buy_overall_reuse_with_protected_traffics_hits() -> No
     # the sessions protected: they would lose hits to frequency, so the order stays with recency
     protected = drive(60)
     assert protected.balance is not None and protected.balance.alpha == 0.0
-
-
-def test_small_blocks_are_tracked_one_per_256_token_segment() -> None:
-    # 16-token blocks: the controller tracks each segment's head (depths 0, 16, 32, ...), its shadows sized for
-    # the pool's segments; the pool's hits are counted on the same heads
-    ctl = ProtectionController(160, PolicyConfig(block_size=16))
-    assert ctl._lru.capacity == 10
-    ctl.on_lookup(list(range(40)), 17, 25)  # heads 0, 16, 32; the pool hit depths 0..16: heads 0 and 16
-    assert list(ctl._lru.entries) == [32, 16, 0]
-    assert ctl.stats()["hit_ratio_window"] == pytest.approx(2 / 3, rel=0.01)

@@ -11,12 +11,10 @@ cannot reuse. The controller measures both sides online and moves the protected 
 
 Both shadows are *spatially sampled* as SHARDS (Waldspurger et al., FAST'15) samples for miss-ratio curves: a
 block is tracked when a hash of its identity falls below ``rate``, and each shadow holds ``rate`` x the pool.
-The population is the pool's 256-token segments (one block per ``SAMPLE_TOKENS`` tokens, the segment's head,
-as the ghost table keeps; every block for blocks of 256 tokens or more): a segment's blocks are cached, hit and
-evicted together, so its other blocks add references to a lookup but little information. The rate is ``min(1,
-SHARDS_SAMPLE / segments)``: exact for pools up to 8,192 segments, 8,192 tracked segments above (SHARDS's
-fixed-size variant, whose published error at that size is well under 1% of the miss ratio). The pool's own
-hits are counted on the same sample, so each comparison is between two counts of the same sampled blocks.
+The rate is ``min(1, SHARDS_SAMPLE / pool)``: exact for pools up to 8,192 blocks, 8,192 tracked blocks above
+(SHARDS's fixed-size variant, whose published error at that size is well under 1% of the miss ratio). The
+pool's own hits are counted on the same sample, so each comparison is between two counts of the same
+sampled blocks.
 
 Per block reference the controller keeps decayed sums of: the pool's hits ``A`` and the LRU shadow's hits
 ``E`` over all traffic, and the pool's hits ``A_p`` and the isolated shadow's hits ``E_p`` over protected
@@ -61,7 +59,7 @@ passed):
   the reuse margin ``max_reuse_loss`` or the measured ``|A - E| / M`` when that is larger (a large error is
   acted on as soon as it is above the noise, a small one waits for the evidence that resolves it). Counting
   lookups' hits in pairs matters: a request's prefix hits or misses together, so N hits of a few lookups carry
-  the information of a few, not of N (long prompts: dozens of sampled segments a lookup). The rule, once:
+  the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup). The rule, once:
   :mod:`kvretain.core.policies.evidence`;
 - the gain lets the level cross half its range in one window at an error as large as the constraint's own
   tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
@@ -80,7 +78,7 @@ from operator import itemgetter
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
 from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs
-from kvretain.core.policies.rules import frequency_terms, retention_weights, sample_stride
+from kvretain.core.policies.rules import frequency_terms, retention_weights
 from kvretain.core.policies.shadow import LRUShadow
 from kvretain.core.policy import PolicyConfig
 
@@ -228,7 +226,6 @@ class ProtectionController:
         "_margin",
         "_pw",
         "_rate_cut",
-        "_stride",
         "_sub_cut",
         "balance",
         "binding",
@@ -254,21 +251,16 @@ class ProtectionController:
         self._bias_step = BIAS_STEPS
         self.weights = retention_weights(cfg.priority_weight)
         self._pw = cfg.priority_weight
-        # one block per 256-token segment (its head: blocks of a segment are cached, hit and evicted together, so
-        # the other blocks of a lookup's segment add references but little information); the shadows are sized
-        # for the pool's segments
-        self._stride = stride = sample_stride(cfg.block_size)
-        segments = max(1, -(-num_blocks // stride))
-        self._rate_cut = cut = _cut(segments, SHARDS_SAMPLE)
+        self._rate_cut = cut = _cut(num_blocks, SHARDS_SAMPLE)
         self.rate = rate = cut / _KEYS
-        tracked = max(1, round(rate * segments))
+        tracked = max(1, round(rate * num_blocks))
         self._lru = LRUShadow(tracked)
         self._iso = LRUShadow(tracked)
-        self._balance_cut = bcut = min(cut, _cut(segments, BALANCE_SAMPLE))
+        self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
         self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
             FrequencyBalance(
-                max(1, round(bcut / _KEYS * segments)),
+                max(1, round(bcut / _KEYS * num_blocks)),
                 cfg.frequency_exponent,
                 cfg.frequency_cap,
                 cfg.ghost_factor,
@@ -313,10 +305,6 @@ class ProtectionController:
         (callers that keep a reference to the lists take the new ones)."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
-        stride = self._stride
-        if stride > 1:  # the segments' heads, and those of them the pool hit
-            hashes = hashes[::stride]
-            num_hits = -(-num_hits // stride) if num_hits > 0 else 0
         sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut)
         if not sampled:
             return False

@@ -84,16 +84,6 @@ def effective(level: int, base: int, expiry: float, now: float) -> int:
     return level
 
 
-SAMPLE_TOKENS = 256
-"""The controller's shadows and the ghost table keep one block per this many tokens (a segment's head; exact for
-larger blocks)."""
-
-
-def sample_stride(block_size: int) -> int:
-    """Blocks per segment head kept by the controller's shadows and the ghost table (one per ``SAMPLE_TOKENS``)."""
-    return max(1, SAMPLE_TOKENS // max(1, block_size))
-
-
 def retention_weights(priority_weight: float, scale: float = 1.0) -> list[float]:
     """The retention weight of every priority 0..100: ``priority_weight ** ((r - 35) / 10 * scale)`` (``scale``
     below 1 softens it: the protection controller's level below 0)."""

@@ -43,10 +43,11 @@ from kvretain.core.hashing import BlockHash
 from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
-from kvretain.core.policies.rules import sample_stride
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
 
 _UNSET = rules.UNSET
+SAMPLE_TOKENS = 256
+"""The shadow directory and the ghost table keep one block per this many tokens (exact for larger blocks)."""
 
 
 class _Meta(BlockState):
@@ -87,6 +88,11 @@ class _Meta(BlockState):
         self.prev: _Link | _Meta | None = None
         self.next: _Link | _Meta | None = None
         self.tier = 1
+
+
+def sample_stride(block_size: int) -> int:
+    """Blocks per sampled block of the shadow directory and the ghost table (one per ``SAMPLE_TOKENS``)."""
+    return max(1, SAMPLE_TOKENS // max(1, block_size))
 
 
 class _Link:

@@ -42,7 +42,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController
-from kvretain.core.policies.rules import sample_stride
+from kvretain.core.policies.unified import sample_stride
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
     PriorityMapping,
