@@ -36,7 +36,7 @@ _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 SIM_POLICY_DEFAULTS = PolicyConfig()
 """Eviction-policy settings of ``kvretain simulate`` / ``compare`` (each overridable by a flag): core's
 ``PolicyConfig`` defaults, the same as ``kvretain replay`` and the vLLM plugin (one set of defaults; the
-plugin's run queue differs only in its ghost table, measured in docs/results.md)."""
+plugin's run queue differs only in its ghost table, measured in docs/history.md)."""
 
 
 # ---------------------------------------------------------------------------------------------- args
