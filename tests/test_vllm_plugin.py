@@ -40,6 +40,9 @@ BLOCK = 16
 
 
 # ---------------------------------------------------------------------------- harness
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return harness.write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), vocab_size=1000, max_len=4096)
 
 
 class Clock:

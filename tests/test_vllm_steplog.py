@@ -29,6 +29,11 @@ import _vllm_harness as harness
 BLOCK = 16
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return harness.write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), vocab_size=1000, max_len=4096)
+
+
 @pytest.fixture(autouse=True)
 def _no_log() -> Iterator[None]:
     steplog.uninstall()
