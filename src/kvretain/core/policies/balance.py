@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
+from kvretain.core.policies.evidence import MIN_TOLERANCE
 from kvretain.core.policies.rules import HALF_USE
 from kvretain.core.policies.shadow import GDShadow, LRUShadow
 
@@ -55,7 +56,7 @@ class FrequencyBalance:
         self._shadow = GDShadow(tracked, exponent, cap, int(ghost_factor * tracked))
         self._lru = LRUShadow(tracked)
         self._tracked = tracked
-        self._gain = 1.0 / max(margin, 0.01)
+        self._gain = 1.0 / max(margin, MIN_TOLERANCE)
         self._e = 0.0
         self._g = 0.0
         self._ep = 0.0
