@@ -297,3 +297,10 @@ def test_ttft_parts_match_the_client_and_the_engine_by_request_id() -> None:
     )
     assert set(got) == {0, 1} and len(got[0]) == 1 and len(got[1]) == 1
     assert got[0][0] == pytest.approx((0.1, 0.3)) and got[1][0] == pytest.approx((0.15, 0.1))
+
+
+def test_busy_machine_note_only_above_one_runnable_process_per_cpu() -> None:
+    assert sf.busy_machine_note([1.02, 1.47, 1.21], cpus=2) is None
+    assert sf.busy_machine_note([], cpus=2) is None
+    note = sf.busy_machine_note([7.1, 6.0, 5.5], cpus=2)
+    assert note is not None and "7.10 on 2 CPUs" in note
