@@ -19,8 +19,9 @@ Knobs and their settings (0.5x and 2x the default, except where said):
     ``1 - goal`` is scaled instead (default 0.9: 0.95 at 0.5x, 0.8 at 2x). ``budget`` is a share of the pool:
     2x its default (1.9) is clamped to 1.0.
   * module constants of :mod:`kvretain.core.policies.protection`: ``WINDOW_TURNOVERS`` (the controller's
-    window in pool turnovers), ``BALANCE_TURNOVERS`` (the recency/frequency balance's) and ``SHARDS_SAMPLE`` (tracked blocks per shadow above which the shadows are
-    sampled; it only changes pools larger than the smaller of the two settings). They are set in the worker
+    window in pool turnovers), ``BALANCE_TURNOVERS`` (the recency/frequency balance's), ``SHARDS_SAMPLE`` (tracked blocks per shadow above which the shadows are
+    sampled; it only changes pools larger than the smaller of the two settings) and ``ONE_CLASS_Z`` (the
+    balance's evidence threshold while all traffic has one retention priority: it moves one-class runs only). They are set in the worker
     process, for the duration of one replay (:func:`protection_constants`), never by editing the module; the
     values each worker saw are in the results (``constants_seen``).
 
@@ -54,7 +55,7 @@ from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
 from kvretain.workloads import WorkloadError
 
-CONSTANTS = ("WINDOW_TURNOVERS", "BALANCE_TURNOVERS", "SHARDS_SAMPLE")
+CONSTANTS = ("WINDOW_TURNOVERS", "BALANCE_TURNOVERS", "SHARDS_SAMPLE", "ONE_CLASS_Z")
 FIELDS = ("max_reuse_loss", "isolation_goal", "priority_weight", "budget", "frequency_exponent")
 KNOBS = (*FIELDS, *CONSTANTS)
 FACTORS = (0.5, 2.0)
@@ -62,7 +63,13 @@ FACTORS = (0.5, 2.0)
 # order (frequency_exponent, BALANCE_TURNOVERS; max_reuse_loss and WINDOW_TURNOVERS, which also set the
 # recency/frequency balance's window), to keep the pass short. The other knobs can move a one-class run too (every request then maps to
 # retention 35, the protect threshold, so all traffic is protected traffic): --one-class-all measures them.
-ONE_CLASS_KNOBS = ("max_reuse_loss", "frequency_exponent", "WINDOW_TURNOVERS", "BALANCE_TURNOVERS")
+ONE_CLASS_KNOBS = (
+    "max_reuse_loss",
+    "frequency_exponent",
+    "WINDOW_TURNOVERS",
+    "BALANCE_TURNOVERS",
+    "ONE_CLASS_Z",
+)
 FIGURES = (
     "min_overall_vs_lru",
     "cells_below_floor",

@@ -94,6 +94,10 @@ turnover because a change of the frequency exponent shows only once blocks have 
 (their counts), and because its two candidates differ by a few percent, which a short window reads as noise
 (at one turnover, 20 of 80 one-class grid runs fell below lru). Four is the value it had before the
 controller's window was shortened, kept; its sensitivity is in docs/results.md."""
+ONE_CLASS_Z = 1.645
+"""While every lookup has one retention priority, the recency/frequency balance leaves recency only on a lead of
+frequency beyond this many standard errors of the candidates' paired difference (a one-sided test at 95%;
+:mod:`kvretain.core.policies.balance`, "One class"; its sensitivity is in docs/results.md)."""
 BALANCE_SAMPLE = 2048
 """Tracked blocks of the recency/frequency candidates' shadows (:mod:`kvretain.core.policies.balance`): they are
 compared with each other on the same references, so a smaller sample than the controller's resolves them."""
@@ -224,6 +228,8 @@ class ProtectionController:
         "_keep",
         "_lru",
         "_margin",
+        "_one_retention",
+        "_one_retention",
         "_pw",
         "_rate_cut",
         "_sub_cut",
@@ -265,6 +271,7 @@ class ProtectionController:
                 cfg.frequency_cap,
                 cfg.ghost_factor,
                 cfg.max_reuse_loss,
+                ONE_CLASS_Z,
             )
             if cfg.adapt_frequency and cfg.frequency_exponent > 0.0
             else None
@@ -279,6 +286,8 @@ class ProtectionController:
         # candidate sees the controller's sample at the controller's size when its cut is the controller's: it
         # takes the controller's LRU hits.
         self._iso_is_lru = True
+        self._one_retention = -2  # the retention priority of every lookup so far (-2: none yet; -1: several)
+        self._one_retention = -2  # the retention of every lookup so far (-2: none yet; -1: more than one)
         self._balance_takes_lru = bcut == cut
         # uses -> the frequency term of the value (the balance may move its exponent)
         self.frequency = (
@@ -334,7 +343,12 @@ class ProtectionController:
             bw = self._balance_refs if self._balance_refs > window else window
             bd = d if bw == window else math.exp(-n / bw)
             shared = lru_hits if self._balance_takes_lru else None
-            if balanced and self.balance.update(balanced, bd, bw * self._balance_share, protected, shared):
+            if self._one_retention != retention:  # (the first lookup sets it; a second retention ends it)
+                self._one_retention = retention if self._one_retention == -2 else -1
+            one = self._one_retention >= 0
+            if balanced and self.balance.update(
+                balanced, bd, bw * self._balance_share, protected, shared, one
+            ):
                 self.frequency = self.balance.table(self._cap)
                 changed = True
         if self._goal is None:
