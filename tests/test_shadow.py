@@ -64,6 +64,24 @@ def test_spatial_sample_equals_spatial_key_block_by_block(
     assert (list(sampled), hits, got_sub) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(hashes=st.one_of(SAME_LENGTH, INTS), num_hits=st.integers(-3, 70), cut=CUTS, sub=CUTS)
+def test_spatial_sample_of_one_size_digests_skips_only_the_length_check(
+    hashes: list[BlockHash], num_hits: int, cut: int | None, sub: int | None
+) -> None:
+    """``one_size``: the caller's digests have one length (vLLM's); the sample is the same block by block."""
+    if sub is not None and cut is not None:
+        sub = min(sub, cut)
+    sampled, hits, got_sub = spatial_sample(
+        hashes,
+        num_hits,
+        None if cut is None else SpatialCut(cut),
+        None if sub is None else SpatialCut(sub),
+        one_size=True,
+    )
+    assert (list(sampled), hits, got_sub) == _reference_sample(hashes, num_hits, cut, sub)
+
+
 class _ReferenceLRU:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

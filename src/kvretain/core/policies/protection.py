@@ -151,11 +151,19 @@ class SpatialCut:
 
 
 def spatial_sample(
-    hashes: Sequence[BlockHash], num_hits: int, cut: SpatialCut | None, sub_cut: SpatialCut | None
+    hashes: Sequence[BlockHash],
+    num_hits: int,
+    cut: SpatialCut | None,
+    sub_cut: SpatialCut | None,
+    one_size: bool = False,
 ) -> tuple[Sequence[BlockHash], int, list[BlockHash] | None]:
     """The blocks of a lookup (``hashes``, the first ``num_hits`` hit) with a :func:`spatial_key` below ``cut``
     (``None``: all of them), in their order; how many of those hit; and those of them below ``sub_cut`` (``None``
     when not asked), the same as ``spatial_key`` block by block.
+
+    ``one_size``: the caller guarantees that ``hashes`` are digests of one length when they are digests (one hash
+    function's, as vLLM's ``Request.block_hashes``); the length of each is then not checked (the check is half
+    of this function's cost on a long lookup), only their total.
 
     NOTE: the controller's hot path (every block of every lookup, inside vLLM's scheduler step): for digests
     the second bytes are gathered and classified in C (a strided slice of the digests' concatenation when they
@@ -180,11 +188,17 @@ def spatial_sample(
                 sub = [h for h in sampled if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
         else:
             size = len(hashes[0])
-            if size >= 2 and list(map(len, hashes)).count(size) == len(hashes):  # type: ignore[arg-type]
-                # NOTE: digests of one length (one hash function's, as an engine's are): their second bytes are a
-                # strided slice of the concatenation (C calls only, no Python-level call per block)
-                second = b"".join(hashes)[1::size]  # type: ignore[arg-type]
-            else:
+            second = b""
+            if size >= 2:
+                if one_size:
+                    joined = b"".join(hashes)  # type: ignore[arg-type]
+                    if len(joined) == size * len(hashes):
+                        second = joined[1::size]
+                elif list(map(len, hashes)).count(size) == len(hashes):  # type: ignore[arg-type]
+                    # NOTE: digests of one length (one hash function's, as an engine's are): their second bytes are
+                    # a strided slice of the concatenation (C calls only, no Python-level call per block)
+                    second = b"".join(hashes)[1::size]  # type: ignore[arg-type]
+            if not second:
                 second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
             if cut is not None:
                 mask = cut.digest_mask(second, hashes)
@@ -308,13 +322,15 @@ class ProtectionController:
         self._acc = [0.0] * 8
         self.binding = "none"
 
-    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> bool:
+    def on_lookup(
+        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, one_size: bool = False
+    ) -> bool:
         """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
         ``num_hits`` of them in the pool. Returns True when :attr:`weights` or :attr:`frequency` changed
-        (callers that keep a reference to the lists take the new ones)."""
+        (callers that keep a reference to the lists take the new ones). ``one_size``: see :func:`spatial_sample`."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
-        sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut)
+        sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut, one_size)
         if not sampled:
             return False
         n = len(sampled)
