@@ -478,6 +478,20 @@ def _point_labels(
     return out
 
 
+def dominating_shares(frontier: dict[str, Any], cell: dict[str, Any]) -> list[float]:
+    """The fixed protected shares of ``frontier`` whose run gives both at least the default's overall and
+    class-0 hit ratios on the same cell, and more of one of them: where the controller is not on the frontier
+    (the price it paid for class 0 is more than priority must cost there)."""
+    u = cell["unified"]
+    o, c0 = u["overall"], u["class0"] if u["class0"] is not None else 0.0
+    out = []
+    for p in frontier["points"]:
+        po, pc = p["overall"], p["class0"] if p["class0"] is not None else 0.0
+        if po >= o and pc >= c0 and (po > o or pc > c0):
+            out.append(p["budget"])
+    return out
+
+
 def summarise(cells: list[dict[str, Any]], one: list[dict[str, Any]]) -> dict[str, Any]:
     def mn(xs: list[float | None]) -> float | None:
         vals = [x for x in xs if x is not None]
@@ -572,6 +586,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{_pair(u)} ({_num(c['overall_vs_lru'])}x / {_num(c['class0_vs_lru'])}x lru {_pair(lr)}), "
             f"class-0 target {_num(c['class0_target'], '.4f')} (isolation {_num(c[ISO], '.4f')})"
         )
+    by_cell = {(c["trace"], c["rule"], c["capacity"]): c for c in cells}
+    for f in fronts:
+        cell = by_cell.get((f["trace"], f["rule"], f["capacity"]))
+        f["dominated_by"] = dominating_shares(f, cell) if cell is not None else []
+    dominated = [f for f in fronts if f["dominated_by"]]
+    print(
+        f"the default setting is dominated by a fixed protected share (at least as much class 0 and overall, more "
+        f"of one) on {len(dominated)} of {len(fronts)} frontiers:"
+    )
+    for f in sorted(dominated, key=lambda f: (f["trace"], f["capacity"])):
+        print(
+            f"  {f['trace']} {f['rule']} {f['capacity']}: shares {', '.join(f'{b:g}' for b in f['dominated_by'])}"
+        )
     one_bad = [c for c in one if c["vs_lru"] is not None and c["vs_lru"] < 1.0]
     rivals = [p for p in ("s3fifo", "arc") if p not in missing]
     better = sum(1 for c in one if all(c["unified"]["overall"] >= c[p]["overall"] for p in rivals))
@@ -601,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "one_class": one,
             "frontiers": fronts,
             "one_class_at_least_best_of_s3fifo_arc": better if rivals else None,
+            "frontiers_default_dominated": len(dominated),
             "wall_s": round(wall, 1),
             "summary": summary,
         }

@@ -450,6 +450,31 @@ def busy_machine_note(load_averages: Sequence[float], cpus: int) -> str | None:
     )
 
 
+HOST_SHIFT_TOLERANCE = 1.2
+"""A change of the host's speed between the two server runs above the acceptance's own tolerance (20%): the
+cross-fit prices each policy with the other run's machine, so a shift larger than the tolerance misses it by
+construction, whatever the simulator's schedule does."""
+
+
+def host_shift_note(decode_p50_ms: dict[str, float]) -> tuple[float | None, str | None]:
+    """The host's speed shift between the runs: the ratio of the two runs' decode-only step medians (the larger
+    over the smaller). Decode steps do the same work under either cache policy (one token per running sequence;
+    the policy changes prefills, not decodes), so their medians differ by what the machine did, not by the policy.
+    Returns the ratio and a warning above :data:`HOST_SHIFT_TOLERANCE` (``None`` below it, or without both)."""
+    vals = [v for v in decode_p50_ms.values() if v > 0]
+    if len(vals) < 2:
+        return None, None
+    shift = max(vals) / min(vals)
+    if shift <= HOST_SHIFT_TOLERANCE:
+        return shift, None
+    runs = ", ".join(f"{p} {v:.1f} ms" for p, v in decode_p50_ms.items())
+    return shift, (
+        f"NOTE: the host's speed moved {shift:.2f}x between the two server runs (decode-only step p50: {runs}; "
+        "the same work under either policy): the cross-fit prices each policy with the other run's machine, so it "
+        f"cannot come within {HOST_SHIFT_TOLERANCE - 1:.0%}; the own-run fit (diagnostic) carries each run's speed"
+    )
+
+
 """The windows of the timed diagnostic: ~150 steps each here (enough for a window's busy-time sum to be stable),
 short against the minutes over which the machine's load moves (decode-step medians 33-49 ms from one minute to
 the next in one run, docs/results.md). A choice for a diagnostic, not tuned on the acceptance figures."""
@@ -1177,6 +1202,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step {step_ms} ms")
     if note is not None:
         print(note)
+    shift, shift_note = host_shift_note(
+        {p: st["decode_step_ms_p50"] for (p, side), st in comp.items() if side == "real"} if comp else {}
+    )
+    if shift_note is not None:
+        print(shift_note)
     cmp.summary.update(
         idle_ttft_ms=idle_ms,
         idle_step_predicted_ms=step_ms,
@@ -1187,6 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
         load_avg_start=round(load[0], 2),
         load_avg_end=round(load_end[0], 2),
         machine_busy=note is not None,
+        host_speed_shift=None if shift is None else round(shift, 3),
     )
     (out / "results.json").write_text(
         json.dumps(

@@ -57,6 +57,8 @@ def test_quick_grid_prints_the_summary_last(tmp_path: Path) -> None:
     assert doc["config"]["skipped"] == [] and "skipped" not in res.stderr
     assert all({"lru", "s3fifo", "arc", "unified"} <= set(c) for c in doc["one_class"])
     assert all(len(f["points"]) == 4 for f in doc["frontiers"])
+    assert doc["frontiers_default_dominated"] == sum(1 for f in doc["frontiers"] if f["dominated_by"])
+    assert "dominated by a fixed protected share" in res.stdout
     if plots:
         assert (out / "frontier-tiny.png").stat().st_size > 0
 
@@ -67,3 +69,20 @@ def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:
     assert len(res.stderr.strip().splitlines()) == 1 and "no_such_knob" in res.stderr
     res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"))
     assert res.returncode == 2 and "not found" in res.stderr
+
+
+def test_dominating_shares_are_those_at_least_as_good_on_both_axes_and_better_on_one() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness
+
+    cell = {"unified": {"overall": 0.50, "class0": 0.40}}
+    frontier = {
+        "points": [
+            {"budget": 0.0, "overall": 0.55, "class0": 0.30},  # more overall, less class 0: not dominating
+            {"budget": 0.5, "overall": 0.50, "class0": 0.40},  # the same: not dominating
+            {"budget": 0.8, "overall": 0.50, "class0": 0.45},  # as much overall, more class 0
+            {"budget": 0.95, "overall": 0.52, "class0": 0.41},  # more of both
+        ]
+    }
+    assert robustness.dominating_shares(frontier, cell) == [0.8, 0.95]
+    assert robustness.dominating_shares(frontier, {"unified": {"overall": 0.6, "class0": 0.5}}) == []

@@ -299,6 +299,14 @@ def test_ttft_parts_match_the_client_and_the_engine_by_request_id() -> None:
     assert got[0][0] == pytest.approx((0.1, 0.3)) and got[1][0] == pytest.approx((0.15, 0.1))
 
 
+def test_host_shift_is_the_ratio_of_the_runs_decode_medians_with_a_note_above_the_tolerance() -> None:
+    shift, note = sf.host_shift_note({"lru": 28.03, "unified": 19.21})
+    assert shift == pytest.approx(28.03 / 19.21) and note is not None and "1.46x" in note
+    shift, note = sf.host_shift_note({"lru": 39.8, "unified": 38.5})
+    assert shift == pytest.approx(39.8 / 38.5) and note is None
+    assert sf.host_shift_note({"lru": 30.0}) == (None, None)
+
+
 def test_busy_machine_note_only_above_one_runnable_process_per_cpu() -> None:
     assert sf.busy_machine_note([1.02, 1.47, 1.21], cpus=2) is None
     assert sf.busy_machine_note([], cpus=2) is None
