@@ -1166,7 +1166,12 @@ def main(argv: list[str] | None = None) -> int:
     note = (
         busy_machine_note([*loads, load_end[0]], os.cpu_count() or 1) if real_recs and not args.real else None
     )
-    print(f"TTFT CDFs: {png}" if plotted else "no PNG (matplotlib is not importable)")
+    print(
+        f"TTFT CDFs: {png}"
+        if plotted
+        else f"no PNG: matplotlib is not importable in {sys.executable}; `{sys.executable} -m pip install "
+        "matplotlib`, then `--real OUT/results.json --out DIR` redraws it from this run"
+    )
     for name, dc in diag_cmp.items():
         o = dc.summary
         print(
