@@ -761,6 +761,24 @@ def figures(records: Sequence[Record]) -> dict[int, ClassFigures]:
     return out
 
 
+BOOTSTRAP_RESAMPLES = 2000
+"""Resamples of the bootstrap interval of a median difference (a 95% interval's ends are then the 50th and
+1,950th of the sorted resampled differences: enough for their third digit)."""
+
+
+def median_difference_interval(
+    a: Sequence[float], b: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of ``median(b) - median(a)``: whether a difference of two medians of
+    independent samples (two server runs' TTFTs) is resolved (the interval excludes 0) or inside the noise."""
+    rng = random.Random(seed)
+    diffs = sorted(
+        statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
+        for _ in range(resamples)
+    )
+    return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
+
+
 def _sign(x: float, eps: float = 0.0) -> int:
     return 0 if abs(x) <= eps else (1 if x > 0 else -1)
 
@@ -1207,6 +1225,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idle server, 8-token prompt: TTFT {idle_ms} ms; the cost model's step {step_ms} ms")
     if note is not None:
         print(note)
+    if real_recs and all(p in real_recs for p in POLICIES):
+        # is the real stock-vs-plugin class-0 TTFT p50 difference resolved, or inside the runs' noise (a sign
+        # the acceptance compares is then the sign of noise)? A diagnostic: the acceptance reads the raw sign
+        a, b = POLICIES
+        ta = [r.ttft for r in real_recs[a] if r.cls == 0]
+        tb = [r.ttft for r in real_recs[b] if r.cls == 0]
+        if len(ta) > 1 and len(tb) > 1:
+            lo, hi = median_difference_interval(ta, tb)
+            resolved = lo > 0.0 or hi < 0.0
+            d = statistics.median(tb) - statistics.median(ta)
+            print(
+                f"real class-0 TTFT p50, {b} - {a}: {d * 1e3:+.1f} ms, 95% bootstrap interval "
+                f"[{lo * 1e3:+.1f}, {hi * 1e3:+.1f}] ms: {'resolved' if resolved else 'inside the noise'}"
+            )
+            cmp.summary["class0_ttft_p50_real_interval_ms"] = [round(lo * 1e3, 1), round(hi * 1e3, 1)]
+            cmp.summary["class0_ttft_p50_real_resolved"] = resolved
     shift, shift_note = host_shift_note(
         {p: st["decode_step_ms_p50"] for (p, side), st in comp.items() if side == "real"} if comp else {}
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -305,6 +306,18 @@ def test_host_shift_is_the_ratio_of_the_runs_decode_medians_with_a_note_above_th
     shift, note = sf.host_shift_note({"lru": 39.8, "unified": 38.5})
     assert shift == pytest.approx(39.8 / 38.5) and note is None
     assert sf.host_shift_note({"lru": 30.0}) == (None, None)
+
+
+def test_median_difference_interval_resolves_a_shift_and_not_noise() -> None:
+    rng = random.Random(1)
+    a = [0.100 + rng.gauss(0, 0.02) for _ in range(120)]
+    same = [0.100 + rng.gauss(0, 0.02) for _ in range(120)]
+    faster = [0.070 + rng.gauss(0, 0.02) for _ in range(120)]
+    lo, hi = sf.median_difference_interval(a, same)
+    assert lo < 0.0 < hi  # the same distribution: the interval holds 0
+    lo, hi = sf.median_difference_interval(a, faster)
+    assert -0.045 < lo < hi < -0.015  # 30 ms faster: resolved, and around the true difference
+    assert sf.median_difference_interval(a, faster) == (lo, hi)  # seeded
 
 
 def test_busy_machine_note_only_above_one_runnable_process_per_cpu() -> None:
