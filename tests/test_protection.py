@@ -213,6 +213,9 @@ def test_balance_of_mixed_traffic_starts_halfway() -> None:
     assert ctl.frequency[4] == pytest.approx(2.0)  # uses ** 0.5
     ctl.on_lookup([7, 8], 0, 35)  # (one retention again: the mixed rule stays)
     assert not ctl.balance.one_class
+    st = ctl.stats()
+    assert st["balance_one_class"] == 0.0 and st["frequency_exponent_now"] == 0.5
+    assert _balance_ctl().stats()["balance_one_class"] == 1.0
 
 
 def _conversations(seed: int, n: int = 3000) -> list[ReplayRequest]:

@@ -56,6 +56,9 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     assert -1.0 <= level <= 1.0
     assert _value(s, "kvretain:protected_target_blocks") == pytest.approx(max(0.0, level) * budget, abs=1e-6)
     assert _value(s, "kvretain:lru_hit_ratio_estimate") is not None
+    # the recency/frequency balance: two request priorities have looked up, so its one-class rule has ended
+    assert _value(s, "kvretain:balance_one_class") == 0.0
+    assert 0.0 <= _value(s, "kvretain:frequency_exponent_now") <= 1.0
     assert _value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
 
 

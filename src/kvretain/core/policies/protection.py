@@ -412,8 +412,9 @@ class ProtectionController:
         return changed
 
     def stats(self) -> dict[str, float]:
-        """The controller's state: the target, both estimates (hit ratios over the window) and which
-        constraint binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal)."""
+        """The controller's state: the target, both estimates (hit ratios over the window), which constraint
+        binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal), the balance's frequency
+        exponent (-1: no balance) and whether its one-class rule still holds (``balance_one_class``)."""
         acc = self._acc
         return {
             "protection_level": self.level,
@@ -426,5 +427,6 @@ class ProtectionController:
             "isolated_hit_ratio_estimate": acc[3] / acc[5] if acc[5] else 0.0,
             "reuse_floor_binds": 1.0 if self.binding == "reuse" else 0.0,
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
+            "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.binding == "isolation" else 0.0,
         }

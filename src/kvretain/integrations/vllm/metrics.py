@@ -24,7 +24,9 @@ priority, lower = more important):
     the protection controller's target and its ceiling (``budget`` x pool);
 ``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
 ``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``
-    the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds.
+    the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds;
+``kvretain:frequency_exponent_now``, ``kvretain:balance_one_class``
+    the recency/frequency balance: its exponent now (0: LRU order) and whether its one-class rule holds.
 
 :class:`ClassLatency` (ASGI, for ``--middleware``) adds per-priority latency histograms, which vLLM's own
 ``vllm:time_to_first_token_seconds`` lacks: ``kvretain:time_to_first_token_seconds{priority}`` (streaming
@@ -90,6 +92,14 @@ GAUGE_KEYS = (
         "what protected traffic would hit alone in the pool (the goal's reference)",
     ),
     ("reuse_floor_binds", "1 when the overall-reuse floor is what holds protection back"),
+    (
+        "frequency_exponent_now",
+        "the recency/frequency balance's frequency exponent now: 0 is LRU order (-1: no balance)",
+    ),
+    (
+        "balance_one_class",
+        "1 while every lookup so far asked for one retention priority (the order leaves LRU only on evidence)",
+    ),
 )
 _CONTROLLER_KEYS = (
     "protection_level",
@@ -98,6 +108,8 @@ _CONTROLLER_KEYS = (
     "protected_hit_ratio_window",
     "isolated_hit_ratio_estimate",
     "reuse_floor_binds",
+    "frequency_exponent_now",
+    "balance_one_class",
 )
 
 
