@@ -44,9 +44,10 @@ range at a 2% difference, swung the share between its ends on that noise; the po
 with a lag of about a turnover, lost up to 0.5% against LRU on 13 of 80 one-class grid runs. The rule for
 mixed traffic (above) runs alongside from the first lookup, and at the first lookup of a second retention
 priority the order takes its share: from then on it is the mixed rule alone, at the share that rule reached
-from the first lookup (only the blocks released before that lookup were keyed at recency). (With classes the midpoint start stays: starting mixed traffic at
-recency cost the reuse floor on 7 grid cells, down to 0.966x lru: protection already moves the order away from
-LRU's, and the frequency term is much of what earns the floor back.)
+from the first lookup (only the blocks released before that lookup were keyed at recency). With classes the
+midpoint start stays: starting mixed traffic at recency cost the reuse floor on 7 grid cells, down to 0.966x
+lru (protection already moves the order away from LRU's, and the frequency term is much of what earns the floor
+back).
 """
 
 from __future__ import annotations
@@ -139,9 +140,8 @@ class FrequencyBalance:
         self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g
         self._d2 = d2 = self._d2 * decay + (e_hits - g) * (e_hits - g)
-        if (
-            self.one_class and not one_class
-        ):  # a second retention priority: the mixed rule's share from now on
+        # a second retention priority ends the one-class rule: the mixed rule's share from now on
+        if self.one_class and not one_class:
             self.one_class = False
             self.share = self._mixed
         m = e if e > gg else gg
