@@ -450,7 +450,7 @@ def busy_machine_note(load_averages: Sequence[float], cpus: int) -> str | None:
     )
 
 
-HOST_SHIFT_TOLERANCE = 1.2
+HOST_SHIFT_TOLERANCE = 1.0 + TARGET_RATIO
 """A change of the host's speed between the two server runs above the acceptance's own tolerance (20%): the
 cross-fit prices each policy with the other run's machine, so a shift larger than the tolerance misses it by
 construction, whatever the simulator's schedule does."""

@@ -139,11 +139,12 @@ class FrequencyBalance:
         g = self._shadow.reference(sampled)
         self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g
-        self._d2 = d2 = self._d2 * decay + (e_hits - g) * (e_hits - g)
-        # a second retention priority ends the one-class rule: the mixed rule's share from now on
-        if self.one_class and not one_class:
-            self.one_class = False
-            self.share = self._mixed
+        if self.one_class:
+            if one_class:  # (the paired noise is the one-class rule's alone)
+                self._d2 = self._d2 * decay + (e_hits - g) * (e_hits - g)
+            else:  # a second retention priority ends the one-class rule: the mixed rule's share from now on
+                self.one_class = False
+                self.share = self._mixed
         m = e if e > gg else gg
         if m <= 0.0:
             return self._set_level()
@@ -163,7 +164,7 @@ class FrequencyBalance:
             if e >= gg:
                 u = (e - gg) / m
             else:
-                lead = gg - e - self._z * math.sqrt(d2)
+                lead = gg - e - self._z * math.sqrt(self._d2)
                 u = -lead / m if lead > 0.0 else 0.0
             p = self.share + step * u
             p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)

@@ -243,7 +243,6 @@ class ProtectionController:
         "_lru",
         "_margin",
         "_one_retention",
-        "_one_retention",
         "_pw",
         "_rate_cut",
         "_sub_cut",
@@ -301,7 +300,6 @@ class ProtectionController:
         # takes the controller's LRU hits.
         self._iso_is_lru = True
         self._one_retention = -2  # the retention priority of every lookup so far (-2: none yet; -1: several)
-        self._one_retention = -2  # the retention of every lookup so far (-2: none yet; -1: more than one)
         self._balance_takes_lru = bcut == cut
         # uses -> the frequency term of the value (the balance may move its exponent)
         self.frequency = (
