@@ -46,8 +46,14 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     assert q1 and q1 >= 12 * 120
     assert ev1 and ev1 > 0
     assert _value(s, "kvretain:pool_blocks") == 32
+    # the protected blocks are the cached class-0 blocks the pool holds now: how many survived the flood depends
+    # on the controller's level, which earlier tests' traffic on this server moved (the load test can bring it to
+    # or below 0, where nothing is reserved), so only their consistency is asserted here (the protection itself:
+    # test_serve_retention)
     share = _value(s, "kvretain:protected_block_share")
-    assert share is not None and 0 < share <= 1
+    protected = _value(s, "kvretain:protected_blocks")
+    assert share is not None and 0 <= share <= 1
+    assert protected is not None and share == pytest.approx(protected / 32)
     # the controller's state, consistent: the target is the level's share of the budget (0 below level 0); its
     # value depends on the traffic the server saw before (the controller is the engine's, not the test's)
     budget = _value(s, "kvretain:protected_budget_blocks")
