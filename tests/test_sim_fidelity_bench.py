@@ -310,14 +310,31 @@ def test_host_shift_is_the_ratio_of_the_runs_decode_medians_with_a_note_above_th
 
 def test_median_difference_interval_resolves_a_shift_and_not_noise() -> None:
     rng = random.Random(1)
-    a = [0.100 + rng.gauss(0, 0.02) for _ in range(120)]
-    same = [0.100 + rng.gauss(0, 0.02) for _ in range(120)]
-    faster = [0.070 + rng.gauss(0, 0.02) for _ in range(120)]
+    ids = [f"r{i}" for i in range(120)]
+    a = {i: 0.100 + rng.gauss(0, 0.02) for i in ids}
+    same = {i: 0.100 + rng.gauss(0, 0.02) for i in ids}
+    faster = {i: 0.070 + rng.gauss(0, 0.02) for i in ids}
     lo, hi = sf.median_difference_interval(a, same)
     assert lo < 0.0 < hi  # the same distribution: the interval holds 0
     lo, hi = sf.median_difference_interval(a, faster)
     assert -0.045 < lo < hi < -0.015  # 30 ms faster: resolved, and around the true difference
     assert sf.median_difference_interval(a, faster) == (lo, hi)  # seeded
+    # only the requests both runs served count
+    assert sf.median_difference_interval({**a, "extra": 9.0}, faster) == (lo, hi)
+
+
+def test_median_difference_interval_pairs_the_requests() -> None:
+    # each request's latency is mostly its own size (spread 0.05-0.5 s); the second run is 10 ms faster on each,
+    # with 2 ms of jitter: as two independent samples the shift is lost in the spread of sizes, as pairs it is not
+    rng = random.Random(2)
+    size = {f"r{i}": rng.uniform(0.05, 0.5) for i in range(120)}
+    a = {i: s + rng.gauss(0, 0.002) for i, s in size.items()}
+    b = {i: s - 0.010 + rng.gauss(0, 0.002) for i, s in size.items()}
+    lo, hi = sf.median_difference_interval(a, b)
+    assert -0.020 < lo < hi < 0.0
+    unpaired_b = dict(zip(a, rng.sample(list(b.values()), len(b)), strict=True))  # the same values, unpaired
+    lo, hi = sf.median_difference_interval(a, unpaired_b)
+    assert lo < 0.0 < hi
 
 
 def test_busy_machine_note_only_above_one_runnable_process_per_cpu() -> None:
