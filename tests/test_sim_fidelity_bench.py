@@ -259,9 +259,43 @@ def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> Non
     assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
     assert last["hit_ratio_worst_abs_diff"] <= 0.01 and last["acceptance"] is True
     assert last["own_fit"]["tpot_within_20pct"] == 4 and last["pooled_fit"]["acceptance"] is True
-    assert last["cost_models"]["lru"].endswith("cost-model-inrun-unified.toml")  # the other policy's fit
+    # the other policy's fit, at this run's speed (the same here: 1x)
+    assert last["cost_models"]["lru"].endswith("cost-model-inrun-unified-at-lru-speed.toml")
+    assert load_profile(last["cost_models"]["lru"]).info["speed_factor"] == pytest.approx(1.0)
     assert last["steps"]["lru real"]["steps"] == last["steps"]["lru sim"]["steps"]
     assert "in-run fit of lru" in got.stdout and "decode seqs mean" in got.stdout
+
+
+def test_the_cross_fit_carries_each_runs_speed(tmp_path: Path) -> None:
+    """The host ran 1.5x slower during the stock run than during the plugin's (every step of it, decodes too):
+    each policy is priced by the other run's model scaled by the ratio of the runs' decode-only step medians, so
+    every ratio stays 1; the unscaled cross-fit (a diagnostic) prices each policy at the other run's speed and
+    misses by the shift."""
+    limits = sf.Limits(blocks=64)
+    ws = sf.make_workload(SMALL)
+    run = tmp_path / "run"
+    run.mkdir()
+    real = {}
+    for p, coef in (("lru", StepCoefficients(*(1.5 * c for c in KNOWN.as_tuple()))), ("unified", KNOWN)):
+        cost = tmp_path / f"cost-{p}.toml"
+        write_profile(cost, Profile(coef))
+        write_step_log(sf.step_log_path(run, p), sf.sim_steps(ws, limits, p, str(cost)))
+        real[p] = [asdict(r) for r in sf.run_sim(ws, limits, p, str(cost))]
+    assert sf.decode_step_p50(sf.step_log_path(run, "lru")) == pytest.approx(
+        1.5 * sf.decode_step_p50(sf.step_log_path(run, "unified")), rel=0.01
+    )
+    saved = run / "results.json"
+    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))
+    args = ["--real", str(saved), "--calibrate", "in-run", "--out", str(tmp_path / "out"), "--blocks", "64"]
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    last = json.loads(got.stdout.strip().splitlines()[-1])
+    assert last["ttft_p50_worst_ratio"] == pytest.approx(1, abs=0.03)
+    assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.03)
+    assert last["acceptance"] is True
+    assert load_profile(last["cost_models"]["lru"]).info["speed_factor"] == pytest.approx(1.5, rel=0.01)
+    unscaled = last["cross_fit_unscaled"]
+    assert unscaled["acceptance"] is False and not 0.8 <= unscaled["tpot_p50_worst_ratio"] <= 1.2
 
 
 def test_load_over_time_is_each_window_busy_time_over_the_model(tmp_path: Path) -> None:
