@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -107,6 +108,10 @@ class Limits:
     max_model_len: int = 1024
     block_size: int = 32
     """Fixed: the serve tests' server options (``tiny_server_args``) use 32-token blocks."""
+    frontend_in_s: float = 0.0
+    frontend_out_s: float = 0.0
+    """The simulator's front-end times (``SimConfig.frontend_in_s`` / ``frontend_out_s``): 0 unless measured on a
+    server run (:func:`frontend_times`, ``--calibrate in-run``)."""
 
     def server_args(self) -> list[str]:
         from kvretain.integrations.vllm.launch import tiny_server_args
@@ -140,6 +145,8 @@ class Limits:
                 enable_chunked_prefill=True,
             ),
             closed_loop=True,
+            frontend_in_s=self.frontend_in_s,
+            frontend_out_s=self.frontend_out_s,
         )
 
 
@@ -348,6 +355,38 @@ def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, lis
         k = r.request_id
         out.setdefault(r.cls, []).append((first[k] - r.sent_at, token[k] - first[k]))
     return out
+
+
+def frontend_times(records: Sequence[Record], steps: Sequence[Any]) -> tuple[float, float] | None:
+    """A server run's front-end times, the simulator's ``frontend_in_s`` and ``frontend_out_s``: the median,
+    over the requests sent while the engine was idle (its last step before the send had ended with no request
+    left: no step in flight, no queue), of the time from the send to the engine's first ``schedule()`` of them
+    (HTTP, the API server, the hop to the engine core, the engine's wake-up: nothing the simulator's schedule
+    holds); and the median, over every request, of the first token's way back (the client's TTFT less the time
+    from the send to the end of the step that sampled it). ``None`` without such requests (matched by id as
+    :func:`ttft_parts` matches them)."""
+    first: dict[str, float] = {}
+    token: dict[str, float] = {}
+    for st in steps:
+        for rid, (_, _, smp) in zip(st.ids, st.reqs, strict=False):
+            key = rid.removeprefix("cmpl-").rsplit("-", 2)[0]
+            first.setdefault(key, st.t0)
+            if smp and key not in token:
+                token[key] = st.t1
+    starts = [st.t0 for st in steps]
+    idle_in: list[float] = []
+    back: list[float] = []
+    for r in records:
+        k = r.request_id
+        if r.sent_at is None or k not in token:
+            continue
+        back.append(r.ttft - (token[k] - r.sent_at))
+        i = bisect.bisect_right(starts, r.sent_at) - 1  # the last step started before the send
+        if i < 0 or (not steps[i].more and steps[i].t1 <= r.sent_at):
+            idle_in.append(first[k] - r.sent_at)
+    if not idle_in or not back:
+        return None
+    return max(0.0, statistics.median(idle_in)), max(0.0, statistics.median(back))
 
 
 def interrupted_share(steps: Sequence[tuple[Sequence[str], Chunks]]) -> float:
@@ -968,7 +1007,7 @@ STEP_KEYS = (
 
 def compositions(
     workload: Sequence[WorkloadRequest],
-    limits: Limits,
+    limits: dict[str, Limits],
     cost: dict[str, str],
     logs: dict[str, Path],
     real: dict[str, list[Record]],
@@ -988,7 +1027,7 @@ def compositions(
         tpots: list[float] = []
         ids: list[tuple[str, ...]] = []
         sim_parts: dict[int, list[tuple[float, float]]] = {}
-        steps = sim_steps(workload, limits, p, cost[p], tpots, ids, sim_parts)
+        steps = sim_steps(workload, limits[p], p, cost[p], tpots, ids, sim_parts)
         out[(p, "sim")] = step_stats(steps)
         out[(p, "sim")]["engine_tpot_ms_p50"] = percentile(sorted(tpots), 50) * 1e3 if tpots else math.nan
         out[(p, "sim")]["interrupted"] = interrupted_share(
@@ -1180,6 +1219,10 @@ def main(argv: list[str] | None = None) -> int:
     assert workload is not None
     logs = {p: step_log_path(logs_dir, p) for p in POLICIES}
     diagnostics: dict[str, dict[str, str]] = {}
+    # the simulator's limits per policy: the server's, with the front-end times measured on a server run (the
+    # acceptance's: the OTHER policy's run, as the cost model; the own-fit diagnostics': its own run's)
+    sim_lim = {p: limits for p in POLICIES}
+    own_lim = dict(sim_lim)
     if in_run:
         print("== cost models fitted to the servers' own steps (in-run step logs)", flush=True)
         own_fits = {p: fit_in_run([logs[p]], p, out) for p in POLICIES}
@@ -1211,11 +1254,27 @@ def main(argv: list[str] | None = None) -> int:
             "pooled_fit": {p: both for p in POLICIES},
             "cross_fit_unscaled": {a: own[b], b: own[a]},
         }
-    sim_recs = {pol: run_sim(workload, limits, pol, cost[pol]) for pol in POLICIES}
+        measured = {
+            p: frontend_times(real_recs[p], read_step_log(logs[p])) for p in POLICIES if p in real_recs
+        }
+        fe = {p: v for p, v in measured.items() if v is not None}
+        if all(p in fe for p in POLICIES):
+            own_lim = {p: replace(limits, frontend_in_s=fe[p][0], frontend_out_s=fe[p][1]) for p in POLICIES}
+            sim_lim = {a: own_lim[b], b: own_lim[a]}
+            print(
+                "   front end (send to the engine's first schedule, requests sent to an idle engine; the first "
+                "token's way back), p50: "
+                + ", ".join(f"{p} run {fe[p][0] * 1e3:.1f} / {fe[p][1] * 1e3:.1f} ms" for p in POLICIES),
+                flush=True,
+            )
+    sim_recs = {pol: run_sim(workload, sim_lim[pol], pol, cost[pol]) for pol in POLICIES}
     diag_cmp = {
         name: compare(
             {p: figures(r) for p, r in real_recs.items()},
-            {p: figures(run_sim(workload, limits, p, models[p])) for p in POLICIES},
+            {
+                p: figures(run_sim(workload, (own_lim if name == "own_fit" else sim_lim)[p], p, models[p]))
+                for p in POLICIES
+            },
         )
         for name, models in diagnostics.items()
         if real_recs
@@ -1227,7 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in POLICIES:
             factors = load_over_time(logs[p], own_fits[p][1])
             print(f"   {p} run's load per {LOAD_WINDOW_S:.0f} s: {' '.join(f'{f:.2f}' for f in factors)}")
-            timed[p] = figures(run_sim_timed(workload, limits, p, own[p], factors))
+            timed[p] = figures(run_sim_timed(workload, own_lim[p], p, own[p], factors))
         diag_cmp["own_fit_timed"] = compare({p: figures(r) for p, r in real_recs.items()}, timed)
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
@@ -1269,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance",
             )
         }
-    comp = compositions(workload, limits, cost, logs, real_recs)
+    comp = compositions(workload, sim_lim, cost, logs, real_recs)
     if comp:
         print(comp_table(comp))
         if any(k.startswith("class ") for (_, side), st in comp.items() if side == "real" for k in st):

@@ -123,6 +123,33 @@ def test_closed_loop_follow_up_arrives_think_time_after_its_predecessor() -> Non
     assert min(r.arrival_time for r in open_loop.finished if r.request_id == "t1") == 0.1
 
 
+def test_the_front_end_delays_the_engine_and_the_client() -> None:
+    """With a front end (frontend_in_s 10 ms, frontend_out_s 3 ms): each request reaches the engine 10 ms after
+    its send, the client sees each token 3 ms after its step, and the follow-up is sent think_s after the client
+    got the last token; the engine's steps and TPOT are those of the run without it."""
+    out1 = TokenSeq.seeded(2, 20)
+    first = wr("t0", TokenSeq.seeded(1, 200), 20, t=1.0, output=out1)
+    second = wr(
+        "t1", TokenSeq.seeded(1, 200) + out1 + TokenSeq.seeded(3, 10), 5, t=1.1, after="t0", think_s=3.0
+    )
+    bare = {r.request_id: r for r in Simulation(SimConfig(), [first, second]).run().finished}
+    sim = Simulation(SimConfig(frontend_in_s=0.010, frontend_out_s=0.003), [first, second]).run()
+    got = {r.request_id: r for r in sim.finished}
+    a, b = got["t0"], got["t1"]
+    assert a.arrival_time == pytest.approx(1.0)  # the client's send
+    assert a.first_scheduled_time == pytest.approx(1.010)  # the engine sees it 10 ms later
+    assert a.ttft == pytest.approx(bare["t0"].ttft + 0.013)  # type: ignore[operator]
+    assert a.e2e == pytest.approx(bare["t0"].e2e + 0.013)  # type: ignore[operator]
+    assert a.tpot == pytest.approx(bare["t0"].tpot)
+    # the client got t0's last token at its engine finish + 3 ms, thought 3 s, sent t1
+    assert b.arrival_time == pytest.approx(a.finish_time + 0.003 + 3.0)  # type: ignore[operator]
+    assert b.first_scheduled_time == pytest.approx(b.arrival_time + 0.010)
+    assert b.ttft == pytest.approx(bare["t1"].ttft + 0.013)  # type: ignore[operator]
+    for bad in (-0.001, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="frontend_in_s must be a finite number"):
+            SimConfig(frontend_in_s=bad)
+
+
 def test_recomputed_tokens_count_misses_on_evicted_blocks() -> None:
     doc = TokenSeq.seeded(5, 320)  # 20 blocks
     reqs = [

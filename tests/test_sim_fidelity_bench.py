@@ -334,6 +334,34 @@ def test_ttft_parts_match_the_client_and_the_engine_by_request_id() -> None:
     assert got[0][0] == pytest.approx((0.1, 0.3)) and got[1][0] == pytest.approx((0.15, 0.1))
 
 
+def test_frontend_times_from_idle_sends_and_every_first_token() -> None:
+    """The way in: only requests sent while the engine was idle (its last step had ended with nothing left)
+    count, so a wait for a step in flight is not taken for the front end's; the way back: every request's TTFT
+    less the engine's time to the end of the step that sampled its first token."""
+    from kvretain.integrations.vllm.steplog import StepRecord
+
+    def rec(rid: str, ttft: float, sent: float | None) -> sf.Record:
+        return sf.Record(rid, 0, ttft, 0.01, ttft + 0.1, 40, 0, 2, sent)
+
+    steps = [
+        StepRecord(5.0, 5.1, ((8, 0, 1),), False, ("cmpl-warm-0-aa",)),  # then idle until 10.0
+        StepRecord(10.0, 10.2, ((20, 0, 1),), True, ("cmpl-a-0-ab12",)),  # a: sent 9.990, idle engine
+        StepRecord(10.2, 10.25, ((1, 20, 1),), True, ("cmpl-a-0-ab12",)),
+        StepRecord(10.25, 10.4, ((1, 21, 1), (30, 0, 1)), False, ("cmpl-a-0-ab12", "cmpl-b-0-cd")),
+        StepRecord(11.0, 11.1, ((10, 0, 1),), False, ("cmpl-c-0-ef",)),  # c: sent 10.980, idle engine
+    ]
+    records = [
+        rec("a", 10.2 - 9.990 + 0.003, 9.990),
+        rec("b", 10.4 - 10.1 + 0.005, 10.1),  # sent during a's step: its 150 ms wait is not the front end's
+        rec("c", 11.1 - 10.980 + 0.004, 10.980),
+        rec("unsent", 0.2, None),
+    ]
+    fin, fout = sf.frontend_times(records, steps)  # type: ignore[misc]
+    assert fin == pytest.approx(0.015)  # a 10 ms, c 20 ms (b left out)
+    assert fout == pytest.approx(0.004)  # 3, 5, 4 ms
+    assert sf.frontend_times([rec("b", 0.3, 10.1)], steps) is None  # no request found the engine idle
+
+
 def test_host_shift_is_the_ratio_of_the_runs_decode_medians_with_a_note_above_the_tolerance() -> None:
     shift, note = sf.host_shift_note({"lru": 28.03, "unified": 19.21})
     assert shift == pytest.approx(28.03 / 19.21) and note is not None and "1.46x" in note

@@ -92,11 +92,14 @@ class SimRequest(Request):
         "_out_tokens",
         "_output",
         "after",
+        "client_delay_s",
         "session_id",
         "think_s",
     )
 
-    def __init__(self, wr: WorkloadRequest, arrival_time: float | None = None) -> None:
+    def __init__(
+        self, wr: WorkloadRequest, arrival_time: float | None = None, client_delay_s: float = 0.0
+    ) -> None:
         # NOTE: vLLM needs max_tokens >= 1 (the prefill samples a token); a trace line with 0 output
         # tokens is simulated with 1.
         out = wr.output if wr.output is not None and wr.output_len > 0 else None
@@ -117,6 +120,9 @@ class SimRequest(Request):
         self._out_tokens: list[int] | None = None
         self._bs = 0
         self.after = wr.after
+        # a token reaches the client this long after the step that sampled it (SimConfig.frontend_out_s): TTFT
+        # and e2e are the client's, TPOT (token to token) is unchanged
+        self.client_delay_s = client_delay_s
         self.think_s = wr.think_s
         self.session_id = wr.session_id
         self._chunks = [(_chunk_key(c), c.length) for c in (*wr.prompt.chunks, *out.chunks) if c.length]
@@ -124,6 +130,16 @@ class SimRequest(Request):
         self._hashes: list[BlockHash] = []
         self._ci = 0
         self._off = 0
+
+    @property
+    def ttft(self) -> float | None:
+        t = super().ttft
+        return None if t is None else t + self.client_delay_s
+
+    @property
+    def e2e(self) -> float | None:
+        t = super().e2e
+        return None if t is None else t + self.client_delay_s
 
     def output_token(self, index: int) -> int:
         """The ``index``-th generated token (the executor samples these)."""

@@ -51,6 +51,12 @@ class SimConfig:
     ``gpu_mem_utilization``. ``cost_model`` is a registered name or the path of a profile file
     (``kvretain profile``). ``policy`` is the eviction policy, ``sched`` holds the queue policy and
     batching limits. ``fast_forward=False`` simulates every decode step one by one (same results, slower).
+
+    ``frontend_in_s`` / ``frontend_out_s``: the serving front end's own time, outside the engine's steps (0: an
+    engine driven directly). A request reaches the engine ``frontend_in_s`` after the client sent it (HTTP, the
+    API server's tokenization, the hop to the engine process) and each token reaches the client
+    ``frontend_out_s`` after the step that sampled it ends; the client's clock is what TTFT and e2e measure
+    (arrival = the send), and a follow-up turn is sent ``think_s`` after the client received the last token.
     """
 
     model: str = "llama-3-8b"
@@ -70,8 +76,14 @@ class SimConfig:
     fast_forward: bool = True
     slos: Mapping[int, SLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     catalog: Catalog | None = None
+    frontend_in_s: float = 0.0
+    frontend_out_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("frontend_in_s", "frontend_out_s"):
+            v = getattr(self, name)
+            if not (v >= 0.0 and v != float("inf")):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.block_size < 1:
@@ -137,7 +149,7 @@ class Simulation:
             if config.closed_loop and w.after is not None and w.after in ids:
                 self._followers.setdefault(w.after, []).append(w)
             else:
-                self._push(w.arrival_s, _ARRIVAL, w)
+                self._push(w.arrival_s + config.frontend_in_s, _ARRIVAL, w)
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
         """An arrival (ties: push order)."""
@@ -174,7 +186,9 @@ class Simulation:
 
     def _arrive(self, w: WorkloadRequest) -> None:
         now = self.now
-        req = SimRequest(w, arrival_time=now)
+        cfg = self.config
+        # (the client sent it frontend_in_s ago; its tokens reach the client frontend_out_s after their step)
+        req = SimRequest(w, arrival_time=max(0.0, now - cfg.frontend_in_s), client_delay_s=cfg.frontend_out_s)
         replicas = self.replicas
         fit = [rep for rep in replicas if rep.scheduler.admission_error(req) is None]
         if not fit:
@@ -235,7 +249,8 @@ class Simulation:
 
     def _release_followers(self, r: SimRequest) -> None:
         for w in self._followers.pop(r.request_id, ()):
-            self._push(self.now + w.think_s, _ARRIVAL, w)
+            cfg = self.config
+            self._push(self.now + cfg.frontend_out_s + w.think_s + cfg.frontend_in_s, _ARRIVAL, w)
 
     def _check_done(self) -> None:
         """End-of-run invariants: every request finished or rejected, every block free, pools consistent."""
