@@ -38,6 +38,27 @@ def test_simulate_json_shape_and_determinism(capsys: pytest.CaptureFixture[str])
     assert a == b
 
 
+def test_simulate_front_end_times(capsys: pytest.CaptureFixture[str]) -> None:
+    base = run_json(capsys, "--policy", "lru", "--open-loop", *SMALL)
+    fe = run_json(
+        capsys,
+        "--policy",
+        "lru",
+        "--open-loop",
+        "--frontend-in-s",
+        "0.01",
+        "--frontend-out-s",
+        "0.005",
+        *SMALL,
+    )
+    for c, got in fe["classes"].items():  # type: ignore[union-attr]
+        # open loop and the same spacing of arrivals: the engine runs the same steps 10 ms later
+        assert got["ttft_p50_s"] == pytest.approx(base["classes"][c]["ttft_p50_s"] + 0.015)  # type: ignore[index]
+        assert got["tpot_p50_s"] == pytest.approx(base["classes"][c]["tpot_p50_s"])  # type: ignore[index]
+    assert main(["simulate", "--frontend-in-s", "-1", *SMALL]) == 2
+    assert "--frontend-in-s" in capsys.readouterr().err
+
+
 def test_simulate_table_and_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *SMALL]) == 0
     out = capsys.readouterr().out

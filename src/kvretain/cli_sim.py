@@ -89,6 +89,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     p.add_argument("--open-loop", action="store_true", help="ignore follow-up links: open-loop arrivals")
+    p.add_argument(
+        "--frontend-in-s",
+        type=number(0.0),
+        default=0.0,
+        help="seconds from a client's send to the engine seeing the request (HTTP, tokenization, the hop to the "
+        "engine process; default 0: the engine driven directly)",
+    )
+    p.add_argument(
+        "--frontend-out-s",
+        type=number(0.0),
+        default=0.0,
+        help="seconds from the step that sampled a token to the client receiving it (default 0)",
+    )
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduling", default="priority", choices=QUEUE_POLICIES.names(), help="queue policy")
     g.add_argument(
@@ -240,6 +253,8 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
             waiting_preempts_running=args.waiting_preempts_running,
         ),
         closed_loop=not args.open_loop,
+        frontend_in_s=args.frontend_in_s,
+        frontend_out_s=args.frontend_out_s,
         slos=parse_slos(args.slo),
         catalog=load_catalog(args.catalog) if args.catalog else None,
     )
