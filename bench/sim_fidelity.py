@@ -326,9 +326,10 @@ def sim_steps(
         tpots += [r.tpot for r in sim.finished if r.tpot is not None]
     if parts is not None:
         for r in sim.finished:
-            assert r.ttft is not None
-            engine = token[r.request_id] - first[r.request_id]
-            parts.setdefault(r.priority, []).append((r.ttft - engine, engine))
+            # as ttft_parts splits a real request: the send (arrival) to the first schedule, then to the end of
+            # the step that sampled the first token (the token's way back, frontend_out_s, in neither part)
+            t0, t1 = first[r.request_id], token[r.request_id]
+            parts.setdefault(r.priority, []).append((t0 - r.arrival_time, t1 - t0))
     return steps
 
 
