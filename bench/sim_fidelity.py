@@ -333,14 +333,10 @@ def sim_steps(
     return steps
 
 
-def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, list[tuple[float, float]]]:
-    """Per class, each real request's TTFT as (before the engine, in the engine): before = from the client's
-    send to the engine core's first ``schedule()`` that includes it (HTTP, the API server, the hop to the engine
-    core, a wait for the step in flight and in the waiting queue); in = from there to the end of the step that
-    sampled its first token; what is left of the TTFT is the token's way back to the client. Matched by id
-    (the client sends ``X-Request-Id``, vLLM names the request ``cmpl-ID-0-SUFFIX``); the client's and the
-    engine core's ``time.monotonic()`` are the same clock on one machine. Requests without a send time or a
-    logged step are left out."""
+def engine_times(steps: Sequence[Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per request id (the client's ``X-Request-Id``: vLLM names the request ``cmpl-ID-0-SUFFIX``), the start
+    of the engine core's first ``schedule()`` that includes it and the end of the step that sampled its first
+    token, from a server's step log."""
     first: dict[str, float] = {}
     token: dict[str, float] = {}
     for st in steps:
@@ -349,6 +345,18 @@ def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, lis
             first.setdefault(key, st.t0)
             if smp and key not in token:
                 token[key] = st.t1
+    return first, token
+
+
+def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, list[tuple[float, float]]]:
+    """Per class, each real request's TTFT as (before the engine, in the engine): before = from the client's
+    send to the engine core's first ``schedule()`` that includes it (HTTP, the API server, the hop to the engine
+    core, a wait for the step in flight and in the waiting queue); in = from there to the end of the step that
+    sampled its first token; what is left of the TTFT is the token's way back to the client. Matched by id
+    (the client sends ``X-Request-Id``, vLLM names the request ``cmpl-ID-0-SUFFIX``); the client's and the
+    engine core's ``time.monotonic()`` are the same clock on one machine. Requests without a send time or a
+    logged step are left out."""
+    first, token = engine_times(steps)
     out: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         if r.sent_at is None or r.request_id not in token:
@@ -366,14 +374,7 @@ def frontend_times(records: Sequence[Record], steps: Sequence[Any]) -> tuple[flo
     holds); and the median, over every request, of the first token's way back (the client's TTFT less the time
     from the send to the end of the step that sampled it). ``None`` without such requests (matched by id as
     :func:`ttft_parts` matches them)."""
-    first: dict[str, float] = {}
-    token: dict[str, float] = {}
-    for st in steps:
-        for rid, (_, _, smp) in zip(st.ids, st.reqs, strict=False):
-            key = rid.removeprefix("cmpl-").rsplit("-", 2)[0]
-            first.setdefault(key, st.t0)
-            if smp and key not in token:
-                token[key] = st.t1
+    first, token = engine_times(steps)
     starts = [st.t0 for st in steps]
     idle_in: list[float] = []
     back: list[float] = []

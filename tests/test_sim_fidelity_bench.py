@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,6 +237,19 @@ def test_step_stats_count_prefill_and_decode() -> None:
     assert st["decode_step_ms_p50"] == pytest.approx(10) and st["prefill_step_ms_p50"] == pytest.approx(30)
 
 
+def refit_saved_run(
+    run: Path, real: dict[str, list[dict[str, Any]]], out: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``--real RUN/results.json --calibrate in-run`` on a saved run of ``SMALL`` (its step logs in ``run``):
+    the bench's output and its last JSON line."""
+    saved = run / "results.json"
+    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))
+    args = ["--real", str(saved), "--calibrate", "in-run", "--out", str(out), "--blocks", "64"]
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    return got, json.loads(got.stdout.strip().splitlines()[-1])
+
+
 def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> None:
     """``--real results.json --calibrate in-run``: the step logs next to the saved run are fitted and each
     policy is simulated with the other's fit; with "real" steps and records that are the simulator's own (same
@@ -249,12 +263,7 @@ def test_calibrate_in_run_cross_fits_from_saved_step_logs(tmp_path: Path) -> Non
     for p in sf.POLICIES:
         write_step_log(sf.step_log_path(run, p), sf.sim_steps(ws, limits, p, str(cost)))
     real = {p: [asdict(r) for r in sf.run_sim(ws, limits, p, str(cost))] for p in sf.POLICIES}
-    saved = run / "results.json"
-    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))
-    args = ["--real", str(saved), "--calibrate", "in-run", "--out", str(tmp_path / "out"), "--blocks", "64"]
-    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
-    assert got.returncode == 0, got.stderr
-    last = json.loads(got.stdout.strip().splitlines()[-1])
+    got, last = refit_saved_run(run, real, tmp_path / "out")
     assert last["ttft_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
     assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.02)
     assert last["hit_ratio_worst_abs_diff"] <= 0.01 and last["acceptance"] is True
@@ -284,12 +293,7 @@ def test_the_cross_fit_carries_each_runs_speed(tmp_path: Path) -> None:
     assert sf.decode_step_p50(sf.step_log_path(run, "lru")) == pytest.approx(
         1.5 * sf.decode_step_p50(sf.step_log_path(run, "unified")), rel=0.01
     )
-    saved = run / "results.json"
-    saved.write_text(json.dumps({"real_records": real, "spec": asdict(SMALL)}))
-    args = ["--real", str(saved), "--calibrate", "in-run", "--out", str(tmp_path / "out"), "--blocks", "64"]
-    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
-    assert got.returncode == 0, got.stderr
-    last = json.loads(got.stdout.strip().splitlines()[-1])
+    _, last = refit_saved_run(run, real, tmp_path / "out")
     assert last["ttft_p50_worst_ratio"] == pytest.approx(1, abs=0.03)
     assert last["tpot_p50_worst_ratio"] == pytest.approx(1, abs=0.03)
     assert last["acceptance"] is True
