@@ -369,7 +369,8 @@ def ttft_parts(records: Sequence[Record], steps: Sequence[Any]) -> dict[int, lis
 def frontend_times(records: Sequence[Record], steps: Sequence[Any]) -> tuple[float, float] | None:
     """A server run's front-end times, the simulator's ``frontend_in_s`` and ``frontend_out_s``: the median,
     over the requests sent while the engine was idle (its last step before the send had ended with no request
-    left: no step in flight, no queue), of the time from the send to the engine's first ``schedule()`` of them
+    left: no step in flight, no queue) and scheduled in the engine's first step after the send (not behind
+    another request that reached it first), of the time from the send to the engine's first ``schedule()`` of them
     (HTTP, the API server, the hop to the engine core, the engine's wake-up: nothing the simulator's schedule
     holds); and the median, over every request, of the first token's way back (the client's TTFT less the time
     from the send to the end of the step that sampled it). ``None`` without such requests (matched by id as
@@ -384,7 +385,8 @@ def frontend_times(records: Sequence[Record], steps: Sequence[Any]) -> tuple[flo
             continue
         back.append(r.ttft - (token[k] - r.sent_at))
         i = bisect.bisect_right(starts, r.sent_at) - 1  # the last step started before the send
-        if i < 0 or (not steps[i].more and steps[i].t1 <= r.sent_at):
+        idle = i < 0 or (not steps[i].more and steps[i].t1 <= r.sent_at)
+        if idle and i + 1 < len(steps) and first[k] == starts[i + 1]:
             idle_in.append(first[k] - r.sent_at)
     if not idle_in or not back:
         return None
@@ -1262,11 +1264,21 @@ def main(argv: list[str] | None = None) -> int:
         fe = {p: v for p, v in measured.items() if v is not None}
         if all(p in fe for p in POLICIES):
             own_lim = {p: replace(limits, frontend_in_s=fe[p][0], frontend_out_s=fe[p][1]) for p in POLICIES}
-            sim_lim = {a: own_lim[b], b: own_lim[a]}
+            # as the cost model: the other run's, at this run's speed (the front end is CPU work on the same host)
+            sim_lim = {
+                p: replace(limits, frontend_in_s=fe[q][0] * speed[p], frontend_out_s=fe[q][1] * speed[p])
+                for p, q in ((a, b), (b, a))
+            }
             print(
                 "   front end (send to the engine's first schedule, requests sent to an idle engine; the first "
                 "token's way back), p50: "
                 + ", ".join(f"{p} run {fe[p][0] * 1e3:.1f} / {fe[p][1] * 1e3:.1f} ms" for p in POLICIES),
+                flush=True,
+            )
+        else:
+            print(
+                "   NOTE: no front-end times measured (no client send times or no request ids in a step log): "
+                "the simulator runs without a front end",
                 flush=True,
             )
     sim_recs = {pol: run_sim(workload, sim_lim[pol], pol, cost[pol]) for pol in POLICIES}
@@ -1355,7 +1367,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(ta.keys() & tb.keys()) > 1:
             lo, hi = median_difference_interval(ta, tb)
             resolved = lo > 0.0 or hi < 0.0
-            d = statistics.median(tb.values()) - statistics.median(ta.values())
+            shared = ta.keys() & tb.keys()
+            d = statistics.median(tb[i] for i in shared) - statistics.median(ta[i] for i in shared)
             print(
                 f"real class-0 TTFT p50, {b} - {a}: {d * 1e3:+.1f} ms, 95% paired bootstrap interval "
                 f"[{lo * 1e3:+.1f}, {hi * 1e3:+.1f}] ms: {'resolved' if resolved else 'inside the noise'}"
@@ -1378,6 +1391,10 @@ def main(argv: list[str] | None = None) -> int:
         load_avg_end=round(load_end[0], 2),
         machine_busy=note is not None,
         host_speed_shift=None if shift is None else round(shift, 3),
+        frontend_ms={
+            p: [round(sim_lim[p].frontend_in_s * 1e3, 2), round(sim_lim[p].frontend_out_s * 1e3, 2)]
+            for p in POLICIES
+        },
     )
     (out / "results.json").write_text(
         json.dumps(

@@ -145,6 +145,10 @@ def test_the_front_end_delays_the_engine_and_the_client() -> None:
     assert b.arrival_time == pytest.approx(a.finish_time + 0.003 + 3.0)  # type: ignore[operator]
     assert b.first_scheduled_time == pytest.approx(b.arrival_time + 0.010)
     assert b.ttft == pytest.approx(bare["t1"].ttft + 0.013)  # type: ignore[operator]
+    assert a.queueing_time == pytest.approx(bare["t0"].queueing_time)  # the engine's queue, as vLLM's
+    # the span is the client's: first send to the last token at its client
+    assert sim.summary()["simulated_s"] == pytest.approx(b.finish_time + 0.003 - 1.0)  # type: ignore[operator]
+    assert (sim.summary()["frontend_in_s"], sim.summary()["frontend_out_s"]) == (0.010, 0.003)
     for bad in (-0.001, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="frontend_in_s must be a finite number"):
             SimConfig(frontend_in_s=bad)

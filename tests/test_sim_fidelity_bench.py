@@ -364,6 +364,30 @@ def test_frontend_times_from_idle_sends_and_every_first_token() -> None:
     assert fin == pytest.approx(0.015)  # a 10 ms, c 20 ms (b left out)
     assert fout == pytest.approx(0.004)  # 3, 5, 4 ms
     assert sf.frontend_times([rec("b", 0.3, 10.1)], steps) is None  # no request found the engine idle
+    # y found the engine idle but x, sent before it, reached the engine first: y waited behind x's step, which
+    # is not the front end's time
+    steps2 = [
+        StepRecord(5.0, 5.1, ((8, 0, 1),), False, ("cmpl-warm-0-aa",)),
+        StepRecord(9.995, 10.2, ((20, 0, 1),), False, ("cmpl-x-0-a1",)),
+        StepRecord(10.2, 10.3, ((20, 0, 1),), False, ("cmpl-y-0-b2",)),
+    ]
+    fin, _ = sf.frontend_times([rec("x", 0.223, 9.980), rec("y", 0.313, 9.990)], steps2)  # type: ignore[misc]
+    assert fin == pytest.approx(0.015)  # x alone
+
+
+def test_simulated_ttft_parts_split_as_the_real_ones(tmp_path: Path) -> None:
+    """With a front end, the simulated TTFT splits as a real one: send to the first schedule (at least the way
+    in), then to the end of the first token's step; the way back is in neither part."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN))
+    limits = sf.Limits(blocks=64, frontend_in_s=0.010, frontend_out_s=0.003)
+    ws = sf.make_workload(SMALL)
+    parts: dict[int, list[tuple[float, float]]] = {}
+    sf.sim_steps(ws, limits, "lru", str(cost), parts=parts)
+    ttfts = {r.request_id: r.ttft for r in sf.run_sim(ws, limits, "lru", str(cost))}
+    flat = [p for ps in parts.values() for p in ps]
+    assert len(flat) == len(ws) and all(before >= 0.010 - 1e-9 for before, _ in flat)
+    assert sorted(b + e + 0.003 for b, e in flat) == pytest.approx(sorted(ttfts.values()))
 
 
 def test_host_shift_is_the_ratio_of_the_runs_decode_medians_with_a_note_above_the_tolerance() -> None:

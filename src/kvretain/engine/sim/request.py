@@ -93,12 +93,17 @@ class SimRequest(Request):
         "_output",
         "after",
         "client_delay_s",
+        "engine_delay_s",
         "session_id",
         "think_s",
     )
 
     def __init__(
-        self, wr: WorkloadRequest, arrival_time: float | None = None, client_delay_s: float = 0.0
+        self,
+        wr: WorkloadRequest,
+        arrival_time: float | None = None,
+        client_delay_s: float = 0.0,
+        engine_delay_s: float = 0.0,
     ) -> None:
         # NOTE: vLLM needs max_tokens >= 1 (the prefill samples a token); a trace line with 0 output
         # tokens is simulated with 1.
@@ -121,8 +126,10 @@ class SimRequest(Request):
         self._bs = 0
         self.after = wr.after
         # a token reaches the client this long after the step that sampled it (SimConfig.frontend_out_s): TTFT
-        # and e2e are the client's, TPOT (token to token) is unchanged
+        # and e2e are the client's, TPOT (token to token) is unchanged; the engine saw the request this long
+        # after its arrival (the client's send; SimConfig.frontend_in_s): the queueing time is the engine's
         self.client_delay_s = client_delay_s
+        self.engine_delay_s = engine_delay_s
         self.think_s = wr.think_s
         self.session_id = wr.session_id
         self._chunks = [(_chunk_key(c), c.length) for c in (*wr.prompt.chunks, *out.chunks) if c.length]
@@ -140,6 +147,11 @@ class SimRequest(Request):
     def e2e(self) -> float | None:
         t = super().e2e
         return None if t is None else t + self.client_delay_s
+
+    @property
+    def queueing_time(self) -> float | None:
+        t = super().queueing_time
+        return None if t is None else t - self.engine_delay_s
 
     def output_token(self, index: int) -> int:
         """The ``index``-th generated token (the executor samples these)."""

@@ -8,9 +8,11 @@ Fast-forward (``SimConfig.fast_forward``, on by default): runs of decode-only st
 and advanced lazily (:mod:`kvretain.engine.sim.fastforward`); the results are identical to step-by-step
 simulation, which ``fast_forward=False`` keeps for checking.
 
-Closed loop: a workload request with ``after`` (a follow-up turn or agent step) arrives ``think_s`` after
-the request it follows finishes (or is rejected), not at its open-loop ``arrival_s``; with
-``closed_loop=False`` (or when the predecessor is not part of the run) the open-loop arrival is used.
+Closed loop: a workload request with ``after`` (a follow-up turn or agent step) is sent ``think_s`` after
+the client received the last token of the request it follows (or its rejection), not at its open-loop
+``arrival_s``; with ``closed_loop=False`` (or when the predecessor is not part of the run) the open-loop arrival
+is used. A request reaches the engine ``SimConfig.frontend_in_s`` after it is sent, and its tokens reach the
+client ``frontend_out_s`` after their step (both 0 by default: the engine driven directly).
 
 Admission: a request that no replica could ever schedule (``Scheduler.admission_error``: its prompt and
 output need more KV blocks than a replica has) is rejected on arrival, with a reason, and counted in the
@@ -149,7 +151,11 @@ class Simulation:
             if config.closed_loop and w.after is not None and w.after in ids:
                 self._followers.setdefault(w.after, []).append(w)
             else:
-                self._push(w.arrival_s + config.frontend_in_s, _ARRIVAL, w)
+                self._push_arrival(w, w.arrival_s)
+
+    def _push_arrival(self, w: WorkloadRequest, sent: float) -> None:
+        """``w``, sent by its client at ``sent``: it reaches the engine ``frontend_in_s`` later."""
+        self._push(sent + self.config.frontend_in_s, _ARRIVAL, (w, sent))
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
         """An arrival (ties: push order)."""
@@ -184,11 +190,15 @@ class Simulation:
         self._check_done()
         return self
 
-    def _arrive(self, w: WorkloadRequest) -> None:
+    def _arrive(self, event: tuple[WorkloadRequest, float]) -> None:
         now = self.now
+        w, sent = event
         cfg = self.config
-        # (the client sent it frontend_in_s ago; its tokens reach the client frontend_out_s after their step)
-        req = SimRequest(w, arrival_time=max(0.0, now - cfg.frontend_in_s), client_delay_s=cfg.frontend_out_s)
+        # (arrival: the client's send; the engine sees it now; its tokens reach the client frontend_out_s after
+        # their step)
+        req = SimRequest(
+            w, arrival_time=sent, client_delay_s=cfg.frontend_out_s, engine_delay_s=cfg.frontend_in_s
+        )
         replicas = self.replicas
         fit = [rep for rep in replicas if rep.scheduler.admission_error(req) is None]
         if not fit:
@@ -249,8 +259,8 @@ class Simulation:
 
     def _release_followers(self, r: SimRequest) -> None:
         for w in self._followers.pop(r.request_id, ()):
-            cfg = self.config
-            self._push(self.now + cfg.frontend_out_s + w.think_s + cfg.frontend_in_s, _ARRIVAL, w)
+            # (the client got the last token frontend_out_s after the step, thinks, sends)
+            self._push_arrival(w, self.now + self.config.frontend_out_s + w.think_s)
 
     def _check_done(self) -> None:
         """End-of-run invariants: every request finished or rejected, every block free, pools consistent."""
@@ -270,7 +280,8 @@ class Simulation:
         """One JSON-ready object (see ``kvretain simulate --json``)."""
         cfg = self.config
         reqs = sorted(self.finished, key=lambda r: r.request_id)
-        end = max((r.finish_time or 0.0) for r in reqs) if reqs else 0.0
+        # the client's clock, as the latencies: from the first send to the last token's arrival at its client
+        end = max((r.finish_time or 0.0) for r in reqs) + cfg.frontend_out_s if reqs else 0.0
         start = min((r.arrival_time for r in reqs), default=0.0)
         span = end - start
         rejected = sorted(self.rejected, key=lambda r: r.request_id)
@@ -306,6 +317,8 @@ class Simulation:
             "block_size": cfg.block_size,
             "steps": sum(rep.num_steps for rep in self.replicas),
             "busy_s": round(sum(rep.executor.busy_s for rep in self.replicas), 6),
+            "frontend_in_s": cfg.frontend_in_s,
+            "frontend_out_s": cfg.frontend_out_s,
             **{
                 k: v
                 for k, v in overall.items()
