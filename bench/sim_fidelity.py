@@ -1222,6 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
             real_recs[pol], idle[pol] = run_real(workload, limits, pol, args)
     assert workload is not None
     logs = {p: step_log_path(logs_dir, p) for p in POLICIES}
+    # each run's speed, on work the policy does not change: the cross-fit's scaling and the host-shift note
+    decode = {p: decode_step_p50(logs[p]) if logs[p].exists() else None for p in POLICIES}
     diagnostics: dict[str, dict[str, str]] = {}
     # the simulator's limits per policy: the server's, with the front-end times measured on a server run (the
     # acceptance's: the OTHER policy's run, as the cost model; the own-fit diagnostics': its own run's)
@@ -1236,7 +1238,6 @@ def main(argv: list[str] | None = None) -> int:
         # cross-fit: each policy priced by the other policy's run, at its own run's speed: the other run's model
         # times the ratio of the two runs' decode-only step medians (decode_step_p50: work the policy does not
         # change), so a change of the host's speed between the two runs is not charged to the policy
-        decode = {p: decode_step_p50(logs[p]) for p in POLICIES}
         speed = {p: 1.0 for p in POLICIES}
         da, db = decode[a], decode[b]
         if da and db:
@@ -1375,9 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             cmp.summary["class0_ttft_p50_real_interval_ms"] = [round(lo * 1e3, 1), round(hi * 1e3, 1)]
             cmp.summary["class0_ttft_p50_real_resolved"] = resolved
-    shift, shift_note = host_shift_note(
-        {p: st["decode_step_ms_p50"] for (p, side), st in comp.items() if side == "real"} if comp else {}
-    )
+    shift, shift_note = host_shift_note({p: v * 1e3 for p, v in decode.items() if v is not None})
     if shift_note is not None:
         print(shift_note)
     cmp.summary.update(
