@@ -25,11 +25,12 @@ def _value(samples, name, **labels):
 def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     srv = servers[name]
     srv.reset_cache()
+    before = _samples(srv)  # (the counters are the server's whole life's: wait for this test's share of them)
     prompt = user(text(f"metrics-{name}", 120))
     for _ in range(3):
         chat(srv.client, srv.model, prompt, priority=0)
     flood(srv.client, srv.model, text, f"mflood-{name}", n=12)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         s = _samples(srv)
         q0 = _value(s, "kvretain:prefix_cache_queries_total", priority="0")
@@ -37,7 +38,11 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
         q1 = _value(s, "kvretain:prefix_cache_queries_total", priority="1")
         ev1 = _value(s, "kvretain:evicted_blocks_total", priority="1")
         # the counters reach /metrics with a lag (the engine's stats interval): wait for the whole flood
+        # and for the engine's snapshot to be one taken after the flood (it is published every half second):
+        # the class-1 queries counted since the start, and the balance's one-class rule ended by them
+        new_q1 = (q1 or 0) - (_value(before, "kvretain:prefix_cache_queries_total", priority="1") or 0)
         done = q0 and q0 >= 3 * 120 and h0 and h0 >= 2 * 96 and q1 and q1 >= 12 * 120 and ev1
+        done = done and new_q1 >= 12 * 120 and _value(s, "kvretain:balance_one_class") == 0.0
         if done or time.monotonic() > deadline:
             break
         time.sleep(0.3)
