@@ -11,6 +11,9 @@ Traces (default set):
     export`` writes; the files land in ``OUT/traces/``) and read back through the one trace parser
     (``kvretain.workloads.mooncake.read_trace``, as ``kvretain replay`` reads them).
   ``--trace FILE`` (repeatable) replaces the set with your files.
+  ``--held-out`` replaces the set with generated traffic that no development step looked at (``HELD_OUT``:
+  seeds the grid does not use, and one shape per generator with settings no run used), fixed before it was
+  first run (session 11): the check that the defaults were not fitted to the grid's own draws.
 Priority rules (class 0 = important), one row each:
   * ``reference`` (``hash_ids[1] % 4 == 0``) on traces without priorities of their own; ``native`` (the
     trace's own priority field) on the generated workloads and on any trace that carries priorities (the
@@ -78,6 +81,37 @@ ISO = "isolation"
 # (lru 1, priority 1.6, unified 1.8, belady 2.6); used only for the duration estimate. s3fifo and arc are
 # taken at priority's cost (not measured here; the estimate is only a progress hint).
 COST = {"lru": 1.0, "s3fifo": 1.6, "arc": 1.6, "priority": 1.6, "unified": 1.8, "belady": 2.6, ISO: 0.5}
+GENERATED: list[tuple[str, str, int, dict[str, Any]]] = [  # (label, workload, seed, settings)
+    *[("multi-tenant", "multi-tenant", s, {}) for s in range(5)],
+    ("agent-pauses", "agent-pauses", 0, {}),
+    ("retrieval-scan", "retrieval-scan", 0, {}),
+]
+"""The default set's generated traces."""
+HELD_OUT: list[tuple[str, str, int, dict[str, Any]]] = [
+    ("multi-tenant", "multi-tenant", 5, {}),
+    ("multi-tenant", "multi-tenant", 6, {}),
+    # more agents, fewer batch jobs, chat users who answer three times faster
+    (
+        "multi-tenant-agents",
+        "multi-tenant",
+        7,
+        {"chat_think_s": 20.0, "agent_rate": 0.06, "batch_job_rate": 0.15},
+    ),
+    ("agent-pauses", "agent-pauses", 1, {}),
+    ("agent-pauses", "agent-pauses", 2, {}),
+    # fewer important agents, most pauses long
+    ("agent-pauses-long", "agent-pauses", 3, {"important_share": 0.1, "long_pause_prob": 0.7}),
+    ("retrieval-scan", "retrieval-scan", 1, {}),
+    ("retrieval-scan", "retrieval-scan", 2, {}),
+    # twice the scan, flatter popularity, more interactive queries
+    (
+        "retrieval-scan-heavy",
+        "retrieval-scan",
+        3,
+        {"scan_rate": 2.0, "zipf_s": 0.8, "interactive_share": 0.5},
+    ),
+]
+"""The ``--held-out`` traces (module docstring)."""
 SPLIT = 6000  # the Mooncake halves: the first 6,000 requests and the rest
 REUSE_FLOOR = 0.98  # acceptance 1: overall at least 0.98x lru's
 # the bounds a cell can miss (``misses`` of :func:`analyse_cell`)
@@ -217,6 +251,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 
 
 def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
+    held_out = getattr(args, "held_out", False)
+    if held_out and args.trace:
+        raise ValueError("--held-out and --trace exclude each other")
     if args.trace:
         traces = []
         for p in args.trace:
@@ -227,7 +264,9 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
         return traces
     traces = []
     moon = Path(args.mooncake)
-    if moon.is_file():
+    if held_out:
+        pass
+    elif moon.is_file():
         if args.quick:
             traces.append(Trace("mooncake-first2000", str(moon), 0, 2000))
         else:
@@ -240,14 +279,15 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
         print(f"robustness: warning: {moon} not found, the Mooncake traces are skipped", file=sys.stderr)
     gen_dir = out_dir / "traces"
     gen_dir.mkdir(parents=True, exist_ok=True)
-    generated: list[tuple[str, int, dict[str, Any]]]
-    if args.quick:
-        generated = [("agent-pauses", 0, {"duration_s": 900.0})]
+    generated: list[tuple[str, str, int, dict[str, Any]]]
+    if held_out:
+        generated = HELD_OUT
+    elif args.quick:
+        generated = [("agent-pauses", "agent-pauses", 0, {"duration_s": 900.0})]
     else:
-        generated = [("multi-tenant", s, {}) for s in range(5)]
-        generated += [("agent-pauses", 0, {}), ("retrieval-scan", 0, {})]
-    for name, seed, options in generated:
-        label = f"{name}-s{seed}"
+        generated = GENERATED
+    for label, name, seed, options in generated:
+        label = f"{label}-s{seed}"
         path = gen_dir / f"{label}.jsonl"
         write_mooncake(WORKLOADS.create(name, rng=random.Random(seed), **options), path, BLOCK_TOKENS)
         traces.append(Trace(label, str(path), native=True))
@@ -512,6 +552,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="the Mooncake conversation trace")
     ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 traces, 2 rules, 3 capacities")
+    ap.add_argument(
+        "--held-out",
+        action="store_true",
+        help="the generated traces no development step looked at (HELD_OUT) instead of the default set",
+    )
     ap.add_argument("--capacities", type=int, nargs="+", default=None, help="override the capacities")
     ap.add_argument(
         "--set",

@@ -71,6 +71,22 @@ def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:
     assert res.returncode == 2 and "not found" in res.stderr
 
 
+def test_held_out_traces_are_none_of_the_default_grids_and_exclude_trace(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+
+    labels = [f"{label}-s{seed}" for label, _, seed, _ in grid.HELD_OUT]
+    assert len(set(labels)) == len(labels)
+    default = {(name, seed) for _, name, seed, _ in grid.GENERATED}
+    # a held-out trace is another draw (seed) or another shape (settings) of a generator, never a default one
+    for _, name, seed, settings in grid.HELD_OUT:
+        assert (name, seed) not in default
+        assert len(grid.WORKLOADS.create(name, rng=random.Random(seed), limit=3, **settings)) == 3
+    res = _run("--held-out", "--trace", str(tmp_path / "mine.jsonl"))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == ["robustness: error: --held-out and --trace exclude each other"]
+
+
 def test_dominating_shares_are_those_at_least_as_good_on_both_axes_and_better_on_one() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     import robustness
