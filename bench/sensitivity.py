@@ -5,7 +5,7 @@ figures with every knob at its default and at 0.5x and 2x it, one knob at a time
     python bench/sensitivity.py --quick            # smoke test: bench/robustness.py's --quick grid
 
 The traces, priority rules and capacities are bench/robustness.py's (imported, not copied: ``--mooncake``,
-``--trace``, ``--quick``, ``--capacities``, ``--seed``, ``--out`` as there), and so are the cell analysis and
+``--trace``, ``--held-out``, ``--quick``, ``--capacities``, ``--seed``, ``--out`` as there), and so are the cell analysis and
 the summary. Per cell (trace x rule x capacity) ``lru`` and the isolation reference run once (they do not
 depend on ``unified``'s knobs); ``unified`` runs once per setting. Per trace x capacity the one-class run
 (every request priority 0) of ``lru`` once and of ``unified`` at the default and at the settings of
@@ -283,6 +283,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
     ap.add_argument(
         "--quick", action="store_true", help="the grid's smoke test: 2 traces, 2 rules, 3 capacities"
+    )
+    ap.add_argument(
+        "--held-out",
+        action="store_true",
+        help="the grid's held-out traces (robustness.HELD_OUT) instead of its default set",
     )
     ap.add_argument("--capacities", type=int, nargs="+", default=None, help="override the capacities")
     ap.add_argument(

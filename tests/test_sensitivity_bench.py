@@ -128,3 +128,8 @@ def test_bad_knob_is_one_line_and_status_2(tmp_path: Path) -> None:
     res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--knobs", "no_such_knob")
     assert res.returncode == 2 and res.stdout == ""
     assert len(res.stderr.strip().splitlines()) == 1 and "no_such_knob" in res.stderr
+    res = _run("--held-out", "--trace", str(tmp_path / "mine.jsonl"))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "sensitivity: error: --held-out and --trace exclude each other"
+    ]
