@@ -24,8 +24,14 @@ scheduler whose startup heap is frozen for the garbage collector as vLLM's ``Eng
 repeats; the median ratio is reported as well). Hit tokens and step counts are
 deterministic and must agree across repeats.
 
+``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each entry
+point of the plugin in vLLM's step (``HOOKS``: the release at ``free``, the lookup at admission and its
+protection controller, the queue's pops, appends and removals, the caching hook, the strip of evicted hashes):
+where the plugin's time per step goes. The counters cost time themselves, so that run's step time is not
+compared with stock's; its breakdown is printed and in the JSON (``hook_us_per_step``).
+
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
-        [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3]
+        [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3] [--hook-times]
 """
 
 from __future__ import annotations
@@ -50,6 +56,17 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 TRACE_BLOCK = 512
 """Tokens per trace hash id (``MOONCAKE_BLOCK_TOKENS``)."""
+HOOKS = (
+    ("release", "on_request_release"),
+    ("lookup", "on_lookup"),
+    ("pop (eviction)", "popleft_n"),
+    ("pop one", "popleft"),
+    ("append", "append_n"),
+    ("remove (hit on a free block)", "remove"),
+    ("caching", "on_blocks_cached"),
+    ("strip (evict_blocks)", "forget"),
+)
+"""``--hook-times``: (label, method of the plugin's free queue) for each entry point the patches call."""
 
 
 @dataclass
@@ -264,6 +281,36 @@ def result_from_json(text: str) -> tuple[Result, dict[str, Any]]:
     return res, d["counters"]
 
 
+def count_hook_times(totals: dict[str, int]) -> None:
+    """Wrap each of ``HOOKS`` on both free-queue classes, and the protection controller's lookup, with a
+    process-CPU-time counter adding to ``totals`` (ns, by label). For ``--hook-times`` runs only."""
+    from kvretain.core.policies.protection import ProtectionController
+    from kvretain.integrations.vllm._queue import RetentionFreeQueue
+    from kvretain.integrations.vllm._runs import RunFreeQueue
+
+    clock = time.process_time_ns
+
+    def wrap(cls: type, name: str, label: str) -> None:
+        inner = getattr(cls, name, None)
+        if inner is None:
+            return
+        totals.setdefault(label, 0)
+
+        def counted(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return inner(*a, **k)
+            finally:
+                totals[label] += clock() - t0
+
+        setattr(cls, name, counted)
+
+    for cls in (RunFreeQueue, RetentionFreeQueue):
+        for label, name in HOOKS:
+            wrap(cls, name, label)
+    wrap(ProtectionController, "on_lookup", "lookup: of which the protection controller")
+
+
 def run_child(args: argparse.Namespace) -> None:
     """One replay (``--child stock|plugin``) in this fresh process; the result is the last stdout line."""
     import kvretain.integrations.vllm as plugin
@@ -274,6 +321,9 @@ def run_child(args: argparse.Namespace) -> None:
     model_dir = harness.write_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-"))
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
     counters: dict[Any, Any] = {}
+    hooks: dict[str, int] = {}
+    if args.child == "plugin" and args.hook_times:
+        count_hook_times(hooks)
     if args.child == "plugin":
         cfg = PluginConfig(
             policy=args.policy,
@@ -289,6 +339,11 @@ def run_child(args: argparse.Namespace) -> None:
         if args.child == "plugin":
             plugin.disable()
             counters = plugin.stats()["by_priority"]
+    if args.hook_times:
+        counters = {
+            **counters,
+            "hook_us_per_step": {k: v / 1000 / max(1, res.steps) for k, v in hooks.items()},
+        }
     print(result_to_json(res, counters))
 
 
@@ -314,6 +369,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--repeats", type=int, default=3, help="runs of each (interleaved); the fastest of each is compared"
+    )
+    ap.add_argument(
+        "--hook-times",
+        action="store_true",
+        help="one more plugin run with a CPU-time counter on each plugin hook: where its time per step goes",
     )
     ap.add_argument("--child", choices=["stock", "plugin"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -341,9 +401,10 @@ def main() -> None:
     # heap), which favoured whichever variant went first
     runs: dict[str, list[Result]] = {"stock": [], "plugin": []}
     counters: dict[str, Any] = {}
+    passed = [a for a in sys.argv[1:] if a != "--hook-times"]
     for rep in range(max(1, args.repeats)):
         for name in ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock"):
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name]
+            cmd = [sys.executable, __file__, *passed, "--child", name]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             res, got = result_from_json(out.strip().splitlines()[-1])
             if name == "plugin":
@@ -357,6 +418,18 @@ def main() -> None:
     stock = min(runs["stock"], key=lambda r: r.mean_step_ms)
     plug = min(runs["plugin"], key=lambda r: r.mean_step_ms)
     print(f"plugin counters: {json.dumps(counters)}")
+    hook_us: dict[str, float] = {}
+    if args.hook_times:
+        cmd = [sys.executable, __file__, *passed, "--hook-times", "--child", "plugin"]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        counted, got = result_from_json(out.strip().splitlines()[-1])
+        hook_us = {k: round(v, 2) for k, v in got["hook_us_per_step"].items()}
+        print(
+            f"plugin hooks, CPU us per step (an extra run with the counters on: {counted.mean_step_ms:.3f} ms a "
+            f"step; stock's fastest {stock.mean_step_ms:.3f} ms):"
+        )
+        for label, us in hook_us.items():
+            print(f"    {label:<44} {us:8.1f}")
 
     def ratio(a: float, b: float) -> float:
         return round(a / b, 4) if b else float("inf")
@@ -392,6 +465,8 @@ def main() -> None:
         "pool_blocks": args.pool_blocks,
         "repeats": max(1, args.repeats),
     }
+    if args.hook_times:
+        result["hook_us_per_step"] = hook_us
     print(json.dumps(result))
 
 
