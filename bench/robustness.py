@@ -254,6 +254,8 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
     held_out = getattr(args, "held_out", False)
     if held_out and args.trace:
         raise ValueError("--held-out and --trace exclude each other")
+    if held_out and args.quick:
+        raise ValueError("--held-out and --quick exclude each other (--quick is a two-trace smoke test)")
     if args.trace:
         traces = []
         for p in args.trace:

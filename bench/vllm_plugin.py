@@ -24,10 +24,12 @@ scheduler whose startup heap is frozen for the garbage collector as vLLM's ``Eng
 repeats; the median ratio is reported as well). Hit tokens and step counts are
 deterministic and must agree across repeats.
 
-``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each entry
-point of the plugin in vLLM's step (``HOOKS``: the release at ``free``, the lookup at admission and its
-protection controller, the queue's pops, appends and removals, the caching hook, the strip of evicted hashes):
-where the plugin's time per step goes. The counters cost time themselves, so that run's step time is not
+``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
+method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
+the release at ``free``, the lookup at admission and, inside it, the protection controller, the queue's pops,
+appends and removals, the caching hook, the strip of evicted hashes): where the plugin's time per step goes.
+Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
+(``put_unhashed``, ``drain``). The counted run must replay exactly what the timed runs did. The counters cost time themselves, so that run's step time is not
 compared with stock's; its breakdown is printed and in the JSON (``hook_us_per_step``).
 
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
@@ -60,13 +62,13 @@ HOOKS = (
     ("release", "on_request_release"),
     ("lookup", "on_lookup"),
     ("pop (eviction)", "popleft_n"),
-    ("pop one", "popleft"),
     ("append", "append_n"),
     ("remove (hit on a free block)", "remove"),
     ("caching", "on_blocks_cached"),
     ("strip (evict_blocks)", "forget"),
 )
-"""``--hook-times``: (label, method of the plugin's free queue) for each entry point the patches call."""
+"""``--hook-times``: (label, method of the plugin's free queue). Not ``popleft``: it calls ``popleft_n`` (and
+vLLM calls it only before the plugin's queue is installed)."""
 
 
 @dataclass
@@ -348,7 +350,9 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--block-size", type=int, default=16, help="vLLM tokens per KV block")
@@ -423,6 +427,10 @@ def main() -> None:
         cmd = [sys.executable, __file__, *passed, "--hook-times", "--child", "plugin"]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         counted, got = result_from_json(out.strip().splitlines()[-1])
+        if counted.outcome() != runs["plugin"][0].outcome():
+            sys.exit(
+                "plugin: the --hook-times run differs from the timed runs (the counters changed a decision)"
+            )
         hook_us = {k: round(v, 2) for k, v in got["hook_us_per_step"].items()}
         print(
             f"plugin hooks, CPU us per step (an extra run with the counters on: {counted.mean_step_ms:.3f} ms a "

@@ -85,6 +85,8 @@ def test_held_out_traces_are_none_of_the_default_grids_and_exclude_trace(tmp_pat
     res = _run("--held-out", "--trace", str(tmp_path / "mine.jsonl"))
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip().splitlines() == ["robustness: error: --held-out and --trace exclude each other"]
+    res = _run("--held-out", "--quick")
+    assert res.returncode == 2 and "--held-out and --quick exclude each other" in res.stderr
 
 
 def test_dominating_shares_are_those_at_least_as_good_on_both_axes_and_better_on_one() -> None:

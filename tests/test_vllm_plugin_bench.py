@@ -58,5 +58,19 @@ def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path
     # the controller runs inside the lookup hook
     assert hooks["lookup: of which the protection controller"] <= hooks["lookup"]
     assert "plugin hooks, CPU us per step" in res.stdout
-    # the counted run is a fourth run: the timed figures are the two repeats' alone
-    assert last["stock_step_ms_runs"] and len(last["plugin_step_ms_runs"]) == 1
+    # the counted run is a third run: the timed runs (one of each) ran without the counters
+    assert len(last["stock_step_ms_runs"]) == 1 and len(last["plugin_step_ms_runs"]) == 1
+    timed = next(line for line in res.stdout.splitlines() if line.startswith("plugin counters: "))
+    assert "hook_us_per_step" not in timed
+
+
+def test_options_are_not_abbreviated() -> None:
+    # the timed children get the parent's arguments less --hook-times: an abbreviation would slip through
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--hook", "--trace", "/nonexistent.jsonl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 2 and "unrecognized arguments: --hook" in res.stderr
