@@ -451,13 +451,13 @@ def plot_frontiers(
             if lru["overall"] > 0:
                 ax.axvline(0.98 * lru["overall"], color="tab:gray", ls=":", lw=1, label="0.98 x lru overall")
         ax.margins(0.08)
-        for (x, y), label in _point_labels(pts, ax.get_xlim(), ax.get_ylim()):
+        for (x, y), label, offset in _point_labels(pts, ax.get_xlim(), ax.get_ylim()):
             ax.annotate(
                 label,
                 (x, y),
                 fontsize=6,
                 color="tab:blue",
-                xytext=(3, 2),
+                xytext=offset,
                 textcoords="offset points",
                 zorder=6,
             )
@@ -494,11 +494,18 @@ def plot_frontiers(
     plt.close(fig)
 
 
+LABEL_OFFSETS = ((3, 2), (3, -9), (3, 13), (3, -20))
+"""Text offsets (points) of a frontier label: the next one for each earlier label its text would overlap."""
+LABEL_CHAR = 0.016
+"""Width of one label character as a share of a panel's width (6-point text on a 3.6-inch panel, rounded up)."""
+
+
 def _point_labels(
     pts: list[dict[str, Any]], xlim: tuple[float, float], ylim: tuple[float, float]
-) -> list[tuple[tuple[float, float], str]]:
+) -> list[tuple[tuple[float, float], str, tuple[int, int]]]:
     """One label per cluster of frontier points that would overlap on the panel (within 6% of its width
-    and height, in budget order), e.g. ``0.2`` or ``0,0.05`` or ``0-0.3``."""
+    and height, in budget order), e.g. ``0.2`` or ``0,0.05`` or ``0-0.3``, with its text offset: a frontier
+    that folds back puts a later cluster near an earlier one, whose label then moves below or above."""
     dx, dy = (xlim[1] - xlim[0]) or 1.0, (ylim[1] - ylim[0]) or 1.0
     clusters: list[tuple[dict[str, Any], list[float]]] = []
     for p in pts:
@@ -512,11 +519,17 @@ def _point_labels(
                 continue
         clusters.append((p, [p["budget"]]))
     out = []
+    placed: list[tuple[float, float, float]] = []  # (left, right, y) of each label's text, in panel shares
     for first, budgets in clusters:
         label = (
             ",".join(f"{b:g}" for b in budgets) if len(budgets) <= 2 else f"{budgets[0]:g}-{budgets[-1]:g}"
         )
-        out.append(((first["overall"], first["class0"]), label))
+        x, y = first["overall"], first["class0"]
+        left, top = (x - xlim[0]) / dx, (y - ylim[0]) / dy
+        right = left + LABEL_CHAR * len(label)
+        near = sum(1 for pl, pr, py in placed if pl < right and left < pr and abs(top - py) < 0.06)
+        placed.append((left, right, top))
+        out.append(((x, y), label, LABEL_OFFSETS[near % len(LABEL_OFFSETS)]))
     return out
 
 

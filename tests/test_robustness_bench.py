@@ -89,6 +89,23 @@ def test_held_out_traces_are_none_of_the_default_grids_and_exclude_trace(tmp_pat
     assert res.returncode == 2 and "--held-out and --quick exclude each other" in res.stderr
 
 
+def test_frontier_labels_merge_neighbours_and_move_apart_when_the_frontier_folds_back() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+
+    def pt(b: float, x: float, y: float) -> dict[str, float]:
+        return {"budget": b, "overall": x, "class0": y}
+
+    # 0-0.3 sit together; 0.5 is apart; 0.8 and 0.95 fold back onto 0-0.3's spot
+    pts = [pt(0.0, 0.8, 0.5), pt(0.1, 0.801, 0.5), pt(0.3, 0.802, 0.501), pt(0.5, 0.9, 0.7)]
+    pts += [pt(0.8, 0.803, 0.5), pt(0.95, 0.803, 0.502)]
+    got = grid._point_labels(pts, (0.7, 1.0), (0.4, 0.8))
+    assert [label for _, label, _ in got] == ["0-0.3", "0.5", "0.8,0.95"]
+    offsets = [off for _, _, off in got]
+    assert offsets[0] == offsets[1] == grid.LABEL_OFFSETS[0]  # nothing labelled near them before
+    assert offsets[2] == grid.LABEL_OFFSETS[1]  # near 0-0.3's label: moved
+
+
 def test_dominating_shares_are_those_at_least_as_good_on_both_axes_and_better_on_one() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     import robustness
