@@ -250,6 +250,21 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _mooncake_traces(moon: Path, quick: bool) -> list[Trace]:
+    """The Mooncake trace whole and in halves (``--quick``: its first 2,000 requests); none, with a warning,
+    when the file is missing."""
+    if not moon.is_file():
+        print(f"robustness: warning: {moon} not found, the Mooncake traces are skipped", file=sys.stderr)
+        return []
+    if quick:
+        return [Trace("mooncake-first2000", str(moon), 0, 2000)]
+    return [
+        Trace("mooncake", str(moon)),
+        Trace(f"mooncake-first{SPLIT}", str(moon), 0, SPLIT),
+        Trace(f"mooncake-from{SPLIT}", str(moon), SPLIT, None),
+    ]
+
+
 def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
     held_out = getattr(args, "held_out", False)
     if held_out and args.trace:
@@ -264,21 +279,7 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
             native = any(r.priority != 0 for r in read_trace(p, BLOCK_TOKENS))
             traces.append(Trace(Path(p).stem, str(p), native=native))
         return traces
-    traces = []
-    moon = Path(args.mooncake)
-    if held_out:
-        pass
-    elif moon.is_file():
-        if args.quick:
-            traces.append(Trace("mooncake-first2000", str(moon), 0, 2000))
-        else:
-            traces += [
-                Trace("mooncake", str(moon)),
-                Trace(f"mooncake-first{SPLIT}", str(moon), 0, SPLIT),
-                Trace(f"mooncake-from{SPLIT}", str(moon), SPLIT, None),
-            ]
-    else:
-        print(f"robustness: warning: {moon} not found, the Mooncake traces are skipped", file=sys.stderr)
+    traces = [] if held_out else _mooncake_traces(Path(args.mooncake), args.quick)
     gen_dir = out_dir / "traces"
     gen_dir.mkdir(parents=True, exist_ok=True)
     generated: list[tuple[str, str, int, dict[str, Any]]]
@@ -289,10 +290,9 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
     else:
         generated = GENERATED
     for label, name, seed, options in generated:
-        label = f"{label}-s{seed}"
-        path = gen_dir / f"{label}.jsonl"
+        path = gen_dir / f"{label}-s{seed}.jsonl"
         write_mooncake(WORKLOADS.create(name, rng=random.Random(seed), **options), path, BLOCK_TOKENS)
-        traces.append(Trace(label, str(path), native=True))
+        traces.append(Trace(path.stem, str(path), native=True))
     if not traces:
         raise TraceError("no traces: pass --mooncake PATH or --trace FILE")
     return traces
