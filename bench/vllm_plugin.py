@@ -29,8 +29,9 @@ method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patc
 the release at ``free``, the lookup at admission and, inside it, the protection controller, the queue's pops,
 appends and removals, the caching hook, the strip of evicted hashes): where the plugin's time per step goes.
 Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
-(``put_unhashed``, ``drain``). The counted run must replay exactly what the timed runs did. The counters cost time themselves, so that run's step time is not
-compared with stock's; its breakdown is printed and in the JSON (``hook_us_per_step``).
+(``put_unhashed``, ``drain``). The counted run must replay exactly what the timed runs did. The counters cost
+time themselves, so that run's step time is not compared with stock's; its breakdown is printed and in the
+JSON (``hook_us_per_step``).
 
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
         [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3] [--hook-times]
@@ -324,9 +325,9 @@ def run_child(args: argparse.Namespace) -> None:
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
     counters: dict[Any, Any] = {}
     hooks: dict[str, int] = {}
-    if args.child == "plugin" and args.hook_times:
-        count_hook_times(hooks)
     if args.child == "plugin":
+        if args.hook_times:
+            count_hook_times(hooks)
         cfg = PluginConfig(
             policy=args.policy,
             options=parse_options(args.options),
@@ -347,6 +348,13 @@ def run_child(args: argparse.Namespace) -> None:
             "hook_us_per_step": {k: v / 1000 / max(1, res.steps) for k, v in hooks.items()},
         }
     print(result_to_json(res, counters))
+
+
+def run_child_process(argv: list[str], name: str, *extra: str) -> tuple[Result, dict[str, Any]]:
+    """``--child name`` (with ``argv`` and ``extra``) in a fresh process: its result and plugin counters."""
+    cmd = [sys.executable, __file__, *argv, *extra, "--child", name]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return result_from_json(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -408,9 +416,7 @@ def main() -> None:
     passed = [a for a in sys.argv[1:] if a != "--hook-times"]
     for rep in range(max(1, args.repeats)):
         for name in ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock"):
-            cmd = [sys.executable, __file__, *passed, "--child", name]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            res, got = result_from_json(out.strip().splitlines()[-1])
+            res, got = run_child_process(passed, name)
             if name == "plugin":
                 counters = got
             report(res)
@@ -424,9 +430,7 @@ def main() -> None:
     print(f"plugin counters: {json.dumps(counters)}")
     hook_us: dict[str, float] = {}
     if args.hook_times:
-        cmd = [sys.executable, __file__, *passed, "--hook-times", "--child", "plugin"]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        counted, got = result_from_json(out.strip().splitlines()[-1])
+        counted, got = run_child_process(passed, "plugin", "--hook-times")
         if counted.outcome() != runs["plugin"][0].outcome():
             sys.exit(
                 "plugin: the --hook-times run differs from the timed runs (the counters changed a decision)"
