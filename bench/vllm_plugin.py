@@ -17,12 +17,19 @@ Step time: what one engine step costs the scheduler, i.e. ``Scheduler.schedule()
 blocks, freeing of finished requests); building requests (tokens, block hashes) and the fake runner are
 outside the timed region. It is measured as *process CPU time* (``time.process_time_ns``, so time the shared
 machine gives to other jobs does not count; wall time is reported too) and averaged over all steps of a run.
-Stock and plugin run ``--repeats`` times each, interleaved (stock, plugin, plugin, stock, ...), every run in a
-fresh process (the first replay in a process runs faster than later ones, on a fresh heap), on a freshly built
-scheduler whose startup heap is frozen for the garbage collector as vLLM's ``EngineCore`` does
-(``gc.freeze()`` after start-up); ``step_time_vs_stock`` is the ratio of the fastest run of each (min over
-repeats; the median ratio is reported as well). Hit tokens and step counts are
-deterministic and must agree across repeats.
+Every run is a fresh process (the first replay in a process runs faster than later ones, on a fresh heap), on a
+freshly built scheduler whose startup heap is frozen for the garbage collector as vLLM's ``EngineCore`` does
+(``gc.freeze()`` after start-up).
+
+Pairing (default: lockstep): the stock and the plugin process of a repeat take turns step by step (each waits
+for the parent's go before a step; the two alternate which goes first), so both are timed through the same
+seconds of the shared host, and ``step_time_vs_stock`` is the median over the ``--repeats`` pairs of the
+plugin's mean step over stock's. Why: separate runs a few seconds apart (``--sequential``: stock, plugin,
+plugin, stock, ..., the fastest run of each compared) moved the ratio of the same code from 1.06x to 1.58x as
+the host's speed changed between runs (docs/results.md); in lockstep the pairs of one invocation agree to a
+few percent. Each step then starts with caches the other process has used, as a real engine's scheduler step
+starts after the model's forward pass: steps are slower than back to back, for stock and plugin alike.
+Hit tokens and step counts are deterministic and must agree across repeats (and across pairings).
 
 ``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
 method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
@@ -35,11 +42,13 @@ JSON (``hook_us_per_step``).
 
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
         [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3] [--hook-times]
+        [--sequential]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -162,7 +171,32 @@ class Result:
         )
 
 
-def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace) -> Result:
+class Gate:
+    """A lockstep child's turn-taking with the parent: :meth:`wait` before each step reads the parent's go (one
+    byte on ``go``), :meth:`done` after it writes one byte to ``fd``, :meth:`end` says the replay is over."""
+
+    def __init__(self, go: Any, fd: int) -> None:
+        self._go = go
+        self._fd = fd
+
+    def wait(self) -> None:
+        if not self._go.read(1):
+            raise SystemExit("lockstep: the parent went away")
+
+    def done(self) -> None:
+        os.write(self._fd, STEP_DONE)
+
+    def end(self) -> None:
+        os.write(self._fd, REPLAY_DONE)
+
+
+STEP_DONE = b"d"
+REPLAY_DONE = b"e"
+
+
+def replay(
+    name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace, gate: Gate | None = None
+) -> Result:
     hasher = harness.block_hasher(args.block_size)
     sched = build_scheduler(model_dir, args)
     res = Result(name)
@@ -170,13 +204,15 @@ def replay(name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.N
     gc.collect()
     gc.freeze()
     try:
-        _drive(sched, hasher, res, reqs)
+        _drive(sched, hasher, res, reqs, gate)
     finally:
         gc.unfreeze()
+        if gate is not None:
+            gate.end()
     return res
 
 
-def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> None:
+def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest], gate: Gate | None) -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -189,6 +225,8 @@ def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> No
     cpu = time.process_time_ns
     t_start = perf()
     while pos < len(pending) or sched.has_unfinished_requests():
+        if gate is not None:
+            gate.wait()
         if not sched.has_unfinished_requests() and pos < len(pending):
             step = max(step, pending[pos].arrival_step)  # idle: jump to the next arrival
         while pos < len(pending) and pending[pos].arrival_step <= step:
@@ -232,6 +270,8 @@ def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest]) -> No
                 res.vllm_queries += st.prefix_cache_stats.queries
                 res.vllm_hits += st.prefix_cache_stats.hits
         step += 1
+        if gate is not None:
+            gate.done()
     res.steps = len(res.step_times)
     res.wall_s = perf() - t_start
 
@@ -336,8 +376,9 @@ def run_child(args: argparse.Namespace) -> None:
         )
         plugin.reset_stats()
         plugin.enable(cfg)
+    gate = Gate(sys.stdin.buffer, args.gate_fd) if args.gate_fd is not None else None
     try:
-        res = replay(args.child, model_dir, reqs, args)
+        res = replay(args.child, model_dir, reqs, args, gate)
     finally:
         if args.child == "plugin":
             plugin.disable()
@@ -355,6 +396,59 @@ def run_child_process(argv: list[str], name: str, *extra: str) -> tuple[Result, 
     cmd = [sys.executable, __file__, *argv, *extra, "--child", name]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return result_from_json(out.strip().splitlines()[-1])
+
+
+def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
+    """Stock and plugin replays in two fresh processes that take turns step by step: each waits for the parent's
+    go before a step and reports after it, the two alternating which goes first. Both run through the same
+    seconds of the host's time, so a change of the shared machine's speed reaches both alike."""
+    names = ("stock", "plugin")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    done_r: dict[str, int] = {}
+    errs: dict[str, Any] = {}
+    outs: dict[
+        str, Any
+    ] = {}  # (files, not pipes: a child's output must never block it while it waits its turn)
+    out: dict[str, tuple[Result, dict[str, Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            r, w = os.pipe()
+            stack.callback(os.close, r)
+            done_r[name] = r
+            errs[name] = stack.enter_context(tempfile.TemporaryFile())
+            outs[name] = stack.enter_context(tempfile.TemporaryFile())
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, *argv, "--child", name, "--gate-fd", str(w)],
+                stdin=subprocess.PIPE,
+                bufsize=0,  # (the go byte is written through, never left in a buffer)
+                stdout=outs[name],
+                stderr=errs[name],
+                pass_fds=(w,),
+            )
+            stack.callback(lambda p=procs[name]: p.poll() is None and p.kill())
+            os.close(w)
+        active = list(names)
+        turn = 0
+        while active:
+            for name in active if turn % 2 == 0 else active[::-1]:
+                p = procs[name]
+                assert p.stdin is not None
+                with contextlib.suppress(BrokenPipeError):  # (it has ended: its end byte or EOF follows)
+                    p.stdin.write(b"g")
+                msg = os.read(done_r[name], 1)
+                if msg != STEP_DONE:  # the replay is over (REPLAY_DONE), or the child died (EOF)
+                    with contextlib.suppress(BrokenPipeError):
+                        p.stdin.close()
+                    p.wait()
+                    if p.returncode:
+                        errs[name].seek(0)
+                        sys.stderr.write(errs[name].read().decode(errors="replace")[-4000:])
+                        sys.exit(f"lockstep: the {name} replay failed (exit {p.returncode})")
+                    outs[name].seek(0)
+                    out[name] = result_from_json(outs[name].read().decode().strip().splitlines()[-1])
+                    active.remove(name)
+            turn += 1
+    return out
 
 
 def main() -> None:
@@ -387,7 +481,13 @@ def main() -> None:
         action="store_true",
         help="one more plugin run with a CPU-time counter on each plugin hook: where its time per step goes",
     )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time stock and plugin in separate runs one after the other (before: in lockstep, step by step)",
+    )
     ap.add_argument("--child", choices=["stock", "plugin"], help=argparse.SUPPRESS)
+    ap.add_argument("--gate-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if not args.trace.is_file():
@@ -397,8 +497,13 @@ def main() -> None:
         run_child(args)
         return
 
+    from kvretain.integrations.vllm.config import PluginConfigError, parse_options
     from kvretain.workloads.mooncake import TraceError
 
+    try:
+        parse_options(args.options)  # (checked here, before any child starts)
+    except PluginConfigError as e:
+        ap.error(f"--options: {e}")
     try:
         reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
     except TraceError as e:  # the parser's message names the file, line and field
@@ -413,10 +518,16 @@ def main() -> None:
     # heap), which favoured whichever variant went first
     runs: dict[str, list[Result]] = {"stock": [], "plugin": []}
     counters: dict[str, Any] = {}
-    passed = [a for a in sys.argv[1:] if a != "--hook-times"]
+    passed = [a for a in sys.argv[1:] if a not in ("--hook-times", "--sequential")]
+    pair_ratios: list[float] = []
     for rep in range(max(1, args.repeats)):
-        for name in ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock"):
-            res, got = run_child_process(passed, name)
+        if args.sequential:
+            order = ("stock", "plugin") if rep % 2 == 0 else ("plugin", "stock")
+            pair = {name: run_child_process(passed, name) for name in order}
+        else:
+            pair = run_lockstep(passed)
+        for name in ("stock", "plugin"):
+            res, got = pair[name]
             if name == "plugin":
                 counters = got
             report(res)
@@ -425,6 +536,9 @@ def main() -> None:
                     f"{name}: repeat {rep} differs from the first run (the replay must be deterministic)"
                 )
             runs[name].append(res)
+        pair_ratios.append(runs["plugin"][-1].mean_step_ms / max(1e-9, runs["stock"][-1].mean_step_ms))
+        if not args.sequential:
+            print(f"   pair {rep}: plugin / stock step time {pair_ratios[-1]:.3f}x (in lockstep)")
     stock = min(runs["stock"], key=lambda r: r.mean_step_ms)
     plug = min(runs["plugin"], key=lambda r: r.mean_step_ms)
     print(f"plugin counters: {json.dumps(counters)}")
@@ -450,7 +564,11 @@ def main() -> None:
         "class0_hit_tokens_vs_stock": ratio(plug.hit_tokens[0], stock.hit_tokens[0]),
         "class1_hit_tokens_vs_stock": ratio(plug.hit_tokens[1], stock.hit_tokens[1]),
         "overall_hit_tokens_vs_stock": ratio(sum(plug.hit_tokens.values()), sum(stock.hit_tokens.values())),
-        "step_time_vs_stock": ratio(plug.mean_step_ms, stock.mean_step_ms),
+        "step_time_vs_stock": round(statistics.median(pair_ratios), 4)
+        if not args.sequential
+        else ratio(plug.mean_step_ms, stock.mean_step_ms),
+        "step_time_vs_stock_pairs": [round(x, 4) for x in pair_ratios],
+        "step_time_vs_stock_fastest_runs": ratio(plug.mean_step_ms, stock.mean_step_ms),
         "step_time_vs_stock_median_run": ratio(
             statistics.median(r.mean_step_ms for r in runs["plugin"]),
             statistics.median(r.mean_step_ms for r in runs["stock"]),
@@ -467,7 +585,8 @@ def main() -> None:
         "stock_step_ms_runs": [round(r.mean_step_ms, 4) for r in runs["stock"]],
         "plugin_step_ms_runs": [round(r.mean_step_ms, 4) for r in runs["plugin"]],
         "step_time": "process CPU time of schedule() + update_from_output() per step, mean over a run; "
-        "fastest of the interleaved repeats",
+        + ("fastest of the interleaved repeats" if args.sequential else "median over the lockstep pairs"),
+        "pairing": "sequential" if args.sequential else "lockstep",
         "stock_steps": stock.steps,
         "plugin_steps": plug.steps,
         "policy": args.policy,

@@ -24,31 +24,28 @@ from kvretain.workloads.export import write_mooncake
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "vllm_plugin.py"
 
 
-def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path: Path) -> None:
+def _small_trace(tmp_path: Path) -> Path:
     trace = tmp_path / "small.jsonl"
     cfg = AgentPausesConfig(duration_s=120.0, agent_rate=0.2, steps=(2, 4))
     write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    return trace
+
+
+def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--trace",
-            str(trace),
-            "--requests",
-            "60",
-            "--pool-blocks",
-            "2048",
-            "--repeats",
-            "1",
-            "--hook-times",
-        ],
+    args = ["--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra]
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
         env=env,
     )
+
+
+def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path: Path) -> None:
+    res = _bench(_small_trace(tmp_path), "--repeats", "1", "--hook-times")
     assert res.returncode == 0, res.stderr[-2000:]
     last = json.loads(res.stdout.strip().splitlines()[-1])
     hooks = last["hook_us_per_step"]
@@ -64,6 +61,26 @@ def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path
     assert "hook_us_per_step" not in timed
 
 
+def test_lockstep_pairs_replay_what_separate_runs_replay(tmp_path: Path) -> None:
+    """The default pairing runs stock and plugin step by step in turn: it must not change what either replays
+    (hit tokens, steps, preemptions equal to the sequential runs'), and its ratio is the pairs' median."""
+    trace = _small_trace(tmp_path)
+    lock = _bench(trace, "--repeats", "2")
+    seq = _bench(trace, "--repeats", "1", "--sequential")
+    assert lock.returncode == 0, lock.stderr[-2000:]
+    assert seq.returncode == 0, seq.stderr[-2000:]
+    a = json.loads(lock.stdout.strip().splitlines()[-1])
+    b = json.loads(seq.stdout.strip().splitlines()[-1])
+    assert a["pairing"] == "lockstep" and b["pairing"] == "sequential"
+    for key in ("stock_hit_tokens", "plugin_hit_tokens", "stock_steps", "plugin_steps", "plugin_preemptions"):
+        assert a[key] == b[key], key
+    assert a["stock_steps"] > 10 and sum(a["plugin_hit_tokens"].values()) > 0
+    pairs = a["step_time_vs_stock_pairs"]
+    assert len(pairs) == 2 and abs(a["step_time_vs_stock"] - (pairs[0] + pairs[1]) / 2) <= 1e-4  # (rounded)
+    assert "pair 1: plugin / stock step time" in lock.stdout
+    assert len(b["step_time_vs_stock_pairs"]) == 1 and "pair 0" not in seq.stdout
+
+
 def test_options_are_not_abbreviated() -> None:
     # the timed children get the parent's arguments less --hook-times: an abbreviation would slip through
     res = subprocess.run(
@@ -74,3 +91,16 @@ def test_options_are_not_abbreviated() -> None:
         check=False,
     )
     assert res.returncode == 2 and "unrecognized arguments: --hook" in res.stderr
+
+
+def test_bad_policy_options_are_a_usage_error_before_any_child_starts() -> None:
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--options", "bogus=1", "--trace", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")},
+    )
+    assert res.returncode == 2 and "--options" in res.stderr and "bogus" in res.stderr
+    assert "Traceback" not in res.stderr
