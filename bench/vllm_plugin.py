@@ -21,14 +21,16 @@ Every run is a fresh process (the first replay in a process runs faster than lat
 freshly built scheduler whose startup heap is frozen for the garbage collector as vLLM's ``EngineCore`` does
 (``gc.freeze()`` after start-up).
 
-Pairing (default: lockstep): the stock and the plugin process of a repeat take turns step by step (each waits
-for the parent's go before a step; the two alternate which goes first), so both are timed through the same
-seconds of the shared host, and ``step_time_vs_stock`` is the median over the ``--repeats`` pairs of the
-plugin's mean step over stock's. Why: separate runs a few seconds apart (``--sequential``: stock, plugin,
-plugin, stock, ..., the fastest run of each compared) moved the ratio of the same code from 1.06x to 1.58x as
-the host's speed changed between runs (docs/results.md); in lockstep the pairs of one invocation agree to a
-few percent. Each step then starts with caches the other process has used, as a real engine's scheduler step
-starts after the model's forward pass: steps are slower than back to back, for stock and plugin alike.
+Pairing (default: lockstep): the stock and the plugin process of a repeat take turns, ``--turn-steps`` (64)
+scheduler steps a turn (each waits for the parent's go; the two alternate which goes first), so both are timed
+through the same seconds of the shared host, and ``step_time_vs_stock`` is the median over the ``--repeats``
+pairs of the plugin's mean step over stock's. Why: separate runs a few seconds apart (``--sequential``: stock,
+plugin, plugin, stock, ..., the fastest run of each compared) moved the ratio of the same code from 1.06x to
+1.58x as the host's speed changed between runs (docs/results.md); in lockstep the pairs of one invocation
+agree to a few percent. A turn of 64 steps (~40-80 ms) is short against the host's changes of speed (seconds)
+and long enough that the one step of each turn that starts on caches the other process used is ~2% of the
+steps; ``--turn-steps 1`` times every step on such caches (as on a CPU backend, where the model's forward pass
+runs on the same cores between two scheduler steps).
 Hit tokens and step counts are deterministic and must agree across repeats (and across pairings).
 
 ``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
@@ -42,7 +44,7 @@ JSON (``hook_us_per_step``).
 
     .venv-vllm/bin/python bench/vllm_plugin.py [--trace ../shared/traces/mooncake_conversation.jsonl]
         [--block-size 16 --pool-blocks 65536 | --block-size 256 --pool-blocks 4096] [--repeats 3] [--hook-times]
-        [--sequential]
+        [--sequential | --turn-steps 64]
 """
 
 from __future__ import annotations
@@ -172,19 +174,24 @@ class Result:
 
 
 class Gate:
-    """A lockstep child's turn-taking with the parent: :meth:`wait` before each step reads the parent's go (one
-    byte on ``go``), :meth:`done` after it writes one byte to ``fd``, :meth:`end` says the replay is over."""
+    """A lockstep child's turn-taking with the parent, ``steps`` scheduler steps a turn: :meth:`wait` before a
+    step reads the parent's go (one byte on ``go``) when a turn starts, :meth:`done` after it writes one byte to
+    ``fd`` when the turn ends, :meth:`end` says the replay is over."""
 
-    def __init__(self, go: Any, fd: int) -> None:
+    def __init__(self, go: Any, fd: int, steps: int) -> None:
         self._go = go
         self._fd = fd
+        self._steps = max(1, steps)
+        self._i = 0
 
     def wait(self) -> None:
-        if not self._go.read(1):
+        if self._i % self._steps == 0 and not self._go.read(1):
             raise SystemExit("lockstep: the parent went away")
 
     def done(self) -> None:
-        os.write(self._fd, STEP_DONE)
+        self._i += 1
+        if self._i % self._steps == 0:
+            os.write(self._fd, STEP_DONE)
 
     def end(self) -> None:
         os.write(self._fd, REPLAY_DONE)
@@ -376,7 +383,7 @@ def run_child(args: argparse.Namespace) -> None:
         )
         plugin.reset_stats()
         plugin.enable(cfg)
-    gate = Gate(sys.stdin.buffer, args.gate_fd) if args.gate_fd is not None else None
+    gate = Gate(sys.stdin.buffer, args.gate_fd, args.turn_steps) if args.gate_fd is not None else None
     try:
         res = replay(args.child, model_dir, reqs, args, gate)
     finally:
@@ -486,6 +493,12 @@ def main() -> None:
         action="store_true",
         help="time stock and plugin in separate runs one after the other (before: in lockstep, step by step)",
     )
+    ap.add_argument(
+        "--turn-steps",
+        type=int,
+        default=64,
+        help="lockstep: scheduler steps a process runs before the other takes its turn (default 64)",
+    )
     ap.add_argument("--child", choices=["stock", "plugin"], help=argparse.SUPPRESS)
     ap.add_argument("--gate-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -500,6 +513,8 @@ def main() -> None:
     from kvretain.integrations.vllm.config import PluginConfigError, parse_options
     from kvretain.workloads.mooncake import TraceError
 
+    if args.turn_steps < 1:
+        ap.error(f"--turn-steps must be at least 1 (got {args.turn_steps})")
     try:
         parse_options(args.options)  # (checked here, before any child starts)
     except PluginConfigError as e:

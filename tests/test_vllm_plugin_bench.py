@@ -65,7 +65,7 @@ def test_lockstep_pairs_replay_what_separate_runs_replay(tmp_path: Path) -> None
     """The default pairing runs stock and plugin step by step in turn: it must not change what either replays
     (hit tokens, steps, preemptions equal to the sequential runs'), and its ratio is the pairs' median."""
     trace = _small_trace(tmp_path)
-    lock = _bench(trace, "--repeats", "2")
+    lock = _bench(trace, "--repeats", "2", "--turn-steps", "3")  # (turns that end inside the replay)
     seq = _bench(trace, "--repeats", "1", "--sequential")
     assert lock.returncode == 0, lock.stderr[-2000:]
     assert seq.returncode == 0, seq.stderr[-2000:]
@@ -93,7 +93,7 @@ def test_options_are_not_abbreviated() -> None:
     assert res.returncode == 2 and "unrecognized arguments: --hook" in res.stderr
 
 
-def test_bad_policy_options_are_a_usage_error_before_any_child_starts() -> None:
+def test_bad_options_are_a_usage_error_before_any_child_starts() -> None:
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--options", "bogus=1", "--trace", str(SCRIPT)],
         capture_output=True,
@@ -104,3 +104,12 @@ def test_bad_policy_options_are_a_usage_error_before_any_child_starts() -> None:
     )
     assert res.returncode == 2 and "--options" in res.stderr and "bogus" in res.stderr
     assert "Traceback" not in res.stderr
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--turn-steps", "0", "--trace", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")},
+    )
+    assert res.returncode == 2 and "--turn-steps must be at least 1" in res.stderr
