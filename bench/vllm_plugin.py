@@ -481,7 +481,10 @@ def main() -> None:
         help="what unified ranks inside vLLM (KVRETAIN_GRANULARITY): runs (default) or single blocks",
     )
     ap.add_argument(
-        "--repeats", type=int, default=3, help="runs of each (interleaved); the fastest of each is compared"
+        "--repeats",
+        type=int,
+        default=3,
+        help="pairs of runs (lockstep: the median pair counts; --sequential: interleaved, the fastest of each)",
     )
     ap.add_argument(
         "--hook-times",
