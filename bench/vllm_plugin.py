@@ -406,16 +406,15 @@ def run_child_process(argv: list[str], name: str, *extra: str) -> tuple[Result, 
 
 
 def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
-    """Stock and plugin replays in two fresh processes that take turns step by step: each waits for the parent's
-    go before a step and reports after it, the two alternating which goes first. Both run through the same
-    seconds of the host's time, so a change of the shared machine's speed reaches both alike."""
+    """Stock and plugin replays in two fresh processes that take turns of ``--turn-steps`` scheduler steps: each
+    waits for the parent's go before a turn and reports after it, the two alternating which goes first. Both run
+    through the same seconds of the host's time, so a change of the shared machine's speed reaches both alike."""
     names = ("stock", "plugin")
     procs: dict[str, subprocess.Popen[bytes]] = {}
     done_r: dict[str, int] = {}
     errs: dict[str, Any] = {}
-    outs: dict[
-        str, Any
-    ] = {}  # (files, not pipes: a child's output must never block it while it waits its turn)
+    # (output to files, not pipes: a child must never block on a full pipe while the other one has its turn)
+    outs: dict[str, Any] = {}
     out: dict[str, tuple[Result, dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         for name in names:
@@ -494,7 +493,7 @@ def main() -> None:
     ap.add_argument(
         "--sequential",
         action="store_true",
-        help="time stock and plugin in separate runs one after the other (before: in lockstep, step by step)",
+        help="time stock and plugin in separate runs one after the other (default: in lockstep, taking turns)",
     )
     ap.add_argument(
         "--turn-steps",
