@@ -31,9 +31,8 @@ def _small_trace(tmp_path: Path) -> Path:
     return trace
 
 
-def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
-    args = ["--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra]
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True,
@@ -42,6 +41,10 @@ def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
         check=False,
         env=env,
     )
+
+
+def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return _run("--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra)
 
 
 def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path: Path) -> None:
@@ -83,33 +86,13 @@ def test_lockstep_pairs_replay_what_separate_runs_replay(tmp_path: Path) -> None
 
 def test_options_are_not_abbreviated() -> None:
     # the timed children get the parent's arguments less --hook-times: an abbreviation would slip through
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--hook", "--trace", "/nonexistent.jsonl"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    res = _run("--hook", "--trace", "/nonexistent.jsonl")
     assert res.returncode == 2 and "unrecognized arguments: --hook" in res.stderr
 
 
 def test_bad_options_are_a_usage_error_before_any_child_starts() -> None:
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--options", "bogus=1", "--trace", str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")},
-    )
+    res = _run("--options", "bogus=1", "--trace", str(SCRIPT))
     assert res.returncode == 2 and "--options" in res.stderr and "bogus" in res.stderr
     assert "Traceback" not in res.stderr
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--turn-steps", "0", "--trace", str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")},
-    )
+    res = _run("--turn-steps", "0", "--trace", str(SCRIPT))
     assert res.returncode == 2 and "--turn-steps must be at least 1" in res.stderr
