@@ -36,8 +36,9 @@ Hit tokens and step counts are deterministic and must agree across repeats (and 
 ``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
 method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
 the release at ``free``, the lookup at admission and, inside it, the protection controller, the queue's pops,
-appends and removals, the caching hook, the strip of evicted hashes): where the plugin's time per step goes.
-Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
+appends and removals, the caching hook, the strip of evicted hashes), and around the controller's parts
+(``CONTROLLER_PARTS``: its spatial sample, its LRU shadows, the frequency candidate's GreedyDual shadow): where
+the plugin's time per step goes. Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
 (``put_unhashed``, ``drain``). The counted run must replay exactly what the timed runs did. The counters cost
 time themselves, so that run's step time is not compared with stock's; its breakdown is printed and in the
 JSON (``hook_us_per_step``).
@@ -81,6 +82,16 @@ HOOKS = (
 )
 """``--hook-times``: (label, method of the plugin's free queue). Not ``popleft``: it calls ``popleft_n`` (and
 vLLM calls it only before the plugin's queue is installed)."""
+CONTROLLER_PARTS = (
+    ("controller: spatial sample", "protection", "spatial_sample"),
+    (
+        "controller: LRU shadows",
+        "shadow",
+        "LRUShadow.reference",
+    ),  # (all traffic, protected, recency candidate)
+    ("controller: GreedyDual shadow", "shadow", "GDShadow.reference"),  # (the frequency candidate)
+)
+"""``--hook-times``: the protection controller's parts inside its lookup, (label, module, function or method)."""
 
 
 @dataclass
@@ -332,15 +343,16 @@ def result_from_json(text: str) -> tuple[Result, dict[str, Any]]:
 
 
 def count_hook_times(totals: dict[str, int]) -> None:
-    """Wrap each of ``HOOKS`` on both free-queue classes, and the protection controller's lookup, with a
-    process-CPU-time counter adding to ``totals`` (ns, by label). For ``--hook-times`` runs only."""
-    from kvretain.core.policies.protection import ProtectionController
+    """Wrap each of ``HOOKS`` on both free-queue classes, the protection controller's lookup and its parts
+    (``CONTROLLER_PARTS``), with a process-CPU-time counter adding to ``totals`` (ns, by label). For
+    ``--hook-times`` runs only."""
+    from kvretain.core.policies import protection, shadow
     from kvretain.integrations.vllm._queue import RetentionFreeQueue
     from kvretain.integrations.vllm._runs import RunFreeQueue
 
     clock = time.process_time_ns
 
-    def wrap(cls: type, name: str, label: str) -> None:
+    def wrap(cls: Any, name: str, label: str) -> None:
         inner = getattr(cls, name, None)
         if inner is None:
             return
@@ -358,7 +370,13 @@ def count_hook_times(totals: dict[str, int]) -> None:
     for cls in (RunFreeQueue, RetentionFreeQueue):
         for label, name in HOOKS:
             wrap(cls, name, label)
-    wrap(ProtectionController, "on_lookup", "lookup: of which the protection controller")
+    wrap(protection.ProtectionController, "on_lookup", "lookup: of which the protection controller")
+    owners = {"protection": protection, "shadow": shadow}
+    for label, owner, name in CONTROLLER_PARTS:
+        target = owners[owner]
+        for part in name.split(".")[:-1]:
+            target = getattr(target, part)
+        wrap(target, name.rsplit(".", 1)[-1], label)
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -571,8 +589,9 @@ def main() -> None:
             f"plugin hooks, CPU us per step (an extra run with the counters on: {counted.mean_step_ms:.3f} ms a "
             f"step; stock's fastest {stock.mean_step_ms:.3f} ms):"
         )
+        width = max(map(len, hook_us))
         for label, us in hook_us.items():
-            print(f"    {label:<44} {us:8.1f}")
+            print(f"    {label:<{width}} {us:8.1f}")
 
     def ratio(a: float, b: float) -> float:
         return round(a / b, 4) if b else float("inf")

@@ -55,8 +55,11 @@ def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path
     # every hook the run queue has is counted; a run that releases and looks up spends time in both
     assert {"release", "lookup", "pop (eviction)", "lookup: of which the protection controller"} <= set(hooks)
     assert hooks["release"] > 0 and hooks["lookup"] > 0
-    # the controller runs inside the lookup hook
-    assert hooks["lookup: of which the protection controller"] <= hooks["lookup"]
+    # the controller runs inside the lookup hook, and its parts inside the controller
+    ctl = hooks["lookup: of which the protection controller"]
+    assert ctl <= hooks["lookup"]
+    parts = [v for k, v in hooks.items() if k.startswith("controller: ")]
+    assert len(parts) == 3 and hooks["controller: spatial sample"] > 0 and sum(parts) <= ctl
     assert "plugin hooks, CPU us per step" in res.stdout
     # the counted run is a third run: the timed runs (one of each) ran without the counters
     assert len(last["stock_step_ms_runs"]) == 1 and len(last["plugin_step_ms_runs"]) == 1
