@@ -37,7 +37,7 @@ Hit tokens and step counts are deterministic and must agree across repeats (and 
 method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
 the release at ``free``, the lookup at admission and, inside it, the protection controller, the queue's pops,
 appends and removals, the caching hook, the strip of evicted hashes), and around the controller's parts
-(``CONTROLLER_PARTS``: its spatial sample, its LRU shadows, the frequency candidate's GreedyDual shadow): where
+(its spatial sample, its LRU shadows, the frequency candidate's GreedyDual shadow): where
 the plugin's time per step goes. Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
 (``put_unhashed``, ``drain``). The counted run must replay exactly what the timed runs did. The counters cost
 time themselves, so that run's step time is not compared with stock's; its breakdown is printed and in the
@@ -82,16 +82,6 @@ HOOKS = (
 )
 """``--hook-times``: (label, method of the plugin's free queue). Not ``popleft``: it calls ``popleft_n`` (and
 vLLM calls it only before the plugin's queue is installed)."""
-CONTROLLER_PARTS = (
-    ("controller: spatial sample", "protection", "spatial_sample"),
-    (
-        "controller: LRU shadows",
-        "shadow",
-        "LRUShadow.reference",
-    ),  # (all traffic, protected, recency candidate)
-    ("controller: GreedyDual shadow", "shadow", "GDShadow.reference"),  # (the frequency candidate)
-)
-"""``--hook-times``: the protection controller's parts inside its lookup, (label, module, function or method)."""
 
 
 @dataclass
@@ -343,8 +333,8 @@ def result_from_json(text: str) -> tuple[Result, dict[str, Any]]:
 
 
 def count_hook_times(totals: dict[str, int]) -> None:
-    """Wrap each of ``HOOKS`` on both free-queue classes, the protection controller's lookup and its parts
-    (``CONTROLLER_PARTS``), with a process-CPU-time counter adding to ``totals`` (ns, by label). For
+    """Wrap each of ``HOOKS`` on both free-queue classes, the protection controller's lookup and its parts,
+    with a process-CPU-time counter adding to ``totals`` (ns, by label). For
     ``--hook-times`` runs only."""
     from kvretain.core.policies import protection, shadow
     from kvretain.integrations.vllm._queue import RetentionFreeQueue
@@ -371,12 +361,16 @@ def count_hook_times(totals: dict[str, int]) -> None:
         for label, name in HOOKS:
             wrap(cls, name, label)
     wrap(protection.ProtectionController, "on_lookup", "lookup: of which the protection controller")
-    owners = {"protection": protection, "shadow": shadow}
-    for label, owner, name in CONTROLLER_PARTS:
-        target = owners[owner]
-        for part in name.split(".")[:-1]:
-            target = getattr(target, part)
-        wrap(target, name.rsplit(".", 1)[-1], label)
+    for owner, name, label in (
+        (protection, "spatial_sample", "controller: spatial sample"),
+        (
+            shadow.LRUShadow,
+            "reference",
+            "controller: LRU shadows",
+        ),  # (all traffic, protected, recency candidate)
+        (shadow.GDShadow, "reference", "controller: GreedyDual shadow"),  # (the frequency candidate)
+    ):
+        wrap(owner, name, label)
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -416,11 +410,20 @@ def run_child(args: argparse.Namespace) -> None:
     print(result_to_json(res, counters))
 
 
+def child_command(argv: list[str], name: str, *extra: str) -> list[str]:
+    """The command line of a ``--child name`` replay with the parent's ``argv`` and ``extra``."""
+    return [sys.executable, __file__, *argv, *extra, "--child", name]
+
+
+def child_result(stdout: str) -> tuple[Result, dict[str, Any]]:
+    """A child's result and plugin counters: the last line of its output."""
+    return result_from_json(stdout.strip().splitlines()[-1])
+
+
 def run_child_process(argv: list[str], name: str, *extra: str) -> tuple[Result, dict[str, Any]]:
     """``--child name`` (with ``argv`` and ``extra``) in a fresh process: its result and plugin counters."""
-    cmd = [sys.executable, __file__, *argv, *extra, "--child", name]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return result_from_json(out.strip().splitlines()[-1])
+    cmd = child_command(argv, name, *extra)
+    return child_result(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
 def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
@@ -442,7 +445,7 @@ def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
             errs[name] = stack.enter_context(tempfile.TemporaryFile())
             outs[name] = stack.enter_context(tempfile.TemporaryFile())
             procs[name] = subprocess.Popen(
-                [sys.executable, __file__, *argv, "--child", name, "--gate-fd", str(w)],
+                child_command(argv, name, "--gate-fd", str(w)),
                 stdin=subprocess.PIPE,
                 bufsize=0,  # (the go byte is written through, never left in a buffer)
                 stdout=outs[name],
@@ -469,7 +472,7 @@ def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
                         sys.stderr.write(errs[name].read().decode(errors="replace")[-4000:])
                         sys.exit(f"lockstep: the {name} replay failed (exit {p.returncode})")
                     outs[name].seek(0)
-                    out[name] = result_from_json(outs[name].read().decode().strip().splitlines()[-1])
+                    out[name] = child_result(outs[name].read().decode())
                     active.remove(name)
             turn += 1
     return out
