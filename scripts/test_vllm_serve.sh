@@ -21,6 +21,7 @@ cleanup() {
 }
 trap cleanup EXIT
 t0=$(date +%s)
+KVRETAIN_ENV_SKIP_VAR=KVRETAIN_SKIP_SERVE
 source scripts/vllm_cpu_env.sh
 MODEL="$CACHE/tiny-llama"
 step "tiny random-weight Llama in $MODEL (seeded; built once) ..."

@@ -245,3 +245,26 @@ def test_quiet_step_reports_while_a_step_runs() -> None:
     assert proc.returncode == 3
     assert "== napping" in proc.stdout and "... still napping (1 s)" in proc.stdout
     assert "boom" in proc.stdout and "failed (3)" in proc.stderr
+
+
+def test_a_full_disk_is_said_before_a_virtual_environment_is_built() -> None:
+    def need(gb: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "scripts/need_disk.sh", str(gb), ".venv-vllm (test)", "KVRETAIN_SKIP_VLLM"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/bin:/bin"},
+            check=False,
+        )
+
+    assert need(0).returncode == 0
+    short = need(1 << 40)  # more than any disk
+    assert short.returncode == 2
+    assert "not enough free disk for .venv-vllm (test)" in short.stderr
+    assert "KVRETAIN_SKIP_VLLM=1 skips this step" in short.stderr
+    # both environments of the test command check before they install
+    for script in ("test_vllm.sh", "vllm_cpu_env.sh"):
+        text = (ROOT / "scripts" / script).read_text()
+        check, install = text.find("scripts/need_disk.sh"), text.find("pip install")
+        assert 0 <= check < install, script
