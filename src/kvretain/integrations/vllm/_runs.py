@@ -137,6 +137,57 @@ class _RunQueue:
                     yield run
 
 
+class _Release:
+    """What one request's release carries across its groups: who releases (``prio``, its class; ``mapped``, its
+    retention), how (``scope``; ``slow``: directives or a scope, the full rules per block; ``freeing_now``),
+    the runs it built, and its counts (blocks seen, skipped as unhashed, ``other``: not new content on the fast
+    path, newly protected ones among those)."""
+
+    __slots__ = (
+        "freeing_now",
+        "mapped",
+        "new_protected",
+        "now",
+        "other",
+        "prio",
+        "runs",
+        "scope",
+        "skipped",
+        "slow",
+        "total",
+    )
+
+    def __init__(
+        self, prio: int, mapped: int, scope: str | None, slow: bool, freeing_now: bool, now: float
+    ) -> None:
+        self.prio = prio
+        self.mapped = mapped
+        self.scope = scope
+        self.slow = slow
+        self.freeing_now = freeing_now
+        self.now = now
+        self.runs: list[_Run] = []
+        self.total = 0
+        self.skipped = 0
+        self.other = 0
+        self.new_protected = 0
+
+
+class _Building:
+    """A group's release in progress, handed from the new-content path to the general one: the run being built
+    (``cur``, its split ``tag`` = retention * 16 + log2 of the use count) and the 256-token segment of the last
+    new block (first depth ``seg``, use count ``su``, the tag of new content in it ``stag``)."""
+
+    __slots__ = ("cur", "seg", "stag", "su", "tag")
+
+    def __init__(self, n: int, stag: int) -> None:
+        self.seg = n
+        self.su = 1
+        self.stag = stag
+        self.tag = -1
+        self.cur: _Run | None = None
+
+
 class RunFreeQueue(HookedFreeQueue):
     """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by ``unified`` over runs."""
 
@@ -501,13 +552,118 @@ class RunFreeQueue(HookedFreeQueue):
         num_cached: Sequence[int] | None,
     ) -> None:
         prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
-        slow = use_plan or scope is not None
         if freeing_now:
             self._expect = -1
-        now = _runtime.now()
+        rel = _Release(prio, mapped, scope, use_plan or scope is not None, freeing_now, _runtime.now())
+        completed = False
+        try:
+            for g, blocks in enumerate(groups):
+                if not blocks:
+                    continue
+                plan = None
+                if use_plan:
+                    assert ret is not None and block_sizes is not None
+                    plan = ret.block_plan(len(blocks), block_sizes[g], request.num_prompt_tokens, mapped)
+                nc = 0 if num_cached is None or self._stripped else min(len(blocks), num_cached[g])
+                self._release_group(blocks, nc, plan, rel)
+            completed = True
+        finally:  # (also on an error: every block that names a run is in a queued run)
+            placed = self._place(rel, completed)
+        if freeing_now:
+            self._expect = placed
+        else:  # the append_n that places these blocks later needs their releaser's class
+            cls = self._cls
+            for blocks in groups:
+                for b in blocks:
+                    if b._block_hash is not None:
+                        cls[b.block_id] = prio
+        released = rel.total - rel.skipped
+        if released:
+            self.counters.get(prio).released_blocks += released
+
+    def _release_group(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        nc: int,
+        plan: tuple[list[int], list[float | None]] | None,
+        rel: _Release,
+    ) -> None:
+        """One KV cache group's blocks of a release, deepest first (``nc``: how many leading ones are known to
+        be cached; ``plan``: the per-block retention and duration of directives)."""
+        n = len(blocks)
+        rel.total += n
+        # the run being built and the 256-token segment of the last new block (seg: its first depth)
+        st = _Building(n, rel.mapped * 16 + self._ub[1])
+        start = n - 1
+        if rel.freeing_now and not rel.slow:
+            start = self._release_new(blocks, nc, rel, st)
+        if start >= 0:
+            self._release_known(blocks, start, nc, plan, rel, st)
+
+    def _release_new(self, blocks: Sequence[KVCacheBlock], nc: int, rel: _Release, st: _Building) -> int:
+        """The hottest path: the request's own new blocks, deepest first, up to the first block whose content is
+        known (the prefix it hit); per block only the flat-list writes, the run split decided once per 256-token
+        segment. Returns the depth where known content starts (-1: none)."""
         rr = self._r
         uses = self._uses
-        cls = self._cls
+        run_of = self._run_of
+        ub = self._ub
+        stride = self._stride
+        segment_uses = self._segment_uses
+        ghost = self._ghost.capacity > 0
+        value = self._value
+        L = self._L
+        mapped = rel.mapped
+        prio = rel.prio
+        runs = rel.runs
+        tier = 0 if mapped >= self._threshold else 1
+        seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
+        add = cur.ids.append if cur is not None else None
+        skipped = 0
+        start = -1
+        try:
+            for i in range(len(blocks) - 1, -1, -1):
+                b = blocks[i]
+                if i >= nc and b._block_hash is None:
+                    skipped += 1
+                    continue
+                bid = b.block_id
+                if rr[bid] != NEW:
+                    start = i
+                    break
+                if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
+                    seg = i - i % stride
+                    su = segment_uses(blocks, seg) if ghost else 1
+                    stag = mapped * 16 + ub[su]
+                    if stag != run_tag:
+                        cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
+                        runs.append(cur)
+                        add = cur.ids.append
+                        run_tag = stag
+                rr[bid] = mapped
+                uses[bid] = su
+                if b.ref_cnt == 1:  # its last reference goes now
+                    add(bid)  # type: ignore[misc]
+                    run_of[bid] = cur
+        finally:
+            rel.skipped += skipped
+            st.seg, st.su, st.stag, st.tag, st.cur = seg, su, stag, run_tag, cur
+        return start
+
+    def _release_known(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        nc: int,
+        plan: tuple[list[int], list[float | None]] | None,
+        rel: _Release,
+        st: _Building,
+    ) -> None:
+        """Blocks ``start`` down to 0: every case (known content, other retentions, directives, a scope).
+        NOTE: hot path (one iteration per released block): flat lists only, and the common cases (new content,
+        the same priority again) without calls."""
+        rr = self._r
+        uses = self._uses
         run_of = self._run_of
         lapse = self._lapse
         ub = self._ub
@@ -518,138 +674,86 @@ class RunFreeQueue(HookedFreeQueue):
         ghost = self._ghost.capacity > 0
         value = self._value
         L = self._L
-        protect = mapped >= thr
-        new_protected = 0
-        other = 0  # released blocks that are not new content on the fast path (the rest is counted below)
-        total = 0
-        skipped = 0
-        runs: list[_Run] = []
-        completed = False
+        mapped, prio, scope, now = rel.mapped, rel.prio, rel.scope, rel.now
+        slow = rel.slow
+        freeing_now = rel.freeing_now
+        runs = rel.runs
+        prios, durs = plan if plan is not None else (None, None)
+        seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
+        add = cur.ids.append if cur is not None else None
+        skipped = other = new_protected = 0
         try:
-            for g, blocks in enumerate(groups):
-                n = len(blocks)
-                if not n:
+            for i in range(start, -1, -1):
+                b = blocks[i]
+                # NOTE: below nc the hash is known to be there: not reading it saves a cache miss per block (the
+                # hash object's reference count)
+                if i >= nc and b._block_hash is None:  # (also the null block)
+                    skipped += 1
                     continue
-                total += n
-                prios: list[int] | None = None
-                durs: list[float | None] | None = None
-                if use_plan:
-                    assert ret is not None and block_sizes is not None
-                    prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
-                nc = 0 if num_cached is None or self._stripped else min(n, num_cached[g])
-                seg = n  # the first depth of the 256-token segment of the last new block
-                su = 1  # that segment's use count (restored from the ghost) after this release
-                cur: _Run | None = None  # the run being built (evictable blocks, deepest first)
-                add = None
-                # a run is one stretch of equal tag = retention * 16 + log2 of the use count
-                run_tag = -1
-                stag = mapped * 16 + ub[1]  # the tag of new content on the fast path in this segment
-                start = n - 1
-                if freeing_now and not slow:
-                    # NOTE: the hottest path: the request's own new blocks, deepest first, up to the first block
-                    # whose content is known (the prefix it hit); per block only the flat-list writes, the run
-                    # split decided once per 256-token segment
-                    tier = 0 if protect else 1
-                    for i in range(n - 1, -1, -1):
-                        b = blocks[i]
-                        if i >= nc and b._block_hash is None:
-                            skipped += 1
-                            continue
-                        bid = b.block_id
-                        if rr[bid] != NEW:
-                            start = i
-                            break
-                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
-                            seg = i - i % stride
-                            su = segment_uses(blocks, seg) if ghost else 1
-                            stag = mapped * 16 + ub[su]
-                            if stag != run_tag:
-                                cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
-                                runs.append(cur)
-                                add = cur.ids.append
-                                run_tag = stag
-                        rr[bid] = mapped
-                        uses[bid] = su
-                        if b.ref_cnt == 1:  # its last reference goes now
-                            add(bid)  # type: ignore[misc]
-                            run_of[bid] = cur
+                bid = b.block_id
+                r = rr[bid]
+                if r == NEW:  # new content: registered here, not when vLLM cached it
+                    if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
+                        seg = i - i % stride
+                        su = segment_uses(blocks, seg) if ghost else 1
+                        stag = mapped * 16 + ub[su]
+                    u = su
+                else:
+                    u = uses[bid] + 1
+                    if u > cap:
+                        u = cap
+                if slow:  # directives or a scope: the full rules, per block
+                    other += 1
+                    if prios is None or durs is None:
+                        r = self._retain(bid, mapped, None, scope, now, mapped)
                     else:
-                        start = -1
-                # NOTE: hot path (one iteration per released block), deepest block first: flat lists only, and
-                # the common cases (new content, the same priority again) without calls
-                for i in range(start, -1, -1):
-                    b = blocks[i]
-                    # NOTE: below nc the hash is known to be there: not reading it saves a cache miss per
-                    # block (the hash object's reference count)
-                    if i >= nc and b._block_hash is None:  # (also the null block)
-                        skipped += 1
-                        continue
-                    bid = b.block_id
-                    r = rr[bid]
-                    if r == NEW:  # new content: registered here, not when vLLM cached it
-                        if i < seg:  # a new 256-token segment: its head's count from the ghost, + this use
-                            seg = i - i % stride
-                            su = segment_uses(blocks, seg) if ghost else 1
-                            stag = mapped * 16 + ub[su]
-                        u = su
-                    else:
-                        u = uses[bid] + 1
-                        if u > cap:
-                            u = cap
-                    if slow:  # directives or a scope: the full rules, per block
-                        other += 1
-                        if prios is None or durs is None:
-                            r = self._retain(bid, mapped, None, scope, now, mapped)
-                        else:
-                            r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
-                        tag = r * 16 + ub[u]
-                    elif r == NEW:
-                        rr[bid] = r = mapped
-                        tag = stag
-                    else:
-                        other += 1
-                        if r != mapped:
-                            if r < mapped:  # highest wins
-                                if r < thr <= mapped:
-                                    new_protected += 1
-                                rr[bid] = r = mapped
-                                if lapse:
-                                    lapse.pop(bid, None)
-                            elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
-                                r = self._retain(bid, mapped, None, None, now, mapped)
-                        tag = r * 16 + ub[u]
-                    uses[bid] = u
-                    if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
-                        if tag != run_tag:
-                            cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
-                            runs.append(cur)
-                            add = cur.ids.append
-                            run_tag = tag
-                        add(bid)  # type: ignore[misc]
-                        run_of[bid] = cur
-            completed = True
-        finally:  # (also on an error: every block that names a run is in a queued run)
-            if protect and completed:  # new content at a protected mapped priority
-                new_protected += total - skipped - other
-            self._num_protected += new_protected
-            placed = 0
-            queues = self._queues
-            for run in runs:
-                if not run.ids:  # (opened at a segment whose new blocks were all still shared)
-                    continue
-                run.live = len(run.ids)
-                placed += run.live
-                queues[run.tier].push(run)
-        if freeing_now:
-            self._expect = placed
-        else:  # the append_n that places these blocks later needs their releaser's class
-            for blocks in groups:
-                for b in blocks:
-                    if b._block_hash is not None:
-                        cls[b.block_id] = prio
-        released = total - skipped
-        if released:
-            self.counters.get(prio).released_blocks += released
+                        r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                    tag = r * 16 + ub[u]
+                elif r == NEW:
+                    rr[bid] = r = mapped
+                    tag = stag
+                else:
+                    other += 1
+                    if r != mapped:
+                        if r < mapped:  # highest wins
+                            if r < thr <= mapped:
+                                new_protected += 1
+                            rr[bid] = r = mapped
+                            if lapse:
+                                lapse.pop(bid, None)
+                        elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
+                            r = self._retain(bid, mapped, None, None, now, mapped)
+                    tag = r * 16 + ub[u]
+                uses[bid] = u
+                if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
+                    if tag != run_tag:
+                        cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
+                        runs.append(cur)
+                        add = cur.ids.append
+                        run_tag = tag
+                    add(bid)  # type: ignore[misc]
+                    run_of[bid] = cur
+        finally:
+            rel.skipped += skipped
+            rel.other += other
+            rel.new_protected += new_protected
+            st.seg, st.su, st.stag, st.tag, st.cur = seg, su, stag, run_tag, cur
+
+    def _place(self, rel: _Release, completed: bool) -> int:
+        """Queue the runs a release built and count its newly protected blocks; returns the blocks placed."""
+        new_protected = rel.new_protected
+        if completed and rel.mapped >= self._threshold:  # new content at a protected mapped priority
+            new_protected += rel.total - rel.skipped - rel.other
+        self._num_protected += new_protected
+        placed = 0
+        queues = self._queues
+        for run in rel.runs:
+            if not run.ids:  # (opened at a segment whose new blocks were all still shared)
+                continue
+            run.live = len(run.ids)
+            placed += run.live
+            queues[run.tier].push(run)
+        return placed
 
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the protection controller."""
