@@ -331,12 +331,32 @@ class ProtectionController:
         sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut, one_size)
         if not sampled:
             return False
-        n = len(sampled)
         protected = retention >= self.threshold
         if not protected and self._iso_is_lru:
             self._iso = self._lru.copy()
             self._iso_is_lru = False
         lru_hits = self._lru.reference(sampled)
+        n = len(sampled)
+        window, d = self._observe(n, hits, lru_hits)
+        changed = False
+        if self.balance is not None and self._balance_update(
+            sampled if sub is None else sub, n, window, d, retention, protected, lru_hits
+        ):
+            self.frequency = self.balance.table(self._cap)
+            changed = True
+        if self._goal is None:
+            return changed
+        if protected:
+            acc = self._acc
+            acc[2] += hits
+            acc[3] += lru_hits if self._iso_is_lru else self._iso.reference(sampled)
+            acc[5] += n
+            acc[6] += lru_hits
+        return self._steer(n, window) or changed
+
+    def _observe(self, n: int, hits: int, lru_hits: int) -> tuple[float, float]:
+        """Decay the sums over ``n`` more sampled references and add all traffic's: the pool's ``hits``, the LRU
+        shadow's ``lru_hits`` and their paired squared difference. Returns the window and its decay factor."""
         acc = self._acc
         # the window: the longer of the turnover floor and the references the paired difference needs
         window = self._floor_refs
@@ -350,32 +370,42 @@ class ProtectionController:
         acc[1] += lru_hits
         acc[4] += n
         acc[7] += (hits - lru_hits) * (hits - lru_hits)
-        changed = False
-        if self.balance is not None:
-            balanced = sampled if sub is None else sub
-            # the balance's own window: at least BALANCE_TURNOVERS turnovers (its decay then its own)
-            bw = self._balance_refs if self._balance_refs > window else window
-            bd = d if bw == window else math.exp(-n / bw)
-            shared = lru_hits if self._balance_takes_lru else None
-            if self._one_retention != retention:  # (the first lookup sets it; a second retention ends it)
-                self._one_retention = retention if self._one_retention == -2 else -1
-            one = self._one_retention >= 0
-            if balanced and self.balance.update(
-                balanced, bd, bw * self._balance_share, protected, shared, one
-            ):
-                self.frequency = self.balance.table(self._cap)
-                changed = True
-        if self._goal is None:
-            return changed
-        if protected:
-            acc[2] += hits
-            acc[3] += lru_hits if self._iso_is_lru else self._iso.reference(sampled)
-            acc[5] += n
-            acc[6] += lru_hits
+        return window, d
+
+    def _balance_update(
+        self,
+        balanced: Sequence[BlockHash],
+        n: int,
+        window: float,
+        d: float,
+        retention: int,
+        protected: bool,
+        lru_hits: int,
+    ) -> bool:
+        """The recency/frequency balance sees ``balanced`` (its share of the sample) over its own window: at
+        least ``BALANCE_TURNOVERS`` turnovers. True when its exponent moved."""
+        assert self.balance is not None
+        bw = self._balance_refs if self._balance_refs > window else window
+        bd = d if bw == window else math.exp(-n / bw)
+        shared = lru_hits if self._balance_takes_lru else None
+        if self._one_retention != retention:  # (the first lookup sets it; a second retention ends it)
+            self._one_retention = retention if self._one_retention == -2 else -1
+        one = self._one_retention >= 0
+        return bool(balanced) and self.balance.update(
+            balanced, bd, bw * self._balance_share, protected, shared, one
+        )
+
+    def _steer(self, n: int, window: float) -> bool:
+        """The control law (module docstring): move the level by the binding constraint's error over ``n``
+        more references of a ``window``; set the target and the retention weights from it. True when the
+        weights changed."""
+        acc = self._acc
         a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]
         # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
         # LRU gives it in the shared pool (protection must not leave it worse off than no protection at all)
-        want = self._goal * ep
+        goal = self._goal
+        assert goal is not None
+        want = goal * ep
         if acc[6] > want:
             want = acc[6]
         # relative to the larger count, so that both errors lie in [-1, 1] (and a shadow that hits nothing
@@ -403,11 +433,11 @@ class ProtectionController:
         self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
         self.target = lam * self.max_target if lam > 0.0 else 0.0
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
-        if step != self._bias_step:
-            self._bias_step = step
-            self.weights = retention_weights(self._pw, step / BIAS_STEPS)
-            changed = True
-        return changed
+        if step == self._bias_step:
+            return False
+        self._bias_step = step
+        self.weights = retention_weights(self._pw, step / BIAS_STEPS)
+        return True
 
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window), which constraint
