@@ -14,7 +14,9 @@ if ! "$VENV/bin/python" -c "import torch, pytest, hypothesis, vllm.v1.core.block
   echo "== setting up $VENV for the vLLM plugin tests (first run only; several minutes: torch 2.13.0 CPU,"
   echo "   vllm 0.33.0 --no-deps, $REQS; KVRETAIN_SKIP_VLLM=1 skips these tests)"
   start=$SECONDS
-  bash scripts/need_disk.sh 4 "$VENV (torch 2.13.0 CPU and vLLM 0.33.0: about 3.2 GiB)" KVRETAIN_SKIP_VLLM
+  [ -x "$VENV/bin/python" ] ||
+    bash scripts/need_disk.sh 4 "$VENV (torch 2.13.0 CPU and vLLM 0.33.0: about 3.2 GiB)" KVRETAIN_SKIP_VLLM \
+      "$(dirname "$VENV")"
   [ -x "$VENV/bin/python" ] || quiet_step "creating $VENV" "$PY" -m venv "$VENV"
   quiet_step "installing torch 2.13.0 (CPU) into $VENV" "$VENV/bin/python" -m pip install -q torch==2.13.0
   quiet_step "installing vllm 0.33.0 (no dependencies) into $VENV" \

