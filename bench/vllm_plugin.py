@@ -174,6 +174,10 @@ class Result:
         )
 
 
+STEP_DONE = b"d"
+REPLAY_DONE = b"e"
+
+
 class Gate:
     """A lockstep child's turn-taking with the parent, ``steps`` scheduler steps a turn: :meth:`wait` before a
     step reads the parent's go (one byte on ``go``) when a turn starts, :meth:`done` after it writes one byte to
@@ -196,10 +200,6 @@ class Gate:
 
     def end(self) -> None:
         os.write(self._fd, REPLAY_DONE)
-
-
-STEP_DONE = b"d"
-REPLAY_DONE = b"e"
 
 
 def replay(
@@ -361,14 +361,12 @@ def count_hook_times(totals: dict[str, int]) -> None:
         for label, name in HOOKS:
             wrap(cls, name, label)
     wrap(protection.ProtectionController, "on_lookup", "lookup: of which the protection controller")
+    # the LRU shadows: all traffic, protected traffic, the recency candidate; the GreedyDual one: the frequency
+    # candidate
     for owner, name, label in (
         (protection, "spatial_sample", "controller: spatial sample"),
-        (
-            shadow.LRUShadow,
-            "reference",
-            "controller: LRU shadows",
-        ),  # (all traffic, protected, recency candidate)
-        (shadow.GDShadow, "reference", "controller: GreedyDual shadow"),  # (the frequency candidate)
+        (shadow.LRUShadow, "reference", "controller: LRU shadows"),
+        (shadow.GDShadow, "reference", "controller: GreedyDual shadow"),
     ):
         wrap(owner, name, label)
 

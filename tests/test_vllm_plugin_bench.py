@@ -68,7 +68,7 @@ def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path
 
 
 def test_lockstep_pairs_replay_what_separate_runs_replay(tmp_path: Path) -> None:
-    """The default pairing runs stock and plugin step by step in turn: it must not change what either replays
+    """The default pairing runs stock and plugin in turns of a few steps: it must not change what either replays
     (hit tokens, steps, preemptions equal to the sequential runs'), and its ratio is the pairs' median."""
     trace = _small_trace(tmp_path)
     lock = _bench(trace, "--repeats", "2", "--turn-steps", "3")  # (turns that end inside the replay)
