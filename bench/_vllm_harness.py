@@ -120,6 +120,16 @@ def block_hasher(block_size: int) -> Any:
     return get_request_block_hasher(block_size, sha256)
 
 
+def add_request(sched: Any, request: Any) -> None:
+    """Hand ``request`` to ``sched`` as vLLM's engine core does: its input processing first
+    (``EngineCore.preprocess_add_request``: the plugin's arrival hook, a no-op without the plugin), then the
+    scheduler's ``add_request``."""
+    from kvretain.integrations.vllm._patches import request_arrived
+
+    request_arrived(sched.kv_cache_manager, request)
+    sched.add_request(request)
+
+
 def runner_output(sched: Any, out: Any) -> Any:
     """The model runner's output for scheduler output ``out``: :data:`SAMPLED_TOKEN` for every scheduled
     request that has computed all its tokens after this step (prefill completed, or decoding), nothing for

@@ -236,7 +236,8 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
             raise SystemExit(f"vLLM's free queue is {queue_cls}: the plugin is not (or wrongly) installed")
 
         def add(s: Spec) -> None:
-            sched.add_request(
+            harness.add_request(
+                sched,
                 Request(
                     request_id=s.rid,
                     prompt_token_ids=list(s.prompt),
@@ -245,7 +246,7 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
                     arrival_time=s.arrival_s,
                     priority=s.priority,
                     block_hasher=hasher,
-                )
+                ),
             )
 
         def one_step(step: int) -> StepRecord:

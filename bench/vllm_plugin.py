@@ -33,9 +33,18 @@ steps; ``--turn-steps 1`` times every step on such caches (as on a CPU backend, 
 runs on the same cores between two scheduler steps).
 Hit tokens and step counts are deterministic and must agree across repeats (and across pairings).
 
+Input processing (``input processing ... us a step`` in each run's line; ``stock_input_us_per_step``,
+``plugin_input_us_per_step``): what vLLM's ``EngineCore.preprocess_add_request`` does for each request before
+the scheduler sees it, timed apart from the step: building the ``Request`` with its block hashes and, with the
+plugin, its arrival hook (the protection controller's shadows see the request's blocks there; vLLM runs this
+on its input thread, alongside the model's forward pass when the engine core runs in its own process). The work
+the plugin moved there still costs CPU: ``step_plus_input_vs_stock`` sets the whole cost per step, step plus
+input processing, beside the step alone.
+
 ``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
 method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
-the release at ``free``, the lookup at admission and, inside it, the protection controller, the queue's pops,
+the arrival hook at input processing (not in the step), the release at ``free``, the lookup at admission, the
+protection controller inside the arrival and lookup hooks, the queue's pops,
 appends and removals, the caching hook, the strip of evicted hashes), and around the controller's parts
 (its spatial sample, its LRU shadows, the frequency candidate's GreedyDual shadow): where
 the plugin's time per step goes. Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
@@ -71,7 +80,10 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 TRACE_BLOCK = 512
 """Tokens per trace hash id (``MOONCAKE_BLOCK_TOKENS``)."""
+ARRIVAL = "arrival (input processing, not in the step)"
+CONTROLLER = "of arrival and lookup: the protection controller"
 HOOKS = (
+    (ARRIVAL, "on_arrival"),
     ("release", "on_request_release"),
     ("lookup", "on_lookup"),
     ("pop (eviction)", "popleft_n"),
@@ -154,10 +166,18 @@ class Result:
     vllm_queries: int = 0
     vllm_hits: int = 0
     wall_s: float = 0.0
+    input_s: float = 0.0
+    """Process CPU seconds of input processing, all requests: vLLM's ``Request`` with its block hashes, and the
+    plugin's arrival hook (``request_arrived``), as ``EngineCore.preprocess_add_request`` does them."""
 
     @property
     def mean_step_ms(self) -> float:
         return 1000.0 * statistics.fmean(self.step_times) if self.step_times else 0.0
+
+    @property
+    def input_us_per_step(self) -> float:
+        """Input processing per scheduler step (to set beside the step time: the whole CPU cost a step)."""
+        return 1e6 * self.input_s / self.steps if self.steps else 0.0
 
     @property
     def mean_step_wall_ms(self) -> float:
@@ -224,6 +244,9 @@ def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest], gate:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
+    from kvretain.integrations.vllm._patches import request_arrived
+
+    manager = sched.kv_cache_manager
     prio_of = {r.rid: r.priority for r in reqs}
     seen: set[str] = set()
     pending = list(reqs)
@@ -240,17 +263,23 @@ def _drive(sched: Any, hasher: Any, res: Result, reqs: list[TraceRequest], gate:
         while pos < len(pending) and pending[pos].arrival_step <= step:
             r = pending[pos]
             pos += 1
-            sched.add_request(
-                Request(
-                    request_id=r.rid,
-                    prompt_token_ids=prompt_tokens(r),
-                    sampling_params=SamplingParams(max_tokens=r.output_length, ignore_eos=True),
-                    pooling_params=None,
-                    arrival_time=float(r.arrival_step),
-                    priority=r.priority,
-                    block_hasher=hasher,
-                )
+            tokens = prompt_tokens(r)
+            params = SamplingParams(max_tokens=r.output_length, ignore_eos=True)
+            # input processing, as EngineCore.preprocess_add_request (off the scheduler's step: vLLM runs it on
+            # its input thread); stock: a no-op hook
+            c0 = cpu()
+            request = Request(
+                request_id=r.rid,
+                prompt_token_ids=tokens,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=float(r.arrival_step),
+                priority=r.priority,
+                block_hasher=hasher,
             )
+            request_arrived(manager, request)
+            res.input_s += (cpu() - c0) * 1e-9
+            sched.add_request(request)
         w0 = perf()
         c0 = cpu()
         out = sched.schedule()
@@ -290,7 +319,8 @@ def report(res: Result) -> None:
     print(
         f"{res.name:>7}: steps {res.steps}, scheduler time per step {res.mean_step_ms:.3f} ms CPU "
         f"(median {1000 * statistics.median(res.step_times):.3f} ms; wall {res.mean_step_wall_ms:.3f} ms), "
-        f"run {res.wall_s:.1f} s"
+        f"run {res.wall_s:.1f} s; input processing {res.input_us_per_step:.1f} us a step "
+        f"({1e6 * res.input_s / max(1, sum(res.requests.values())):.0f} us a request)"
     )
     for p in sorted(res.requests):
         print(
@@ -318,6 +348,7 @@ def result_to_json(res: Result, counters: dict[Any, Any]) -> str:
             "vllm_queries": res.vllm_queries,
             "vllm_hits": res.vllm_hits,
             "wall_s": res.wall_s,
+            "input_s": res.input_s,
             "counters": counters,
         }
     )
@@ -329,6 +360,7 @@ def result_from_json(text: str) -> tuple[Result, dict[str, Any]]:
     for key in ("hit_tokens", "prompt_tokens", "requests", "preemptions"):
         getattr(res, key).update({int(k): v for k, v in d[key].items()})
     res.vllm_queries, res.vllm_hits, res.wall_s = d["vllm_queries"], d["vllm_hits"], d["wall_s"]
+    res.input_s = d["input_s"]
     return res, d["counters"]
 
 
@@ -360,11 +392,15 @@ def count_hook_times(totals: dict[str, int]) -> None:
     for cls in (RunFreeQueue, RetentionFreeQueue):
         for label, name in HOOKS:
             wrap(cls, name, label)
-    wrap(protection.ProtectionController, "on_lookup", "lookup: of which the protection controller")
+    # the controller works at a request's arrival (its shadows) and at its lookup (the control law); its parts
+    # are counted wherever they run
+    for name in ("on_arrival", "on_lookup"):
+        wrap(protection.ProtectionController, name, CONTROLLER)
     # the LRU shadows: all traffic, protected traffic, the recency candidate; the GreedyDual one: the frequency
     # candidate
     for owner, name, label in (
         (protection, "spatial_sample", "controller: spatial sample"),
+        (protection, "spatial_mask", "controller: spatial sample"),
         (shadow.LRUShadow, "reference", "controller: LRU shadows"),
         (shadow.GDShadow, "reference", "controller: GreedyDual shadow"),
     ):
@@ -612,6 +648,14 @@ def main() -> None:
         ),
         "step_wall_vs_stock": ratio(
             min(r.mean_step_wall_ms for r in runs["plugin"]), min(r.mean_step_wall_ms for r in runs["stock"])
+        ),
+        # the work moved off the step (the controller's shadows at input processing) still costs CPU: the whole
+        # cost a step, step plus input processing, beside the step alone
+        "stock_input_us_per_step": round(stock.input_us_per_step, 2),
+        "plugin_input_us_per_step": round(plug.input_us_per_step, 2),
+        "step_plus_input_vs_stock": ratio(
+            plug.mean_step_ms + plug.input_us_per_step / 1000,
+            stock.mean_step_ms + stock.input_us_per_step / 1000,
         ),
         "stock_hit_tokens": dict(sorted(stock.hit_tokens.items())),
         "plugin_hit_tokens": dict(sorted(plug.hit_tokens.items())),

@@ -292,3 +292,61 @@ def test_balance_does_not_buy_overall_reuse_with_protected_traffics_hits() -> No
     # the sessions protected: they would lose hits to frequency, so the order stays with recency
     protected = drive(60)
     assert protected.balance is not None and protected.balance.alpha == 0.0
+
+
+def _state(ctl: ProtectionController) -> tuple[object, ...]:
+    b = ctl.balance
+    assert b is not None
+    return (
+        list(ctl._acc),
+        ctl.level,
+        ctl.target,
+        list(ctl.weights),
+        list(ctl.frequency),
+        list(ctl._lru.entries),
+        list(ctl._iso.entries),
+        (b._e, b._g, b._ep, b._gp, b._d2, b.share, b.level, list(b._lru.entries), dict(b._shadow.entries)),
+    )
+
+
+@pytest.mark.parametrize("pool", [64, 4 * SHARDS_SAMPLE])  # every block tracked; a quarter of them
+@pytest.mark.parametrize("digests", [False, True])
+def test_arrival_then_lookup_decides_as_the_lookup_alone(pool: int, digests: bool) -> None:
+    """The shadows' work done at a request's arrival (``on_arrival``), the lookup given what it saw, leaves the
+    controller exactly where one ``on_lookup`` would, lookup after lookup: two classes, hits and misses."""
+    rng = random.Random(3)
+    prefixes = [[rng.getrandbits(60) for _ in range(rng.randrange(5, 40))] for _ in range(30)]
+    inline = ProtectionController(pool, PolicyConfig(block_size=16))
+    ahead = ProtectionController(pool, PolicyConfig(block_size=16))
+    for _ in range(400):
+        ids = rng.choice(prefixes) + [rng.getrandbits(60) for _ in range(rng.randrange(0, 30))]
+        hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in ids] if digests else ids
+        hits = rng.randrange(0, len(hashes) + 1)
+        retention = rng.choice([80, 35, 35])
+        inline.on_lookup(hashes, hits, retention, digests)
+        seen = ahead.on_arrival(hashes, retention, digests)
+        assert seen is not None and seen.blocks == len(hashes)
+        ahead.on_lookup(hashes, hits, retention, digests, seen)
+        assert _state(ahead) == _state(inline)
+    assert 0.0 < inline.level < 1.0 or (inline.balance is not None and inline.balance.level > 0)  # it moved
+
+
+def test_the_shadows_see_requests_in_arrival_order_and_once() -> None:
+    ctl = ProtectionController(64, PolicyConfig(block_size=16))
+    a, b = [1, 2, 3], [7, 8]
+    seen_a = ctl.on_arrival(a, 35)
+    seen_b = ctl.on_arrival(b, 35)
+    assert list(ctl._lru.entries) == [3, 2, 1, 8, 7]  # (deepest first: a prefix outlives its tail)
+    ctl.on_lookup(b, 0, 35, seen=seen_b)  # b is looked up first: the shadows keep the arrival order
+    ctl.on_lookup(a, 0, 35, seen=seen_a)
+    assert list(ctl._lru.entries) == [3, 2, 1, 8, 7]
+    assert 4.5 < ctl._acc[4] <= 5.0  # each block counted once, at its lookup (a decayed sum of 5 references)
+    # a sighting of other blocks (the request grew since) is not used: the lookup references them itself
+    stale = ctl.on_arrival([20, 21], 35)
+    ctl.on_lookup([20, 21, 22], 0, 35, seen=stale)
+    assert list(ctl._lru.entries)[-3:] == [22, 21, 20]
+
+
+def test_nothing_to_see_when_the_controller_is_off() -> None:
+    off = ProtectionController(64, PolicyConfig(isolation_goal=None, adapt_frequency=False))
+    assert off.on_arrival([1, 2], 80) is None and off.on_arrival([], 80) is None

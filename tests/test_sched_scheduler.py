@@ -231,13 +231,42 @@ def test_only_first_lookups_reach_the_policy() -> None:
     seen: list[int] = []
     pol = s.kv.pool.policy
     inner = pol.on_lookup
-    pol.on_lookup = lambda hashes, n_hit, retention: (seen.append(n_hit), inner(hashes, n_hit, retention))  # type: ignore[method-assign]
+    pol.on_lookup = lambda hashes, n_hit, retention, arrived=None: (  # type: ignore[method-assign]
+        seen.append(n_hit),
+        inner(hashes, n_hit, retention, arrived),
+    )
     s.add_request(req("hi", 12, out=5, prio=0))
     s.add_request(req("lo", 16, out=4, prio=1, t=1.0))
     while s.has_unfinished():
         step(s)
     assert s.num_preemptions == 1 and seen == [0, 0]  # one per request; lo's resume (16 hit tokens) not
     assert s.kv.stats[1].resume_hit_tokens == 16
+
+
+def test_the_policy_sees_a_request_at_arrival_and_its_first_lookup_gets_what_it_saw() -> None:
+    # the controller's shadows work at add_request (as the vLLM plugin's at vLLM's input processing); the first
+    # lookup takes what they saw, a resume after preemption does not reach the policy
+    s = Scheduler(KVCacheManager(8, block_size=BS, policy="unified"), SchedulerConfig(policy="priority"))
+    pol = s.kv.pool.policy
+    arrived: list[object] = []
+    looked: list[object] = []
+    inner_arrival, inner_lookup = pol.on_arrival, pol.on_lookup
+
+    def on_arrival(hashes, retention):  # type: ignore[no-untyped-def]
+        arrived.append(inner_arrival(hashes, retention))
+        return arrived[-1]
+
+    def on_lookup(hashes, n_hit, retention, arrival=None):  # type: ignore[no-untyped-def]
+        looked.append(arrival)
+        inner_lookup(hashes, n_hit, retention, arrival)
+
+    pol.on_arrival, pol.on_lookup = on_arrival, on_lookup  # type: ignore[method-assign]
+    s.add_request(req("hi", 12, out=5, prio=0))
+    s.add_request(req("lo", 16, out=4, prio=1, t=1.0))
+    assert len(arrived) == 2 and all(a is not None for a in arrived) and looked == []
+    while s.has_unfinished():
+        step(s)
+    assert s.num_preemptions == 1 and looked == arrived  # one lookup each, with its own arrival's work
 
 
 def test_waiting_request_never_preempts_equal_or_more_important_running() -> None:

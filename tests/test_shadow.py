@@ -19,7 +19,9 @@ from kvretain.core.policies.protection import (
     SHARDS_SAMPLE,
     ProtectionController,
     SpatialCut,
+    sampled_hits,
     spatial_key,
+    spatial_mask,
     spatial_sample,
 )
 from kvretain.core.policies.shadow import GDShadow, LRUShadow
@@ -80,6 +82,27 @@ def test_spatial_sample_of_one_size_digests_skips_only_the_length_check(
         one_size=True,
     )
     assert (list(sampled), hits, got_sub) == _reference_sample(hashes, num_hits, cut, sub)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hashes=st.one_of(DIGESTS, SAME_LENGTH, INTS, MIXED), cut=CUTS, sub=CUTS)
+def test_spatial_mask_samples_as_spatial_sample_for_every_number_of_hits(
+    hashes: list[BlockHash], cut: int | None, sub: int | None
+) -> None:
+    """At a request's arrival its hits are not known yet: the mask then counts the sampled hits of any lookup."""
+    if sub is not None and cut is not None:
+        sub = min(sub, cut)
+    one_size = len(set(map(type, hashes))) == 1 and len({len(h) for h in hashes if isinstance(h, bytes)}) <= 1
+    sampled, mask, got_sub = spatial_mask(
+        hashes, None if cut is None else SpatialCut(cut), None if sub is None else SpatialCut(sub), one_size
+    )
+    for k in range(-1, len(hashes) + 2):
+        want = _reference_sample(hashes, k, cut, sub)
+        assert (list(sampled), sampled_hits(mask, len(hashes), k), got_sub) == (
+            want[0],
+            min(max(k, 0), len(hashes)) if cut is None else want[1],
+            want[2],
+        )
 
 
 class _ReferenceLRU:

@@ -145,7 +145,9 @@ def run(sched: Scheduler, specs: list[Spec], run_: Run | None = None, max_steps:
     step = 0
     while pending or sched.has_unfinished_requests():
         while pending and pending[0].arrival_step <= step:
-            sched.add_request(make_request(pending.pop(0)))
+            harness.add_request(
+                sched, make_request(pending.pop(0))
+            )  # (as the engine core: input processing first)
         out = sched.schedule()
         for nr in out.scheduled_new_reqs:
             out_run.hits.setdefault(nr.req_id, nr.num_computed_tokens)
@@ -427,6 +429,67 @@ def test_bad_directives_fail_only_their_request(model_dir: str) -> None:
     assert "JSON" in errors["bad-2"]
     rec = run(sched, [])
     assert rec.finished == {"ok-1", "ok-2", "ok-3"}
+
+
+@GRANULARITY
+def test_the_controller_sees_a_request_at_input_processing(
+    model_dir: str, granularity: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM hashes a request's blocks at input processing (``EngineCore.preprocess_add_request``, on its input
+    thread): the controller's shadows see them there and the first lookup only accounts for them; a failing
+    arrival hook is counted and leaves that work to the lookup."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    from kvretain.integrations.vllm._base import SIGHTING
+
+    enable("unified", granularity=granularity)
+    sched = build_scheduler(model_dir, 64)
+    make_request(Spec("warmup", [1]))  # initialises the hasher
+    core = SimpleNamespace(
+        mm_receiver_cache=None,
+        request_block_hasher=_HASHER["h"],
+        structured_output_manager=None,
+        scheduler=sched,
+    )
+    q = queue_of(sched)
+    ctl = q._ctl if granularity == "run" else q.policy._ctl
+
+    def arrive(rid: str) -> Request:
+        ecr = EngineCoreRequest(
+            request_id=rid,
+            prompt_token_ids=tokens(zlib.crc32(rid.encode()), 70),
+            mm_features=None,
+            sampling_params=SamplingParams(max_tokens=3, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        req, _wave = EngineCore.preprocess_add_request(core, ecr)
+        return req  # type: ignore[no-any-return]
+
+    a = arrive("a")
+    seen = getattr(a, SIGHTING)
+    # (a 64-block pool: every block is tracked) the shadows hold a's 4 full blocks before any step
+    assert seen.blocks == len(a.block_hashes) == 4 and len(ctl._lru.entries) == 4 and ctl._acc[4] == 0.0
+    sched.add_request(a)
+    assert run(sched, []).finished == {"a"}
+    assert getattr(a, SIGHTING) is None and len(ctl._lru.entries) == 4 and ctl._acc[4] > 0.0  # accounted once
+
+    def broken(request: Any) -> None:
+        raise RuntimeError("arrival hook down")
+
+    monkeypatch.setattr(type(q), "on_arrival", broken)
+    b = arrive("b")
+    assert getattr(b, SIGHTING, None) is None and len(ctl._lru.entries) == 4
+    assert plugin.stats()["hook_errors"] == {"arrival": 1}
+    sched.add_request(b)
+    assert run(sched, []).finished == {"b"}
+    assert len(ctl._lru.entries) == 8  # the lookup referenced b's blocks itself
+    queue_of(sched).check()
 
 
 @GRANULARITY

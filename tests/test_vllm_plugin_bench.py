@@ -47,19 +47,24 @@ def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return _run("--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra)
 
 
-def test_hook_times_name_each_hook_and_the_controller_inside_the_lookup(tmp_path: Path) -> None:
+def test_hook_times_name_each_hook_and_the_controller_inside_its_hooks(tmp_path: Path) -> None:
     res = _bench(_small_trace(tmp_path), "--repeats", "1", "--hook-times")
     assert res.returncode == 0, res.stderr[-2000:]
     last = json.loads(res.stdout.strip().splitlines()[-1])
     hooks = last["hook_us_per_step"]
     # every hook the run queue has is counted; a run that releases and looks up spends time in both
-    assert {"release", "lookup", "pop (eviction)", "lookup: of which the protection controller"} <= set(hooks)
-    assert hooks["release"] > 0 and hooks["lookup"] > 0
-    # the controller runs inside the lookup hook, and its parts inside the controller
-    ctl = hooks["lookup: of which the protection controller"]
-    assert ctl <= hooks["lookup"]
+    arrival = "arrival (input processing, not in the step)"
+    ctl_label = "of arrival and lookup: the protection controller"
+    assert {"release", "lookup", "pop (eviction)", arrival, ctl_label} <= set(hooks)
+    assert hooks["release"] > 0 and hooks["lookup"] > 0 and hooks[arrival] > 0
+    # the controller runs inside the arrival and lookup hooks, and its parts inside the controller
+    ctl = hooks[ctl_label]
+    assert ctl <= hooks["lookup"] + hooks[arrival]
     parts = [v for k, v in hooks.items() if k.startswith("controller: ")]
     assert len(parts) == 3 and hooks["controller: spatial sample"] > 0 and sum(parts) <= ctl
+    # input processing is timed apart from the step, for stock and plugin, and the whole cost set beside it
+    assert last["plugin_input_us_per_step"] > last["stock_input_us_per_step"] > 0
+    assert last["step_plus_input_vs_stock"] > 0
     assert "plugin hooks, CPU us per step" in res.stdout
     # the counted run is a third run: the timed runs (one of each) ran without the counters
     assert len(last["stock_step_ms_runs"]) == 1 and len(last["plugin_step_ms_runs"]) == 1

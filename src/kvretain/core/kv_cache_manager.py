@@ -67,6 +67,7 @@ class _ReqState:
     hashes: Sequence[BlockHash] = field(default_factory=list)
     num_cached: int = 0
     looked_up: bool = False
+    seen: object | None = None  # the policy's work at arrival, for the first lookup (on_arrival)
 
 
 class KVCacheManager:
@@ -133,6 +134,18 @@ class KVCacheManager:
         return len(st.blocks) if st else 0
 
     # ------------------------------------------------------------------ contract
+    def on_arrival(self, req: CacheRequest) -> None:
+        """A request was taken in (the scheduler's ``add_request``): its blocks are hashed now and the policy
+        does its per-request work ahead of the first lookup (``unified``: the controller's shadows), as the vLLM
+        plugin does at vLLM's input processing, off the scheduler's step. Optional: without it the first lookup
+        does that work."""
+        if not self.enable_caching:
+            return
+        st = self._state(req)
+        self._update_hashes(req, st, len(req.all_token_ids))
+        if st.hashes and not st.looked_up:
+            st.seen = self.pool.policy.on_arrival(st.hashes, self.mapping.retention_for(req.priority))
+
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
         """Longest run of cached leading blocks of the request's tokens; the hit is capped so that at least
         the last token is computed (its logits are needed).
@@ -161,8 +174,11 @@ class KVCacheManager:
             st.looked_up = True
             resumed = req.num_preemptions > 0
             self.cache_stats.record_lookup(req.priority, num_tokens, len(hits) * self.block_size, resumed)
+            seen, st.seen = st.seen, None
             if not resumed:
-                self.pool.policy.on_lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority))
+                self.pool.policy.on_lookup(
+                    st.hashes, len(hits), self.mapping.retention_for(req.priority), seen
+                )
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

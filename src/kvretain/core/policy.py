@@ -253,8 +253,17 @@ class EvictionPolicy(ABC):
         for bid in evictable_ids:
             self.push(bid, now)
 
-    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:  # noqa: B027
-        """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached."""
+    def on_arrival(self, hashes: Sequence[BlockHash], retention: int) -> object | None:
+        """A request whose blocks are ``hashes`` arrived (an engine that hashes requests as it takes them in
+        calls this there, before their first lookup); what it returns goes to that lookup's ``on_lookup``.
+        ``None`` here: no policy but ``unified`` does work per request ahead of its lookup."""
+        return None
+
+    def on_lookup(  # noqa: B027
+        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
+    ) -> None:
+        """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached. ``seen``: what
+        :meth:`on_arrival` returned for this request, if it was called."""
 
     @abstractmethod
     def push(self, block_id: int, now: float) -> None:

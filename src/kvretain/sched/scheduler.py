@@ -94,6 +94,7 @@ class Scheduler:
             return False
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        self.kv.on_arrival(req)
         return True
 
     def abort(self, request_id: str) -> Request | None:

@@ -120,23 +120,28 @@ class FrequencyBalance:
     def alpha(self) -> float:
         return self._exp * self.level / ALPHA_STEPS
 
+    def see(self, sampled: Sequence[BlockHash], lru_hits: int | None = None) -> tuple[int, int]:
+        """Reference one lookup's ``sampled`` blocks (prefix order) in both candidates; their hits (recency,
+        frequency). ``lru_hits``: the hits of an LRU shadow of this size that has seen every lookup the
+        balance has (the controller's, when it samples the same blocks), in place of the balance's own."""
+        e_hits = self._lru.reference(sampled) if lru_hits is None else lru_hits
+        return e_hits, self._shadow.reference(sampled)
+
     def update(
         self,
-        sampled: Sequence[BlockHash],
+        n: int,
+        e_hits: int,
+        g: int,
         decay: float,
         window: float,
         protected: bool,
-        lru_hits: int | None = None,
         one_class: bool = False,
     ) -> bool:
-        """One lookup's ``sampled`` blocks (prefix order), from a ``protected`` request or not; ``decay`` is the
-        controller's for this lookup and ``window`` its window in these references. ``lru_hits``: the hits of
-        an LRU shadow of this size that has seen every lookup the balance has (the controller's, when it
-        samples the same blocks), in place of the balance's own. ``one_class``: every lookup so far (this one
+        """Account one lookup of ``n`` sampled blocks whose candidates hit ``e_hits`` (recency) and ``g``
+        (frequency), from a ``protected`` request or not (:meth:`see`); ``decay`` is the controller's for this
+        lookup and ``window`` its window in these references. ``one_class``: every lookup so far (this one
         included) asked for one retention priority; once False it is never True again. Returns True when
         ``alpha`` moved a step."""
-        e_hits = self._lru.reference(sampled) if lru_hits is None else lru_hits
-        g = self._shadow.reference(sampled)
         self._e = e = self._e * decay + e_hits
         self._g = gg = self._g * decay + g
         if self.one_class:
@@ -157,7 +162,7 @@ class FrequencyBalance:
             up = (ep - gp) / mp
             if up > u:
                 u = up
-        step = self._gain * len(sampled) / window
+        step = self._gain * n / window
         p = self._mixed + step * u
         self._mixed = p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         if self.one_class:  # the one-class rule: towards frequency only by its lead beyond the noise

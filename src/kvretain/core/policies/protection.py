@@ -71,6 +71,7 @@ passed):
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from itertools import compress
 from operator import itemgetter
@@ -150,6 +151,55 @@ class SpatialCut:
         return fixed
 
 
+def _second_bytes(hashes: Sequence[BlockHash], one_size: bool) -> bytes:
+    """The second byte of each digest of ``hashes`` (all digests; see :func:`spatial_sample`)."""
+    size = len(hashes[0])  # type: ignore[arg-type]
+    if size >= 2:
+        if one_size:
+            joined = b"".join(hashes)  # type: ignore[arg-type]
+            if len(joined) == size * len(hashes):
+                return joined[1::size]
+        elif list(map(len, hashes)).count(size) == len(hashes):  # type: ignore[arg-type]
+            # NOTE: digests of one length (one hash function's, as an engine's are): their second bytes are
+            # a strided slice of the concatenation (C calls only, no Python-level call per block)
+            return b"".join(hashes)[1::size]  # type: ignore[arg-type]
+    return bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
+
+
+def spatial_mask(
+    hashes: Sequence[BlockHash], cut: SpatialCut | None, sub_cut: SpatialCut | None, one_size: bool = False
+) -> tuple[Sequence[BlockHash], bytes | bytearray | None, list[BlockHash] | None]:
+    """:func:`spatial_sample` before the lookup's hits are known: the sampled blocks, one byte per block of
+    ``hashes`` (1: sampled; ``None`` when ``cut`` is ``None``: every block is) from which :func:`sampled_hits`
+    counts the sampled hits of any lookup of these blocks, and the blocks below ``sub_cut``."""
+    if cut is None:
+        every, _, below = spatial_sample(hashes, 0, None, sub_cut, one_size)
+        return every, None, below
+    mask: bytes | bytearray
+    try:
+        if isinstance(hashes[0], int):
+            lim = cut.int_limit
+            mask = bytes([(h * _MIX) & _LOW64 < lim for h in hashes])  # type: ignore[operator]
+        else:
+            mask = cut.digest_mask(_second_bytes(hashes, one_size), hashes)
+    except (TypeError, OverflowError):  # mixed identities (see spatial_sample)
+        mask = bytes([spatial_key(h) < cut.cut for h in hashes])
+    sampled = list(compress(hashes, mask))
+    sub: list[BlockHash] | None = None
+    if sub_cut is not None:  # (the finer cut's blocks are among the sampled ones: the same rule on fewer)
+        sub = list(spatial_sample(sampled, 0, sub_cut, None, one_size)[0]) if sampled else []
+    return sampled, mask, sub
+
+
+def sampled_hits(mask: bytes | bytearray | None, num_blocks: int, num_hits: int) -> int:
+    """How many sampled blocks (``mask`` of :func:`spatial_mask`) are among the first ``num_hits`` of a lookup of
+    ``num_blocks``."""
+    k = num_hits if num_hits > 0 else 0
+    if mask is None:
+        return k if k < num_blocks else num_blocks
+    return mask.count(1, 0, k) if k else 0
+
+
 def spatial_sample(
     hashes: Sequence[BlockHash],
     num_hits: int,
@@ -187,19 +237,7 @@ def spatial_sample(
                 lim = sub_cut.int_limit
                 sub = [h for h in sampled if (h * _MIX) & _LOW64 < lim]  # type: ignore[operator]
         else:
-            size = len(hashes[0])
-            second = b""
-            if size >= 2:
-                if one_size:
-                    joined = b"".join(hashes)  # type: ignore[arg-type]
-                    if len(joined) == size * len(hashes):
-                        second = joined[1::size]
-                elif list(map(len, hashes)).count(size) == len(hashes):  # type: ignore[arg-type]
-                    # NOTE: digests of one length (one hash function's, as an engine's are): their second bytes are
-                    # a strided slice of the concatenation (C calls only, no Python-level call per block)
-                    second = b"".join(hashes)[1::size]  # type: ignore[arg-type]
-            if not second:
-                second = bytes(map(_SECOND, hashes))  # type: ignore[arg-type]
+            second = _second_bytes(hashes, one_size)
             if cut is not None:
                 mask = cut.digest_mask(second, hashes)
                 sampled = list(compress(hashes, mask))
@@ -214,6 +252,37 @@ def spatial_sample(
         if sub_cut is not None:
             sub = [h for h, key in zip(hashes, keys, strict=True) if key < sub_cut.cut]
     return sampled, hits, sub
+
+
+class Sighting:
+    """What the shadows saw of one request's blocks (:meth:`ProtectionController.on_arrival`): the number of
+    blocks, which were sampled (``mask``, see :func:`spatial_mask`), whether the request was protected, and per
+    shadow the sampled hits: the LRU shadow's, the isolated shadow's (0 unless protected) and, on the balance's
+    share of the sample (``balanced`` blocks), its recency and frequency candidates'."""
+
+    __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "protected")
+
+    def __init__(
+        self,
+        blocks: int,
+        mask: bytes | bytearray | None,
+        protected: bool,
+        n: int,
+        lru_hits: int,
+        iso_hits: int,
+        balanced: int,
+        e_hits: int = 0,
+        g_hits: int = 0,
+    ) -> None:
+        self.blocks = blocks
+        self.mask = mask
+        self.protected = protected
+        self.n = n
+        self.lru_hits = lru_hits
+        self.iso_hits = iso_hits
+        self.balanced = balanced
+        self.e_hits = e_hits
+        self.g_hits = g_hits
 
 
 class ProtectionController:
@@ -240,6 +309,7 @@ class ProtectionController:
         "_iso",
         "_iso_is_lru",
         "_keep",
+        "_lock",
         "_lru",
         "_margin",
         "_one_retention",
@@ -319,40 +389,93 @@ class ProtectionController:
         # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
         self._acc = [0.0] * 8
         self.binding = "none"
+        self._lock = threading.Lock()  # (the shadows: on_arrival may run on an engine's input thread)
+
+    def on_arrival(
+        self, hashes: Sequence[BlockHash], retention: int, one_size: bool = False
+    ) -> Sighting | None:
+        """A request at ``retention`` whose blocks are ``hashes`` (its full blocks, prefix order) has arrived: its
+        sampled blocks enter the shadow directories now, and :meth:`on_lookup` at its first lookup, given the
+        returned :class:`Sighting`, only accounts for them. ``None`` when the controller has nothing to do.
+
+        The shadows then see requests in the order their identities became known, not the order of their
+        lookups: an engine that hashes a request's blocks when it takes the request in (vLLM: its input
+        processing, off the scheduler's step) can do the controller's per-block work there too. Safe to call
+        from another thread than :meth:`on_lookup`'s (the shadows are referenced under a lock)."""
+        if not hashes or (self._goal is None and self.balance is None):
+            return None
+        sampled, mask, sub = spatial_mask(hashes, self._cut_at, self._sub_cut, one_size)
+        return self._see(sampled, mask, len(hashes), sub, retention >= self.threshold)
 
     def on_lookup(
-        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, one_size: bool = False
+        self,
+        hashes: Sequence[BlockHash],
+        num_hits: int,
+        retention: int,
+        one_size: bool = False,
+        seen: Sighting | None = None,
     ) -> bool:
         """A request at ``retention`` looked up ``hashes`` (its full blocks, prefix order) and hit the first
         ``num_hits`` of them in the pool. Returns True when :attr:`weights` or :attr:`frequency` changed
-        (callers that keep a reference to the lists take the new ones). ``one_size``: see :func:`spatial_sample`."""
+        (callers that keep a reference to the lists take the new ones). ``one_size``: see :func:`spatial_sample`.
+        ``seen``: what :meth:`on_arrival` returned for these blocks (their shadow references are then not made
+        again); without it, or when it was for another number of blocks, the references are made now."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
-        sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut, one_size)
-        if not sampled:
+        if seen is not None and seen.blocks == len(hashes):
+            protected = seen.protected
+            hits = sampled_hits(seen.mask, seen.blocks, num_hits)
+        else:
+            protected = retention >= self.threshold
+            sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut, one_size)
+            seen = self._see(sampled, None, len(hashes), sub, protected)
+        n = seen.n
+        if not n:
             return False
-        protected = retention >= self.threshold
-        if not protected and self._iso_is_lru:
-            self._iso = self._lru.copy()
-            self._iso_is_lru = False
-        lru_hits = self._lru.reference(sampled)
-        n = len(sampled)
+        lru_hits = seen.lru_hits
         window, d = self._observe(n, hits, lru_hits)
         changed = False
-        if self.balance is not None and self._balance_update(
-            sampled if sub is None else sub, n, window, d, retention, protected, lru_hits
-        ):
-            self.frequency = self.balance.table(self._cap)
+        if seen.balanced and self._balance_update(seen, n, window, d, retention, protected):
+            self.frequency = self.balance.table(self._cap)  # type: ignore[union-attr]
             changed = True
         if self._goal is None:
             return changed
         if protected:
             acc = self._acc
             acc[2] += hits
-            acc[3] += lru_hits if self._iso_is_lru else self._iso.reference(sampled)
+            acc[3] += seen.iso_hits
             acc[5] += n
             acc[6] += lru_hits
         return self._steer(n, window) or changed
+
+    def _see(
+        self,
+        sampled: Sequence[BlockHash],
+        mask: bytes | bytearray | None,
+        blocks: int,
+        sub: Sequence[BlockHash] | None,
+        protected: bool,
+    ) -> Sighting:
+        """Reference a request's ``sampled`` blocks (``sub``: the balance's share of them) in every shadow."""
+        with self._lock:
+            if not sampled:
+                return Sighting(blocks, mask, protected, 0, 0, 0, 0, 0)
+            if not protected and self._iso_is_lru:
+                self._iso = self._lru.copy()
+                self._iso_is_lru = False
+            lru_hits = self._lru.reference(sampled)
+            iso_hits = 0
+            if protected and self._goal is not None:
+                iso_hits = lru_hits if self._iso_is_lru else self._iso.reference(sampled)
+            balanced = sampled if sub is None else sub
+            e_hits = g_hits = 0
+            if self.balance is not None and balanced:
+                e_hits, g_hits = self.balance.see(balanced, lru_hits if self._balance_takes_lru else None)
+            else:
+                balanced = ()
+            return Sighting(
+                blocks, mask, protected, len(sampled), lru_hits, iso_hits, len(balanced), e_hits, g_hits
+            )
 
     def _observe(self, n: int, hits: int, lru_hits: int) -> tuple[float, float]:
         """Decay the sums over ``n`` more sampled references and add all traffic's: the pool's ``hits``, the LRU
@@ -373,26 +496,18 @@ class ProtectionController:
         return window, d
 
     def _balance_update(
-        self,
-        balanced: Sequence[BlockHash],
-        n: int,
-        window: float,
-        d: float,
-        retention: int,
-        protected: bool,
-        lru_hits: int,
+        self, seen: Sighting, n: int, window: float, d: float, retention: int, protected: bool
     ) -> bool:
-        """The recency/frequency balance sees ``balanced`` (its share of the sample) over its own window: at
-        least ``BALANCE_TURNOVERS`` turnovers. True when its exponent moved."""
+        """The recency/frequency balance takes its candidates' hits on its share of the sample (``seen``) over
+        its own window: at least ``BALANCE_TURNOVERS`` turnovers. True when its exponent moved."""
         assert self.balance is not None
         bw = self._balance_refs if self._balance_refs > window else window
         bd = d if bw == window else math.exp(-n / bw)
-        shared = lru_hits if self._balance_takes_lru else None
         if self._one_retention != retention:  # (the first lookup sets it; a second retention ends it)
             self._one_retention = retention if self._one_retention == -2 else -1
         one = self._one_retention >= 0
-        return bool(balanced) and self.balance.update(
-            balanced, bd, bw * self._balance_share, protected, shared, one
+        return self.balance.update(
+            seen.balanced, seen.e_hits, seen.g_hits, bd, bw * self._balance_share, protected, one
         )
 
     def _steer(self, n: int, window: float) -> bool:

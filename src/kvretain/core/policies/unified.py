@@ -42,7 +42,7 @@ from typing import cast
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.protection import ProtectionController
+from kvretain.core.policies.protection import ProtectionController, Sighting
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
 
 _UNSET = rules.UNSET
@@ -346,8 +346,15 @@ class UnifiedPolicy(EvictionPolicy):
             m.protected = p
             self._num_protected += 1 if p else -1
 
-    def on_lookup(self, hashes: Sequence[BlockHash], num_hits: int, retention: int) -> None:
-        if self._ctl.on_lookup(hashes, num_hits, retention):
+    def on_arrival(self, hashes: Sequence[BlockHash], retention: int) -> object | None:
+        return self._ctl.on_arrival(hashes, retention)
+
+    def on_lookup(
+        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
+    ) -> None:
+        if self._ctl.on_lookup(
+            hashes, num_hits, retention, False, seen if isinstance(seen, Sighting) else None
+        ):
             self._weight = self._ctl.weights
             self._F = self._ctl.frequency
 

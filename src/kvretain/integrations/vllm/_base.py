@@ -18,6 +18,9 @@ from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm._runtime import logger
 from kvretain.integrations.vllm.config import retention_from_extra_args
 
+SIGHTING = "_kvretain_sighting"
+"""The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
+
 
 class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     """A ``FreeKVCacheBlockQueue`` that the plugin's patches call into (see :mod:`._patches`)."""
@@ -233,6 +236,25 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         except RetentionError as exc:  # validated at input; never fail the engine here
             self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
             return None
+
+    def _arrival_retention(self, request: Any) -> int:
+        """The retention a request's first lookup will be counted at (:meth:`_count_lookup`)."""
+        return self._mapped_for(int(getattr(request, "priority", 0) or 0))
+
+    @staticmethod
+    def _sighted(request: Any, seen: object | None) -> None:
+        """Keep what the policy saw of ``request`` at its arrival for its first lookup (on the request: it goes
+        with it, whether or not it is ever scheduled)."""
+        if seen is not None:
+            setattr(request, SIGHTING, seen)
+
+    @staticmethod
+    def _take_sighting(request: Any) -> object | None:
+        """What :meth:`_sighted` kept for ``request`` (once: a resume is not a first lookup)."""
+        seen = getattr(request, SIGHTING, None)
+        if seen is not None:
+            setattr(request, SIGHTING, None)
+        return seen
 
     def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume

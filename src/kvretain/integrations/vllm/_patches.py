@@ -13,7 +13,8 @@ be swapped):
   the run queue, new content is registered there).
 * ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
 * ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
-  (engine core, a per-request ``validation_error``): reject bad retention directives.
+  (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
+  hashed the request's blocks, also hands the request to the queue's ``on_arrival`` (:func:`request_arrived`).
 
 A patch never raises into vLLM's busy loop: a hook error is counted (``stats()["hook_errors"]``), logged (with its
 traceback the first time) and the stock code path continues.
@@ -269,11 +270,28 @@ def _make_validate_params(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _validate_params
 
 
+def request_arrived(manager: Any, request: Any) -> None:
+    """A request was taken in and its blocks hashed (``EngineCore.preprocess_add_request``, on vLLM's input
+    thread when the engine core runs in its own process): the policy's per-request work ahead of the lookup
+    runs here, off the scheduler's step, as vLLM's own block hashing does. A harness that builds requests itself
+    calls this where the engine core would."""
+    q: Any = getattr(getattr(manager, "block_pool", None), "free_block_queue", None)
+    if type(q) in QUEUE_TYPES and manager.prefix_cache_lookup_enabled(request):
+        try:
+            q.on_arrival(request)
+        except Exception:
+            _hook_failed("arrival", "kvretain: arrival hook failed (the lookup does its work)")
+
+
 def _make_preprocess(orig: Callable[..., Any]) -> Callable[..., Any]:
     def preprocess_add_request(self: Any, request: Any) -> Any:
         if _active is not None and getattr(request, "sampling_params", None) is not None:
             check_sampling_params(request.sampling_params)
-        return orig(self, request)
+        out = orig(self, request)
+        manager = getattr(getattr(self, "scheduler", None), "kv_cache_manager", None)
+        if _active is not None and manager is not None:
+            request_arrived(manager, out[0] if isinstance(out, tuple) else out)
+        return out
 
     return preprocess_add_request
 

@@ -347,12 +347,24 @@ class RetentionFreeQueue(HookedFreeQueue):
         if released:
             self.counters.get(prio).released_blocks += released
 
+    def on_arrival(self, request: Any) -> None:
+        """At input processing (``EngineCore.preprocess_add_request``): the policy's per-request work ahead of
+        the lookup (``unified``'s controller shadows), off the scheduler's step."""
+        hashes = request.block_hashes
+        if hashes and self._tracks:
+            self._sighted(request, self.policy.on_arrival(hashes, self._arrival_retention(request)))
+
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the policy's lookup hook."""
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None and self._tracks:
             hashes = request.block_hashes
-            self.policy.on_lookup(hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped)
+            self.policy.on_lookup(
+                hashes,
+                min(len(hashes), num_hit_tokens // max(1, hash_block_size)),
+                mapped,
+                self._take_sighting(request),
+            )
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True

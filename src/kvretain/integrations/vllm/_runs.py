@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
-from kvretain.core.policies.protection import ProtectionController
+from kvretain.core.policies.protection import ProtectionController, Sighting
 from kvretain.core.policies.unified import sample_stride
 from kvretain.core.policy import INF, PolicyConfig
 from kvretain.core.retention import (
@@ -755,6 +755,13 @@ class RunFreeQueue(HookedFreeQueue):
             queues[run.tier].push(run)
         return placed
 
+    def on_arrival(self, request: Any) -> None:
+        """At input processing (``EngineCore.preprocess_add_request``, once vLLM has hashed the request's
+        blocks): the protection controller's shadows see them now, off the scheduler's step."""
+        hashes = request.block_hashes
+        if hashes:  # (vLLM's block hashes are one hash function's digests: one length)
+            self._sighted(request, self._ctl.on_arrival(hashes, self._arrival_retention(request), True))
+
     def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
         """At admission (``record_prefix_cache_stats``): per-priority counters and the protection controller."""
         mapped = self._count_lookup(request, num_hit_tokens)
@@ -762,7 +769,11 @@ class RunFreeQueue(HookedFreeQueue):
             hashes = request.block_hashes
             # (vLLM's block hashes are one hash function's digests: one length)
             if self._ctl.on_lookup(
-                hashes, min(len(hashes), num_hit_tokens // max(1, hash_block_size)), mapped, True
+                hashes,
+                min(len(hashes), num_hit_tokens // max(1, hash_block_size)),
+                mapped,
+                True,
+                seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
             ):
                 self._weight = self._ctl.weights
                 self._F = self._ctl.frequency
