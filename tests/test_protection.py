@@ -350,3 +350,22 @@ def test_the_shadows_see_requests_in_arrival_order_and_once() -> None:
 def test_nothing_to_see_when_the_controller_is_off() -> None:
     off = ProtectionController(64, PolicyConfig(isolation_goal=None, adapt_frequency=False))
     assert off.on_arrival([1, 2], 80) is None and off.on_arrival([], 80) is None
+
+
+def test_a_second_retention_ends_the_one_class_rule_even_without_a_block_in_the_balances_sample() -> None:
+    # 8,192 blocks: every block is tracked by the controller, a quarter of them by the balance; the lookup at the
+    # second retention priority has none of the balance's: the rule still ends there (with or without arrival)
+    pool = SHARDS_SAMPLE
+    ctl = ProtectionController(pool, PolicyConfig(block_size=16))
+    assert ctl.balance is not None and ctl._sub_cut is not None
+    sub = ctl._sub_cut.cut
+    inside = [i for i in range(1, 5000) if spatial_key(i) < sub][:6]
+    outside = [i for i in range(1, 5000) if spatial_key(i) >= sub][:6]
+    ctl.on_lookup(inside, 0, 80)
+    assert ctl.balance.one_class
+    seen = ctl.on_arrival(outside, 35)
+    assert seen is not None and seen.n == 6 and seen.balanced == 0
+    ctl.on_lookup(outside, 0, 35, seen=seen)
+    assert ctl._one_retention == -1
+    ctl.on_lookup(inside, 0, 80)
+    assert not ctl.balance.one_class

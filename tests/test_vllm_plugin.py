@@ -492,6 +492,31 @@ def test_the_controller_sees_a_request_at_input_processing(
     queue_of(sched).check()
 
 
+def test_the_arrival_hook_skips_streaming_chunks_and_never_raises(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming-input chunk (``resumable``) is merged into its session by vLLM's scheduler and its hashes
+    start over at the chunk: the shadows must not see them. Whatever fails in the hook stays in it."""
+    from kvretain.integrations.vllm._base import SIGHTING
+    from kvretain.integrations.vllm._patches import request_arrived
+
+    enable("unified")
+    sched = build_scheduler(model_dir, 64)
+    ctl = queue_of(sched)._ctl
+    chunk = make_request(Spec("s", tokens(11, 70)))
+    chunk.resumable = True
+    request_arrived(sched.kv_cache_manager, chunk)
+    assert getattr(chunk, SIGHTING, None) is None and not ctl._lru.entries
+
+    def boom(request: Any) -> bool:
+        raise RuntimeError("lookup check down")
+
+    monkeypatch.setattr(sched.kv_cache_manager, "prefix_cache_lookup_enabled", boom)
+    plain = make_request(Spec("p", tokens(12, 70)))
+    request_arrived(sched.kv_cache_manager, plain)  # (no exception reaches vLLM's input thread)
+    assert getattr(plain, SIGHTING, None) is None and plugin.stats()["hook_errors"] == {"arrival": 1}
+
+
 @GRANULARITY
 def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str, granularity: str) -> None:
     """Defence in depth: if a bad request bypasses validation, its blocks get default retention."""

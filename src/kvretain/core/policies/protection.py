@@ -215,7 +215,8 @@ def spatial_sample(
     function's, as vLLM's ``Request.block_hashes``); the length of each is then not checked (the check is half
     of this function's cost on a long lookup), only their total.
 
-    NOTE: the controller's hot path (every block of every lookup, inside vLLM's scheduler step): for digests
+    NOTE: the controller's hot path (every block of every request, at its arrival or, without one, inside vLLM's
+    scheduler step; :func:`spatial_mask` shares it): for digests
     the second bytes are gathered and classified in C (a strided slice of the digests' concatenation when they
     have one length, else ``bytes(map(...))``; ``translate``, ``compress``) and only
     the blocks whose second byte equals a cut's (1 in 256) read their first byte; for ints the key test is
@@ -257,7 +258,8 @@ def spatial_sample(
 class Sighting:
     """What the shadows saw of one request's blocks (:meth:`ProtectionController.on_arrival`): the number of
     blocks, which were sampled (``mask``, see :func:`spatial_mask`), whether the request was protected, and per
-    shadow the sampled hits: the LRU shadow's, the isolated shadow's (0 unless protected) and, on the balance's
+    shadow the sampled hits: the LRU shadow's, the isolated shadow's (0 unless protected and the controller has an
+    isolation goal) and, on the balance's
     share of the sample (``balanced`` blocks), its recency and frequency candidates'."""
 
     __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "protected")
@@ -400,8 +402,10 @@ class ProtectionController:
 
         The shadows then see requests in the order their identities became known, not the order of their
         lookups: an engine that hashes a request's blocks when it takes the request in (vLLM: its input
-        processing, off the scheduler's step) can do the controller's per-block work there too. Safe to call
-        from another thread than :meth:`on_lookup`'s (the shadows are referenced under a lock)."""
+        processing, on the engine core's input thread) can do the controller's per-block work there too. That
+        thread shares the process (and Python's lock) with the scheduler's: the work overlaps the step only while
+        the busy loop waits (on the model's forward pass); it leaves the step, not the CPU. Safe to call from
+        another thread than :meth:`on_lookup`'s (the shadows are referenced under a lock)."""
         if not hashes or (self._goal is None and self.balance is None):
             return None
         sampled, mask, sub = spatial_mask(hashes, self._cut_at, self._sub_cut, one_size)
@@ -425,7 +429,7 @@ class ProtectionController:
         if seen is not None and seen.blocks == len(hashes):
             protected = seen.protected
             hits = sampled_hits(seen.mask, seen.blocks, num_hits)
-        else:
+        else:  # (a sighting of other blocks: these are referenced now; its own references stay in the shadows)
             protected = retention >= self.threshold
             sampled, hits, sub = spatial_sample(hashes, num_hits, self._cut_at, self._sub_cut, one_size)
             seen = self._see(sampled, None, len(hashes), sub, protected)
@@ -435,8 +439,8 @@ class ProtectionController:
         lru_hits = seen.lru_hits
         window, d = self._observe(n, hits, lru_hits)
         changed = False
-        if seen.balanced and self._balance_update(seen, n, window, d, retention, protected):
-            self.frequency = self.balance.table(self._cap)  # type: ignore[union-attr]
+        if self.balance is not None and self._balance_update(seen, n, window, d, retention, protected):
+            self.frequency = self.balance.table(self._cap)
             changed = True
         if self._goal is None:
             return changed
@@ -506,7 +510,7 @@ class ProtectionController:
         if self._one_retention != retention:  # (the first lookup sets it; a second retention ends it)
             self._one_retention = retention if self._one_retention == -2 else -1
         one = self._one_retention >= 0
-        return self.balance.update(
+        return bool(seen.balanced) and self.balance.update(
             seen.balanced, seen.e_hits, seen.g_hits, bd, bw * self._balance_share, protected, one
         )
 

@@ -273,14 +273,20 @@ def _make_validate_params(orig: Callable[..., Any]) -> Callable[..., Any]:
 def request_arrived(manager: Any, request: Any) -> None:
     """A request was taken in and its blocks hashed (``EngineCore.preprocess_add_request``, on vLLM's input
     thread when the engine core runs in its own process): the policy's per-request work ahead of the lookup
-    runs here, off the scheduler's step, as vLLM's own block hashing does. A harness that builds requests itself
-    calls this where the engine core would."""
+    runs here, outside the scheduler's step, as vLLM's own block hashing does (same process: it overlaps the
+    step only while the busy loop waits on the model). A harness that builds requests itself calls this where
+    the engine core would.
+
+    Not for a streaming-input chunk (``resumable``): vLLM merges a later chunk into its session and drops its
+    ``Request``, whose hashes start over at the chunk; such a session's first lookup does the work itself."""
     q: Any = getattr(getattr(manager, "block_pool", None), "free_block_queue", None)
-    if type(q) in QUEUE_TYPES and manager.prefix_cache_lookup_enabled(request):
-        try:
+    if type(q) not in QUEUE_TYPES or getattr(request, "resumable", False):
+        return
+    try:
+        if manager.prefix_cache_lookup_enabled(request):
             q.on_arrival(request)
-        except Exception:
-            _hook_failed("arrival", "kvretain: arrival hook failed (the lookup does its work)")
+    except Exception:
+        _hook_failed("arrival", "kvretain: arrival hook failed (the lookup does its work)")
 
 
 def _make_preprocess(orig: Callable[..., Any]) -> Callable[..., Any]:
