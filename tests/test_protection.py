@@ -345,6 +345,7 @@ def test_the_shadows_see_requests_in_arrival_order_and_once() -> None:
     stale = ctl.on_arrival([20, 21], 35)
     ctl.on_lookup([20, 21, 22], 0, 35, seen=stale)
     assert list(ctl._lru.entries)[-3:] == [22, 21, 20]
+    assert ctl.stats()["lookups_seen_at_arrival"] == pytest.approx(2 / 3)  # (the third's sighting was stale)
 
 
 def test_nothing_to_see_when_the_controller_is_off() -> None:

@@ -70,6 +70,8 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     # the recency/frequency balance: two request priorities have looked up, so its one-class rule has ended
     assert _value(s, "kvretain:balance_one_class") == 0.0
     assert 0.0 <= _value(s, "kvretain:frequency_exponent_now") <= 1.0
+    # every request came through vLLM's input processing: the controller's shadows saw each one there
+    assert _value(s, "kvretain:lookups_seen_at_arrival") == 1.0
     assert _value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
 
 

@@ -312,11 +312,13 @@ class ProtectionController:
         "_iso_is_lru",
         "_keep",
         "_lock",
+        "_lookups",
         "_lru",
         "_margin",
         "_one_retention",
         "_pw",
         "_rate_cut",
+        "_sighted",
         "_sub_cut",
         "balance",
         "binding",
@@ -392,6 +394,8 @@ class ProtectionController:
         self._acc = [0.0] * 8
         self.binding = "none"
         self._lock = threading.Lock()  # (the shadows: on_arrival may run on an engine's input thread)
+        self._lookups = 0  # first lookups the controller took; of them, with their arrival's sighting
+        self._sighted = 0
 
     def on_arrival(
         self, hashes: Sequence[BlockHash], retention: int, one_size: bool = False
@@ -426,7 +430,9 @@ class ProtectionController:
         again); without it, or when it was for another number of blocks, the references are made now."""
         if not hashes or (self._goal is None and self.balance is None):
             return False
+        self._lookups += 1
         if seen is not None and seen.blocks == len(hashes):
+            self._sighted += 1
             protected = seen.protected
             hits = sampled_hits(seen.mask, seen.blocks, num_hits)
         else:  # (a sighting of other blocks: these are referenced now; its own references stay in the shadows)
@@ -561,7 +567,8 @@ class ProtectionController:
     def stats(self) -> dict[str, float]:
         """The controller's state: the target, both estimates (hit ratios over the window), which constraint
         binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal), the balance's frequency
-        exponent (-1: no balance) and whether its one-class rule still holds (``balance_one_class``)."""
+        exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``) and the share of
+        first lookups whose shadows' work ran at the request's arrival (``lookups_seen_at_arrival``)."""
         acc = self._acc
         return {
             "protection_level": self.level,
@@ -576,4 +583,5 @@ class ProtectionController:
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.binding == "isolation" else 0.0,
+            "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,
         }

@@ -23,8 +23,10 @@ priority, lower = more important):
 ``kvretain:protected_target_blocks`` / ``kvretain:protected_budget_blocks``
     the protection controller's target and its ceiling (``budget`` x pool);
 ``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
-``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``
-    the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds;
+``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``,
+``kvretain:lookups_seen_at_arrival``
+    the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds,
+    and the share of first lookups whose shadows saw the request at vLLM's input processing;
 ``kvretain:frequency_exponent_now``, ``kvretain:balance_one_class``
     the recency/frequency balance: its exponent now (0: LRU order) and whether its one-class rule holds.
 
@@ -100,6 +102,10 @@ GAUGE_KEYS = (
         "balance_one_class",
         "1 while every lookup so far asked for one retention priority (the order leaves LRU only on evidence)",
     ),
+    (
+        "lookups_seen_at_arrival",
+        "share of first lookups whose controller shadows saw the request at input processing (off the step)",
+    ),
 )
 _CONTROLLER_KEYS = (
     "protection_level",
@@ -110,6 +116,7 @@ _CONTROLLER_KEYS = (
     "reuse_floor_binds",
     "frequency_exponent_now",
     "balance_one_class",
+    "lookups_seen_at_arrival",
 )
 
 
