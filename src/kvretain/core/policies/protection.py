@@ -46,6 +46,13 @@ reuse floor can always be kept as far as the base order keeps it. Which term is 
 the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
 measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).
 
+Where the per-block work runs: the sample of a request's blocks and their references in every shadow need
+nothing but the request's block identities, so :meth:`ProtectionController.on_arrival` does them when the engine
+hashes the request (vLLM: its input processing, outside the scheduler's step) and hands the hits to the
+request's first lookup, which adds the pool's own hits and moves the level
+(:meth:`~ProtectionController.on_lookup`; without an arrival it does both). The shadows then see requests in
+arrival order.
+
 Windows and gains, from the pool size, the observed hits and the margin (no constant chosen because it
 passed):
 
@@ -259,8 +266,8 @@ class Sighting:
     """What the shadows saw of one request's blocks (:meth:`ProtectionController.on_arrival`): the number of
     blocks, which were sampled (``mask``, see :func:`spatial_mask`), whether the request was protected, and per
     shadow the sampled hits: the LRU shadow's, the isolated shadow's (0 unless protected and the controller has an
-    isolation goal) and, on the balance's
-    share of the sample (``balanced`` blocks), its recency and frequency candidates'."""
+    isolation goal) and, on the balance's share of the sample (``balanced`` blocks), its recency and frequency
+    candidates'."""
 
     __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "protected")
 

@@ -3,8 +3,8 @@ would hit on the same references (SHARDS-style estimates, :mod:`kvretain.core.po
 is stock LRU (vLLM's order); ``GDShadow`` is GreedyDual-Frequency (the frequency candidate of
 :mod:`kvretain.core.policies.balance`).
 
-NOTE: both run on every sampled block of every lookup (the controller's hot path, inside vLLM's scheduler
-step): their per-block work is done by C-level iterators (``map``, ``filterfalse``) over the dict's own
+NOTE: both run on every sampled block of every request (the controller's hot path: at its arrival, on vLLM's
+input thread, or inside the scheduler's step when nothing arrived first): their per-block work is done by C-level iterators (``map``, ``filterfalse``) over the dict's own
 methods where the order of operations allows it, with the same result as one Python loop per block
 (``tests/test_shadow.py`` compares them with straightforward reference implementations).
 """
