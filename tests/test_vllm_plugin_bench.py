@@ -104,3 +104,18 @@ def test_bad_options_are_a_usage_error_before_any_child_starts() -> None:
     assert "Traceback" not in res.stderr
     res = _run("--turn-steps", "0", "--trace", str(SCRIPT))
     assert res.returncode == 2 and "--turn-steps must be at least 1" in res.stderr
+
+
+def test_stock_arrival_work_leaves_stock_replaying_what_it_replays(tmp_path: Path) -> None:
+    """``--stock-arrival-work``: stock does the plugin's arrival work and discards it; what it replays (hits,
+    steps, preemptions) is unchanged, and the JSON says the option was on."""
+    trace = _small_trace(tmp_path)
+    plain = _bench(trace, "--repeats", "1", "--sequential")
+    worked = _bench(trace, "--repeats", "1", "--sequential", "--stock-arrival-work")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert worked.returncode == 0, worked.stderr[-2000:]
+    a = json.loads(plain.stdout.strip().splitlines()[-1])
+    b = json.loads(worked.stdout.strip().splitlines()[-1])
+    assert not a["stock_arrival_work"] and b["stock_arrival_work"]
+    for key in ("stock_hit_tokens", "plugin_hit_tokens", "stock_steps", "stock_preemptions"):
+        assert a[key] == b[key], key
