@@ -176,11 +176,7 @@ class KVCacheManager:
             self.cache_stats.record_lookup(req.priority, num_tokens, len(hits) * self.block_size, resumed)
             seen, st.seen = st.seen, None
             if not resumed:
-                retention = self.mapping.retention_for(req.priority)
-                if seen is None:  # (a policy written before on_arrival takes three arguments)
-                    self.pool.policy.on_lookup(st.hashes, len(hits), retention)
-                else:
-                    self.pool.policy.on_lookup(st.hashes, len(hits), retention, seen)
+                self.pool.policy.lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority), seen)
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

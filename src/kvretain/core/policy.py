@@ -259,6 +259,16 @@ class EvictionPolicy(ABC):
         ``None`` here: no policy but ``unified`` does work per request ahead of its lookup."""
         return None
 
+    def lookup(
+        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
+    ) -> None:
+        """Hand a first lookup to :meth:`on_lookup`, with what :meth:`on_arrival` returned when there is one (a
+        policy written before ``on_arrival`` takes three arguments, and is called so when nothing arrived)."""
+        if seen is None:
+            self.on_lookup(hashes, num_hits, retention)
+        else:
+            self.on_lookup(hashes, num_hits, retention, seen)
+
     def on_lookup(  # noqa: B027
         self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
     ) -> None:

@@ -22,6 +22,11 @@ SIGHTING = "_kvretain_sighting"
 """The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
 
 
+def _priority(request: Any) -> int:
+    """A vLLM request's priority (0 when it has none)."""
+    return int(getattr(request, "priority", 0) or 0)
+
+
 class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     """A ``FreeKVCacheBlockQueue`` that the plugin's patches call into (see :mod:`._patches`)."""
 
@@ -221,7 +226,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     ) -> tuple[int, int, RetentionConfig | None, str | None, bool]:
         """What a release asks for: the request priority, its mapped retention, its directives (if any), its
         retention scope, and whether the directives need a per-block plan."""
-        prio = int(getattr(request, "priority", 0) or 0)
+        prio = _priority(request)
         ret = self._retention(request)
         use_plan = ret is not None and not ret.is_default and block_sizes is not None
         return prio, self._mapped_for(prio), ret, ret.scope if ret is not None else None, use_plan
@@ -239,7 +244,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def _arrival_retention(self, request: Any) -> int:
         """The retention a request's first lookup will be counted at (:meth:`_count_lookup`)."""
-        return self._mapped_for(int(getattr(request, "priority", 0) or 0))
+        return self._mapped_for(_priority(request))
 
     @staticmethod
     def _sighted(request: Any, seen: object | None) -> None:
@@ -259,7 +264,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
         after preemption (its hits are counted apart, as vLLM does, and it is no new lookup)."""
-        prio = int(getattr(request, "priority", 0) or 0)
+        prio = _priority(request)
         resumed = getattr(request, "num_preemptions", 0) > 0
         self.counters.get(prio).record_lookup(int(request.num_tokens), num_hit_tokens, resumed)
         return None if resumed else self._mapped_for(prio)

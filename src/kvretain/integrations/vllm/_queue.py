@@ -360,11 +360,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         if mapped is not None and self._tracks:
             hashes = request.block_hashes
             k = min(len(hashes), num_hit_tokens // max(1, hash_block_size))
-            seen = self._take_sighting(request)
-            if seen is None:  # (a policy written before on_arrival takes three arguments)
-                self.policy.on_lookup(hashes, k, mapped)
-            else:
-                self.policy.on_lookup(hashes, k, mapped, seen)
+            self.policy.lookup(hashes, k, mapped, self._take_sighting(request))
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True
