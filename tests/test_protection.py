@@ -86,6 +86,67 @@ def test_protection_beyond_the_goal_is_given_back_while_it_costs_reuse() -> None
     assert ctl.stats()["isolation_goal_met"] == 1.0 and ctl.stats()["reuse_floor_binds"] == 0.0
 
 
+def _give_back(held: float | None, rounds: int) -> list[float]:
+    """The give-back of the test above, the pool holding ``held`` protected blocks (None: not told)."""
+    ctl = _ctl()
+    other = list(range(100, 150))
+    out = []
+    for _ in range(rounds):
+        ctl.on_lookup([1, 2], 2, 80, protected_blocks=held)
+        ctl.on_lookup(other, 49, 25, protected_blocks=held)
+        out.append(ctl.target)
+    return out
+
+
+def test_giving_back_starts_from_what_the_protected_blocks_hold() -> None:
+    # the budget allows 80 protected blocks, the pool holds 8: a target anywhere above 8 decides no eviction,
+    # so giving protection back starts at 8 (as the evidence firms up), not after the level has crossed 80 -> 8
+    told = _give_back(8.0, 400)
+    blind = _give_back(None, 400)
+    assert told[0] == pytest.approx(80.0)  # no cost measured yet: nothing given back
+    first_told = next(i for i, t in enumerate(told) if t <= 8.0)
+    first_blind = next(i for i, t in enumerate(blind) if t <= 8.0)
+    assert first_told < first_blind / 2
+    assert all(t <= 8.0 for t in told[first_told:])  # it gives back from there, not above it again
+    # a pool holding at least the target: the same trajectory as a controller not told
+    assert _give_back(80.0, 400) == blind
+
+
+def test_the_held_count_is_the_peak_over_the_window() -> None:
+    # a dip in the protected count (blocks in use released and evicted in between) does not pull the level
+    # down to the dip: the count is the most held at a lookup, decayed over the controller's window
+    ctl = _ctl()
+    other = list(range(100, 150))
+    for i in range(400):
+        held = 40.0 if i == 0 else 2.0
+        ctl.on_lookup([1, 2], 2, 80, protected_blocks=held)
+        ctl.on_lookup(other, 49, 25, protected_blocks=held)
+        if i == 1:
+            assert ctl.target > 20.0  # still near the peak of 40, not at the dip of 2
+    assert ctl.target <= 2.0
+
+
+def test_unified_tells_the_controller_what_its_protected_tier_holds_once_the_pool_has_evicted() -> None:
+    from kvretain.core.block_pool import BlockPool
+
+    pol = make_policy("unified", 4, PolicyConfig(block_size=16))
+    pool = BlockPool(4, pol)
+    ctl = pol._ctl  # type: ignore[attr-defined]
+    held = []
+    for i in range(4):
+        h = [hashlib.sha256(bytes([i, j])).digest() for j in range(2)]
+        pol.on_lookup(h, 0, 80)
+        held.append(ctl._held)
+        ids = pool.get_new_blocks(2)
+        assert ids is not None
+        pool.cache_blocks(ids, h, 0, 2)
+        pool.free_blocks(ids)
+    # the pool first evicts for the third request's blocks: until then the count would still grow, so the
+    # controller is not told it (its lookups come before that allocation)
+    assert held[:3] == [0.0, 0.0, 0.0]
+    assert held[3] == 4.0  # then the pool's four blocks, all protected
+
+
 def test_protection_beyond_the_goal_is_kept_while_it_costs_nothing() -> None:
     # both sides hit all they would under LRU: protection costs no reuse, so it is not given back
     ctl = _ctl()

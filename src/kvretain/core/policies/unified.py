@@ -353,7 +353,12 @@ class UnifiedPolicy(EvictionPolicy):
         self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
     ) -> None:
         if self._ctl.on_lookup(
-            hashes, num_hits, retention, False, seen if isinstance(seen, Sighting) else None
+            hashes,
+            num_hits,
+            retention,
+            False,
+            seen if isinstance(seen, Sighting) else None,
+            self._num_protected if self._L > 0.0 else None,
         ):
             self._weight = self._ctl.weights
             self._F = self._ctl.frequency

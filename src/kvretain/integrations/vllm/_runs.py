@@ -774,6 +774,7 @@ class RunFreeQueue(HookedFreeQueue):
                 mapped,
                 True,
                 seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
+                self._num_protected if self._L > 0.0 else None,
             ):
                 self._weight = self._ctl.weights
                 self._F = self._ctl.frequency
