@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -74,55 +75,46 @@ def test_weights_soften_in_steps_below_level_zero() -> None:
     assert changed or ctl.weights[45] == pytest.approx(2.0**0.5, rel=0.05)
 
 
-def test_protection_beyond_the_goal_is_given_back_while_it_costs_reuse() -> None:
-    # protected traffic hits all it would alone, the rest hits 49 of the 50 blocks LRU would give it (overall
-    # 0.98x LRU: above the floor, but protection costs reuse): the target shrinks
-    ctl = _ctl()
-    other = list(range(100, 150))
-    for _ in range(400):
-        ctl.on_lookup([1, 2], 2, 80)
-        ctl.on_lookup(other, 49, 25)
-    assert ctl.target < 40.0
-    assert ctl.stats()["isolation_goal_met"] == 1.0 and ctl.stats()["reuse_floor_binds"] == 0.0
-
-
-def _give_back(held: float | None, rounds: int) -> list[float]:
-    """The give-back of the test above, the pool holding ``held`` protected blocks (None: not told)."""
+def _give_back(held: Sequence[float | None]) -> tuple[ProtectionController, list[float]]:
+    """Protected traffic hits all it would alone, the rest 49 of the 50 blocks LRU would give it; a round per
+    entry of ``held``, the protected blocks the pool reports in that round (None: not told). The controller
+    and its target after each round."""
     ctl = _ctl()
     other = list(range(100, 150))
     out = []
-    for _ in range(rounds):
-        ctl.on_lookup([1, 2], 2, 80, protected_blocks=held)
-        ctl.on_lookup(other, 49, 25, protected_blocks=held)
+    for h in held:
+        ctl.on_lookup([1, 2], 2, 80, protected_blocks=h)
+        ctl.on_lookup(other, 49, 25, protected_blocks=h)
         out.append(ctl.target)
-    return out
+    return ctl, out
+
+
+def test_protection_beyond_the_goal_is_given_back_while_it_costs_reuse() -> None:
+    # overall 0.98x LRU: above the floor, but protection costs reuse: the target shrinks
+    ctl, _ = _give_back([None] * 400)
+    assert ctl.target < 40.0
+    assert ctl.stats()["isolation_goal_met"] == 1.0 and ctl.stats()["reuse_floor_binds"] == 0.0
 
 
 def test_giving_back_starts_from_what_the_protected_blocks_hold() -> None:
     # the budget allows 80 protected blocks, the pool holds 8: a target anywhere above 8 decides no eviction,
     # so giving protection back starts at 8 (as the evidence firms up), not after the level has crossed 80 -> 8
-    told = _give_back(8.0, 400)
-    blind = _give_back(None, 400)
+    _, told = _give_back([8.0] * 400)
+    _, blind = _give_back([None] * 400)
     assert told[0] == pytest.approx(80.0)  # no cost measured yet: nothing given back
     first_told = next(i for i, t in enumerate(told) if t <= 8.0)
     first_blind = next(i for i, t in enumerate(blind) if t <= 8.0)
     assert first_told < first_blind / 2
     assert all(t <= 8.0 for t in told[first_told:])  # it gives back from there, not above it again
     # a pool holding at least the target: the same trajectory as a controller not told
-    assert _give_back(80.0, 400) == blind
+    assert _give_back([80.0] * 400)[1] == blind
 
 
 def test_the_held_count_is_the_peak_over_the_window() -> None:
     # a dip in the protected count (blocks in use released and evicted in between) does not pull the level
     # down to the dip: the count is the most held at a lookup, decayed over the controller's window
-    ctl = _ctl()
-    other = list(range(100, 150))
-    for i in range(400):
-        held = 40.0 if i == 0 else 2.0
-        ctl.on_lookup([1, 2], 2, 80, protected_blocks=held)
-        ctl.on_lookup(other, 49, 25, protected_blocks=held)
-        if i == 1:
-            assert ctl.target > 20.0  # still near the peak of 40, not at the dip of 2
+    ctl, targets = _give_back([40.0] + [2.0] * 399)
+    assert targets[1] > 20.0  # still near the peak of 40, not at the dip of 2
     assert ctl.target <= 2.0
 
 

@@ -545,10 +545,10 @@ class ProtectionController:
             seen.balanced, seen.e_hits, seen.g_hits, bd, bw * self._balance_share, protected, one
         )
 
-    def _steer(self, n: int, window: float, held: float | None = None) -> bool:
+    def _steer(self, n: int, window: float, held: float | None) -> bool:
         """The control law (module docstring): move the level by the binding constraint's error over ``n``
-        more references of a ``window``; set the target and the retention weights from it. True when the
-        weights changed."""
+        more references of a ``window`` (``held``: the pool's protected blocks, decayed peak; None: not known); set
+        the target and the retention weights from it. True when the weights changed."""
         acc = self._acc
         a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]
         # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
