@@ -240,10 +240,13 @@ def test_hook_errors_are_counted_and_logged_again_with_the_count(caplog: pytest.
     assert plugin.stats()["hook_errors"] == {}
 
 
-def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("policy", "granularity"), [("unified", "block"), ("lfu", "block")])
+def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(
+    monkeypatch: pytest.MonkeyPatch, policy: str, granularity: str
+) -> None:
     from kvretain.integrations.vllm._base import HookedFreeQueue
 
-    plugin.enable(PluginConfig(policy="unified"))
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity))
     kvm = plain_manager()
     req = make_request("a", list(range(40)))
     assert kvm.allocate_slots(req, req.num_tokens) is not None
@@ -256,6 +259,51 @@ def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(monkeypatch: p
     assert plugin.stats()["hook_errors"] == {"free": 1}
     kvm.block_pool.free_block_queue.check()
     assert kvm.block_pool.get_num_free_blocks() == 15
+
+
+@pytest.mark.parametrize("fail_at_run", [1, 2])
+def test_a_failing_fused_release_frees_every_block_and_the_engine_goes_on(
+    monkeypatch: pytest.MonkeyPatch, fail_at_run: int
+) -> None:
+    """The run queue frees a full-attention request in one pass with its release (``free_request``). When that
+    pass fails part-way (here the run it opens: the first, before any block is freed, or the second, after the
+    new blocks were), the blocks it had not reached are freed as vLLM frees them, the error is counted, and the
+    queue stays consistent (free counts, reference counts, the protected count)."""
+    from kvretain.integrations.vllm import _runs
+
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = plain_manager()
+    a = make_request("a", list(range(40)), priority=-1)  # 2 full blocks (protected) and a partial one
+    assert kvm.allocate_slots(a, a.num_tokens) is not None
+    kvm.free(a)
+    b = make_request(
+        "b", list(range(32)) + list(range(100, 140)), priority=-1
+    )  # a's 2 blocks, 2 new + partial
+    hit, num_hit, _ = kvm.get_computed_blocks(b)
+    assert num_hit == 2 * BLOCK
+    assert kvm.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit) is not None
+    held = list(kvm.coordinator.single_type_managers[0].req_to_blocks["b"])
+    assert len(held) == 5 and all(blk.ref_cnt == 1 for blk in held)
+
+    made = 0
+    real_run = _runs._Run
+
+    def failing_run(*args: Any) -> Any:
+        nonlocal made
+        made += 1
+        if made == fail_at_run:
+            raise RuntimeError("boom")
+        return real_run(*args)
+
+    monkeypatch.setattr(_runs, "_Run", failing_run)
+    kvm.free(b)
+    assert made >= fail_at_run  # (the blocks freed after the error open runs of their own)
+    assert plugin.stats()["hook_errors"] == {"free": 1}
+    assert all(blk.ref_cnt == 0 for blk in held)
+    q = kvm.block_pool.free_block_queue
+    q.check()
+    assert kvm.block_pool.get_num_free_blocks() == 15
+    assert q.stats()["protected_blocks"] == 4  # a's 2 blocks, b's 2 new ones: every hashed block, priority -1
 
 
 def plain_manager() -> KVCacheManager:

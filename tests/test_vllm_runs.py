@@ -66,26 +66,52 @@ class Pool:
         req.block_hashes = hashes
         return blocks
 
+    def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
+        """vLLM 0.33's BlockPool.free_blocks: a reference less each; those whose last reference went are free,
+        unhashed ones reused first (prepended), cached ones to the queue; the null block is not counted."""
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        for b in ordered:
+            if b.is_null:
+                continue
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                (first if b.block_hash is None else last).append(b)
+        self.q.prepend_n(first)
+        self.q.append_n(last)
+
     def free(self, req: Any, blocks: list[KVCacheBlock]) -> None:
-        """KVCacheManager.free with the plugin: the release hook, then BlockPool.free_blocks (deepest first)."""
+        """KVCacheManager.free with the plugin, the general path: the release hook, then BlockPool.free_blocks
+        (deepest first)."""
         # num_cached: vLLM's count of the request's cached blocks (not updated when evict_blocks strips one)
         self.q.on_request_release(
             req, (blocks,), [BLOCK], freeing_now=True, num_cached=[len(req.block_hashes)]
         )
-        ordered = list(reversed(blocks))
-        for b in ordered:
-            b.ref_cnt -= 1
-        self.q.append_n([b for b in ordered if b.ref_cnt == 0])
+        self.free_blocks(list(reversed(blocks)))
         self.q._expect = -1
+
+    def free_fused(self, req: Any, blocks: list[KVCacheBlock]) -> None:
+        """KVCacheManager.free with the plugin on a full-attention group: the release and the free in one pass."""
+        self.q.free_request(req, blocks, BLOCK, len(req.block_hashes), self.free_blocks)
 
     def free_deferred(self, req: Any, blocks: list[KVCacheBlock]) -> None:
         """KVCacheManager.pop_blocks_for_free with the plugin (the release hook after vLLM popped the blocks,
         nothing placed), then BlockPool.free_blocks later: append_n places the blocks itself."""
         self.q.on_request_release(req, (blocks,), [BLOCK])
-        ordered = list(reversed(blocks))
-        for b in ordered:
-            b.ref_cnt -= 1
-        self.q.append_n([b for b in ordered if b.ref_cnt == 0])
+        self.free_blocks(list(reversed(blocks)))
+
+    def state(self) -> tuple[Any, ...]:
+        """Everything a later decision can depend on: blocks (references, hashes), the eviction order, the
+        per-block retention and use counts, the protected count and the controller's level."""
+        q = self.q
+        return (
+            [(b.ref_cnt, b.block_hash) for b in self.blocks],
+            [b.block_id for b in q.get_all_free_blocks()],
+            q.num_free_blocks,
+            list(q._r),
+            list(q._uses),
+            q.stats(),
+        )
 
     def evict_blocks(self, ids: set[int]) -> None:
         """BlockPool.evict_blocks as patched: the queue forgets, vLLM strips the hashes, free ones move."""
@@ -131,12 +157,16 @@ def chain(session: int, n: int, tail: int) -> list[bytes]:
 
 
 class RunQueueMachine(RuleBasedStateMachine):
+    """Two pools driven alike: requests end through the general path (release hook, then vLLM's free) on
+    ``pools[0]`` and through the fused one (``free_request``) on ``pools[1]``; the two must stay identical."""
+
     def __init__(self) -> None:
         super().__init__()
         self.t = [0.0]
         _runtime.set_clock(lambda: self.t[0])
-        self.pool = Pool(41, PolicyConfig(budget=0.5, isolation_goal=0.9, block_size=BLOCK))
-        self.running: list[tuple[Any, list[KVCacheBlock]]] = []
+        cfg = PolicyConfig(budget=0.5, isolation_goal=0.9, block_size=BLOCK)
+        self.pools = (Pool(41, cfg), Pool(41, cfg))
+        self.running: list[tuple[Any, list[list[KVCacheBlock]]]] = []
         self.serial = 0
 
     def teardown(self) -> None:
@@ -166,30 +196,36 @@ class RunQueueMachine(RuleBasedStateMachine):
             }
         hashes = chain(session, shared, tail)
         req = request(f"r{self.serial}", priority, extra, tokens=len(hashes) * BLOCK + (5 if partial else 0))
-        blocks = self.pool.admit(req, hashes, partial)
-        if blocks is not None:
-            self.running.append((req, blocks))
+        got = [pool.admit(req, hashes, partial) for pool in self.pools]
+        ids = [None if g is None else [b.block_id for b in g] for g in got]
+        assert ids[0] == ids[1], "the two pools admit alike"
+        if got[0] is not None and got[1] is not None:
+            self.running.append((req, [got[0], got[1]]))
 
     @precondition(lambda self: self.running)
     @rule(which=st.integers(0, 100))
     def finish(self, which: int) -> None:
         req, blocks = self.running.pop(which % len(self.running))
-        self.pool.free(req, blocks)
+        self.pools[0].free(req, blocks[0])
+        self.pools[1].free_fused(req, blocks[1])
 
     @precondition(lambda self: self.running)
     @rule(which=st.integers(0, 100))
     def finish_deferred(self, which: int) -> None:
         req, blocks = self.running.pop(which % len(self.running))
-        self.pool.free_deferred(req, blocks)
+        for pool, mine in zip(self.pools, blocks, strict=True):
+            pool.free_deferred(req, mine)
 
     @rule(ids=st.sets(st.integers(1, 40), max_size=4))
     def evict_blocks(self, ids: set[int]) -> None:
-        self.pool.evict_blocks(ids)
+        for pool in self.pools:
+            pool.evict_blocks(ids)
 
     @precondition(lambda self: not self.running)
     @rule()
     def reset(self) -> None:
-        self.pool.reset()
+        for pool in self.pools:
+            pool.reset()
 
     @rule(dt=st.sampled_from([0.5, 3.0, 10.0]))
     def tick(self, dt: float) -> None:
@@ -197,13 +233,20 @@ class RunQueueMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        q = self.pool.q
-        q.check()
-        free = [b for b in self.pool.blocks[1:] if b.ref_cnt == 0]
-        assert q.num_free_blocks == len(free), (
-            "vLLM's free count: every block with no reference, cached or not"
-        )
-        assert q._held == sum(1 for b in free if b.block_hash is not None), "cached free blocks are in runs"
+        for pool in self.pools:
+            q = pool.q
+            q.check()
+            free = [b for b in pool.blocks[1:] if b.ref_cnt == 0]
+            assert q.num_free_blocks == len(free), (
+                "vLLM's free count: every block with no reference, cached or not"
+            )
+            assert q._held == sum(1 for b in free if b.block_hash is not None), (
+                "cached free blocks are in runs"
+            )
+
+    @invariant()
+    def fused_free_is_the_release_then_vllms_free(self) -> None:
+        assert self.pools[0].state() == self.pools[1].state()
 
 
 TestRunQueueMachine = RunQueueMachine.TestCase

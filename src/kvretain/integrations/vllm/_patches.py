@@ -10,7 +10,8 @@ be swapped):
 * ``BlockPool.cache_full_blocks`` (per-block queue only): new content and parent/child links for the policy.
 * ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped.
 * ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request (and, for
-  the run queue, new content is registered there).
+  the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
+  does the release and vLLM's ``BlockPool.free_blocks`` in one pass (:meth:`RunFreeQueue.free_request`).
 * ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
 * ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -28,8 +29,9 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm import metrics
@@ -172,13 +174,40 @@ def _block_sizes(manager: Any) -> list[int]:
     return [int(m.block_size) for m in manager.coordinator.single_type_managers]
 
 
-def _num_cached(manager: Any, request_id: str) -> list[int] | None:
-    """How many leading blocks of the request vLLM has cached (they carry a hash), for a single full-attention
-    group; ``None`` otherwise (sparse managers pad with null blocks or skip blocks)."""
+def _full_attention(manager: Any) -> Any:
+    """The manager's one single-type manager when it is a plain full-attention group (no null blocks, no
+    skipped blocks; ``num_cached_block`` counts its leading cached blocks); else ``None``."""
     managers = manager.coordinator.single_type_managers
     if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
         return None
-    return [int(managers[0].num_cached_block.get(request_id, 0))]
+    return managers[0]
+
+
+def _num_cached(manager: Any, request_id: str) -> list[int] | None:
+    """How many leading blocks of the request vLLM has cached (they carry a hash), for a single full-attention
+    group; ``None`` otherwise (sparse managers pad with null blocks or skip blocks)."""
+    m = _full_attention(manager)
+    return None if m is None else [int(m.num_cached_block.get(request_id, 0))]
+
+
+def _fused_free(manager: Any, q: Any) -> Any:
+    """The single-type manager whose ``free`` :meth:`RunFreeQueue.free_request` may do in one pass with the
+    release: the run queue, a plain full-attention group on this pool, and vLLM's own ``free`` methods on the way
+    (coordinator, manager, pool: nothing else hooked there); else ``None``."""
+    if type(q) is not RunFreeQueue:
+        return None
+    m = _full_attention(manager)
+    pool = manager.block_pool
+    if (
+        m is None
+        or m.block_pool is not pool
+        or type(pool) is not BlockPool
+        or type(manager.coordinator).free is not KVCacheCoordinator.free
+        or type(m).free is not SingleTypeKVCacheManager.free
+        or type(m).pop_blocks_for_free is not SingleTypeKVCacheManager.pop_blocks_for_free
+    ):
+        return None
+    return m
 
 
 def _own_blocks(manager: Any, request_id: str) -> tuple[list[Any], ...]:
@@ -198,6 +227,16 @@ def _own_blocks(manager: Any, request_id: str) -> tuple[list[Any], ...]:
 def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         q = self.block_pool.free_block_queue
+        m = _fused_free(self, q)
+        if m is not None:  # the release and vLLM's free of the blocks in one pass
+            rid = request.request_id
+            num_cached = int(m.num_cached_block.get(rid, 0))
+            blocks = m.pop_blocks_for_free(rid)  # (vLLM's bookkeeping of the request, as its free does)
+            try:
+                q.free_request(request, blocks, int(m.block_size), num_cached, self.block_pool.free_blocks)
+            except Exception:  # (every block is freed by then: free_request finishes vLLM's free first)
+                _hook_failed("free", "kvretain: release hook failed (blocks released at default retention)")
+            return
         if type(q) in QUEUE_TYPES:
             try:
                 rid = request.request_id

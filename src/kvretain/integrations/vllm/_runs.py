@@ -11,7 +11,9 @@ UnifiedPolicy` keys a block (GreedyDual ``H = L + value`` with the value of the 
 first; protected and unprotected tiers; the protection budget with the same
 :class:`~kvretain.core.policies.protection.ProtectionController`) and is evicted tail first, so a chain goes as a
 unit, as under ``unified``'s chain order. Per block there is only flat-list bookkeeping (content, remembered
-retention, use count), done in the release loop; there is no per-block hook at caching.
+retention, use count), done in the release loop; there is no per-block hook at caching. On a plain
+full-attention group that loop also does vLLM's ``free_blocks`` (:meth:`RunFreeQueue.free_request`: reference
+counts, placing), so freeing a request walks its blocks once, as stock vLLM does.
 
 Rules kept from ``unified``: the highest retention any request asked for a block wins (its owner scope may
 lower it); a directive's duration lapses to the highest mapped request priority of its users; use counts are
@@ -33,7 +35,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -139,16 +141,23 @@ class _RunQueue:
 
 class _Release:
     """What one request's release carries across its groups: who releases (``prio``, its class; ``mapped``, its
-    retention), how (``scope``; ``slow``: directives or a scope, the full rules per block; ``freeing_now``),
-    the runs it built, and its counts (blocks seen, skipped as unhashed, ``other``: not new content on the fast
-    path, newly protected ones among those)."""
+    retention), how (``scope``; ``slow``: directives or a scope, the full rules per block; ``freeing_now``;
+    ``fused``: the release also does vLLM's ``free_blocks``, see :meth:`RunFreeQueue.free_request`), the runs it
+    built, the unhashed blocks whose last reference went (``first``, fused only), and its counts (blocks seen,
+    skipped as unhashed, ``other``: not new content on the fast path, newly protected ones among those). On an
+    error, ``group`` and ``pending`` say where it stopped: blocks ``pending`` down to 0 of that group, and every
+    later group, were not freed."""
 
     __slots__ = (
+        "first",
         "freeing_now",
+        "fused",
+        "group",
         "mapped",
         "new_protected",
         "now",
         "other",
+        "pending",
         "prio",
         "runs",
         "scope",
@@ -158,19 +167,30 @@ class _Release:
     )
 
     def __init__(
-        self, prio: int, mapped: int, scope: str | None, slow: bool, freeing_now: bool, now: float
+        self,
+        prio: int,
+        mapped: int,
+        scope: str | None,
+        slow: bool,
+        freeing_now: bool,
+        now: float,
+        fused: bool = False,
     ) -> None:
         self.prio = prio
         self.mapped = mapped
         self.scope = scope
         self.slow = slow
         self.freeing_now = freeing_now
+        self.fused = fused
         self.now = now
         self.runs: list[_Run] = []
+        self.first: list[KVCacheBlock] = []
         self.total = 0
         self.skipped = 0
         self.other = 0
         self.new_protected = 0
+        self.group = 0
+        self.pending = -1
 
 
 class _Building:
@@ -550,14 +570,19 @@ class RunFreeQueue(HookedFreeQueue):
         block_sizes: Sequence[int] | None,
         freeing_now: bool,
         num_cached: Sequence[int] | None,
+        free_blocks: Callable[[list[KVCacheBlock]], None] | None = None,
     ) -> None:
+        """``free_blocks`` (fused, see :meth:`free_request`): vLLM's ``BlockPool.free_blocks`` of this pool."""
         prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         if freeing_now:
             self._expect = -1
-        rel = _Release(prio, mapped, scope, use_plan or scope is not None, freeing_now, _runtime.now())
+        fused = free_blocks is not None
+        rel = _Release(prio, mapped, scope, use_plan or scope is not None, freeing_now, _runtime.now(), fused)
         completed = False
         try:
             for g, blocks in enumerate(groups):
+                rel.group = g
+                rel.pending = len(blocks) - 1
                 if not blocks:
                     continue
                 plan = None
@@ -569,8 +594,16 @@ class RunFreeQueue(HookedFreeQueue):
             completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
             placed = self._place(rel, completed)
+            if free_blocks is not None:
+                self._held += placed
+                self.num_free_blocks += placed
+                if rel.first:  # (unhashed blocks, the null block: vLLM's own rules, reused first)
+                    free_blocks(rel.first)
+                if not completed:
+                    self._free_rest(groups, rel, free_blocks)
         if freeing_now:
-            self._expect = placed
+            if not fused:
+                self._expect = placed
         else:  # the append_n that places these blocks later needs their releaser's class
             cls = self._cls
             for blocks in groups:
@@ -580,6 +613,46 @@ class RunFreeQueue(HookedFreeQueue):
         released = rel.total - rel.skipped
         if released:
             self.counters.get(prio).released_blocks += released
+
+    def free_request(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        block_size: int,
+        num_cached: int,
+        free_blocks: Callable[[list[KVCacheBlock]], None],
+    ) -> None:
+        """``KVCacheManager.free`` of a request whose blocks (``blocks``, allocation order, one full-attention group
+        of this pool; ``num_cached`` of them cached by vLLM) are freed now: the release of
+        :meth:`on_request_release` and what vLLM's ``BlockPool.free_blocks(reversed(blocks))`` does, in one pass,
+        deepest block first. A hashed block's reference count drops in the release loop, and the block joins its
+        run if that was its last reference; unhashed blocks (the partial last one, the null block) go to
+        ``free_blocks`` (vLLM's, of this pool) after the loop, in the same order, so vLLM's own rules place them
+        (reused first). Same state as the release followed by vLLM's free, one loop over the blocks fewer.
+
+        On an error the blocks the loop had not reached are freed by ``free_blocks`` (hashed ones join the queue
+        at their class's default retention, as when the release hook fails before vLLM's free) and the protected
+        count is recounted; then the error propagates."""
+        self._release(request, (blocks,), (block_size,), True, (num_cached,), free_blocks)
+
+    def _free_rest(
+        self,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        rel: _Release,
+        free_blocks: Callable[[list[KVCacheBlock]], None],
+    ) -> None:
+        """After a fused release failed: vLLM's free of the blocks it had not freed (see :class:`_Release`)."""
+        cls = self._cls
+        for g in range(rel.group, len(groups)):
+            blocks = groups[g]
+            rest = blocks[: rel.pending + 1] if g == rel.group else blocks
+            for b in rest:
+                if b._block_hash is not None:
+                    cls[b.block_id] = rel.prio
+            free_blocks(list(reversed(rest)))
+        rr = self._r
+        thr = self._threshold
+        self._num_protected = sum(1 for r in rr if r >= thr)
 
     def _release_group(
         self,
@@ -617,15 +690,20 @@ class RunFreeQueue(HookedFreeQueue):
         prio = rel.prio
         runs = rel.runs
         tier = 0 if mapped >= self._threshold else 1
+        fused = rel.fused
+        first = rel.first.append
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = 0
         start = -1
+        i = len(blocks)
         try:
             for i in range(len(blocks) - 1, -1, -1):
                 b = blocks[i]
                 if i >= nc and b._block_hash is None:
                     skipped += 1
+                    if fused:
+                        first(b)
                     continue
                 bid = b.block_id
                 if rr[bid] != NEW:
@@ -642,9 +720,15 @@ class RunFreeQueue(HookedFreeQueue):
                         run_tag = stag
                 rr[bid] = mapped
                 uses[bid] = su
-                if b.ref_cnt == 1:  # its last reference goes now
+                c = b.ref_cnt
+                if c == 1:  # its last reference goes now
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
+                if fused:  # (vLLM's free_blocks, fused: see free_request)
+                    b.ref_cnt = c - 1
+        except BaseException:
+            rel.pending = i  # (blocks i down to 0 are not freed)
+            raise
         finally:
             rel.skipped += skipped
             st.seg, st.su, st.stag, st.tag, st.cur = seg, su, stag, run_tag, cur
@@ -677,11 +761,14 @@ class RunFreeQueue(HookedFreeQueue):
         mapped, prio, scope, now = rel.mapped, rel.prio, rel.scope, rel.now
         slow = rel.slow
         freeing_now = rel.freeing_now
+        fused = rel.fused
+        first = rel.first.append
         runs = rel.runs
         prios, durs = plan if plan is not None else (None, None)
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
+        i = start + 1
         try:
             for i in range(start, -1, -1):
                 b = blocks[i]
@@ -689,6 +776,8 @@ class RunFreeQueue(HookedFreeQueue):
                 # hash object's reference count)
                 if i >= nc and b._block_hash is None:  # (also the null block)
                     skipped += 1
+                    if fused:
+                        first(b)
                     continue
                 bid = b.block_id
                 r = rr[bid]
@@ -725,7 +814,8 @@ class RunFreeQueue(HookedFreeQueue):
                             r = self._retain(bid, mapped, None, None, now, mapped)
                     tag = r * 16 + ub[u]
                 uses[bid] = u
-                if freeing_now and b.ref_cnt == 1 and run_of[bid] is None:  # its last reference goes now
+                c = b.ref_cnt
+                if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
                     if tag != run_tag:
                         cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
                         runs.append(cur)
@@ -733,6 +823,11 @@ class RunFreeQueue(HookedFreeQueue):
                         run_tag = tag
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
+                if fused:  # (vLLM's free_blocks, fused: see free_request)
+                    b.ref_cnt = c - 1
+        except BaseException:
+            rel.pending = i  # (blocks i down to 0 are not freed)
+            raise
         finally:
             rel.skipped += skipped
             rel.other += other
