@@ -92,6 +92,10 @@ CONTROLLER = "of arrival and lookup: the protection controller"
 HOOKS = (
     (ARRIVAL, "on_arrival"),
     ("release", "on_request_release"),
+    (
+        "release",
+        "free_request",
+    ),  # (the run queue's release fused with vLLM's free: reference counts included)
     ("lookup", "on_lookup"),
     ("pop (eviction)", "popleft_n"),
     ("append", "append_n"),
@@ -100,7 +104,9 @@ HOOKS = (
     ("strip (evict_blocks)", "forget"),
 )
 """``--hook-times``: (label, method of the plugin's free queue). Not ``popleft``: it calls ``popleft_n`` (and
-vLLM calls it only before the plugin's queue is installed)."""
+vLLM calls it only before the plugin's queue is installed). The release is ``free_request`` where the run queue
+frees a request in one pass with vLLM's ``free_blocks`` (then it includes that work: stock's free loop is not
+counted anywhere), ``on_request_release`` elsewhere."""
 
 
 @dataclass
