@@ -261,49 +261,178 @@ def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(
     assert kvm.block_pool.get_num_free_blocks() == 15
 
 
+def _two_users() -> tuple[KVCacheManager, Request, list[Any]]:
+    """A pool where ``a`` (priority -1: 2 full blocks and a partial one) has ended and ``b`` (priority -2) holds
+    a's 2 blocks (hits), 2 new ones and a partial one; b's blocks in allocation order."""
+    kvm = plain_manager()
+    a = make_request("a", list(range(40)), priority=-1)
+    assert kvm.allocate_slots(a, a.num_tokens) is not None
+    kvm.free(a)
+    b = make_request("b", list(range(32)) + list(range(100, 140)), priority=-2)
+    hit, num_hit, _ = kvm.get_computed_blocks(b)
+    assert num_hit == 2 * BLOCK
+    assert kvm.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit) is not None
+    held = list(kvm.coordinator.single_type_managers[0].req_to_blocks["b"])
+    assert len(held) == 5 and all(blk.ref_cnt == 1 for blk in held)
+    return kvm, b, held
+
+
+def _queue_state(kvm: KVCacheManager) -> tuple[Any, ...]:
+    q = kvm.block_pool.free_block_queue
+    blocks = kvm.block_pool.blocks
+    return (
+        [(blk.ref_cnt, blk.block_hash) for blk in blocks],
+        [blk.block_id for blk in q.get_all_free_blocks()],
+        list(q._r),
+        list(q._uses),
+        list(q._cls),
+        q.stats(),
+    )
+
+
+def _fail_run(monkeypatch: pytest.MonkeyPatch, at: int) -> list[int]:
+    """Make the ``at``-th run the queue opens from now on raise; returns the count of runs asked for."""
+    from kvretain.integrations.vllm import _runs
+
+    made = [0]
+    real_run = _runs._Run
+
+    def failing_run(*args: Any) -> Any:
+        made[0] += 1
+        if made[0] == at:
+            raise RuntimeError("boom")
+        return real_run(*args)
+
+    monkeypatch.setattr(_runs, "_Run", failing_run)
+    return made
+
+
 @pytest.mark.parametrize("fail_at_run", [1, 2])
 def test_a_failing_fused_release_frees_every_block_and_the_engine_goes_on(
     monkeypatch: pytest.MonkeyPatch, fail_at_run: int
 ) -> None:
     """The run queue frees a full-attention request in one pass with its release (``free_request``). When that
     pass fails part-way (here the run it opens: the first, before any block is freed, or the second, after the
-    new blocks were), the blocks it had not reached are freed as vLLM frees them, the error is counted, and the
-    queue stays consistent (free counts, reference counts, the protected count)."""
-    from kvretain.integrations.vllm import _runs
-
+    new blocks were), the blocks it had not reached are freed as vLLM frees them (queued under the releasing
+    request's class), the error is counted, and the queue stays consistent (free counts,
+    reference counts, the protected count)."""
     plugin.enable(PluginConfig(policy="unified"))
-    kvm = plain_manager()
-    a = make_request("a", list(range(40)), priority=-1)  # 2 full blocks (protected) and a partial one
-    assert kvm.allocate_slots(a, a.num_tokens) is not None
-    kvm.free(a)
-    b = make_request(
-        "b", list(range(32)) + list(range(100, 140)), priority=-1
-    )  # a's 2 blocks, 2 new + partial
-    hit, num_hit, _ = kvm.get_computed_blocks(b)
-    assert num_hit == 2 * BLOCK
-    assert kvm.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit) is not None
-    held = list(kvm.coordinator.single_type_managers[0].req_to_blocks["b"])
-    assert len(held) == 5 and all(blk.ref_cnt == 1 for blk in held)
-
-    made = 0
-    real_run = _runs._Run
-
-    def failing_run(*args: Any) -> Any:
-        nonlocal made
-        made += 1
-        if made == fail_at_run:
-            raise RuntimeError("boom")
-        return real_run(*args)
-
-    monkeypatch.setattr(_runs, "_Run", failing_run)
+    kvm, b, held = _two_users()
+    made = _fail_run(monkeypatch, fail_at_run)
     kvm.free(b)
-    assert made >= fail_at_run  # (the blocks freed after the error open runs of their own)
+    assert made[0] >= fail_at_run  # (the blocks freed after the error open runs of their own)
     assert plugin.stats()["hook_errors"] == {"free": 1}
     assert all(blk.ref_cnt == 0 for blk in held)
     q = kvm.block_pool.free_block_queue
     q.check()
     assert kvm.block_pool.get_num_free_blocks() == 15
-    assert q.stats()["protected_blocks"] == 4  # a's 2 blocks, b's 2 new ones: every hashed block, priority -1
+    assert (
+        q.stats()["protected_blocks"] == 4
+    )  # a's 2 blocks, b's 2 new ones: every hashed block, priority < 0
+    # a's 2 blocks, which the loop had not reached: freed by vLLM's free into the queue, as b's (its class)
+    first, second = held[0].block_id, held[1].block_id
+    assert q._holds(first) and q._holds(second)
+    assert q._cls[first] == q._cls[second] == -2
+
+
+def test_a_fused_release_failing_before_any_block_leaves_what_the_general_path_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure at the fused release's first run (nothing freed yet) ends as the general path's failure does
+    (its release hook fails, vLLM frees every block): the same blocks, order, per-block state and counts."""
+    from kvretain.integrations.vllm import _patches
+
+    states = []
+    for fused in (True, False):
+        plugin.disable()
+        plugin.reset_stats()
+        plugin.enable(PluginConfig(policy="unified"))
+        with monkeypatch.context() as mp:
+            if not fused:
+                mp.setattr(_patches, "_fused_free", lambda manager, q: None)
+            kvm, b, _ = _two_users()
+            _fail_run(mp, 1)
+            kvm.free(b)
+        assert plugin.stats()["hook_errors"] == {"free": 1}
+        kvm.block_pool.free_block_queue.check()
+        states.append(_queue_state(kvm))
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("where", ["retention", "queueing"])
+def test_a_fused_release_failing_outside_its_loop_frees_every_block(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Before the loop (reading the request's retention) or after it (queueing its runs), a failure still leaves
+    every block of the request freed and the queue consistent."""
+    from kvretain.integrations.vllm import _runs
+
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm, b, held = _two_users()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    if where == "retention":
+        monkeypatch.setattr(_runs.RunFreeQueue, "_request_retention", broken)
+    else:
+        push = _runs._RunQueue.push
+        calls = [0]
+
+        def failing_push(self: Any, run: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("boom")
+            push(self, run)
+
+        monkeypatch.setattr(_runs._RunQueue, "push", failing_push)
+    kvm.free(b)
+    assert plugin.stats()["hook_errors"] == {"free": 1}
+    assert all(blk.ref_cnt == 0 for blk in held)
+    q = kvm.block_pool.free_block_queue
+    q.check()
+    assert kvm.block_pool.get_num_free_blocks() == 15
+    assert q._held == sum(1 for blk in kvm.block_pool.blocks[1:] if blk.ref_cnt == 0 and blk.block_hash)
+
+
+def test_extra_args_that_are_not_a_mapping_carry_no_retention_and_free_normally() -> None:
+    """vLLM's ``extra_args`` is a dict by its contract; anything else has no retention fields for the plugin (it
+    passes validation), and its release must not fail (it did: the blocks of such a request were lost)."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = plain_manager()
+    req = make_request("a", list(range(40)))
+    req.sampling_params = SamplingParams(max_tokens=4, extra_args=["not", "a", "mapping"])  # type: ignore[arg-type]
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    held = list(kvm.coordinator.single_type_managers[0].req_to_blocks["a"])
+    kvm.free(req)
+    assert plugin.stats()["hook_errors"] == {}
+    assert all(blk.ref_cnt == 0 for blk in held)
+    assert kvm.block_pool.get_num_free_blocks() == 15
+    kvm.block_pool.free_block_queue.check()
+
+
+def test_a_pool_whose_free_blocks_is_wrapped_is_freed_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused free does what vLLM's own ``BlockPool.free_blocks`` does; a pool whose ``free_blocks`` something
+    else wraps keeps the general path, so the wrapper sees every block."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    seen: list[int] = []
+    orig = BlockPool.free_blocks
+
+    def spy(self: Any, ordered: Any) -> None:
+        blocks = list(ordered)
+        seen.extend(blk.block_id for blk in blocks)
+        orig(self, blocks)
+
+    monkeypatch.setattr(BlockPool, "free_blocks", spy)
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = plain_manager()
+    req = make_request("a", list(range(40)))
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    held = list(kvm.coordinator.single_type_managers[0].req_to_blocks["a"])
+    kvm.free(req)
+    assert sorted(seen) == sorted(blk.block_id for blk in held)
+    assert kvm.block_pool.get_num_free_blocks() == 15
 
 
 def plain_manager() -> KVCacheManager:

@@ -192,7 +192,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             self._release(request, groups, block_sizes, freeing_now, num_cached)
         except Exception:
             if freeing_now:
-                self._unplace(groups)  # the append_n that follows places the blocks
+                self._unplace(request, groups)  # the append_n that follows places the blocks
             raise
 
     def _release(
@@ -205,7 +205,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     ) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _unplace(self, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
+    def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
         """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""
         self._expect = -1
         for blocks in groups:

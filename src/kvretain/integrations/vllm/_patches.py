@@ -41,6 +41,9 @@ from kvretain.integrations.vllm._runtime import HOOK_ERRORS, logger
 from kvretain.integrations.vllm.config import PluginConfig, validation_message
 
 _ORIGINALS: dict[tuple[type, str], Callable[..., Any]] = {}
+_VLLM_FREE_BLOCKS = BlockPool.free_blocks
+"""vLLM's ``BlockPool.free_blocks`` as the plugin found it (the fused free does what this does; a pool whose
+``free_blocks`` is anything else keeps the general path)."""
 _active: PluginConfig | None = None
 
 
@@ -193,7 +196,7 @@ def _num_cached(manager: Any, request_id: str) -> list[int] | None:
 def _fused_free(manager: Any, q: Any) -> Any:
     """The single-type manager whose ``free`` :meth:`RunFreeQueue.free_request` may do in one pass with the
     release: the run queue, a plain full-attention group on this pool, and vLLM's own ``free`` methods on the way
-    (coordinator, manager, pool: nothing else hooked there); else ``None``."""
+    (coordinator, manager, the pool's ``free_blocks``: nothing else hooked there); else ``None``."""
     if type(q) is not RunFreeQueue:
         return None
     m = _full_attention(manager)
@@ -202,6 +205,10 @@ def _fused_free(manager: Any, q: Any) -> Any:
         m is None
         or m.block_pool is not pool
         or type(pool) is not BlockPool
+        or BlockPool.free_blocks is not _VLLM_FREE_BLOCKS
+        or _VLLM_FREE_BLOCKS.__module__
+        != "vllm.v1.core.block_pool"  # (wrapped before the plugin was imported)
+        or "free_blocks" in getattr(pool, "__dict__", ())
         or type(manager.coordinator).free is not KVCacheCoordinator.free
         or type(m).free is not SingleTypeKVCacheManager.free
         or type(m).pop_blocks_for_free is not SingleTypeKVCacheManager.pop_blocks_for_free

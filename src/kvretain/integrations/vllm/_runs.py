@@ -49,7 +49,7 @@ from kvretain.core.retention import (
     PriorityMapping,
 )
 from kvretain.integrations.vllm import _runtime
-from kvretain.integrations.vllm._base import HookedFreeQueue
+from kvretain.integrations.vllm._base import HookedFreeQueue, _priority
 
 NEW = -1
 """Remembered retention of content that no request has released yet."""
@@ -146,7 +146,7 @@ class _Release:
     built, the unhashed blocks whose last reference went (``first``, fused only), and its counts (blocks seen,
     skipped as unhashed, ``other``: not new content on the fast path, newly protected ones among those). On an
     error, ``group`` and ``pending`` say where it stopped: blocks ``pending`` down to 0 of that group, and every
-    later group, were not freed."""
+    later group, were not freed; ``pushed``: how many of its runs were queued."""
 
     __slots__ = (
         "first",
@@ -159,6 +159,7 @@ class _Release:
         "other",
         "pending",
         "prio",
+        "pushed",
         "runs",
         "scope",
         "skipped",
@@ -191,6 +192,7 @@ class _Release:
         self.new_protected = 0
         self.group = 0
         self.pending = -1
+        self.pushed = 0  # runs _place has queued (or skipped as empty)
 
 
 class _Building:
@@ -573,13 +575,16 @@ class RunFreeQueue(HookedFreeQueue):
         free_blocks: Callable[[list[KVCacheBlock]], None] | None = None,
     ) -> None:
         """``free_blocks`` (fused, see :meth:`free_request`): vLLM's ``BlockPool.free_blocks`` of this pool."""
-        prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         if freeing_now:
             self._expect = -1
+        prio = _priority(request)
         fused = free_blocks is not None
-        rel = _Release(prio, mapped, scope, use_plan or scope is not None, freeing_now, _runtime.now(), fused)
+        rel = _Release(prio, self._mapped_for(prio), None, False, freeing_now, _runtime.now(), fused)
+        rel.pending = len(groups[0]) - 1 if groups else -1  # (nothing freed yet)
         completed = False
         try:
+            _, _, ret, rel.scope, use_plan = self._request_retention(request, block_sizes)
+            rel.slow = use_plan or rel.scope is not None
             for g, blocks in enumerate(groups):
                 rel.group = g
                 rel.pending = len(blocks) - 1
@@ -588,28 +593,24 @@ class RunFreeQueue(HookedFreeQueue):
                 plan = None
                 if use_plan:
                     assert ret is not None and block_sizes is not None
-                    plan = ret.block_plan(len(blocks), block_sizes[g], request.num_prompt_tokens, mapped)
+                    plan = ret.block_plan(len(blocks), block_sizes[g], request.num_prompt_tokens, rel.mapped)
                 nc = 0 if num_cached is None or self._stripped else min(len(blocks), num_cached[g])
                 self._release_group(blocks, nc, plan, rel)
             completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
-            placed = self._place(rel, completed)
-            if free_blocks is not None:
-                self._held += placed
-                self.num_free_blocks += placed
-                if rel.first:  # (unhashed blocks, the null block: vLLM's own rules, reused first)
-                    free_blocks(rel.first)
-                if not completed:
-                    self._free_rest(groups, rel, free_blocks)
-        if freeing_now:
-            if not fused:
-                self._expect = placed
-        else:  # the append_n that places these blocks later needs their releaser's class
+            try:
+                placed = self._place(rel, completed)
+            finally:
+                if free_blocks is not None:
+                    self._settle(groups, rel, completed, free_blocks)
+        if not freeing_now:  # the append_n that places these blocks later needs their releaser's class
             cls = self._cls
             for blocks in groups:
                 for b in blocks:
                     if b._block_hash is not None:
                         cls[b.block_id] = prio
+        elif not fused:
+            self._expect = placed
         released = rel.total - rel.skipped
         if released:
             self.counters.get(prio).released_blocks += released
@@ -634,6 +635,46 @@ class RunFreeQueue(HookedFreeQueue):
         at their class's default retention, as when the release hook fails before vLLM's free) and the protected
         count is recounted; then the error propagates."""
         self._release(request, (blocks,), (block_size,), True, (num_cached,), free_blocks)
+
+    def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """As the base class; the ``append_n`` that places the blocks then counts them under the releasing
+        request's class and registers new content at its retention (as a failed fused release does)."""
+        super()._unplace(request, groups)
+        prio = _priority(request)
+        cls = self._cls
+        for blocks in groups:
+            for b in blocks:
+                if b._block_hash is not None:
+                    cls[b.block_id] = prio
+
+    def _settle(
+        self,
+        groups: Sequence[Sequence[KVCacheBlock]],
+        rel: _Release,
+        completed: bool,
+        free_blocks: Callable[[list[KVCacheBlock]], None],
+    ) -> None:
+        """The end of a fused release, also after an error: the blocks its queued runs hold count as free, a run
+        it could not queue goes through ``append_n``, the unhashed blocks and (after an error in the loop) the
+        blocks it had not reached are freed by vLLM's ``free_blocks``."""
+        runs = rel.runs
+        placed = sum(run.live for run in runs[: rel.pushed])
+        self._held += placed
+        self.num_free_blocks += placed
+        try:
+            stray = [bid for run in runs[rel.pushed :] for bid in run.ids]
+            if stray:  # (queueing failed part-way: these blocks are free, in no queued run)
+                run_of = self._run_of
+                cls = self._cls
+                for bid in stray:
+                    run_of[bid] = None
+                    cls[bid] = rel.prio
+                self.append_n([self.pool_blocks[bid] for bid in stray])
+            if rel.first:  # (unhashed blocks, the null block: vLLM's own rules, reused first)
+                free_blocks(rel.first)
+        finally:
+            if not completed:
+                self._free_rest(groups, rel, free_blocks)
 
     def _free_rest(
         self,
@@ -843,11 +884,11 @@ class RunFreeQueue(HookedFreeQueue):
         placed = 0
         queues = self._queues
         for run in rel.runs:
-            if not run.ids:  # (opened at a segment whose new blocks were all still shared)
-                continue
-            run.live = len(run.ids)
-            placed += run.live
-            queues[run.tier].push(run)
+            if run.ids:  # (empty: opened at a segment whose new blocks were all still shared)
+                run.live = len(run.ids)
+                queues[run.tier].push(run)
+                placed += run.live
+            rel.pushed += 1
         return placed
 
     def on_arrival(self, request: Any) -> None:

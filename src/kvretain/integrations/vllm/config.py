@@ -177,9 +177,10 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | 
 
 
 def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> RetentionConfig | None:
-    """Parse a request's retention fields; ``None`` when it has none. Raises :class:`RetentionError`
-    with a message naming the field and the fix."""
-    if not extra_args:
+    """Parse a request's retention fields; ``None`` when it has none (``extra_args`` that is not a mapping
+    carries none: what vLLM does with it is vLLM's business). Raises :class:`RetentionError` with a message naming
+    the field and the fix."""
+    if not extra_args or not isinstance(extra_args, Mapping):
         return None
     raw = extra_args.get(DIRECTIVES_KEY)
     scope = extra_args.get(SCOPE_KEY)
@@ -205,8 +206,6 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
 
 def validation_message(extra_args: Mapping[str, Any] | None) -> str | None:
     """``None`` when the request's retention fields are valid, else the error message."""
-    if extra_args is not None and not isinstance(extra_args, Mapping):
-        return None
     try:
         retention_from_extra_args(extra_args)
     except RetentionError as exc:
