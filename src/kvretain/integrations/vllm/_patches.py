@@ -205,10 +205,11 @@ def _fused_free(manager: Any, q: Any) -> Any:
         m is None
         or m.block_pool is not pool
         or type(pool) is not BlockPool
-        or BlockPool.free_blocks is not _VLLM_FREE_BLOCKS
-        or _VLLM_FREE_BLOCKS.__module__
-        != "vllm.v1.core.block_pool"  # (wrapped before the plugin was imported)
-        or "free_blocks" in getattr(pool, "__dict__", ())
+        # (the bound method's function, not the pool's __dict__: reading an object's __dict__ makes CPython
+        # 3.11+ give up its inline attribute values, and every attribute read on the pool in vLLM's hot paths slows)
+        or getattr(pool.free_blocks, "__func__", None) is not _VLLM_FREE_BLOCKS
+        # (wrapped before the plugin was imported)
+        or _VLLM_FREE_BLOCKS.__module__ != "vllm.v1.core.block_pool"
         or type(manager.coordinator).free is not KVCacheCoordinator.free
         or type(m).free is not SingleTypeKVCacheManager.free
         or type(m).pop_blocks_for_free is not SingleTypeKVCacheManager.pop_blocks_for_free
