@@ -631,9 +631,10 @@ class RunFreeQueue(HookedFreeQueue):
         ``free_blocks`` (vLLM's, of this pool) after the loop, in the same order, so vLLM's own rules place them
         (reused first). Same state as the release followed by vLLM's free, one loop over the blocks fewer.
 
-        On an error the blocks the loop had not reached are freed by ``free_blocks`` (hashed ones join the queue
-        at their class's default retention, as when the release hook fails before vLLM's free) and the protected
-        count is recounted; then the error propagates."""
+        On an error (reading the request's retention, in the loop, or queueing its runs) every block is still
+        freed before it propagates: the blocks the loop had not reached by ``free_blocks`` (hashed ones join the
+        queue at their class's default retention, as when the release hook fails before vLLM's free; the protected
+        count is recounted), a run that could not be queued through ``append_n`` (:meth:`_settle`)."""
         self._release(request, (blocks,), (block_size,), True, (num_cached,), free_blocks)
 
     def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
