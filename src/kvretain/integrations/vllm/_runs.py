@@ -604,11 +604,8 @@ class RunFreeQueue(HookedFreeQueue):
                 if free_blocks is not None:
                     self._settle(groups, rel, completed, free_blocks)
         if not freeing_now:  # the append_n that places these blocks later needs their releaser's class
-            cls = self._cls
             for blocks in groups:
-                for b in blocks:
-                    if b._block_hash is not None:
-                        cls[b.block_id] = prio
+                self._charge(blocks, prio)
         elif not fused:
             self._expect = placed
         released = rel.total - rel.skipped
@@ -642,11 +639,16 @@ class RunFreeQueue(HookedFreeQueue):
         request's class and registers new content at its retention (as a failed fused release does)."""
         super()._unplace(request, groups)
         prio = _priority(request)
-        cls = self._cls
         for blocks in groups:
-            for b in blocks:
-                if b._block_hash is not None:
-                    cls[b.block_id] = prio
+            self._charge(blocks, prio)
+
+    def _charge(self, blocks: Sequence[KVCacheBlock], prio: int) -> None:
+        """The class of ``blocks``' releaser, for the ``append_n`` that places the hashed ones (it queues them
+        under that class and registers new content at its retention)."""
+        cls = self._cls
+        for b in blocks:
+            if b._block_hash is not None:
+                cls[b.block_id] = prio
 
     def _settle(
         self,
@@ -684,13 +686,10 @@ class RunFreeQueue(HookedFreeQueue):
         free_blocks: Callable[[list[KVCacheBlock]], None],
     ) -> None:
         """After a fused release failed: vLLM's free of the blocks it had not freed (see :class:`_Release`)."""
-        cls = self._cls
         for g in range(rel.group, len(groups)):
             blocks = groups[g]
             rest = blocks[: rel.pending + 1] if g == rel.group else blocks
-            for b in rest:
-                if b._block_hash is not None:
-                    cls[b.block_id] = rel.prio
+            self._charge(rest, rel.prio)
             free_blocks(list(reversed(rest)))
         rr = self._r
         thr = self._threshold
