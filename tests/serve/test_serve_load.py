@@ -18,11 +18,11 @@ DURATION_S = 20.0
 MAX_TOKENS = 16
 PROMPTS_PER_CLASS = 8
 # One request runs at a time: a prompt of more than half the usable pool (NUM_BLOCKS - 1: vLLM keeps a null block)
-# leaves no room to admit a second distinct one, and the prompt and its output fit the model's length. The engine
-# is then the bottleneck by a wide margin (one request's prefill and 16 decode steps against the API server's
-# per-request work), so the 64 clients' requests wait in the scheduler's queue, where priority acts. At three
-# running requests (~260-token prompts) it was not: with the shared host busy, one run served 201 class-0 and 197
-# class-1 requests at p50 TTFTs of 2.96 and 2.99 s (the queue was in the API server and the clients)
+# leaves no room to admit a second distinct one, and the prompt and its output fit the model's length. More of the
+# 64 clients' requests then wait in the scheduler's queue, where priority acts (its mean length is reported: 7-38
+# in session 17's runs); the rest of their wait is the API server and this client on the shared host, alike for
+# both classes (see the assertions). At three running requests (~260-token prompts), with the host busy, one run
+# served 201 class-0 and 197 class-1 requests at client p50 TTFTs of 2.96 and 2.99 s
 MIN_PROMPT_TOKENS = BLOCK * ((NUM_BLOCKS - 1) // 2) + 1
 MAX_PROMPT_TOKENS = MAX_MODEL_LEN - MAX_TOKENS
 
