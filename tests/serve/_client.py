@@ -79,3 +79,33 @@ def flood(
             )
         )
     return time.monotonic() - t0
+
+
+def metric_samples(srv: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the server's ``/metrics``: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(srv.metrics_text()):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric_value(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> Any:
+    """The sample ``name`` with exactly ``labels``; ``None`` when there is none."""
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def metric_first(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> Any:
+    """The first sample ``name`` whose labels include ``labels`` (whatever its other labels: engine, model);
+    ``None`` when there is none."""
+    want = labels.items()
+    for (n, labs), value in samples.items():
+        if n == name and want <= dict(labs).items():
+            return value
+    return None

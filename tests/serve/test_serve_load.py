@@ -7,7 +7,7 @@ import random
 import time
 
 import openai
-from _client import user
+from _client import metric_first, metric_samples, user
 from conftest import BLOCK, MAX_MODEL_LEN, NUM_BLOCKS
 
 from kvretain.integrations.vllm.launch import stream_chat
@@ -67,7 +67,7 @@ def test_64_streaming_clients_of_two_priorities(servers, text):
     async def watch(deadline: float) -> None:  # the scheduler's waiting queue, as vLLM's metrics report it
         while time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-            got = _gauge(await asyncio.to_thread(srv.metrics_text), "vllm:num_requests_waiting")
+            got = metric_first(await asyncio.to_thread(metric_samples, srv), "vllm:num_requests_waiting")
             if got is not None:
                 waiting.append(got)
 
@@ -157,28 +157,15 @@ def _report(figures):
     print("load:", json.dumps(figures))
 
 
-def _gauge(text, name):
-    for line in text.splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def _server_ttft(srv):
     """The plugin's per-class TTFT histograms (arrival at the API server to the first token): (sum, count)."""
-    text = srv.metrics_text()
-    out = {}
-    for c in (0, 1):
-        lab = f'priority="{c}"'
-        got = [0.0, 0.0]
-        for line in text.splitlines():
-            if lab in line and line.startswith("kvretain:time_to_first_token_seconds_sum"):
-                got[0] = float(line.rsplit(" ", 1)[1])
-            if lab in line and line.startswith("kvretain:time_to_first_token_seconds_count"):
-                got[1] = float(line.rsplit(" ", 1)[1])
-        out[c] = got
-    return out
+    s = metric_samples(srv)
+    name = "kvretain:time_to_first_token_seconds"
+    return {
+        c: [metric_first(s, f"{name}_{part}", priority=str(c)) or 0.0 for part in ("sum", "count")]
+        for c in (0, 1)
+    }
 
 
 def _kv_usage(srv):
-    return _gauge(srv.metrics_text(), "vllm:kv_cache_usage_perc")
+    return metric_first(metric_samples(srv), "vllm:kv_cache_usage_perc")

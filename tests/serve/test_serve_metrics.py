@@ -5,44 +5,32 @@ from __future__ import annotations
 import time
 
 import pytest
-from _client import chat, flood, user
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def _samples(srv):
-    out: dict[tuple[str, tuple], float] = {}
-    for fam in text_string_to_metric_families(srv.metrics_text()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(samples, name, **labels):
-    return samples.get((name, tuple(sorted(labels.items()))))
+from _client import chat, flood, metric_samples, metric_value, user
 
 
 @pytest.mark.parametrize("name", ["plugin", "inproc"])
 def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     srv = servers[name]
     srv.reset_cache()
-    before = _samples(srv)  # (the counters are the server's whole life's: wait for this test's share of them)
+    # (the counters are the server's whole life's: wait for this test's share of them)
+    before = metric_samples(srv)
     prompt = user(text(f"metrics-{name}", 120))
     for _ in range(3):
         chat(srv.client, srv.model, prompt, priority=0)
     flood(srv.client, srv.model, text, f"mflood-{name}", n=12)
     deadline = time.monotonic() + 30
     while True:
-        s = _samples(srv)
-        q0 = _value(s, "kvretain:prefix_cache_queries_total", priority="0")
-        h0 = _value(s, "kvretain:prefix_cache_hits_total", priority="0")
-        q1 = _value(s, "kvretain:prefix_cache_queries_total", priority="1")
-        ev1 = _value(s, "kvretain:evicted_blocks_total", priority="1")
+        s = metric_samples(srv)
+        q0 = metric_value(s, "kvretain:prefix_cache_queries_total", priority="0")
+        h0 = metric_value(s, "kvretain:prefix_cache_hits_total", priority="0")
+        q1 = metric_value(s, "kvretain:prefix_cache_queries_total", priority="1")
+        ev1 = metric_value(s, "kvretain:evicted_blocks_total", priority="1")
         # the counters reach /metrics with a lag (the engine's stats interval): wait for the whole flood
         # and for the engine's snapshot to be one taken after the flood (it is published every half second):
         # the class-1 queries counted since the start, and the balance's one-class rule ended by them
-        new_q1 = (q1 or 0) - (_value(before, "kvretain:prefix_cache_queries_total", priority="1") or 0)
+        new_q1 = (q1 or 0) - (metric_value(before, "kvretain:prefix_cache_queries_total", priority="1") or 0)
         done = q0 and q0 >= 3 * 120 and h0 and h0 >= 2 * 96 and q1 and q1 >= 12 * 120 and ev1
-        done = done and new_q1 >= 12 * 120 and _value(s, "kvretain:balance_one_class") == 0.0
+        done = done and new_q1 >= 12 * 120 and metric_value(s, "kvretain:balance_one_class") == 0.0
         if done or time.monotonic() > deadline:
             break
         time.sleep(0.3)
@@ -50,29 +38,31 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     assert h0 and h0 >= 2 * 96
     assert q1 and q1 >= 12 * 120
     assert ev1 and ev1 > 0
-    assert _value(s, "kvretain:pool_blocks") == 32
+    assert metric_value(s, "kvretain:pool_blocks") == 32
     # the protected blocks are the cached class-0 blocks the pool holds now: how many survived the flood depends
     # on the controller's level, which earlier tests' traffic on this server moved (the load test can bring it to
     # or below 0, where nothing is reserved), so only their consistency is asserted here (the protection itself:
     # test_serve_retention)
-    share = _value(s, "kvretain:protected_block_share")
-    protected = _value(s, "kvretain:protected_blocks")
+    share = metric_value(s, "kvretain:protected_block_share")
+    protected = metric_value(s, "kvretain:protected_blocks")
     assert share is not None and 0 <= share <= 1
     assert protected is not None and share == pytest.approx(protected / 32)
     # the controller's state, consistent: the target is the level's share of the budget (0 below level 0); its
     # value depends on the traffic the server saw before (the controller is the engine's, not the test's)
-    budget = _value(s, "kvretain:protected_budget_blocks")
-    level = _value(s, "kvretain:protection_level")
+    budget = metric_value(s, "kvretain:protected_budget_blocks")
+    level = metric_value(s, "kvretain:protection_level")
     assert budget == pytest.approx(0.95 * 32)
     assert -1.0 <= level <= 1.0
-    assert _value(s, "kvretain:protected_target_blocks") == pytest.approx(max(0.0, level) * budget, abs=1e-6)
-    assert _value(s, "kvretain:lru_hit_ratio_estimate") is not None
+    assert metric_value(s, "kvretain:protected_target_blocks") == pytest.approx(
+        max(0.0, level) * budget, abs=1e-6
+    )
+    assert metric_value(s, "kvretain:lru_hit_ratio_estimate") is not None
     # the recency/frequency balance: two request priorities have looked up, so its one-class rule has ended
-    assert _value(s, "kvretain:balance_one_class") == 0.0
-    assert 0.0 <= _value(s, "kvretain:frequency_exponent_now") <= 1.0
+    assert metric_value(s, "kvretain:balance_one_class") == 0.0
+    assert 0.0 <= metric_value(s, "kvretain:frequency_exponent_now") <= 1.0
     # every request came through vLLM's input processing: the controller's shadows saw each one there
-    assert _value(s, "kvretain:lookups_seen_at_arrival") == 1.0
-    assert _value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
+    assert metric_value(s, "kvretain:lookups_seen_at_arrival") == 1.0
+    assert metric_value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
 
 
 def test_per_class_ttft_histograms(servers, text):
@@ -86,7 +76,7 @@ def test_per_class_ttft_histograms(servers, text):
             extra_body={"priority": prio},
         )
         assert sum(1 for _ in stream) > 1
-    s = _samples(srv)
+    s = metric_samples(srv)
     for prio in ("0", "1"):
-        assert _value(s, "kvretain:time_to_first_token_seconds_count", priority=prio) >= 1
-        assert _value(s, "kvretain:e2e_request_latency_seconds_count", priority=prio) >= 1
+        assert metric_value(s, "kvretain:time_to_first_token_seconds_count", priority=prio) >= 1
+        assert metric_value(s, "kvretain:e2e_request_latency_seconds_count", priority=prio) >= 1
