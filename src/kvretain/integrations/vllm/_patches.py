@@ -44,6 +44,8 @@ _ORIGINALS: dict[tuple[type, str], Callable[..., Any]] = {}
 _VLLM_FREE_BLOCKS = BlockPool.free_blocks
 """vLLM's ``BlockPool.free_blocks`` as the plugin found it (the fused free does what this does; a pool whose
 ``free_blocks`` is anything else keeps the general path)."""
+_FOUND_VLLMS_FREE = _VLLM_FREE_BLOCKS.__module__ == "vllm.v1.core.block_pool"
+"""False when something wrapped ``free_blocks`` before the plugin was imported (then never fused)."""
 _active: PluginConfig | None = None
 
 
@@ -208,8 +210,7 @@ def _fused_free(manager: Any, q: Any) -> Any:
         # (the bound method's function, not the pool's __dict__: reading an object's __dict__ makes CPython
         # 3.11+ give up its inline attribute values, and every attribute read on the pool in vLLM's hot paths slows)
         or getattr(pool.free_blocks, "__func__", None) is not _VLLM_FREE_BLOCKS
-        # (wrapped before the plugin was imported)
-        or _VLLM_FREE_BLOCKS.__module__ != "vllm.v1.core.block_pool"
+        or not _FOUND_VLLMS_FREE
         or type(manager.coordinator).free is not KVCacheCoordinator.free
         or type(m).free is not SingleTypeKVCacheManager.free
         or type(m).pop_blocks_for_free is not SingleTypeKVCacheManager.pop_blocks_for_free

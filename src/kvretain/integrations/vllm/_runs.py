@@ -668,11 +668,11 @@ class RunFreeQueue(HookedFreeQueue):
             stray = [bid for run in runs[rel.pushed :] for bid in run.ids]
             if stray:  # (queueing failed part-way: these blocks are free, in no queued run)
                 run_of = self._run_of
-                cls = self._cls
                 for bid in stray:
                     run_of[bid] = None
-                    cls[bid] = rel.prio
-                self.append_n([self.pool_blocks[bid] for bid in stray])
+                blocks = [self.pool_blocks[bid] for bid in stray]
+                self._charge(blocks, rel.prio)  # (a run holds hashed blocks only)
+                self.append_n(blocks)
             if rel.first:  # (unhashed blocks, the null block: vLLM's own rules, reused first)
                 free_blocks(rel.first)
         finally:
