@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -196,6 +197,39 @@ def test_generator_configs_reject_bad_values() -> None:
         RetrievalScanConfig(document_tokens=(10, 5))
     with pytest.raises(WorkloadError, match="retrieval-scan"):
         WORKLOADS.create("retrieval-scan", rng=random.Random(0), bogus=1)
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "value", "reason"),
+    [
+        (AgentPausesConfig, "duration_s", "abc", "must be a number"),
+        (AgentPausesConfig, "duration_s", float("inf"), "must be a finite number"),  # would never end
+        (AgentPausesConfig, "agent_rate", float("nan"), "must be a finite number"),
+        (AgentPausesConfig, "important_share", True, "must be a number"),
+        (AgentPausesConfig, "important_priority", 0.5, "must be a whole number"),
+        (AgentPausesConfig, "steps", (2, 3.5), "must be a whole number"),
+        (AgentPausesConfig, "short_pause_s", (1.0,), "must be a range"),
+        (MultiTenantConfig, "chat_session_rate", None, "must be a number"),
+        (MultiTenantConfig, "batch_documents", 0, "must be >= 1"),
+        (MultiTenantConfig, "agent_tool_pause_s", (5.0, 1.0), "must be a range lo <= hi"),
+        (RetrievalScanConfig, "zipf_s", float("nan"), "must be a finite number"),
+        (RetrievalScanConfig, "scan_rate", -1.0, "must be >= 0"),
+        (RetrievalScanConfig, "interactive_share", 1.5, "must be a probability"),
+    ],
+)
+def test_generator_configs_name_the_bad_setting(config: type, field: str, value: object, reason: str) -> None:
+    # every generator checks its settings by one rule (workloads.request.check_config): the kind of value its
+    # default is, finite, then its own ranges; the message names the workload, the field and the value
+    with pytest.raises(WorkloadError, match=rf"config: {field} {reason}.*got {re.escape(repr(value))}"):
+        config(**{field: value})
+
+
+def test_export_names_a_setting_of_the_wrong_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "x.jsonl")
+    assert main(["workload", "export", "agent-pauses", "--out", out, "--option", "duration_s=abc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "duration_s must be a number, got 'abc'" in err[0]
+    assert not Path(out).exists()
 
 
 # --- session rules ---------------------------------------------------------------------------------

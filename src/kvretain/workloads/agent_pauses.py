@@ -26,10 +26,10 @@ session early (in the default hour, seed 0, 34% of the realized pauses are long,
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_config, scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
 Range = tuple[int, int]  # inclusive uniform range
@@ -56,16 +56,12 @@ class AgentPausesConfig:
     est_s_per_output_token: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "agent_rate", "est_s_per_output_token"):
-            if getattr(self, name) < 0:
-                raise WorkloadError(f"agent-pauses config: {name} must be >= 0")
-        for name in ("long_pause_prob", "important_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise WorkloadError(f"agent-pauses config: {name} must be a probability in [0, 1]")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, tuple) and not 0 <= value[0] <= value[1]:
-                raise WorkloadError(f"agent-pauses config: {f.name} must be a range lo <= hi, got {value}")
+        check_config(
+            self,
+            "agent-pauses",
+            non_negative=("duration_s", "agent_rate", "est_s_per_output_token"),
+            probabilities=("long_pause_prob", "important_share"),
+        )
         if self.system_tokens + self.task_tokens[0] < 1:
             raise WorkloadError("agent-pauses config: a first prompt needs at least one token")
 

@@ -21,10 +21,10 @@ exact tokens its predecessor generated (``WorkloadRequest.output``) and a simula
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvretain.core.retention import RetentionDirective
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.workloads.request import WorkloadRequest, check_config, scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
 Range = tuple[int, int]  # inclusive uniform range
@@ -102,18 +102,13 @@ class MultiTenantConfig:
     batch_job_spread_s: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "chat_session_rate", "agent_rate", "batch_job_rate"):
-            if getattr(self, name) < 0:
-                raise WorkloadError(f"multi-tenant config: {name} must be >= 0")
-        for name in ("chat_attachment_prob", "chat_rag_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise WorkloadError(f"multi-tenant config: {name} must be a probability in [0, 1]")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, tuple) and not 0 <= value[0] <= value[1]:
-                raise WorkloadError(f"multi-tenant config: {f.name} must be a range lo <= hi, got {value}")
-        if self.batch_documents < 1:
-            raise WorkloadError("multi-tenant config: batch_documents must be >= 1")
+        check_config(
+            self,
+            "multi-tenant",
+            non_negative=("duration_s", "chat_session_rate", "agent_rate", "batch_job_rate"),
+            probabilities=("chat_attachment_prob", "chat_rag_prob"),
+            at_least_one=("batch_documents",),
+        )
 
 
 def generate_multi_tenant(

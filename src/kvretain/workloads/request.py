@@ -84,6 +84,51 @@ class WorkloadRequest:
         return len(self.prompt)
 
 
+def check_config(
+    config: Any,
+    label: str,
+    *,
+    non_negative: Iterable[str] = (),
+    probabilities: Iterable[str] = (),
+    at_least_one: Iterable[str] = (),
+) -> None:
+    """The checks every generator's settings share (``label``: the workload's name in the message). Each field
+    takes the kind of value its default is: an int field a whole number, a float field any finite number, a
+    pair a ``(lo, hi)`` of such numbers with ``0 <= lo <= hi`` (a bool is not a number); then the named fields
+    are ``>= 0``, in ``[0, 1]`` or ``>= 1``. Raises :class:`WorkloadError` naming the field and the value."""
+
+    def bad(name: str, what: str, value: object) -> WorkloadError:
+        return WorkloadError(f"{label} config: {name} must be {what}, got {value!r}")
+
+    def number(name: str, value: object, whole: bool, shown: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            raise bad(name, "a whole number" if whole else "a number", shown)
+        if not math.isfinite(value):
+            raise bad(name, "a finite number", shown)
+
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        default = f.default
+        if isinstance(default, tuple):
+            if not isinstance(value, tuple) or len(value) != len(default):
+                raise bad(f.name, f"a range [lo, hi] of {len(default)} numbers", value)
+            for v, d in zip(value, default, strict=True):
+                number(f.name, v, isinstance(d, int), value)
+            if not 0 <= value[0] <= value[1]:
+                raise bad(f.name, "a range lo <= hi of numbers >= 0", value)
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            number(f.name, value, isinstance(default, int), value)
+    for name in non_negative:
+        if getattr(config, name) < 0:
+            raise bad(name, ">= 0", getattr(config, name))
+    for name in probabilities:
+        if not 0.0 <= getattr(config, name) <= 1.0:
+            raise bad(name, "a probability in [0, 1]", getattr(config, name))
+    for name in at_least_one:
+        if getattr(config, name) < 1:
+            raise bad(name, ">= 1", getattr(config, name))
+
+
 def scale_and_limit(
     requests: Iterable[WorkloadRequest], time_scale: float = 1.0, limit: int | None = None
 ) -> list[WorkloadRequest]:

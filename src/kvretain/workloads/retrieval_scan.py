@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, scale_and_limit
+from kvretain.workloads.request import WorkloadRequest, check_config, scale_and_limit
 
 Range = tuple[int, int]  # inclusive uniform range
 
@@ -53,17 +53,13 @@ class RetrievalScanConfig:
     scan_priority: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "query_rate", "scan_rate", "zipf_s"):
-            if getattr(self, name) < 0:
-                raise WorkloadError(f"retrieval-scan config: {name} must be >= 0")
-        if not 0.0 <= self.interactive_share <= 1.0:
-            raise WorkloadError("retrieval-scan config: interactive_share must be a probability in [0, 1]")
-        if self.documents < 1:
-            raise WorkloadError("retrieval-scan config: documents must be >= 1")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, tuple) and not 0 <= value[0] <= value[1]:
-                raise WorkloadError(f"retrieval-scan config: {f.name} must be a range lo <= hi, got {value}")
+        check_config(
+            self,
+            "retrieval-scan",
+            non_negative=("duration_s", "query_rate", "scan_rate", "zipf_s"),
+            probabilities=("interactive_share",),
+            at_least_one=("documents",),
+        )
 
 
 def generate_retrieval_scan(
