@@ -44,6 +44,12 @@ CLI_CASES: list[tuple[str, str]] = [
         "argument --capacity-blocks: 1,000,000,000,000 blocks need about",
     ),
     ("replay --sessions 0", "argument --sessions:"),
+    ("replay --max-reuse-loss 1.5", "argument --max-reuse-loss: must be a finite number in [0, 1]"),
+    ("replay --protect-threshold 101", "argument --protect-threshold: must be an integer in [0, 100]"),
+    ("replay --frequency-cap 0", "argument --frequency-cap: must be an integer >= 1"),
+    ("replay --ghost-factor -1", "argument --ghost-factor: must be a finite number in [0, 1000]"),
+    ("simulate --max-reuse-loss nan", "argument --max-reuse-loss:"),
+    ("simulate --frequency-cap 2.5", "argument --frequency-cap: expected an integer"),
     ("replay --priority-mapping step=1.5", "argument --priority-mapping: priority mapping step='1.5'"),
     ("simulate --priority-weight 0", "argument --priority-weight:"),
     ("simulate --priority-weight nan", "argument --priority-weight:"),
@@ -108,6 +114,39 @@ def test_hostile_flag_gets_one_clear_line(
     assert lines[0].startswith(f"kvretain {args[0]}: error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # no report folder, no partial file
+
+
+def test_replay_and_simulate_take_every_setting_an_operator_moves() -> None:
+    # one option set (cli_args.add_policy_options) for replay, simulate and compare: the controller's two
+    # constraints (isolation goal, reuse loss) can be loosened from every command, as from the plugin's
+    # KVRETAIN_POLICY_OPTIONS, and the same flags give the same PolicyConfig
+    from kvretain.cli import build_parser
+    from kvretain.cli_args import policy_config
+    from kvretain.cli_sim import SIM_POLICY_DEFAULTS
+
+    flags = [
+        "--budget", "0.5", "--isolation-goal", "0.8", "--max-reuse-loss", "0.1", "--protect-threshold", "60",
+        "--priority-weight", "3", "--frequency-exponent", "0.5", "--frequency-cap", "8", "--no-adapt-frequency",
+        "--cost-scale-tokens", "4096", "--ghost-factor", "2",
+    ]  # fmt: skip
+    want = PolicyConfig(
+        budget=0.5,
+        isolation_goal=0.8,
+        max_reuse_loss=0.1,
+        protect_threshold=60,
+        priority_weight=3.0,
+        frequency_exponent=0.5,
+        frequency_cap=8,
+        adapt_frequency=False,
+        cost_scale_tokens=4096.0,
+        ghost_factor=2.0,
+        block_size=16,
+    )
+    for command in ("replay", "simulate", "compare"):
+        args = build_parser(command).parse_args([command, *flags])
+        assert policy_config(args, SIM_POLICY_DEFAULTS, 16) == want, command
+        defaults = build_parser(command).parse_args([command])
+        assert policy_config(defaults, PolicyConfig(), 16) == PolicyConfig(block_size=16), command
 
 
 def test_compare_rejects_a_bad_policy_before_any_run(

@@ -19,7 +19,15 @@ from dataclasses import fields
 from typing import Any
 
 from kvretain import __version__
-from kvretain.cli_args import Parser, fail, integer, number, option_error, priority_mapping, share
+from kvretain.cli_args import (
+    Parser,
+    add_policy_options,
+    fail,
+    integer,
+    option_error,
+    policy_config,
+    priority_mapping,
+)
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
 from kvretain.core.retention import RetentionError
@@ -48,17 +56,6 @@ def _progress(enabled: bool, desc: str) -> Any:
     return wrap
 
 
-def _policy_config(args: argparse.Namespace, block_tokens: int) -> PolicyConfig:
-    return PolicyConfig(
-        budget=args.budget,
-        isolation_goal=None if args.isolation_goal <= 0 else args.isolation_goal,
-        priority_weight=args.priority_weight,
-        frequency_exponent=args.frequency_exponent,
-        cost_scale_tokens=args.cost_scale_tokens,
-        block_size=block_tokens,
-    )
-
-
 def policy_config_error(exc: ValueError) -> ValueError:
     """A ``PolicyConfig`` error found after parsing, reworded to name the option(s) (``argument --x: ...``)."""
     return ValueError(option_error(exc, (f.name for f in fields(PolicyConfig))))
@@ -68,7 +65,7 @@ def check_replay(args: argparse.Namespace) -> None:
     """Checks that need several options, before anything runs: the policy settings together, and a pool
     that fits in memory."""
     try:
-        cfg = _policy_config(args, args.block_tokens)
+        cfg = policy_config(args, PolicyConfig(), args.block_tokens)
     except ValueError as exc:
         raise policy_config_error(exc) from None
     policies = policy_names() if args.policy == "all" else [args.policy]
@@ -157,7 +154,7 @@ def _replay_all(args: argparse.Namespace, requests: Sequence[ReplayRequest], sou
             requests,
             args.capacity_blocks,
             name,
-            _policy_config(args, args.block_tokens),
+            policy_config(args, PolicyConfig(), args.block_tokens),
             mapping,
             args.block_tokens,
             progress=_progress(not args.json and not args.no_progress and sys.stderr.isatty(), name),
@@ -233,37 +230,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
     )
-    d = PolicyConfig()
-    r.add_argument(
-        "--budget",
-        type=share,
-        default=d.budget,
-        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
-    )
-    r.add_argument(
-        "--isolation-goal",
-        type=share,
-        default=d.isolation_goal or 0.0,
-        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
-        f"(0: fixed budget; default {d.isolation_goal:g})",
-    )
-    r.add_argument(
-        "--priority-weight",
-        type=number(1.0, what=" (1: no bias)"),
-        default=d.priority_weight,
-        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
-    )
-    r.add_argument(
-        "--frequency-exponent",
-        type=number(0.0, what=" (0: frequency off)"),
-        default=d.frequency_exponent,
-        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
-    )
-    r.add_argument(
-        "--cost-scale-tokens",
-        type=number(0.0),
-        default=d.cost_scale_tokens,
-        help="unified: recompute-cost depth scale in tokens, 0 (off, default) or >= 1",
+    add_policy_options(
+        r.add_argument_group("unified's settings (core's PolicyConfig defaults, as simulate and the plugin)"),
+        PolicyConfig(),
     )
     r.set_defaults(func=cmd_replay, check=check_replay)
 

@@ -12,9 +12,16 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import NoReturn
 
-from kvretain.core.retention import PriorityMapping, RetentionError
+from kvretain.core.policy import MAX_GHOST_FACTOR, PolicyConfig
+from kvretain.core.retention import (
+    MAX_RETENTION_PRIORITY,
+    MIN_RETENTION_PRIORITY,
+    PriorityMapping,
+    RetentionError,
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -142,3 +149,94 @@ def option_error(exc: ValueError, fields: Iterable[str]) -> str:
     known = set(fields)
     named = ["--" + w.replace("_", "-") for w in msg.replace(":", " ").split()[:3] if w in known]
     return f"argument {'/'.join(named)}: {msg}" if named else msg
+
+
+def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> None:
+    """``unified``'s settings as options, one set for ``replay``, ``simulate`` and ``compare`` (defaults from
+    ``d``, the core's :class:`~kvretain.core.policy.PolicyConfig`, as the vLLM plugin's
+    ``KVRETAIN_POLICY_OPTIONS``); :func:`policy_config` reads them back."""
+    group.add_argument(
+        "--budget",
+        type=share,
+        default=d.budget,
+        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
+    )
+    group.add_argument(
+        "--isolation-goal",
+        type=share,
+        default=d.isolation_goal or 0.0,
+        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
+        f"(0: fixed budget; default {d.isolation_goal or 0.0:g})",
+    )
+    group.add_argument(
+        "--max-reuse-loss",
+        type=share,
+        default=d.max_reuse_loss,
+        help="unified: the adaptive share keeps overall reuse at least 1 - this of what plain LRU would hit "
+        f"(measured online), 0..1 (default {d.max_reuse_loss:g})",
+    )
+    group.add_argument(
+        "--protect-threshold",
+        type=integer(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, " (a retention priority)"),
+        default=d.protect_threshold,
+        help="unified: retention priority from which blocks are protected, 0..100 "
+        f"(default {d.protect_threshold}: request priority 0)",
+    )
+    group.add_argument(
+        "--priority-weight",
+        type=number(1.0, what=" (1: no bias)"),
+        default=d.priority_weight,
+        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
+    )
+    group.add_argument(
+        "--frequency-exponent",
+        type=number(0.0, what=" (0: frequency off)"),
+        default=d.frequency_exponent,
+        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
+    )
+    group.add_argument(
+        "--frequency-cap",
+        type=integer(1),
+        default=d.frequency_cap,
+        help=f"unified, lfu: uses counted up to this many, >= 1 (default {d.frequency_cap})",
+    )
+    group.add_argument(
+        "--no-adapt-frequency",
+        dest="adapt_frequency",
+        action="store_false",
+        default=d.adapt_frequency,
+        help="unified: keep the frequency exponent fixed (default: it moves between recency and frequency by "
+        "which would hit more)",
+    )
+    group.add_argument(
+        "--cost-scale-tokens",
+        type=number(0.0),
+        default=d.cost_scale_tokens,
+        help=f"unified: recompute-cost depth scale in tokens, 0 (off) or >= 1 (default {d.cost_scale_tokens:g})",
+    )
+    group.add_argument(
+        "--ghost-factor",
+        type=number(0.0, MAX_GHOST_FACTOR),
+        default=d.ghost_factor,
+        help="unified, lfu: evicted blocks whose use counts are remembered, x the pool "
+        f"(default {d.ghost_factor:g})",
+    )
+
+
+def policy_config(args: argparse.Namespace, d: PolicyConfig, block_size: int) -> PolicyConfig:
+    """The :class:`~kvretain.core.policy.PolicyConfig` of :func:`add_policy_options`' options (raises the
+    config's ``ValueError`` for settings that are wrong together)."""
+    return replace(
+        d,
+        budget=args.budget,
+        isolation_goal=None if args.isolation_goal <= 0 else args.isolation_goal,
+        max_reuse_loss=args.max_reuse_loss,
+        protect_threshold=args.protect_threshold,
+        priority_weight=args.priority_weight,
+        frequency_exponent=args.frequency_exponent,
+        frequency_cap=args.frequency_cap,
+        adapt_frequency=args.adapt_frequency,
+        cost_scale_tokens=args.cost_scale_tokens,
+        ghost_factor=args.ghost_factor,
+        block_size=block_size,
+    )

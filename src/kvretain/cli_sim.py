@@ -17,10 +17,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import integer, names_of, number, priority_mapping, share, shares, slo_spec
+from kvretain.cli_args import (
+    add_policy_options,
+    integer,
+    names_of,
+    number,
+    policy_config,
+    priority_mapping,
+    shares,
+    slo_spec,
+)
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
-from kvretain.core.retention import MAX_RETENTION_PRIORITY, MIN_RETENTION_PRIORITY
 from kvretain.engine.sim.catalog import load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
@@ -152,44 +160,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group(
         "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin)"
     )
-    c.add_argument(
-        "--budget",
-        type=share,
-        default=d.budget,
-        help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
-    )
-    c.add_argument(
-        "--isolation-goal",
-        type=share,
-        default=d.isolation_goal or 0.0,
-        help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
-        f"(0: fixed budget; default {d.isolation_goal:g})",
-    )
-    c.add_argument(
-        "--protect-threshold",
-        type=integer(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, " (a retention priority)"),
-        default=d.protect_threshold,
-        help="unified: retention priority from which blocks are protected, 0..100 (default 35: request "
-        "priority 0)",
-    )
-    c.add_argument(
-        "--priority-weight",
-        type=number(1.0, what=" (1: no bias)"),
-        default=d.priority_weight,
-        help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
-    )
-    c.add_argument(
-        "--frequency-exponent",
-        type=number(0.0, what=" (0: frequency off)"),
-        default=d.frequency_exponent,
-        help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
-    )
-    c.add_argument(
-        "--cost-scale-tokens",
-        type=number(0.0),
-        default=d.cost_scale_tokens,
-        help="unified: recompute-cost depth scale in tokens, 0 (off, default) or >= 1",
-    )
+    add_policy_options(c, d)
     c.add_argument(
         "--priority-mapping",
         type=priority_mapping,
@@ -234,16 +205,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         gpu_mem_utilization=args.gpu_mem_util,
         block_size=args.block_size,
         policy=policy,
-        policy_config=replace(
-            SIM_POLICY_DEFAULTS,
-            budget=args.budget,
-            isolation_goal=None if args.isolation_goal <= 0 else args.isolation_goal,
-            protect_threshold=args.protect_threshold,
-            priority_weight=args.priority_weight,
-            frequency_exponent=args.frequency_exponent,
-            cost_scale_tokens=args.cost_scale_tokens,
-            block_size=args.block_size,
-        ),
+        policy_config=policy_config(args, SIM_POLICY_DEFAULTS, args.block_size),
         mapping=args.priority_mapping,
         sched=SchedulerConfig(
             policy=args.scheduling,
