@@ -24,6 +24,8 @@ pytest.importorskip(
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
+from kvretain.core.policies import rules
+from kvretain.core.policy import INF
 from kvretain.core.retention import PriorityMapping, RetentionConfig
 from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
@@ -95,12 +97,35 @@ class VllmSide:
 
     def free(self, req: _Request, blocks: list[KVCacheBlock]) -> None:
         self.q.on_request_release(req, (blocks,), [BLOCK], freeing_now=True, num_cached=[len(blocks)])
-        ordered = list(reversed(blocks))
-        for b in ordered:
-            b.ref_cnt -= 1
-        self.q.append_n([b for b in ordered if b.ref_cnt == 0])
+        self._free_blocks(list(reversed(blocks)))
         if hasattr(self.q, "_expect"):
             self.q._expect = -1
+
+    def free_fused(self, req: _Request, blocks: list[KVCacheBlock]) -> None:
+        """``KVCacheManager.free`` on a full-attention group with the run queue: release and free in one pass."""
+        self.q.free_request(req, blocks, BLOCK, len(blocks), self._free_blocks)
+
+    def free_deferred(self, req: _Request, blocks: list[KVCacheBlock]) -> None:
+        """``pop_blocks_for_free``: the release hook first, vLLM's free (``append_n`` places the blocks) later."""
+        self.q.on_request_release(req, (blocks,), [BLOCK])
+        self._free_blocks(list(reversed(blocks)))
+
+    def _free_blocks(self, ordered: list[KVCacheBlock]) -> None:
+        """vLLM's ``BlockPool.free_blocks``: unhashed blocks whose last reference went first, cached ones queued."""
+        for b in ordered:
+            b.ref_cnt -= 1
+        self.q.prepend_n([b for b in ordered if b.ref_cnt == 0 and b._block_hash is None])
+        self.q.append_n([b for b in ordered if b.ref_cnt == 0 and b._block_hash is not None])
+
+    def retention(self, block: KVCacheBlock) -> tuple[int, int, float, str | None]:
+        """The block's retention state ``(level, base, expiry, owner)`` as the queue keeps it."""
+        q = self.q
+        bid = block.block_id
+        if isinstance(q, RunFreeQueue):
+            expiry, base = q._lapse.get(bid, (INF, q._r[bid]))
+            return q._r[bid], base, expiry, q._owner.get(bid)
+        m = q.policy._meta[bid]
+        return m.r, m.base, m.expiry, m.owner
 
 
 class CoreSide:
@@ -141,6 +166,10 @@ class CoreSide:
         else:
             plan = BlockRetention([], [], None, req.priority, base)
         self.pool.free_blocks(ids, plan)
+
+    def retention(self, bid: int) -> tuple[int, int, float, str | None]:
+        m = self.pool.policy._meta[bid]  # type: ignore[attr-defined]
+        return m.r, m.base, m.expiry, m.owner
 
 
 def _events(seed: int, steps: int) -> list[tuple[str, Any]]:
@@ -280,3 +309,97 @@ def test_the_run_queue_tells_its_controller_the_protected_blocks_it_holds(seed: 
     # two storages, slightly different hits and so different protected counts (measured at seeds 0-1: 26.6 / 26.5
     # and 16.9 / 21.6): the same quantity, within a factor that only a different quantity would break
     assert core / 2 <= runs <= 2 * core
+
+
+# ---------------------------------------------------------------------------- retention, block by block
+def _retention_events(seed: int, steps: int) -> list[tuple[str, Any]]:
+    """What decides a block's retention, in every combination: prefixes shared by requests of five priorities,
+    directives raising (with and without a duration) or lowering, over part of a run (ranges that start or end
+    inside a block, open-ended ones, two per request), scopes that raise and then lower, prompts shorter than the
+    blocks (decode blocks), requests preempted and resumed, the three ways vLLM frees, and a clock that moves."""
+    rng = random.Random(seed)
+    out: list[tuple[str, Any]] = []
+    for i in range(steps):
+        r = rng.random()
+        if r < 0.45:
+            s = rng.randrange(3)
+            shared, tail = rng.randint(1, 10), rng.randint(0, 3)
+            hashes = [b"s%d-%d" % (s, j) for j in range(shared)] + [b"r%d-%d" % (i, j) for j in range(tail)]
+            extra: dict[str, Any] | None = None
+            d = rng.random()
+            if d < 0.6:
+                a = rng.randint(0, 5 * BLOCK)
+                first: dict[str, Any] = {
+                    "start": a,
+                    "end": rng.choice([a + rng.randint(1, 3 * BLOCK), None]),
+                    "priority": rng.choice([0, 10, 35, 45, 60, 90]),
+                }
+                if rng.random() < 0.6:
+                    first["duration"] = rng.choice([0, 0.5, 2, 5])
+                directives = [first]
+                if first["end"] is not None and rng.random() < 0.3:
+                    second = {"start": 9 * BLOCK + 3, "priority": rng.choice([5, 40, 70])}
+                    directives.append({**second, "duration": rng.choice([None, 1, 4])})
+                extra = {"retention_directives": directives}
+                if rng.random() < 0.5:
+                    extra["retention_scope"] = rng.choice(["A", "B"])
+            elif d < 0.7:
+                extra = {"retention_scope": rng.choice(["A", "B"])}
+            req = _Request(f"r{i}", rng.choice([-2, -1, 0, 1, 3]), extra, hashes)
+            if rng.random() < 0.4:
+                req.num_prompt_tokens = rng.randint(1, len(hashes) * BLOCK)  # the rest are generated tokens
+            out.append(("admit", req))
+        elif r < 0.8:
+            out.append(("finish", (rng.random(), rng.choice(["general", "fused", "deferred"]))))
+        elif r < 0.88:
+            out.append(("preempt", rng.random()))
+        else:
+            out.append(("tick", rng.choice([0.3, 1.0, 3.0, 10.0])))
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+@pytest.mark.parametrize("seed", range(6))
+def test_both_storages_keep_every_blocks_retention_as_the_pool(granularity: str, seed: int) -> None:
+    # a pool large enough that nothing is evicted: the two storages then hold the same blocks, and each block's
+    # retention (level, the fallback of a lapse, the expiry, the owner scope) follows from the rules alone, so
+    # it must equal the pool's after every event, whatever order either storage evicts in
+    n = 2000
+    cfg = PolicyConfig(block_size=BLOCK, ghost_factor=0.0, isolation_goal=None)
+    clock = [0.0]
+    _runtime.set_clock(lambda: clock[0])
+    try:
+        core, vside = CoreSide(n, cfg, clock), VllmSide(n, cfg, granularity)
+        running: list[tuple[_Request, Any, Any]] = []
+        preempted: list[_Request] = []
+        for step, (kind, arg) in enumerate(_retention_events(seed, 400)):
+            if kind == "tick":
+                clock[0] += arg
+            elif kind == "admit" or (kind == "preempt" and preempted and arg < 0.5):
+                req = arg if kind == "admit" else preempted.pop(0)  # a preempted request resumes
+                got = (core.admit(req), vside.admit(req))
+                assert got[0] is not None and got[1] is not None
+                running.append((req, got[0][1], got[1][1]))
+            elif running and kind in ("finish", "preempt"):
+                where, how = (arg, "general") if kind == "preempt" else arg
+                req, a, b = running.pop(int(where * len(running)))
+                core.free(req, a)  # (a preemption frees the request's blocks as a finish does)
+                if how == "fused" and granularity == "run":
+                    vside.free_fused(req, b)
+                elif how == "deferred":
+                    vside.free_deferred(req, b)
+                else:
+                    vside.free(req, b)
+                if kind == "preempt":
+                    req.num_preemptions += 1
+                    preempted.append(req)
+            now = clock[0]
+            for h, bid in core.pool.cached.items():
+                want = core.retention(bid)
+                if want[0] == rules.UNSET:
+                    continue  # cached by a running request, never released yet
+                got_state = vside.retention(vside.cached[h])
+                assert rules.effective(*got_state[:3], now) == rules.effective(*want[:3], now), (step, h)
+                assert got_state == want, (step, h, kind)
+    finally:
+        _runtime.set_clock(None)

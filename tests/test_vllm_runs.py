@@ -347,3 +347,42 @@ def test_a_more_important_user_raises_a_cached_prefix() -> None:
     assert [pool.q._r[b.block_id] for b in hb] == [35, 35, 35, 35]
     assert pool.q.stats()["protected_blocks"] == 4
     pool.q.check()
+
+
+def _retained(pool: Pool, asks: list[tuple[float, int, dict[str, Any] | None]]) -> list[int]:
+    """Requests on one prefix (``chain(0, 2, 1)``), each admitted and finished at its time ``t`` with its priority
+    and retention fields; the retention of the prefix's two blocks once an eviction has applied the lapses due."""
+    t = [0.0]
+    _runtime.set_clock(lambda: t[0])
+    try:
+        prefix: list[KVCacheBlock] = []
+        for i, (at, prio, extra) in enumerate(asks):
+            t[0] = at
+            req = request(f"r{i}", prio, extra, tokens=3 * BLOCK)
+            got = pool.admit(req, chain(0, 2, 1), False)
+            assert got is not None
+            prefix = got[:2]
+            pool.free(req, got)
+        t[0] += 10.0
+        pool.q.popleft_n(pool.q.num_free_blocks - pool.q._held + 1)  # one eviction: lapses due are applied
+        pool.q.check()
+        return [pool.q._r[b.block_id] for b in prefix]
+    finally:
+        _runtime.set_clock(None)
+
+
+def test_a_user_asking_a_directives_priority_keeps_it_after_the_directive_ends() -> None:
+    # priority 0 (maps to 35) asks 45 for 2 s; a priority -1 request (maps to 45) then uses the prefix: 45 is
+    # its users' own priority now, so the directive's end changes nothing (the pool: level 45, fallback 45)
+    d = {"retention_directives": [{"start": 0, "priority": 45, "duration": 2}]}
+    # (before the fix the prefix fell to 35 and its head went first: [-1 (evicted), 35])
+    assert _retained(fixed_pool(), [(0.0, 0, d), (0.5, -1, None)]) == [45, 45]
+
+
+def test_a_lapsed_lowering_falls_back_to_its_users_highest_priority() -> None:
+    # scope S raises the prefix to 60 (and owns it), a priority -2 request (maps to 55) uses it, S lowers it to 10
+    # for 1 s; once that lapsed, a priority 0 request (35) finds it back at 55, its users' highest, not at 35
+    up = {"retention_directives": [{"start": 0, "priority": 60}], "retention_scope": "S"}
+    down = {"retention_directives": [{"start": 0, "priority": 10, "duration": 1}], "retention_scope": "S"}
+    asks = [(0.0, 0, up), (0.0, -2, None), (0.0, 0, down), (2.0, 0, None)]
+    assert _retained(fixed_pool(), asks) == [55, 55]

@@ -844,15 +844,14 @@ class RunFreeQueue(HookedFreeQueue):
                     tag = stag
                 else:
                     other += 1
-                    if r != mapped:
-                        if r < mapped:  # highest wins
-                            if r < thr <= mapped:
-                                new_protected += 1
-                            rr[bid] = r = mapped
-                            if lapse:
-                                lapse.pop(bid, None)
-                        elif lapse and bid in lapse:  # a directive holds it above: lapsed yet?
-                            r = self._retain(bid, mapped, None, None, now, mapped)
+                    if lapse and bid in lapse:
+                        # a directive holds it away from its users' mapped priority: the full rules (it may have
+                        # lapsed to a fallback above ``mapped``; an equal ask ends its expiry; the fallback rises)
+                        r = self._retain(bid, mapped, None, None, now, mapped)
+                    elif r < mapped:  # highest wins
+                        if r < thr <= mapped:
+                            new_protected += 1
+                        rr[bid] = r = mapped
                     tag = r * 16 + ub[u]
                 uses[bid] = u
                 c = b.ref_cnt
