@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -383,6 +384,13 @@ def test_plan_decode_defaults_to_the_mapped_priority() -> None:
 def test_plan_ignores_directives_beyond_the_prompt() -> None:
     cfg = parse({"start": 100, "end": 200, "priority": 90})
     assert cfg.block_plan(3, BS, 48, 35)[0] == [35, 35, 35]
+
+
+@pytest.mark.parametrize("raw", [{"start": 40, "priority": 90}, {"start": 44, "end": 47, "priority": 90}])
+def test_plan_ignores_a_directive_past_a_prompt_that_ends_inside_a_block(raw: dict[str, Any]) -> None:
+    # a 40-token prompt ends inside block 2 (tokens 32..47): a range from token 40 on covers no prompt token, so it
+    # leaves block 2 at the mapped priority (and its generated tokens to the decode priority's rules)
+    assert parse(raw).block_plan(4, BS, 40, 35) == ([35, 35, 35, 35], [None] * 4)
 
 
 def test_plan_with_fewer_blocks_than_the_prompt() -> None:

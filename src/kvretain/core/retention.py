@@ -331,6 +331,8 @@ class RetentionConfig:
         # A block straddling two directives takes the higher one; on a tie the longer duration (None = forever).
         for d in self.directives:
             hi_tok = num_prompt_tokens if d.end is None else min(d.end, num_prompt_tokens)
+            if hi_tok <= d.start:
+                continue  # no prompt token in its range (a prompt ending inside a block: that block is not its)
             for i in range(d.start // block_size, min(first_decode, -(-hi_tok // block_size))):
                 if (
                     not covered[i]
