@@ -128,6 +128,9 @@ def test_retention_limits():
     assert "not valid JSON" in _denied(
         lambda: POLICY.check({"vllm_xargs": {"retention_directives": "[{"}}, None), 400
     )
+    assert "not valid JSON" in _denied(  # nested deeper than the parser goes: a RecursionError before
+        lambda: POLICY.check({"vllm_xargs": {"retention_directives": "[" * 100_000}}, None), 400
+    )
     assert "unknown retention field" in _denied(
         lambda: POLICY.check({"vllm_xargs": {"retention_scop": "x"}}, None), 400
     )
@@ -187,6 +190,9 @@ def test_middleware_rewrites_and_refuses():
     assert status == 403 and "priority 1" in reply["error"]["message"] and reply["error"]["code"] == 403
     assert _asgi(POLICY, {"priority": 0})[0] == 401
     assert _asgi(AccessPolicy(), b"{bad")[0] == 400
+    deep = b"[" * 1500 + b"]" * 1500  # valid JSON, nested deeper than Python's parser goes (RecursionError)
+    status, reply, _ = _asgi(AccessPolicy(), deep)
+    assert status == 400 and "not valid JSON" in reply["error"]["message"]
     assert _asgi(AccessPolicy(), b"x" * 5000)[0] == 413
 
 

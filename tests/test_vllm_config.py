@@ -74,6 +74,31 @@ def test_retention_fields() -> None:
     assert validation_message({"retention_directives": d}) is None
 
 
+DEEP = "[" * 100_000  # a JSON string that Python's parser gives up on with a RecursionError
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (
+            {"retention_directives": [{"start": 0, "priority": 10**5000}]},
+            "priority <an integer of 16610 bits> is out of range; use an integer in [0, 100]",
+        ),
+        ({"retention_directives": [{"start": 0, "priority": 50, "duration": 10**5000}]}, "is too large"),
+        ({"retention_directives": [{"start": -(10**5000), "priority": 50}]}, "start must be a non-negative"),
+        ({"retention_directives": "[" * 100_000}, "retention_directives: not valid JSON (nested too deeply)"),
+    ],
+)
+def test_a_value_python_cannot_print_or_parse_is_a_clear_request_error(
+    extra: dict[str, object], says: str
+) -> None:
+    # an integer of 5000 digits (str() refuses it: sys.int_max_str_digits) or JSON nested 10^5 deep (the parser
+    # raises RecursionError): the request gets the field's message, not that error (a traceback in vLLM)
+    msg = validation_message(extra)
+    assert msg is not None and msg.startswith("invalid retention request: retention_directives")
+    assert says in msg
+
+
 def test_register_without_vllm_is_inert_and_lazy() -> None:
     code = (
         "import os, sys; os.environ.pop('KVRETAIN_POLICY', None);"

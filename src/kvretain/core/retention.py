@@ -30,25 +30,33 @@ class RetentionError(ValueError):
     """Invalid retention input. The message names the field and how to fix it."""
 
 
-def _show(value: object) -> str:
-    """``repr(value)``, shortened: error messages quote what the user gave without echoing a huge value."""
-    text = repr(value)
+def show_value(value: object) -> str:
+    """``repr(value)``, shortened: error messages quote what the user gave without echoing a huge value (nor
+    failing on one: an integer of more digits than ``str`` converts, ``sys.get_int_max_str_digits()``)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"<an integer of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} that cannot be shown>"
     return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _check_int(value: object, where: str, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RetentionError(f"{where}: {name} must be {what}, got {_show(value)}")
+        raise RetentionError(f"{where}: {name} must be {what}, got {show_value(value)}")
     return value
 
 
 def _check_priority(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RetentionError(
-            f"{where}: priority must be an integer in [0, 100], got {_show(value)}; pass e.g. priority=80"
+            f"{where}: priority must be an integer in [0, 100], got {show_value(value)}; pass e.g. priority=80"
         )
     if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
-        raise RetentionError(f"{where}: priority {_show(value)} is out of range; use an integer in [0, 100]")
+        raise RetentionError(
+            f"{where}: priority {show_value(value)} is out of range; use an integer in [0, 100]"
+        )
     return value
 
 
@@ -60,19 +68,19 @@ def _check_duration(value: object, where: str, name: str = "duration_s", per_sec
     unit = "seconds" if per_second == 1 else "milliseconds"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RetentionError(
-            f"{where}: {name} must be a number of {unit} or null, got {_show(value)}; "
+            f"{where}: {name} must be a number of {unit} or null, got {show_value(value)}; "
             f"pass e.g. {name}={30 * per_second} or omit it to retain without expiry"
         )
     try:
         v = float(value) / per_second
     except OverflowError:
         raise RetentionError(
-            f"{where}: {name} {_show(value)} is too large for a number of {unit}; "
+            f"{where}: {name} {show_value(value)} is too large for a number of {unit}; "
             "omit it (null) to retain without expiry"
         ) from None
     if math.isnan(v) or v < 0:
         raise RetentionError(
-            f"{where}: {name} must be >= 0 {unit}, got {_show(value)}; use a non-negative number"
+            f"{where}: {name} must be >= 0 {unit}, got {show_value(value)}; use a non-negative number"
         )
     return v
 
@@ -94,12 +102,14 @@ class RetentionDirective:
         where = "retention directive"
         start = _check_int(self.start, where, "start", "a non-negative token index")
         if start < 0:
-            raise RetentionError(f"{where}: start must be a non-negative token index, got {start}")
+            raise RetentionError(
+                f"{where}: start must be a non-negative token index, got {show_value(start)}"
+            )
         if self.end is not None:
             end = _check_int(self.end, where, "end", "a token index or null")
             if end <= start:
                 raise RetentionError(
-                    f"{where}: start ({_show(start)}) must be before end ({_show(end)}); "
+                    f"{where}: start ({show_value(start)}) must be before end ({show_value(end)}); "
                     "use end > start, or end=null for 'to the end of the prompt'"
                 )
         _check_priority(self.priority, where)
@@ -116,11 +126,11 @@ class RetentionDirective:
         where = f"retention_directives[{index}]"
         if not isinstance(raw, Mapping):
             raise RetentionError(
-                f"{where}: expected an object {{start, end, priority, duration_s}}, got {_show(raw)}"
+                f"{where}: expected an object {{start, end, priority, duration_s}}, got {show_value(raw)}"
             )
         unknown = [k for k in raw if k not in _DIRECTIVE_FIELDS]
         if unknown:
-            names = sorted(_show(k) for k in unknown)
+            names = sorted(show_value(k) for k in unknown)
             raise RetentionError(
                 f"{where}: unknown field(s) [{', '.join(names)}]; allowed: start, end, priority, duration_s "
                 "(or RFC #37003's duration, TensorRT-LLM's token_start, token_end, duration_ms)"
@@ -191,18 +201,22 @@ class PriorityMapping:
             raw = tuple(raw.items())
         if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
             raise RetentionError(
-                f"{where}: table must be (request_priority, retention) pairs, got {_show(raw)}"
+                f"{where}: table must be (request_priority, retention) pairs, got {show_value(raw)}"
             )
         table: list[tuple[int, int]] = []
         for entry in raw:
             if not isinstance(entry, tuple | list) or len(entry) != 2:
                 raise RetentionError(
-                    f"{where}: table entry {_show(entry)} must be a (request_priority, retention) pair"
+                    f"{where}: table entry {show_value(entry)} must be a (request_priority, retention) pair"
                 )
             prio = _check_int(entry[0], where, "a table's request priority", "an integer")
             if any(prio == p for p, _ in table):
-                raise RetentionError(f"{where}: request priority {prio} appears twice in the table")
-            ret = _check_priority(entry[1], f"priority mapping table entry for request priority {prio}")
+                raise RetentionError(
+                    f"{where}: request priority {show_value(prio)} appears twice in the table"
+                )
+            ret = _check_priority(
+                entry[1], f"priority mapping table entry for request priority {show_value(prio)}"
+            )
             table.append((prio, ret))
         object.__setattr__(self, "table", tuple(table))
 
@@ -219,7 +233,7 @@ class PriorityMapping:
         if not isinstance(spec, str):
             raise RetentionError(
                 f"priority mapping must be a string such as 'normal=0,step=10,base=35' or '0:80,1:35', "
-                f"got {_show(spec)}"
+                f"got {show_value(spec)}"
             )
         spec = spec.strip()
         if not spec:
@@ -268,7 +282,7 @@ class RetentionConfig:
         raw = self.directives
         if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Iterable):
             raise RetentionError(
-                f"retention directives must be a list of RetentionDirective or objects, got {_show(raw)}"
+                f"retention directives must be a list of RetentionDirective or objects, got {show_value(raw)}"
             )
         directives = tuple(
             d if isinstance(d, RetentionDirective) else RetentionDirective.from_dict(d, i)
@@ -280,7 +294,7 @@ class RetentionConfig:
             self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s")
         )
         if self.scope is not None and not isinstance(self.scope, str):
-            raise RetentionError(f"retention_scope must be a string, got {_show(self.scope)}")
+            raise RetentionError(f"retention_scope must be a string, got {show_value(self.scope)}")
         ordered = sorted(directives, key=lambda d: d.start)
         for a, b in zip(ordered, ordered[1:], strict=False):
             if a.end is None or a.end > b.start:
@@ -302,7 +316,9 @@ class RetentionConfig:
         if directives is not None and (
             isinstance(directives, str | bytes) or not isinstance(directives, Iterable)
         ):
-            raise RetentionError(f"retention_directives must be a list of objects, got {directives!r}")
+            raise RetentionError(
+                f"retention_directives must be a list of objects, got {show_value(directives)}"
+            )
         parsed = tuple(RetentionDirective.from_dict(d, i) for i, d in enumerate(directives or ()))
         return cls(parsed, decode_priority, decode_duration_s, scope)
 

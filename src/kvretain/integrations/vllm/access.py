@@ -40,6 +40,7 @@ from kvretain.integrations.vllm.config import (
     DIRECTIVES_KEY,
     ENV_MAPPING,
     SCOPE_KEY,
+    load_json,
     retention_from_extra_args,
 )
 
@@ -367,7 +368,7 @@ class AccessPolicy:
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
             try:
-                raw = json.loads(raw)
+                raw = load_json(raw)
             except ValueError:
                 pass  # the plugin's parser below names the JSON error
             else:

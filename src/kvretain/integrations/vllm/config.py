@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvretain.core.policy import PolicyConfig, policy_names
-from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError
+from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError, show_value
 
 ENV_POLICY = "KVRETAIN_POLICY"
 ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
@@ -176,6 +176,15 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | 
     return PluginConfig(policy=name, options=options, mapping=mapping, granularity=granularity)
 
 
+def load_json(text: str | bytes) -> Any:
+    """``json.loads``, where a document nested deeper than Python's parser goes (its ``RecursionError``) is one
+    more ``ValueError``, as any other invalid JSON: a client's body is never a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> RetentionConfig | None:
     """Parse a request's retention fields; ``None`` when it has none (``extra_args`` that is not a mapping
     carries none: what vLLM does with it is vLLM's business). Raises :class:`RetentionError` with a message naming
@@ -188,7 +197,7 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
         return None
     if isinstance(raw, str | bytes):
         try:
-            raw = json.loads(raw)
+            raw = load_json(raw)
         except ValueError as exc:
             raise RetentionError(
                 f"{DIRECTIVES_KEY}: not valid JSON ({exc}); pass a list of "
@@ -197,10 +206,12 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
             ) from None
     if raw is not None and not isinstance(raw, list | tuple):
         raise RetentionError(
-            f"{DIRECTIVES_KEY} must be a list of {{start, end, priority, duration}} objects, got {raw!r}"
+            f"{DIRECTIVES_KEY} must be a list of {{start, end, priority, duration}} objects, got {show_value(raw)}"
         )
     if scope is not None and not isinstance(scope, str):
-        raise RetentionError(f"{SCOPE_KEY} must be a string (an owner id such as a session), got {scope!r}")
+        raise RetentionError(
+            f"{SCOPE_KEY} must be a string (an owner id such as a session), got {show_value(scope)}"
+        )
     return RetentionConfig.from_request_fields(raw, scope=scope)
 
 

@@ -26,6 +26,7 @@ from kvretain.integrations.vllm.access import (
     AccessPolicy,
     ApiKey,
 )
+from kvretain.integrations.vllm.config import load_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -148,7 +149,7 @@ class AccessLimits:
                 return
             raw = await read_body(receive, self.max_body_bytes)
             try:
-                body = json.loads(raw)
+                body = load_json(raw)
             except ValueError as exc:
                 raise AccessDenied(400, f"the request body is not valid JSON ({exc})") from None
             decision = self.policy.check(body, key, _header(scope, PRIORITY_HEADER.encode()))
