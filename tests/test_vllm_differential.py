@@ -312,18 +312,22 @@ def test_the_run_queue_tells_its_controller_the_protected_blocks_it_holds(seed: 
 
 
 # ---------------------------------------------------------------------------- retention, block by block
-def _retention_events(seed: int, steps: int) -> list[tuple[str, Any]]:
+def _retention_events(seed: int, steps: int, duplicates: bool = True) -> list[tuple[str, Any]]:
     """What decides a block's retention, in every combination: prefixes shared by requests of five priorities,
     directives raising (with and without a duration) or lowering, over part of a run (ranges that start or end
     inside a block, open-ended ones, two per request), scopes that raise and then lower, prompts shorter than the
-    blocks (decode blocks), requests preempted and resumed, the three ways vLLM frees, and a clock that moves."""
+    blocks (decode blocks), requests preempted and resumed, the three ways vLLM frees, and a clock that moves.
+
+    ``duplicates=False``: every prompt ends in a block of its own and nothing is preempted, so no prompt's last
+    block (never a hit) is computed again under a hash already cached (vLLM registers such a duplicate block,
+    kvretain's pool does not: the two then hold different blocks)."""
     rng = random.Random(seed)
     out: list[tuple[str, Any]] = []
     for i in range(steps):
         r = rng.random()
         if r < 0.45:
             s = rng.randrange(3)
-            shared, tail = rng.randint(1, 10), rng.randint(0, 3)
+            shared, tail = rng.randint(1, 10), rng.randint(0 if duplicates else 1, 3)
             hashes = [b"s%d-%d" % (s, j) for j in range(shared)] + [b"r%d-%d" % (i, j) for j in range(tail)]
             extra: dict[str, Any] | None = None
             d = rng.random()
@@ -352,7 +356,8 @@ def _retention_events(seed: int, steps: int) -> list[tuple[str, Any]]:
         elif r < 0.8:
             out.append(("finish", (rng.random(), rng.choice(["general", "fused", "deferred"]))))
         elif r < 0.88:
-            out.append(("preempt", rng.random()))
+            if duplicates:
+                out.append(("preempt", rng.random()))
         else:
             out.append(("tick", rng.choice([0.3, 1.0, 3.0, 10.0])))
     return out
@@ -401,5 +406,38 @@ def test_both_storages_keep_every_blocks_retention_as_the_pool(granularity: str,
                 got_state = vside.retention(vside.cached[h])
                 assert rules.effective(*got_state[:3], now) == rules.effective(*want[:3], now), (step, h)
                 assert got_state == want, (step, h, kind)
+    finally:
+        _runtime.set_clock(None)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_per_block_queue_evicts_exactly_as_the_pool_whatever_the_retention(seed: int) -> None:
+    # the retention events above in a pool of 60 blocks: the same hits and the same victims at every admission
+    cfg = PolicyConfig(block_size=BLOCK, isolation_goal=None)
+    clock = [0.0]
+    _runtime.set_clock(lambda: clock[0])
+    try:
+        core, vside = CoreSide(60, cfg, clock), VllmSide(60, cfg, "block")
+        running: list[tuple[_Request, Any, Any]] = []
+        evictions = 0
+        for kind, arg in _retention_events(seed, 1000, duplicates=False):
+            if kind == "tick":
+                clock[0] += arg
+            elif kind == "admit":
+                before = (len(core.victims), len(vside.victims))
+                got = (core.admit(arg), vside.admit(arg))
+                if got[0] is None or got[1] is None:
+                    assert got[0] is None and got[1] is None
+                    continue
+                assert got[0][0] == got[1][0]
+                assert set(core.victims[before[0] :]) == set(vside.victims[before[1] :])
+                evictions += len(core.victims) > before[0]
+                running.append((arg, got[0][1], got[1][1]))
+            elif running:
+                where, how = arg
+                req, a, b = running.pop(int(where * len(running)))
+                core.free(req, a)
+                (vside.free_deferred if how == "deferred" else vside.free)(req, b)
+        assert evictions > 100
     finally:
         _runtime.set_clock(None)
