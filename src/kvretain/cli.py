@@ -253,22 +253,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv[0] if argv else None)
+    prog = "kvretain"
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line)
-        return exc.code if isinstance(exc.code, int) else 2
-    # the words of the command, as argparse names them in its own errors ("kvretain workload export")
-    words = [parser.prog, args.command, *filter(None, [getattr(args, "workload_command", None)])]
-    prog = " ".join(words)
-    try:
+        parser = build_parser(argv[0] if argv else None)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line)
+            return exc.code if isinstance(exc.code, int) else 2
+        # the words of the command, as argparse names them in its own errors ("kvretain workload export")
+        words = [parser.prog, args.command, *filter(None, [getattr(args, "workload_command", None)])]
+        prog = " ".join(words)
         check = getattr(args, "check", None)
         if check is not None:
             check(args)
         return int(args.func(args))
     except (TraceError, RetentionError, ValueError, KeyError) as exc:
         return fail(prog, str(exc))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -1,0 +1,57 @@
+"""A hostile new user of the command line (review h-cli): interrupts, conflicting options, unusable outputs.
+
+Each mistake gets ONE line on stderr naming what is wrong, exit status 2 (130 for Ctrl-C), no traceback and
+nothing on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvretain.cli import main
+
+GOOD: dict[str, Any] = {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}
+
+
+def one_line(capsys: pytest.CaptureFixture[str], prefix: str) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, (out, err)
+    assert lines[0].startswith(prefix) and "Traceback" not in err, lines[0]
+    return lines[0]
+
+
+def trace(tmp_path: Path) -> Path:
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(GOOD) + "\n")
+    return p
+
+
+# ---------------------------------------------------------------- Ctrl-C
+def _interrupt(*a: object, **k: object) -> Any:
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_a_run_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.cli as cli
+
+    monkeypatch.setattr(cli, "replay", _interrupt)
+    assert main(["replay", "--sessions", "3", "--policy", "lru"]) == 130
+    assert one_line(capsys, "kvretain replay: ") == "kvretain replay: interrupted"
+
+
+def test_ctrl_c_while_the_parser_is_built_is_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `simulate` builds the simulator's parsers (importing its modules) before parsing: a Ctrl-C there too
+    import kvretain.cli_sim as cli_sim
+
+    monkeypatch.setattr(cli_sim, "add_subcommands", _interrupt)
+    assert main(["simulate"]) == 130
+    assert one_line(capsys, "kvretain") == "kvretain: interrupted"
