@@ -55,3 +55,19 @@ def test_ctrl_c_while_the_parser_is_built_is_no_traceback(
     monkeypatch.setattr(cli_sim, "add_subcommands", _interrupt)
     assert main(["simulate"]) == 130
     assert one_line(capsys, "kvretain") == "kvretain: interrupted"
+
+
+# ---------------------------------------------------------------- memory
+def test_many_small_replicas_are_checked_against_memory_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 100 blocks is below the size check_pool_fits measures, but a million replicas of them is 10^8 blocks
+    import kvretain.cli_sim as cli_sim
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(cli_sim, "load_workload", _interrupt)  # must not be reached
+    argv = ["simulate", "--replicas", "1000000", "--kv-blocks", "100", "--no-progress"]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain simulate: error: argument --kv-blocks: 100 blocks x 1000000 replicas")
+    assert "more than the 1.0 GiB available" in msg

@@ -101,7 +101,7 @@ def check_pool_fits(
     """Raise :class:`PoolTooLargeError` when ``pools`` pools of ``num_blocks`` blocks (the most demanding of
     ``policies``) would not fit in the memory available. ``what`` names the setting in the message."""
     avail = available_memory_bytes()
-    if avail is None or num_blocks <= SAMPLE_BLOCKS:
+    if avail is None or num_blocks * pools <= SAMPLE_BLOCKS:  # all the pools: many small ones add up
         return
     per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
     need = per * num_blocks * pools
