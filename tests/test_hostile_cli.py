@@ -71,3 +71,34 @@ def test_many_small_replicas_are_checked_against_memory_too(
     assert main(argv) == 2
     msg = one_line(capsys, "kvretain simulate: error: argument --kv-blocks: 100 blocks x 1000000 replicas")
     assert "more than the 1.0 GiB available" in msg
+
+
+# ---------------------------------------------------------------- workload export --option
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("limit=3", "--option limit=3: use --limit"),
+        ("rng=3", "--option rng=3: use --seed"),
+        ("path=x.jsonl", "--option path=x.jsonl: use --trace"),
+        ("time_scale=2", "--option time_scale=2: use --time-scale"),
+    ],
+)
+def test_export_option_that_is_an_option_of_its_own(
+    option: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.jsonl"
+    assert main(["workload", "export", "multi-tenant", "--out", str(out), "--option", option]) == 2
+    assert expected in one_line(capsys, "kvretain workload export: error: ")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "option"), [("mooncake", "foo=1"), ("azure", "block_size=16")])
+def test_export_unknown_option_of_a_trace_loader(
+    name: str, option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.jsonl"
+    argv = ["workload", "export", name, "--trace", str(trace(tmp_path)), "--out", str(out)]
+    assert main([*argv, "--option", option]) == 2
+    key = option.split("=")[0]
+    assert f"{name}: unknown option {key!r}" in one_line(capsys, "kvretain workload export: error: ")
+    assert not out.exists()

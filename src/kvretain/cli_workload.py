@@ -33,8 +33,16 @@ def parse_options(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
+OWN_OPTIONS = {"rng": "--seed", "path": "--trace", "limit": "--limit", "time_scale": "--time-scale"}
+"""The keywords every workload takes from ``workload export``'s own options, not from ``--option``."""
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     options = parse_options(args.option, "--option")
+    own = next((k for k in options if k in OWN_OPTIONS), None)
+    if own is not None:
+        item = next(i for i in args.option if i.partition("=")[0].strip() == own)
+        raise WorkloadError(f"--option {item}: use {OWN_OPTIONS[own]}")
     reqs = WORKLOADS.create(
         args.name,
         rng=random.Random(args.seed),

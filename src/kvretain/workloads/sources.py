@@ -51,6 +51,15 @@ def _config(cls: Any, name: str, options: dict[str, Any]) -> Any:
         raise WorkloadError(f"{name}: {e}") from None
 
 
+def _loader_options(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A trace loader's ``options`` over its ``defaults`` (an unknown one is a ``WorkloadError`` naming it)."""
+    unknown = [k for k in options if k not in defaults]
+    if unknown:
+        known = ", ".join(defaults) or "none"
+        raise WorkloadError(f"{name}: unknown option {unknown[0]!r} (its options: {known})")
+    return {**defaults, **options}
+
+
 @WORKLOADS.register("agent-pauses")
 def agent_pauses(
     rng: random.Random,
@@ -83,9 +92,10 @@ def mooncake(
     path: str | Path | None = None,
     limit: int | None = None,
     time_scale: float = 1.0,
-    block_size: int = 512,
+    **options: Any,
 ) -> Workload:
     """Replay a Mooncake JSONL trace (prefix sharing through hash ids)."""
+    block_size = _loader_options("mooncake", options, {"block_size": 512})["block_size"]
     return load_mooncake(_need(path, "mooncake"), block_size=block_size, limit=limit, time_scale=time_scale)
 
 
@@ -95,6 +105,8 @@ def azure(
     path: str | Path | None = None,
     limit: int | None = None,
     time_scale: float = 1.0,
+    **options: Any,
 ) -> Workload:
     """Replay an Azure 2023 CSV trace (arrivals and lengths; unique synthetic prompts)."""
+    _loader_options("azure", options, {})
     return load_azure(_need(path, "azure"), rng, limit=limit, time_scale=time_scale)
