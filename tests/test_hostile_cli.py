@@ -102,3 +102,21 @@ def test_export_unknown_option_of_a_trace_loader(
     key = option.split("=")[0]
     assert f"{name}: unknown option {key!r}" in one_line(capsys, "kvretain workload export: error: ")
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- a trace given to a generated workload
+@pytest.mark.parametrize("command", ["simulate", "compare", "export"])
+def test_a_trace_is_not_silently_ignored_by_a_generated_workload(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    t = str(trace(tmp_path))
+    argv = {
+        "simulate": ["simulate", t, "--workload", "multi-tenant", "--json", "--no-progress"],
+        "compare": ["compare", t, "--workload", "agent-pauses", "--no-progress", "--out", "rep"],
+        "export": ["workload", "export", "retrieval-scan", "--trace", t, "--out", "x.jsonl"],
+    }[command]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain ")
+    assert "is generated and reads no trace" in msg and "t.jsonl" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

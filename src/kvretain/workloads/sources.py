@@ -1,9 +1,9 @@
 """The workload registry: every built-in workload behind one keyword signature.
 
 ``WORKLOADS.create(name, rng=..., path=..., limit=..., time_scale=..., **options)`` returns the requests
-sorted by arrival. ``path`` is required by the trace loaders and ignored by generators; ``options`` are the
-loader's own keywords (``block_size`` for Mooncake) or, for a generator, its config's fields
-(``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanConfig``).
+sorted by arrival. ``path`` is required by the trace loaders (:data:`TRACE_WORKLOADS`) and refused by the
+generators; ``options`` are the loader's own keywords (``block_size`` for Mooncake) or, for a generator, its
+config's fields (``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanConfig``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,24 @@ Workload = list[WorkloadRequest]
 WORKLOADS: Registry[Workload] = Registry("workload")
 
 
+TRACE_WORKLOADS = ("mooncake", "azure")
+"""The workloads that read a trace file (``path``); the others are generated and take none."""
+
+
 def _need(path: str | Path | None, name: str) -> str | Path:
     if path is None:
         raise WorkloadError(f"workload {name!r} needs a trace path")
     return path
+
+
+def _no_path(path: str | Path | None, name: str) -> None:
+    # NOTE: a trace passed with a generated workload is a mistake, not something to drop silently (the user
+    # would read a generated workload's figures as the trace's)
+    if path is not None:
+        raise WorkloadError(
+            f"workload {name!r} is generated and reads no trace file (got {str(path)!r}): drop the trace, or "
+            f"choose a workload that reads one ({', '.join(TRACE_WORKLOADS)})"
+        )
 
 
 @WORKLOADS.register("multi-tenant")
@@ -40,6 +54,7 @@ def multi_tenant(
     **options: Any,
 ) -> Workload:
     """Chat (priority 0), agents with retention directives (1) and batch document jobs (2) on one replica."""
+    _no_path(path, "multi-tenant")
     config = _config(MultiTenantConfig, "multi-tenant", options)
     return generate_multi_tenant(config, rng, limit=limit, time_scale=time_scale)
 
@@ -69,6 +84,7 @@ def agent_pauses(
     **options: Any,
 ) -> Workload:
     """Agent sessions with long tool-call pauses between steps over a growing context (no directives)."""
+    _no_path(path, "agent-pauses")
     config = _config(AgentPausesConfig, "agent-pauses", options)
     return generate_agent_pauses(config, rng, limit=limit, time_scale=time_scale)
 
@@ -82,6 +98,7 @@ def retrieval_scan(
     **options: Any,
 ) -> Workload:
     """Queries over a Zipf-popular document pool, scanned by a stream of one-off documents."""
+    _no_path(path, "retrieval-scan")
     config = _config(RetrievalScanConfig, "retrieval-scan", options)
     return generate_retrieval_scan(config, rng, limit=limit, time_scale=time_scale)
 
