@@ -120,3 +120,38 @@ def test_a_trace_is_not_silently_ignored_by_a_generated_workload(
     msg = one_line(capsys, "kvretain ")
     assert "is generated and reads no trace" in msg and "t.jsonl" in msg, msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+# ---------------------------------------------------------------- profile's paths, checked before measuring
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--python", "{tmp}"], "argument --python: '{tmp}' is not an executable file"),
+        (["--python", "{tmp}/t.jsonl"], "argument --python: '{tmp}/t.jsonl' is not an executable file"),
+        (["--out", "{tmp}/no/c.toml"], "argument --out: cannot write '{tmp}/no/c.toml': folder '{tmp}/no' "),
+        (["--out", "{tmp}"], "argument --out: cannot write '{tmp}': it is a folder"),
+        (["--out", ""], "argument --out: an empty path"),
+        (["--plot", "{tmp}/no/c.png"], "argument --plot: cannot write '{tmp}/no/c.png': folder"),
+        (["--out", "{tmp}/no/c.toml", "--plot", "{tmp}/c.png"], "argument --out: cannot write"),
+        (["--out", "{tmp}/c"], "argument --plot: cannot write '{tmp}/c.png': it is a folder"),
+    ],
+)
+def test_profile_paths_are_checked_before_measuring(
+    flags: list[str],
+    expected: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import sys
+
+    import kvretain.cli_profile as cli_profile
+
+    trace(tmp_path)
+    (tmp_path / "c.png").mkdir()
+    monkeypatch.setattr(cli_profile, "_measure", _interrupt)  # must not be reached
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    argv = ["profile", "--model", str(tmp_path), "--python", sys.executable, *flags]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain profile: error: ")
+    assert expected.replace("{tmp}", str(tmp_path)) in msg, msg

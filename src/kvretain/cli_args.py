@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import NoReturn
 
 from kvretain.core.policy import MAX_GHOST_FACTOR, PolicyConfig
@@ -134,6 +136,22 @@ def shares(text: str) -> list[float]:
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"a budget is listed twice in {text!r}")
     return values
+
+
+def check_output_file(path: str, option: str) -> None:
+    """Raise a ``ValueError`` naming ``option`` unless ``path`` can be written as a file: checked before a
+    command runs, so that a long run does not end in an error (or a traceback) when it writes its output."""
+    if not path:
+        raise ValueError(f"argument {option}: an empty path (pass a file name)")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"argument {option}: cannot write {path!r}: it is a folder (pass a file name)")
+    folder = p.parent
+    if not folder.is_dir():
+        why = "is a file" if folder.exists() else "does not exist"
+        raise ValueError(f"argument {option}: cannot write {path!r}: folder {str(folder)!r} {why}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"argument {option}: cannot write {path!r}: permission denied")
 
 
 def fail(prog: str, message: str) -> int:

@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import integer
+from kvretain.cli_args import check_output_file, integer
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -148,11 +148,24 @@ def check_profile(args: argparse.Namespace) -> None:
         raise ValueError(
             f"argument --python: {args.python!r} does not exist (a Python with vLLM: scripts/vllm_cpu_env.sh)"
         )
+    if not (Path(args.python).is_file() and os.access(args.python, os.X_OK)):
+        raise ValueError(
+            f"argument --python: {args.python!r} is not an executable file (a Python with vLLM: "
+            "scripts/vllm_cpu_env.sh)"
+        )
+    # the outputs are written after the measurement (minutes): checked now
+    check_output_file(args.out, "--out")
+    check_output_file(plot_path(args), "--plot")
     bad = [p for p in args.cached if p % args.block_size]
     if bad:
         raise ValueError(f"argument --cached: {bad[0]} is not a multiple of --block-size {args.block_size}")
     if 0 in args.new_tokens or 0 in args.batch_sizes or 0 in args.contexts:
         raise ValueError("arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1")
+
+
+def plot_path(args: argparse.Namespace) -> str:
+    """The PNG ``profile`` writes: ``--plot``, or ``--out`` with ``.png``."""
+    return str(args.plot or Path(args.out).with_suffix(".png"))
 
 
 def point_of(ev: dict[str, Any], what: str, statistic: str) -> StepPoint:
@@ -309,9 +322,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.cpus:
         info["cpus"] = ",".join(map(str, args.cpus))
     profile = Profile(coef, tuple(points), info)
-    write_profile(args.out, profile)
-    plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    plotted = _plot(plot, points, profile, err)
+    plot = plot_path(args)
+    try:  # checked before measuring; the disk may still fill up or the folder go away meanwhile
+        write_profile(args.out, profile)
+        plotted = _plot(plot, points, profile, err)
+    except OSError as e:
+        raise ValueError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from None
     if args.json:
         out = {
             "out": args.out,
