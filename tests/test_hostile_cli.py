@@ -155,3 +155,18 @@ def test_profile_paths_are_checked_before_measuring(
     assert main(argv) == 2
     msg = one_line(capsys, "kvretain profile: error: ")
     assert expected.replace("{tmp}", str(tmp_path)) in msg, msg
+
+
+# ---------------------------------------------------------------- empty output paths (an unset shell variable)
+@pytest.mark.parametrize("command", ["compare", "export"])
+def test_an_empty_out_is_refused_not_the_current_folder(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = {
+        "compare": ["compare", "--limit", "5", "--policies", "lru", "--budgets", "0.5", "--no-progress"],
+        "export": ["workload", "export", "multi-tenant", "--limit", "5"],
+    }[command]
+    assert main([*argv, "--out", ""]) == 2
+    assert "argument --out: an empty path" in one_line(capsys, "kvretain ")
+    assert list(tmp_path.iterdir()) == []

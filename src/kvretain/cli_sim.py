@@ -376,6 +376,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _report_folder(path: str) -> Path:
     """The report folder, created before any run (a path under a file is the user's mistake, not a crash)."""
+    if not path:  # Path("") is the current folder: an unset variable would scatter the report there
+        raise ValueError("argument --out: an empty path (pass a folder name)")
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)

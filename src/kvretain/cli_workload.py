@@ -11,7 +11,7 @@ import json
 import random
 from typing import Any
 
-from kvretain.cli_args import integer, number
+from kvretain.cli_args import check_output_file, integer, number
 from kvretain.workloads import WORKLOADS, WorkloadError, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.priority import make_rule, rule_choices
@@ -38,6 +38,7 @@ OWN_OPTIONS = {"rng": "--seed", "path": "--trace", "limit": "--limit", "time_sca
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")
     options = parse_options(args.option, "--option")
     own = next((k for k in options if k in OWN_OPTIONS), None)
     if own is not None:
