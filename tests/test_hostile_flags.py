@@ -84,6 +84,8 @@ CLI_CASES: list[tuple[str, str]] = [
     ("compare --budgets 0.2,0.2", "argument --budgets: a budget is listed twice"),
     ("compare --policies lru,bogus", "argument --policies: unknown eviction policy 'bogus'"),
     ("compare --policies lru,lru", "argument --policies: eviction policy listed twice"),
+    ("compare --policies=", "argument --policies: expected at least one eviction policy"),
+    ("compare --policies=,", "argument --policies: expected at least one eviction policy"),
     ("compare --policies belady", "argument --policies: policy 'belady' is an offline oracle"),
     ("compare --priority-weight -2", "argument --priority-weight:"),
 ]

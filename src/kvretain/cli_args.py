@@ -115,6 +115,10 @@ def names_of(registry_names: Callable[[], list[str]], kind: str) -> Callable[[st
     def parse(text: str) -> list[str]:
         names = [p.strip() for p in text.split(",") if p.strip()]
         known = registry_names()
+        if not names:
+            raise argparse.ArgumentTypeError(
+                f"expected at least one {kind} (comma-separated), got {text!r}; choose from: {', '.join(known)}"
+            )
         bad = [n for n in names if n not in known]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {kind} {bad[0]!r}; choose from: {', '.join(known)}")
