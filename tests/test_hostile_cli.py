@@ -170,3 +170,29 @@ def test_an_empty_out_is_refused_not_the_current_folder(
     assert main([*argv, "--out", ""]) == 2
     assert "argument --out: an empty path" in one_line(capsys, "kvretain ")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- replay: the built-in workload's options
+def test_replay_priority_rule_needs_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    # the built-in conversations set their own priorities: a rule given for them was dropped silently
+    assert main(["replay", "--sessions", "3", "--policy", "lru", "--priority-rule", "none", "--json"]) == 2
+    msg = one_line(capsys, "kvretain replay: error: argument --priority-rule: ")
+    assert "trace" in msg
+
+
+def test_replay_sessions_with_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(trace(tmp_path)), "--sessions", "3", "--policy", "lru", "--json"]) == 2
+    assert "built-in" in one_line(capsys, "kvretain replay: error: argument --sessions: ")
+
+
+def test_replay_sessions_beyond_memory_are_refused_before_generating(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.cli as cli
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(cli, "synthetic_conversations", _interrupt)  # must not be reached
+    assert main(["replay", "--sessions", "1e9", "--policy", "lru", "--json"]) == 2
+    msg = one_line(capsys, "kvretain replay: error: argument --sessions: 1,000,000,000 sessions need about ")
+    assert "more than the 1.0 GiB available" in msg

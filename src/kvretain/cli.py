@@ -28,20 +28,25 @@ from kvretain.cli_args import (
     policy_config,
     priority_mapping,
 )
-from kvretain.core.memory import check_pool_fits
+from kvretain.core.memory import check_fits, check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
 from kvretain.core.retention import RetentionError
 from kvretain.replay import (
+    SAMPLE_SESSIONS,
     ReplayRequest,
     ReplayResult,
     TraceError,
     replay,
     replay_requests,
+    synthetic_bytes_per_session,
     synthetic_conversations,
 )
 from kvretain.workloads.mooncake import read_trace
-from kvretain.workloads.priority import make_rule, rule_choices, tag_priorities
+from kvretain.workloads.priority import KEEP, make_rule, rule_choices, tag_priorities
 from kvretain.workloads.request import check_scale_and_limit
+
+DEFAULT_SESSIONS = 400
+"""Sessions of ``replay``'s built-in workload (``--sessions``)."""
 
 
 def _progress(enabled: bool, desc: str) -> Any:
@@ -70,6 +75,20 @@ def check_replay(args: argparse.Namespace) -> None:
         raise policy_config_error(exc) from None
     policies = policy_names() if args.policy == "all" else [args.policy]
     check_pool_fits(args.capacity_blocks, policies, cfg, what="argument --capacity-blocks")
+    if args.trace is not None:
+        if args.sessions is not None:
+            raise ValueError("argument --sessions: sets the built-in workload's size; a trace has its own")
+        return
+    # the built-in workload
+    if args.priority_rule != KEEP:
+        raise ValueError(
+            "argument --priority-rule: applies to a trace file (the built-in workload sets its own priorities)"
+        )
+    sessions = args.sessions or DEFAULT_SESSIONS
+    if sessions > 16 * SAMPLE_SESSIONS:  # below, ~20 MB: not worth measuring (0.07 s) on every replay
+        per = synthetic_bytes_per_session(args.seed)
+        count, each = f"{sessions:,} sessions", f"{per:,.0f} bytes per session"
+        check_fits(per * sessions, "argument --sessions", count, each, "sessions")
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -104,10 +123,11 @@ def load_replay_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest],
     workload) and a description of their source."""
     check_scale_and_limit(1.0, args.limit)
     if args.trace is None:
-        requests = synthetic_conversations(num_sessions=args.sessions, seed=args.seed)
+        sessions = args.sessions or DEFAULT_SESSIONS
+        requests = synthetic_conversations(num_sessions=sessions, seed=args.seed)
         if args.limit is not None:
             requests = requests[: args.limit]
-        return requests, f"built-in synthetic conversations ({args.sessions} sessions, seed {args.seed})"
+        return requests, f"built-in synthetic conversations ({sessions} sessions, seed {args.seed})"
     records = read_trace(args.trace, args.block_tokens, args.limit)
     # the rule sees the whole trace (a session rule such as ``longest`` ranks its conversations)
     rule = make_rule(args.priority_rule, records, random.Random(args.seed + 1))
@@ -214,7 +234,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--priority-rule",
         default="keep",
         choices=rule_choices(),
-        help="how trace requests get a priority (keep: the trace's own field, default 0)",
+        help="how trace requests get a priority (keep: the trace's own field, default 0; the built-in "
+        "workload sets its own)",
     )
     r.add_argument(
         "--priority-mapping",
@@ -225,8 +246,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument(
         "--block-tokens", type=integer(1), default=512, help="tokens per trace block (Mooncake: 512)"
     )
-    r.add_argument("--sessions", type=integer(1), default=400, help="built-in workload: number of sessions")
-    r.add_argument("--seed", type=int, default=0, help="built-in workload: random seed")
+    r.add_argument(
+        "--sessions",
+        type=integer(1),
+        default=None,
+        help=f"built-in workload (no TRACE): number of sessions (default {DEFAULT_SESSIONS})",
+    )
+    r.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="built-in workload: random seed (with a TRACE: the priority rule's)",
+    )
     r.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
     )

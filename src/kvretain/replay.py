@@ -233,6 +233,29 @@ def replay(
     return result
 
 
+SAMPLE_SESSIONS = 256
+"""Sessions of the built-in workload measured by :func:`synthetic_bytes_per_session`."""
+
+
+def synthetic_bytes_per_session(seed: int = 0) -> float:
+    """Bytes one session of :func:`synthetic_conversations` takes (peak traced allocation over a sample)."""
+    import tracemalloc
+
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        sample = synthetic_conversations(SAMPLE_SESSIONS, seed)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        del sample
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    return peak / SAMPLE_SESSIONS
+
+
 def synthetic_conversations(
     num_sessions: int = 400,
     seed: int = 0,

@@ -104,10 +104,16 @@ def check_pool_fits(
     if avail is None or num_blocks * pools <= SAMPLE_BLOCKS:  # all the pools: many small ones add up
         return
     per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
-    need = per * num_blocks * pools
-    if need > avail:
-        count = f"{num_blocks:,} blocks" + (f" x {pools} replicas" if pools > 1 else "")
+    count = f"{num_blocks:,} blocks" + (f" x {pools} replicas" if pools > 1 else "")
+    check_fits(per * num_blocks * pools, what, count, f"{per:,.0f} bytes per block under {name!r}", "blocks")
+
+
+def check_fits(need: float, what: str, count: str, per: str, unit: str) -> None:
+    """Raise :class:`PoolTooLargeError` when ``need`` bytes (``count`` things of ``per`` each) exceed the
+    memory available: ``{what}: {count} need about ... ({per}), more than the ... available; use fewer {unit}``."""
+    avail = available_memory_bytes()
+    if avail is not None and need > avail:
         raise PoolTooLargeError(
-            f"{what}: {count} need about {_human(need)} of memory ({per:,.0f} bytes per block under "
-            f"{name!r}), more than the {_human(avail)} available; use fewer blocks"
+            f"{what}: {count} need about {_human(need)} of memory ({per}), more than the {_human(avail)} "
+            f"available; use fewer {unit}"
         )
