@@ -196,3 +196,12 @@ def test_replay_sessions_beyond_memory_are_refused_before_generating(
     assert main(["replay", "--sessions", "1e9", "--policy", "lru", "--json"]) == 2
     msg = one_line(capsys, "kvretain replay: error: argument --sessions: 1,000,000,000 sessions need about ")
     assert "more than the 1.0 GiB available" in msg
+
+
+# ---------------------------------------------------------------- simulate --catalog
+def test_a_binary_catalog_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cat = tmp_path / "models.toml"
+    cat.write_bytes(b"\x1f\x8b\x08\x00 gzip")
+    assert main(["simulate", "--catalog", str(cat), "--limit", "3", "--no-progress", "--json"]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: ")
+    assert f"{cat}: not UTF-8 text" in msg, msg

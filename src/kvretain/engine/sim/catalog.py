@@ -205,5 +205,9 @@ def load_catalog(path: str | Path, base: Catalog | None = None) -> Catalog:
         raise CatalogError(f"catalog file not found: {p}") from None
     except OSError as e:
         raise CatalogError(f"cannot read catalog file {p}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise CatalogError(
+            f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     user = parse_catalog(_read_toml(text, str(p)), str(p))
     return (base if base is not None else builtin_catalog()).merged(user)
