@@ -136,6 +136,31 @@ def test_retention_limits():
     )
 
 
+def test_decode_retention_is_limited_as_a_directive_is():
+    xa = {"retention_decode_priority": 90, "retention_decode_duration": 10}
+    assert "retention_decode_priority: key 'bob' may ask for retention priority up to 50; got 90" in _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": dict(xa)}, BOB), 403
+    )
+    assert "at most 60 s; got no duration" in _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": {"retention_decode_priority": 40}}, BOB), 403
+    )
+    d = POLICY.check({"priority": 1, "vllm_xargs": dict(xa)}, CAROL)  # clamped to carol's cap
+    assert d.body["vllm_xargs"]["retention_decode_priority"] == 25 and d.notes
+    assert d.body["vllm_xargs"]["retention_decode_duration"] == 10
+    # a top-level field moves into vllm_xargs, as the others do
+    d = POLICY.check({"priority": 1, "retention_decode_priority": 40, "retention_decode_duration": 5}, BOB)
+    assert d.body["vllm_xargs"] == {"retention_decode_priority": 40, "retention_decode_duration": 5}
+    assert "finite" in _denied(
+        lambda: POLICY.check(
+            {"vllm_xargs": {"retention_decode_priority": 40, "retention_decode_duration": float("inf")}}, None
+        ),
+        400,
+    )
+    assert "retention_decode_priority" in _denied(
+        lambda: POLICY.check({"vllm_xargs": {"retention_decode_priority": 900}}, None), 400
+    )
+
+
 def test_mapped_retention_is_capped_too():
     # carol's cap 25 is the default mapping of priority 1; a key with cap 35 and no priority floor gets floor 0
     pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})

@@ -74,6 +74,23 @@ def test_retention_fields() -> None:
     assert validation_message({"retention_directives": d}) is None
 
 
+def test_decode_retention_fields() -> None:
+    cfg = retention_from_extra_args({"retention_decode_priority": 10, "retention_decode_duration": 5})
+    assert cfg is not None and (cfg.decode_priority, cfg.decode_duration_s, cfg.directives) == (10, 5.0, ())
+    # the blocks of generated tokens only take it (a 40-token prompt of 16-token blocks: the fourth block on;
+    # the third holds the prompt's last 8 tokens)
+    prios, durs = cfg.block_plan(5, 16, 40, 35)
+    assert (prios, durs) == ([35, 35, 35, 10, 10], [None, None, None, 5.0, 5.0])
+    for extra, says in [
+        ({"retention_decode_priority": "80"}, "retention_decode_priority: priority must be an integer"),
+        ({"retention_decode_priority": 101}, "retention_decode_priority: priority 101 is out of range"),
+        ({"retention_decode_duration": -1}, "retention_decode_duration must be >= 0"),
+        ({"retention_decode_duration": "5"}, "retention_decode_duration must be a number of seconds"),
+    ]:
+        msg = validation_message(extra)
+        assert msg is not None and says in msg, msg
+
+
 DEEP = "[" * 100_000  # a JSON string that Python's parser gives up on with a RecursionError
 
 

@@ -26,10 +26,11 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
 from kvretain.core.policies import rules
 from kvretain.core.policy import INF
-from kvretain.core.retention import PriorityMapping, RetentionConfig
+from kvretain.core.retention import PriorityMapping
 from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm._queue import RetentionFreeQueue
 from kvretain.integrations.vllm._runs import RunFreeQueue
+from kvretain.integrations.vllm.config import retention_from_extra_args
 
 BLOCK = 16
 MAPPING = PriorityMapping()
@@ -38,11 +39,14 @@ MAPPING = PriorityMapping()
 class _Request:
     """What the plugin reads from a vLLM request."""
 
-    def __init__(self, rid: str, priority: int, extra: dict[str, Any] | None, hashes: list[bytes]) -> None:
+    def __init__(
+        self, rid: str, priority: int, extra: dict[str, Any] | None, hashes: list[bytes], generated: int = 0
+    ) -> None:
         self.request_id = rid
         self.priority = priority
         self.sampling_params = type("SP", (), {"extra_args": extra})()
-        self.num_prompt_tokens = self.num_tokens = len(hashes) * BLOCK
+        self.num_tokens = len(hashes) * BLOCK
+        self.num_prompt_tokens = self.num_tokens - generated  # (its last blocks hold generated tokens)
         self.num_preemptions = 0
         self.block_hashes = hashes
 
@@ -158,9 +162,8 @@ class CoreSide:
         base = MAPPING.retention_for(req.priority)
         extra = req.sampling_params.extra_args
         if extra:
-            ret = RetentionConfig.from_request_fields(
-                extra.get("retention_directives"), scope=extra.get("retention_scope")
-            )
+            ret = retention_from_extra_args(extra)
+            assert ret is not None
             prios, durs = ret.block_plan(len(ids), BLOCK, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
         else:
@@ -195,7 +198,12 @@ def _events(seed: int, steps: int) -> list[tuple[str, Any]]:
                     "retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}],
                     "retention_scope": f"s{s}",
                 }
-            out.append(("admit", _Request(f"r{i}", prio, extra, hashes)))
+            elif d < 0.2:  # its generated tokens' blocks (the last of its tail) kept at 80 for 3 s
+                extra = {"retention_decode_priority": 80, "retention_decode_duration": 3}
+            generated = (
+                (tail * BLOCK) // 2 if extra is not None and "retention_decode_priority" in extra else 0
+            )
+            out.append(("admit", _Request(f"r{i}", prio, extra, hashes, generated)))
         elif r < 0.95:
             out.append(("finish", rng.random()))
         else:
@@ -274,8 +282,9 @@ def test_the_per_block_queue_decides_exactly_as_the_pool(seed: int) -> None:
 def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
     got = _replay("run", seed)
     assert got["evictions"] > 100
-    # measured at seeds 0-2 with the controller: hit blocks 0.996x-1.006x the pool's, the same hits on 97.4-99.1%
-    # of admissions; the bounds leave a margin of a few points over that
+    # measured at seeds 0-5 with the controller: hit blocks 0.990x-1.004x the pool's, the same hits on 97.0-98.8%
+    # of admissions (with the decode-retention requests; 0.996x-1.006x and 97.4-99.1% at seeds 0-2 before); the
+    # bounds leave a margin of a few points over that
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
     assert got["same_hits"] >= 0.95
 
@@ -283,12 +292,16 @@ def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_run_queue_orders_close_to_the_pool(seed: int) -> None:
     # the order alone (a fixed protected share): with the controller, two controllers fed slightly different
-    # hits drift apart and their victims with them (overlap 0.76-0.92 at seeds 0-2), which says nothing of the
-    # order. Measured: victim sets overlapping 94.9-96.9% (the rest: a run keeps a parent and its child in one
-    # bucket order where the pool evicts the child first by leaf-only links); the bound leaves a margin
+    # hits drift apart and their victims with them, which says nothing of the order. Measured at seeds 0-5:
+    # victim sets overlapping 94.4-96.9% when every directive covers a prompt's head; 79.5-87.8% since 5% of
+    # the requests also keep their generated tokens' blocks at 80 for 3 s (retention_decode_priority), a
+    # child kept above its parent: the pool evicts leaves only, so the parent waits for the child and then
+    # goes with it, where a run of the parent's release is ranked on its own key and may go first; a lapsed
+    # block is re-keyed at its run's tail depth where the pool uses its own. Hit blocks stay 0.989x-1.005x the
+    # pool's. The bound leaves a margin under the lowest
     got = _replay("run", seed, controlled=False)
     assert got["evictions"] > 100
-    assert got["victim_overlap"] >= 0.85
+    assert got["victim_overlap"] >= 0.75
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
 
 

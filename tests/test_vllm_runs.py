@@ -386,3 +386,27 @@ def test_a_lapsed_lowering_falls_back_to_its_users_highest_priority() -> None:
     down = {"retention_directives": [{"start": 0, "priority": 10, "duration": 1}], "retention_scope": "S"}
     asks = [(0.0, 0, up), (0.0, -2, None), (0.0, 0, down), (2.0, 0, None)]
     assert _retained(fixed_pool(), asks) == [55, 55]
+
+
+def test_generated_tokens_blocks_take_the_decode_priority_and_lapse_to_the_mapped_one() -> None:
+    # a priority 1 request (maps to 25) of a 2-block prompt and 2 blocks of generated tokens asks 90 for its
+    # generated tokens' blocks for 30 s (retention_decode_priority / _duration); its prompt keeps 25
+    t = [0.0]
+    _runtime.set_clock(lambda: t[0])
+    try:
+        pool = fixed_pool()
+        d = {"retention_decode_priority": 90, "retention_decode_duration": 30}
+        a = request("a", 1, d, tokens=2 * BLOCK)
+        ab = pool.admit(a, chain(0, 4, 0), False)
+        assert ab is not None
+        pool.free(a, ab)
+        q = pool.q
+        assert [q._r[x.block_id] for x in ab] == [25, 25, 90, 90]
+        assert q.stats()["protected_blocks"] == 2
+        t[0] = 31.0
+        q.popleft_n(q.num_free_blocks - q._held + 1)  # one eviction applies the lapse
+        assert [q._r[x.block_id] for x in ab[2:]] == [25, 25]
+        assert q.stats()["protected_blocks"] == 0
+        q.check()
+    finally:
+        _runtime.set_clock(None)

@@ -48,7 +48,8 @@ def _check_int(value: object, where: str, name: str, what: str) -> int:
     return value
 
 
-def _check_priority(value: object, where: str) -> int:
+def check_priority(value: object, where: str) -> int:
+    """``value`` as a retention priority (an integer in [0, 100]); errors start with ``where``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise RetentionError(
             f"{where}: priority must be an integer in [0, 100], got {show_value(value)}; pass e.g. priority=80"
@@ -60,7 +61,7 @@ def _check_priority(value: object, where: str) -> int:
     return value
 
 
-def _check_duration(value: object, where: str, name: str = "duration_s", per_second: int = 1) -> float | None:
+def check_duration(value: object, where: str, name: str = "duration_s", per_second: int = 1) -> float | None:
     """Seconds from a duration given as ``name`` in units of ``1 / per_second`` s; errors quote ``name`` and
     the value as given."""
     if value is None:
@@ -112,8 +113,8 @@ class RetentionDirective:
                     f"{where}: start ({show_value(start)}) must be before end ({show_value(end)}); "
                     "use end > start, or end=null for 'to the end of the prompt'"
                 )
-        _check_priority(self.priority, where)
-        object.__setattr__(self, "duration_s", _check_duration(self.duration_s, where))
+        check_priority(self.priority, where)
+        object.__setattr__(self, "duration_s", check_duration(self.duration_s, where))
 
     def covers(self, lo: int, hi: int) -> bool:
         """True when the directive overlaps tokens ``[lo, hi)``."""
@@ -147,7 +148,7 @@ class RetentionDirective:
         end = raw.get("end", raw.get("token_end"))
         name = next((k for k in _ALIASES[2] if k in raw), "duration_s")
         try:
-            duration = _check_duration(raw.get(name), where, name, 1000 if name == "duration_ms" else 1)
+            duration = check_duration(raw.get(name), where, name, 1000 if name == "duration_ms" else 1)
             return cls(start=start, end=end, priority=raw["priority"], duration_s=duration)
         except RetentionError as exc:
             msg = str(exc).replace("retention directive", where, 1)
@@ -191,7 +192,7 @@ class PriorityMapping:
         where = "priority mapping"
         _check_int(self.normal, where, "normal", "an integer (the request priority that maps to base)")
         _check_int(self.step, where, "step", "an integer (retention points per request-priority level)")
-        _check_priority(self.base, "priority mapping base")
+        check_priority(self.base, "priority mapping base")
         if self.step < 0:
             raise RetentionError(
                 "priority mapping step must be >= 0 (lower request priority = more important)"
@@ -214,7 +215,7 @@ class PriorityMapping:
                 raise RetentionError(
                     f"{where}: request priority {show_value(prio)} appears twice in the table"
                 )
-            ret = _check_priority(
+            ret = check_priority(
                 entry[1], f"priority mapping table entry for request priority {show_value(prio)}"
             )
             table.append((prio, ret))
@@ -289,9 +290,9 @@ class RetentionConfig:
             for i, d in enumerate(raw)
         )
         if self.decode_priority is not None:
-            _check_priority(self.decode_priority, "decode_priority")
+            check_priority(self.decode_priority, "decode_priority")
         object.__setattr__(
-            self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s")
+            self, "decode_duration_s", check_duration(self.decode_duration_s, "decode_duration_s")
         )
         if self.scope is not None and not isinstance(self.scope, str):
             raise RetentionError(f"retention_scope must be a string, got {show_value(self.scope)}")

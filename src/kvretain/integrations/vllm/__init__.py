@@ -25,12 +25,15 @@ from typing import Any
 
 from kvretain.integrations.vllm._runtime import COUNTERS, HOOK_ERRORS, logger, set_clock
 from kvretain.integrations.vllm.config import (
+    DECODE_DURATION_KEY,
+    DECODE_PRIORITY_KEY,
     DIRECTIVES_KEY,
     ENV_ALLOW_VERSION,
     ENV_GRANULARITY,
     ENV_MAPPING,
     ENV_OPTIONS,
     ENV_POLICY,
+    RETENTION_KEYS,
     SCOPE_KEY,
     SUPPORTED_VLLM,
     PluginConfig,
@@ -42,12 +45,15 @@ from kvretain.integrations.vllm.config import (
 )
 
 __all__ = [
+    "DECODE_DURATION_KEY",
+    "DECODE_PRIORITY_KEY",
     "DIRECTIVES_KEY",
     "ENV_ALLOW_VERSION",
     "ENV_GRANULARITY",
     "ENV_MAPPING",
     "ENV_OPTIONS",
     "ENV_POLICY",
+    "RETENTION_KEYS",
     "SCOPE_KEY",
     "SUPPORTED_VLLM",
     "PluginConfig",

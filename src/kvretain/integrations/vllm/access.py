@@ -37,8 +37,11 @@ from typing import Any
 
 from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionDirective, RetentionError
 from kvretain.integrations.vllm.config import (
+    DECODE_DURATION_KEY,
+    DECODE_PRIORITY_KEY,
     DIRECTIVES_KEY,
     ENV_MAPPING,
+    RETENTION_KEYS,
     SCOPE_KEY,
     load_json,
     retention_from_extra_args,
@@ -47,7 +50,7 @@ from kvretain.integrations.vllm.config import (
 ENV_KEYS = "KVRETAIN_API_KEYS"
 ENV_KEYS_FILE = "KVRETAIN_API_KEYS_FILE"
 MODES = ("refuse", "clamp")
-RETENTION_FIELDS = (DIRECTIVES_KEY, SCOPE_KEY)
+RETENTION_FIELDS = RETENTION_KEYS
 PRIORITY_HEADER = "x-vllm-priority"
 """vLLM reads a request priority from this header before the body's (the check folds it into the body)."""
 
@@ -395,9 +398,19 @@ class AccessPolicy:
             )
         out: list[RetentionDirective] = []
         for i, dv in enumerate(cfg.directives):
-            new = self._limit_directive(dv, i, key, clamp, d)
+            new = self._limit_directive(dv, f"{DIRECTIVES_KEY}[{i}]", key, clamp, d)
             changed |= new is not dv
             out.append(new)
+        decode_priority, decode_duration_s = cfg.decode_priority, cfg.decode_duration_s
+        if decode_priority is not None:  # generated tokens' blocks: the same limits as a directive's range
+            dv = RetentionDirective(0, None, decode_priority, decode_duration_s)
+            new = self._limit_directive(dv, DECODE_PRIORITY_KEY, key, clamp, d)
+            if new is not dv:
+                changed = True
+                decode_priority, decode_duration_s = new.priority, new.duration_s
+                xargs[DECODE_PRIORITY_KEY] = decode_priority
+                if decode_duration_s is not None:  # (vLLM's vllm_xargs takes no null)
+                    xargs[DECODE_DURATION_KEY] = decode_duration_s
         if changed:
             if cfg.directives:
                 xargs[DIRECTIVES_KEY] = json.dumps([_as_json(x) for x in out])
@@ -406,12 +419,11 @@ class AccessPolicy:
             body["vllm_xargs"] = xargs
             d.changed = True
         # the plugin re-parses in the engine; a clamped list is checked again there
-        RetentionConfig(tuple(out), scope=cfg.scope)
+        RetentionConfig(tuple(out), decode_priority, decode_duration_s, cfg.scope)
 
     def _limit_directive(
-        self, dv: RetentionDirective, i: int, key: ApiKey | None, clamp: bool, d: Decision
+        self, dv: RetentionDirective, where: str, key: ApiKey | None, clamp: bool, d: Decision
     ) -> RetentionDirective:
-        where = f"{DIRECTIVES_KEY}[{i}]"
         dur = dv.duration_s
         if dur is not None and not math.isfinite(dur):
             raise AccessDenied(400, f"{where}: duration must be a finite number of seconds, got {dur}", where)

@@ -42,7 +42,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvretain.core.policy import PolicyConfig, policy_names
-from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionError, show_value
+from kvretain.core.retention import (
+    PriorityMapping,
+    RetentionConfig,
+    RetentionError,
+    check_duration,
+    check_priority,
+    show_value,
+)
 
 ENV_POLICY = "KVRETAIN_POLICY"
 ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
@@ -59,6 +66,14 @@ vLLM's block pool and KV cache manager, which change between releases."""
 
 DIRECTIVES_KEY = "retention_directives"
 SCOPE_KEY = "retention_scope"
+DECODE_PRIORITY_KEY = "retention_decode_priority"
+"""The retention priority of the blocks of generated tokens (TensorRT-LLM's ``decode_retention_priority``;
+RFC #37003 has no decode field): an integer in [0, 100]; absent: the request priority's mapped retention."""
+DECODE_DURATION_KEY = "retention_decode_duration"
+"""Seconds after its release that a generated-token block keeps ``retention_decode_priority`` before it falls
+back to its request's mapped priority (TensorRT-LLM's ``decode_duration_ms``, in the directives' unit)."""
+RETENTION_KEYS = (DIRECTIVES_KEY, SCOPE_KEY, DECODE_PRIORITY_KEY, DECODE_DURATION_KEY)
+"""Every retention field a request may carry in ``extra_args`` (``vllm_xargs``)."""
 
 _OFF = {"", "off", "none", "0", "false", "disabled"}
 
@@ -193,7 +208,9 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
         return None
     raw = extra_args.get(DIRECTIVES_KEY)
     scope = extra_args.get(SCOPE_KEY)
-    if raw is None and scope is None:
+    decode_priority = extra_args.get(DECODE_PRIORITY_KEY)
+    decode_duration = extra_args.get(DECODE_DURATION_KEY)
+    if raw is None and scope is None and decode_priority is None and decode_duration is None:
         return None
     if isinstance(raw, str | bytes):
         try:
@@ -212,7 +229,12 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
         raise RetentionError(
             f"{SCOPE_KEY} must be a string (an owner id such as a session), got {show_value(scope)}"
         )
-    return RetentionConfig.from_request_fields(raw, scope=scope)
+    if decode_priority is not None:
+        check_priority(decode_priority, DECODE_PRIORITY_KEY)
+    decode_duration_s = check_duration(decode_duration, "vllm_xargs", DECODE_DURATION_KEY)
+    return RetentionConfig.from_request_fields(
+        raw, scope=scope, decode_priority=decode_priority, decode_duration_s=decode_duration_s
+    )
 
 
 def validation_message(extra_args: Mapping[str, Any] | None) -> str | None:
