@@ -311,7 +311,7 @@ def test_a_lapsed_directive_falls_back_and_its_blocks_requeue() -> None:
         t[0] = 31.0  # the directive lapses: its two blocks fall back to 25 and queue behind the others
         got = [x.block_id for x in q.popleft_n(6)]
         assert got[:4] == [x.block_id for x in reversed(bb)] + [ab[2].block_id]
-        assert set(got[4:]) == {ab[0].block_id, ab[1].block_id}
+        assert got[4:] == [ab[1].block_id, ab[0].block_id]  # deepest first, as in their run
         assert q.stats()["protected_blocks"] == 0
         q.check()
     finally:

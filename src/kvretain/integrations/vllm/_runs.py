@@ -59,9 +59,9 @@ class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
     eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
 
-    __slots__ = ("cls", "i", "ids", "key", "live", "r", "tier")
+    __slots__ = ("cls", "depth", "i", "ids", "key", "live", "r", "tier")
 
-    def __init__(self, ids: list[int], key: float, r: int, tier: int, cls: int) -> None:
+    def __init__(self, ids: list[int], key: float, r: int, tier: int, cls: int, depth: int = 0) -> None:
         self.ids = ids
         self.i = 0
         self.live = len(ids)  # (a run built in place sets it when it is queued)
@@ -69,6 +69,7 @@ class _Run:
         self.r = r
         self.tier = tier
         self.cls = cls
+        self.depth = depth  # its tail's depth, which ``key`` was valued at (a lapsed block is re-keyed there)
 
 
 class _RunQueue:
@@ -272,7 +273,12 @@ class RunFreeQueue(HookedFreeQueue):
     def _push_run(self, ids: list[int], r: int, depth: int, cls: int) -> None:
         """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``."""
         run = _Run(
-            ids, self._L + self._value(r, self._uses[ids[0]], depth), r, 0 if r >= self._threshold else 1, cls
+            ids,
+            self._L + self._value(r, self._uses[ids[0]], depth),
+            r,
+            0 if r >= self._threshold else 1,
+            cls,
+            depth,
         )
         run_of = self._run_of
         for bid in ids:
@@ -535,6 +541,7 @@ class RunFreeQueue(HookedFreeQueue):
     def _expire(self, now: float) -> None:
         exp = self._expiries
         lapse = self._lapse
+        moved: dict[tuple[_Run, int], list[int]] = {}  # queued blocks that fell, by run and new retention
         while exp and exp[0][0] <= now:
             t, bid = heapq.heappop(exp)
             ent = lapse.get(bid)
@@ -546,7 +553,12 @@ class RunFreeQueue(HookedFreeQueue):
             if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
                 self._run_of[bid] = None
                 self._take_from_list(run)
-                self._push_run([bid], ent[1], 0, run.cls)
+                moved.setdefault((run, ent[1]), []).append(bid)
+        for (run, r), ids in moved.items():
+            if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
+                order = {b: k for k, b in enumerate(run.ids)}
+                ids.sort(key=order.__getitem__)
+            self._push_run(ids, r, run.depth, run.cls)
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
@@ -755,7 +767,7 @@ class RunFreeQueue(HookedFreeQueue):
                     su = segment_uses(blocks, seg) if ghost else 1
                     stag = mapped * 16 + ub[su]
                     if stag != run_tag:
-                        cur = _Run([], L + value(mapped, su, i), mapped, tier, prio)
+                        cur = _Run([], L + value(mapped, su, i), mapped, tier, prio, i)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = stag
@@ -857,7 +869,7 @@ class RunFreeQueue(HookedFreeQueue):
                 c = b.ref_cnt
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
                     if tag != run_tag:
-                        cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio)
+                        cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio, i)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
