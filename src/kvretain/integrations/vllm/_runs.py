@@ -541,7 +541,8 @@ class RunFreeQueue(HookedFreeQueue):
     def _expire(self, now: float) -> None:
         exp = self._expiries
         lapse = self._lapse
-        moved: dict[tuple[_Run, int], list[int]] = {}  # queued blocks that fell, by run and new retention
+        # queued blocks that fell, by run, new retention and use-count bucket (what a run's blocks share)
+        moved: dict[tuple[_Run, int, int], list[int]] = {}
         while exp and exp[0][0] <= now:
             t, bid = heapq.heappop(exp)
             ent = lapse.get(bid)
@@ -553,8 +554,8 @@ class RunFreeQueue(HookedFreeQueue):
             if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
                 self._run_of[bid] = None
                 self._take_from_list(run)
-                moved.setdefault((run, ent[1]), []).append(bid)
-        for (run, r), ids in moved.items():
+                moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
+        for (run, r, _), ids in moved.items():
             if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
                 order = {b: k for k, b in enumerate(run.ids)}
                 ids.sort(key=order.__getitem__)
