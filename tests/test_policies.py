@@ -375,6 +375,26 @@ def test_unified_highest_wins_and_only_the_owner_may_lower() -> None:
     assert sim.retention(1) == 30
 
 
+def test_unified_a_request_may_keep_what_it_computed_below_its_priority() -> None:
+    # new content, no scope: its first release is its only user so far, so a lower ask holds (TensorRT-LLM's
+    # low decode priority); before, the level stayed at the request's mapped priority and the ask was lost
+    sim = unified(4, 1.0)
+    sim.run([1], 10)  # a priority-0 request (maps to 35) asks 10
+    sim.run([2], 35)
+    assert sim.retention(1) == 10
+    assert sim.evict_all() == [1, 2]
+    sim = unified(4, 1.0)
+    sim.run([3], 10, 5.0)  # for 5 s: then back to its users' mapped priority
+    assert sim.retention(3) == 10
+    sim.now = 6.0
+    assert sim.retention(3) == 35
+    sim.run([4], 10, scope="s")  # a scope lowering new content owns it: it may lower it again
+    sim.run([4], 35)  # another user's release raises it: highest wins from then on
+    assert sim.retention(4) == 35
+    sim.run([4], 20, scope="s")
+    assert sim.retention(4) == 20
+
+
 def test_unified_shared_block_keeps_the_highest_whoever_releases_last() -> None:
     sim = unified(3, 1.0)
     a = sim.start([1])

@@ -14,8 +14,10 @@ or its request priority mapped by :class:`~kvretain.core.retention.PriorityMappi
 2. a lapsed directive is applied first: ``level = base`` (so an old directive is never refreshed after it
    ended: a 1 s directive must not pin a block because it was reused late);
 3. a higher ask raises the level (anyone may raise); a lower ask lowers it only when the request's scope is
-   the owner's (RFC #37003: only the owner may lower); either way the ask's duration starts now and the scope
-   becomes the owner;
+   the owner's (RFC #37003: only the owner may lower), or on content no release has touched (its first
+   releaser is the only user it has had: a request may ask to keep what it computed *less* than its priority
+   would, TensorRT-LLM's low decode priority for example; any later user's release raises it again); either
+   way the ask's duration starts now and the scope becomes the owner;
 4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration);
 5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down.
 
@@ -58,7 +60,7 @@ def release(
     else:
         cur = level
     end = INF if duration_s is None else now + duration_s
-    if ask > cur or (ask < cur and scope is not None and scope == owner):
+    if ask > cur or (ask < cur and (level == UNSET or (scope is not None and scope == owner))):
         cur = ask
         expiry = end
         if scope is not None:
