@@ -410,3 +410,20 @@ def test_generated_tokens_blocks_take_the_decode_priority_and_lapse_to_the_mappe
         q.check()
     finally:
         _runtime.set_clock(None)
+
+
+def test_a_parent_kept_below_its_child_goes_after_it_as_in_the_pool() -> None:
+    # a priority 1 request (maps to 25) keeps its prompt's first two blocks at 10: the pool evicts leaves only,
+    # so those two wait for the two deeper blocks (25) and go right after them; the run queue ranks the head's
+    # run at the deeper run's key (before: on its own lower key, first, leaving the deeper two unreachable)
+    pool = fixed_pool()
+    d = {"retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}]}
+    a = request("a", 1, d, tokens=4 * BLOCK)
+    ab = pool.admit(a, chain(0, 4, 0), False)
+    assert ab is not None
+    pool.free(a, ab)
+    q = pool.q
+    assert [q._r[x.block_id] for x in ab] == [10, 10, 25, 25]
+    q.popleft_n(16 - 4)
+    assert [x.block_id for x in q.popleft_n(4)] == [x.block_id for x in reversed(ab)]
+    q.check()

@@ -870,7 +870,18 @@ class RunFreeQueue(HookedFreeQueue):
                 c = b.ref_cnt
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
                     if tag != run_tag:
-                        cur = _Run([], L + value(r, u, i), r, 0 if r >= thr else 1, prio, i)
+                        key = L + value(r, u, i)
+                        tier = 0 if r >= thr else 1
+                        if (
+                            cur is not None
+                            and cur.key > key
+                            and cur.tier == tier
+                            and (durs is None or durs[cur.depth] is None)
+                        ):
+                            # a parent never goes before the deeper blocks it leads to (the pool evicts leaves
+                            # only: their chain goes at the deepest one's key)
+                            key = cur.key
+                        cur = _Run([], key, r, tier, prio, i)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
