@@ -28,11 +28,12 @@ def chat(
     salt: str | None = None,
     max_tokens: int = 4,
     headers: dict[str, str] | None = None,
+    xargs: dict[str, Any] | None = None,
 ) -> Reply:
     extra: dict[str, Any] = {}
     if priority is not None:
         extra["priority"] = priority
-    xargs: dict[str, Any] = {}
+    xargs = dict(xargs or {})
     if directives is not None:
         xargs["retention_directives"] = json.dumps(directives)
     if scope is not None:

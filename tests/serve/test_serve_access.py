@@ -70,6 +70,8 @@ def test_a_limited_key_cannot_raise_retention(servers, text):
         lambda: chat(bob, srv.model, prompt, directives=[{"start": 0, "priority": 20, "duration": 5}])
     )
     assert "at most 0 s" in msg, msg
+    msg = _refused(lambda: chat(bob, srv.model, prompt, xargs={"retention_decode_priority": 90}))
+    assert "retention_decode_priority: key 'bob' may ask for retention priority up to 25; got 90" in msg, msg
     # clamp mode: carol's directive 90 becomes 25 (her priority-1 mapping): a priority-1 flood evicts it, while
     # the admin's identical request keeps its blocks (the control)
     for key, name, want_kept in ((CAROL, "carol", False), (ADMIN, "admin", True)):

@@ -57,6 +57,18 @@ CASES = [
         "number of seconds",
     ),
     ("scope-a-number", {"vllm_xargs": {"retention_scope": 42}}, 400, "retention_scope must be a string"),
+    (
+        "decode-priority-out-of-range",
+        {"vllm_xargs": {"retention_decode_priority": 150}},
+        400,
+        "retention_decode_priority: priority 150 is out of range",
+    ),
+    (
+        "decode-duration-a-string",
+        {"vllm_xargs": {"retention_decode_priority": 50, "retention_decode_duration": "5s"}},
+        400,
+        "retention_decode_duration must be a number of seconds",
+    ),
     ("unknown-retention-field", {"vllm_xargs": {"retention_scop": "alice"}}, 400, "unknown retention field"),
     (
         "retention-twice",
