@@ -205,3 +205,50 @@ def test_a_binary_catalog_file_is_named(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["simulate", "--catalog", str(cat), "--limit", "3", "--no-progress", "--json"]) == 2
     msg = one_line(capsys, "kvretain simulate: error: ")
     assert f"{cat}: not UTF-8 text" in msg, msg
+
+
+# ---------------------------------------------------------------- empty path options (an unset shell variable)
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["profile", "--model", ""], "argument --model: an empty path"),
+        (["profile", "--model", "{tmp}", "--python", ""], "argument --python: an empty path"),
+        (["profile", "--model", "{tmp}", "--plot", ""], "argument --plot: an empty path"),
+        (["profile", "--model", "{tmp}", "--dtype", ""], "argument --dtype: expected a value"),
+        (["replay", "", "--policy", "lru"], "argument trace: an empty path"),
+        (["simulate", "", "--no-progress"], "argument trace: an empty path"),
+        (["simulate", "--catalog", "", "--limit", "3", "--no-progress"], "argument --catalog: an empty path"),
+        (["compare", "", "--no-progress", "--out", "rep"], "argument trace: an empty path"),
+        (
+            ["workload", "export", "mooncake", "--trace", "", "--out", "x.jsonl"],
+            "argument --trace: an empty path",
+        ),
+    ],
+)
+def test_an_empty_path_is_refused_not_the_current_folder_or_a_default(
+    argv: list[str],
+    expected: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import sys
+
+    import kvretain.cli_profile as cli_profile
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_profile, "_measure", _interrupt)  # must not be reached
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if argv[0] == "profile" and "--python" not in argv:
+        argv += ["--python", sys.executable]
+    assert main(argv) == 2
+    assert expected in one_line(capsys, f"kvretain {argv[0]}"), expected
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_vllm_python_variable_falls_back_to_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvretain.cli import build_parser
+
+    monkeypatch.setenv("KVRETAIN_VLLM_PYTHON", "")
+    args = build_parser().parse_args(["profile", "--model", "m"])
+    assert args.python == ".venv-vllm-cpu/bin/python"

@@ -25,6 +25,7 @@ from kvretain.cli_args import (
     fail,
     integer,
     option_error,
+    path_arg,
     policy_config,
     priority_mapping,
 )
@@ -220,7 +221,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "replay", help="block-level cache replay of a Mooncake-format trace (or a built-in workload)"
     )
     r.add_argument(
-        "trace", nargs="?", help="Mooncake-format JSONL (omit for the built-in synthetic workload)"
+        "trace",
+        nargs="?",
+        type=path_arg("a trace file, or omit it for the built-in workload"),
+        help="Mooncake-format JSONL (omit for the built-in synthetic workload)",
     )
     r.add_argument(
         "--capacity-blocks", type=integer(1), default=600, help="pool size in trace blocks (default 600)"

@@ -142,6 +142,19 @@ def shares(text: str) -> list[float]:
     return values
 
 
+def path_arg(kind: str) -> Callable[[str], str]:
+    """A path option's value, refused when empty: ``Path("")`` is the current folder, so an unset shell variable
+    (``--model "$MODEL"``) would quietly mean ``.`` or fall back to a default. ``kind``: what to pass instead."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"an empty path (pass {kind})")
+        return text
+
+    parse.__name__ = "path"
+    return parse
+
+
 def check_output_file(path: str, option: str) -> None:
     """Raise a ``ValueError`` naming ``option`` unless ``path`` can be written as a file: checked before a
     command runs, so that a long run does not end in an error (or a traceback) when it writes its output."""

@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer
+from kvretain.cli_args import check_output_file, integer, path_arg
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -54,6 +54,12 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a value such as bfloat16, got {text!r}")
+    return text
+
+
 def add_subcommands(sub: Any) -> None:
     p = sub.add_parser(
         "profile",
@@ -61,16 +67,24 @@ def add_subcommands(sub: Any) -> None:
         description="Measure a real vLLM engine's step times on this machine (in a Python with vLLM: --python), "
         "fit a step-time model and write the cost-model file that `kvretain simulate --cost-model FILE` reads.",
     )
-    p.add_argument("--model", required=True, help="model directory vLLM can serve")
+    p.add_argument(
+        "--model", required=True, type=path_arg("a model directory"), help="model directory vLLM can serve"
+    )
     p.add_argument(
         "--python",
-        default=os.environ.get("KVRETAIN_VLLM_PYTHON", ".venv-vllm-cpu/bin/python"),
+        type=path_arg("a Python with vLLM"),
+        default=os.environ.get("KVRETAIN_VLLM_PYTHON") or ".venv-vllm-cpu/bin/python",
         help="Python with vLLM installed (default $KVRETAIN_VLLM_PYTHON or .venv-vllm-cpu/bin/python)",
     )
     p.add_argument(
         "--out", default="cost-model.toml", help="cost-model file to write (default cost-model.toml)"
     )
-    p.add_argument("--plot", default=None, help="PNG of measured vs fitted (default: --out with .png)")
+    p.add_argument(
+        "--plot",
+        type=path_arg("a PNG file name, or leave the option out"),
+        default=None,
+        help="PNG of measured vs fitted (default: --out with .png)",
+    )
     p.add_argument(
         "--new-tokens",
         type=int_list,
@@ -132,7 +146,7 @@ def add_subcommands(sub: Any) -> None:
         "a vLLM server on CPU binds its engine core to all allowed cores but one, kept for its API server",
     )
     p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
+    p.add_argument("--dtype", type=nonempty, default="bfloat16", help="model dtype (default bfloat16)")
     p.add_argument("--timeout", type=integer(1), default=1800, help="seconds before giving up (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument(

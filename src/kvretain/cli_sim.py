@@ -22,6 +22,7 @@ from kvretain.cli_args import (
     integer,
     names_of,
     number,
+    path_arg,
     policy_config,
     priority_mapping,
     shares,
@@ -75,7 +76,12 @@ def _choices_help(docs: dict[str, str]) -> str:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", nargs="?", help="trace file (Mooncake .jsonl or Azure .csv); omit for --workload")
+    p.add_argument(
+        "trace",
+        nargs="?",
+        type=path_arg("a trace file, or omit it for a generated workload"),
+        help="trace file (Mooncake .jsonl or Azure .csv); omit for --workload",
+    )
     p.add_argument(
         "--workload",
         choices=WORKLOADS.names(),
@@ -128,7 +134,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     h.add_argument("--model", default="llama-3-8b", help="model from the catalog (default llama-3-8b)")
     h.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (default h100-sxm)")
     h.add_argument("--tp", type=integer(1), default=None, help="tensor parallelism (default: the model's)")
-    h.add_argument("--catalog", default=None, help="TOML file adding models/GPUs to the catalog")
+    h.add_argument(
+        "--catalog",
+        type=path_arg("a TOML file, or leave the option out"),
+        default=None,
+        help="TOML file adding models/GPUs to the catalog",
+    )
     h.add_argument(
         "--cost-model",
         default="roofline",

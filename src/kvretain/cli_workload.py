@@ -11,7 +11,7 @@ import json
 import random
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer, number
+from kvretain.cli_args import check_output_file, integer, number, path_arg
 from kvretain.workloads import WORKLOADS, WorkloadError, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.priority import make_rule, rule_choices
@@ -85,7 +85,12 @@ def add_subcommands(sub: Any) -> None:
     e.add_argument("name", choices=WORKLOADS.names(), help="workload")
     e.add_argument("--out", required=True, help="output JSONL file")
     e.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
-    e.add_argument("--trace", default=None, help="input trace (for the mooncake / azure loaders)")
+    e.add_argument(
+        "--trace",
+        type=path_arg("a trace file, or leave the option out"),
+        default=None,
+        help="input trace (for the mooncake / azure loaders)",
+    )
     e.add_argument("--limit", type=integer(1), default=None, help="only the first N requests")
     e.add_argument(
         "--time-scale",
