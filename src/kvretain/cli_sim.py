@@ -35,6 +35,7 @@ from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
+from kvretain.fileio import StagedFolder
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
 from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities, working_set
@@ -357,7 +358,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
             base.policy_config, budget=b, isolation_goal=None, priority_weight=args.frontier_priority_weight
         )
         runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
-    out = _report_folder(args.out)  # before any output: a bad --out is one line
+    stage = _report_folder(args.out)  # before any output: a bad --out is one line
+    try:
+        return _compare_runs(args, stage, reqs, runs, (source, capacity))
+    finally:  # an error or a Ctrl-C on the way: no half-written report left (nor a new empty folder)
+        stage.discard()
+
+
+def _compare_runs(
+    args: argparse.Namespace,
+    stage: StagedFolder,
+    reqs: Sequence[WorkloadRequest],
+    runs: Sequence[tuple[str, SimConfig]],
+    about: tuple[str, str],
+) -> int:
+    """``compare``'s runs, their report written into ``stage`` and committed to ``--out`` at the end."""
+    source, capacity = about
     print(f"compare: {len(runs)} runs of {source}, {capacity}", file=sys.stderr)
     from tqdm import tqdm
 
@@ -375,26 +391,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
             if r.ttft is not None:
                 per.setdefault(str(r.priority), []).append(r.ttft)
         ttfts[label] = per
-    (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
-    _write_csv(out / "runs.csv", results)
-    (out / "summary.md").write_text(_markdown(results, source, capacity, args.frontier_priority_weight))
-    plots = _plots(out, results, ttfts, policies)
+    out = stage.path
+    markdown = _markdown(results, source, capacity, args.frontier_priority_weight)
+    try:
+        (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+        _write_csv(out / "runs.csv", results)
+        (out / "summary.md").write_text(markdown)
+        plots = _plots(out, results, ttfts, args.policies)
+        stage.commit()
+    except OSError as e:  # checked before the runs; the disk may still fill up meanwhile
+        raise ValueError(f"--out {args.out}: cannot write the report ({e.strerror or e})") from None
     files = ["summary.json", "summary.md", "runs.csv", *plots]
-    print(f"wrote {', '.join(files)} to {out}/ for {len(results)} runs")
-    print((out / "summary.md").read_text())
+    print(f"wrote {', '.join(files)} to {stage.target}/ for {len(results)} runs")
+    print(markdown)
     return 0
 
 
-def _report_folder(path: str) -> Path:
-    """The report folder, created before any run (a path under a file is the user's mistake, not a crash)."""
+def _report_folder(path: str) -> StagedFolder:
+    """The report folder's stage, made before any run (a path under a file is the user's mistake, not a
+    crash); the report is built in it and moved to ``path`` only once whole."""
     if not path:  # Path("") is the current folder: an unset variable would scatter the report there
         raise ValueError("argument --out: an empty path (pass a folder name)")
-    out = Path(path)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        return StagedFolder(path)
     except OSError as e:
         raise ValueError(f"--out {path}: cannot create the report folder ({e.strerror or e})") from None
-    return out
 
 
 _CSV_COLS = ["label", "policy", "budget", "requests", "simulated_s", "output_tokens_per_s", "hit_rate"]

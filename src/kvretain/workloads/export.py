@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvretain.fileio import replaced
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.tokens import SeededChunk, TokenSeq
 
@@ -118,9 +119,11 @@ def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any
 
 
 def write_mooncake(requests: Iterable[WorkloadRequest], path: str | Path, block_size: int = 512) -> int:
-    """Write ``requests`` to ``path`` as Mooncake JSONL; returns the number of lines written."""
+    """Write ``requests`` to ``path`` as Mooncake JSONL; returns the number of lines written. The file appears
+    whole or not at all (:func:`~kvretain.fileio.replaced`): an error or a Ctrl-C half-way leaves no partial
+    trace (and an earlier file of that name as it was)."""
     n = 0
-    with Path(path).open("w", encoding="utf-8") as fh:
+    with replaced(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
         for rec in mooncake_records(requests, block_size):
             fh.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
             n += 1

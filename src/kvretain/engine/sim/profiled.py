@@ -38,6 +38,7 @@ from typing import Any
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
+from kvretain.fileio import replaced
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
@@ -283,7 +284,8 @@ def dumps(profile: Profile) -> str:
 
 
 def write_profile(path: str | Path, profile: Profile) -> None:
-    Path(path).write_text(dumps(profile), encoding="utf-8")
+    with replaced(path) as tmp:  # whole or not at all
+        tmp.write_text(dumps(profile), encoding="utf-8")
 
 
 def loads(text: str, where: str = "cost model") -> Profile:
