@@ -368,3 +368,17 @@ def test_replaced_writes_a_device_in_place_and_removes_its_file_on_error(tmp_pat
         p.write_text("half")
         raise RuntimeError
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- replay --json: one shape
+def test_replay_json_is_one_object_per_policy_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvretain.core.policy import policy_names
+
+    assert main(["replay", "--sessions", "3", "--policy", "lru", "--json"]) == 0
+    one = capsys.readouterr().out.splitlines()
+    assert len(one) == 1 and json.loads(one[0])["policy"] == "lru"
+    assert main(["replay", "--sessions", "3", "--json"]) == 0  # the default --policy all
+    lines = capsys.readouterr().out.splitlines()
+    objs = [json.loads(line) for line in lines]  # each line one object, as with one policy (was: a list)
+    assert [o["policy"] for o in objs] == policy_names()
+    assert set(objs[0]) == set(json.loads(one[0]))

@@ -182,13 +182,11 @@ def _replay_all(args: argparse.Namespace, requests: Sequence[ReplayRequest], sou
         )
         wall = time.perf_counter() - t0
         results.append((res, wall))
-    if args.json:
-        objs = []
+    if args.json:  # one object per line (JSON Lines), the same object whether one policy ran or all
         for res, wall in results:
             obj = res.to_json()
             obj["wall_s"] = round(wall, 3)
-            objs.append(obj)
-        print(json.dumps(objs[0] if len(objs) == 1 else objs, indent=None if len(objs) == 1 else 1))
+            print(json.dumps(obj))
     else:
         print(f"replay of {source}: {len(requests)} requests, {args.capacity_blocks} blocks")
         rows = _result_rows([r for r, _ in results])
@@ -232,7 +230,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument(
         "--policy", default="all", choices=[*policy_names(), "all"], help="eviction policy (default all)"
     )
-    r.add_argument("--json", action="store_true", help="print one JSON object (a list with --policy all)")
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per policy, one a line (JSON Lines; one object with one --policy)",
+    )
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     r.add_argument(
         "--priority-rule",
