@@ -382,3 +382,118 @@ def test_replay_json_is_one_object_per_policy_per_line(capsys: pytest.CaptureFix
     objs = [json.loads(line) for line in lines]  # each line one object, as with one policy (was: a list)
     assert [o["policy"] for o in objs] == policy_names()
     assert set(objs[0]) == set(json.loads(one[0]))
+
+
+# ---------------------------------------------------------------- generated workloads too large for memory
+@pytest.mark.parametrize(
+    ("name", "options", "expected"),
+    [
+        ("multi-tenant", ["duration_s=1e9"], "multi-tenant config: about 1,6"),
+        ("multi-tenant", ["chat_session_rate=1e6"], "multi-tenant config: about 27,"),
+        ("multi-tenant", ["batch_documents=1000000000"], "1,000,000,000 documents) need about"),
+        ("retrieval-scan", ["documents=1000000000"], "1,000,000,000 documents) need about"),
+        (
+            "agent-pauses",
+            [
+                "steps=[1000000,1000000]",
+                "long_pause_prob=0",
+                "short_pause_s=[0,0]",
+                "est_s_per_output_token=0",
+            ],
+            "agent-pauses config: about 900,000,000 requests",
+        ),
+    ],
+)
+def test_export_of_a_workload_beyond_memory_is_refused_before_generating(
+    name: str,
+    options: list[str],
+    expected: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import kvretain.core.memory as memory
+    import kvretain.workloads.sources as sources
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    for gen in ("generate_multi_tenant", "generate_agent_pauses", "generate_retrieval_scan"):
+        monkeypatch.setattr(sources, gen, _interrupt)  # must not be reached
+    out = tmp_path / "x.jsonl"
+    argv = ["workload", "export", name, "--out", str(out), "--limit", "3"]
+    assert main([*argv, *(a for o in options for a in ("--option", o))]) == 2
+    msg = one_line(capsys, "kvretain workload export: error: ")
+    assert expected in msg and "more than the 1.0 GiB available; use fewer requests" in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("multi-tenant", {}),
+        ("multi-tenant", {"chat_turns": (40, 60), "chat_think_s": 5.0, "batch_documents": 20_000}),
+        ("agent-pauses", {}),
+        ("agent-pauses", {"steps": (60, 60), "long_pause_prob": 0.0, "agent_rate": 0.05}),
+        ("retrieval-scan", {"documents": 20_000}),
+    ],
+)
+def test_expected_size_and_bytes_are_close_to_the_generated_workload(
+    name: str, options: dict[str, Any]
+) -> None:
+    import random
+    import tracemalloc
+
+    from kvretain.workloads.sources import _CONFIGS, bytes_per_item
+
+    cls, _, generate = _CONFIGS[name]
+    config = cls(**options)  # an hour: a session cut by the window's end is a small share
+    size = config.expected_size()
+    per_request, per_ref, per_span = bytes_per_item(name)
+    tracemalloc.start()
+    try:
+        reqs = generate(config, random.Random(1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    refs = sum(len(r.prompt.chunks) for r in reqs)
+    need = size.requests * per_request + size.chunk_refs * per_ref + size.spans * per_span
+    # means of the draws (and of a session's length cut by the window): an estimate, about right
+    assert 0.75 < size.requests / len(reqs) < 1.33
+    assert 0.75 < (size.chunk_refs - size.spans * (2 if name == "multi-tenant" else 1)) / refs < 1.33
+    assert 0.75 < need / peak < 1.33, (need, peak)
+
+
+def test_default_workloads_are_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    import kvretain.workloads.sources as sources
+
+    monkeypatch.setattr(
+        sources, "bytes_per_item", _interrupt
+    )  # ~0.1 s: only for settings far above the defaults
+    for name in ("multi-tenant", "agent-pauses", "retrieval-scan"):
+        assert sources.WORKLOADS.create(name, rng=random.Random(0), duration_s=60.0)
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("chat_think_s=-1", "multi-tenant config: chat_think_s must be >= 0, got -1"),
+        ("est_s_per_output_token=-1", "multi-tenant config: est_s_per_output_token must be >= 0"),
+        ("agent_retention_priority=1000", "multi-tenant config: agent_retention_priority: "),
+        ("bogus=1", "multi-tenant: unknown option 'bogus' (its options: duration_s, "),
+    ],
+)
+def test_export_bad_generator_setting_names_it(
+    option: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.jsonl"
+    assert main(["workload", "export", "multi-tenant", "--out", str(out), "--option", option]) == 2
+    assert expected in one_line(capsys, "kvretain workload export: error: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_chat_without_think_time_is_generated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "x.jsonl"  # was a ZeroDivisionError traceback (an exponential of mean 0)
+    argv = ["workload", "export", "multi-tenant", "--out", str(out), "--option", "chat_think_s=0"]
+    assert main([*argv, "--option", "duration_s=120", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == len(out.read_text().splitlines()) > 0

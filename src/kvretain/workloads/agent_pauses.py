@@ -29,7 +29,15 @@ import random
 from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_config, scale_and_limit
+from kvretain.workloads.request import (
+    WorkloadError,
+    WorkloadRequest,
+    WorkloadSize,
+    check_config,
+    mean,
+    scale_and_limit,
+    sessions_size,
+)
 from kvretain.workloads.tokens import TokenSeq
 
 Range = tuple[int, int]  # inclusive uniform range
@@ -64,6 +72,14 @@ class AgentPausesConfig:
         )
         if self.system_tokens + self.task_tokens[0] < 1:
             raise WorkloadError("agent-pauses config: a first prompt needs at least one token")
+
+    def expected_size(self) -> WorkloadSize:
+        """The workload's expected size (:class:`~kvretain.workloads.request.WorkloadSize`), before generating."""
+        p = self.long_pause_prob
+        pause = p * mean(self.long_pause_s) + (1 - p) * mean(self.short_pause_s)
+        gap = mean(self.call_tokens) * self.est_s_per_output_token + pause
+        # a first prompt: system + task; each step adds its call and the tool's result
+        return sessions_size(self.agent_rate, self.duration_s, self.steps, gap, 2, 2)
 
 
 def generate_agent_pauses(

@@ -23,8 +23,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvretain.core.retention import RetentionDirective
-from kvretain.workloads.request import WorkloadRequest, check_config, scale_and_limit
+from kvretain.core.retention import RetentionDirective, RetentionError
+from kvretain.workloads.request import (
+    WorkloadError,
+    WorkloadRequest,
+    WorkloadSize,
+    check_config,
+    mean,
+    scale_and_limit,
+    sessions_size,
+)
 from kvretain.workloads.tokens import TokenSeq
 
 Range = tuple[int, int]  # inclusive uniform range
@@ -105,10 +113,40 @@ class MultiTenantConfig:
         check_config(
             self,
             "multi-tenant",
-            non_negative=("duration_s", "chat_session_rate", "agent_rate", "batch_job_rate"),
+            non_negative=(
+                "duration_s",
+                "est_s_per_output_token",
+                "chat_session_rate",
+                "chat_think_s",
+                "agent_rate",
+                "agent_retention_duration_s",
+                "batch_job_rate",
+                "batch_job_spread_s",
+            ),
             probabilities=("chat_attachment_prob", "chat_rag_prob"),
             at_least_one=("batch_documents",),
         )
+        try:
+            RetentionDirective(0, None, self.agent_retention_priority, self.agent_retention_duration_s)
+        except RetentionError as e:
+            raise WorkloadError(f"multi-tenant config: agent_retention_priority: {e}") from None
+
+    def expected_size(self) -> WorkloadSize:
+        """The workload's expected size (:class:`~kvretain.workloads.request.WorkloadSize`), before generating."""
+        est = self.est_s_per_output_token
+        chat = sessions_size(
+            self.chat_session_rate,
+            self.duration_s,
+            self.chat_turns,
+            mean(self.chat_output_tokens) * est + self.chat_think_s,
+            2 + self.chat_attachment_prob + self.chat_rag_prob,  # system, attachment, passages, message
+            2 + self.chat_rag_prob,  # the answer, passages, the next message
+        )
+        gap = mean(self.agent_output_tokens) * est + mean(self.agent_tool_pause_s)
+        agents = sessions_size(self.agent_rate, self.duration_s, self.agent_steps, gap, 2, 2)
+        batch = sessions_size(self.batch_job_rate, self.duration_s, self.batch_questions_per_job, 0.0, 3, 0)
+        documents = WorkloadSize(0, 2 * self.batch_documents, self.batch_documents)
+        return chat + agents + batch + documents
 
 
 def generate_multi_tenant(
@@ -172,7 +210,7 @@ def _chat(cfg: MultiTenantConfig, rng: random.Random) -> list[WorkloadRequest]:
                 )
             )
             context, prev = prompt + output, rid
-            think = rng.expovariate(1.0 / cfg.chat_think_s)
+            think = rng.expovariate(1.0 / cfg.chat_think_s) if cfg.chat_think_s > 0 else 0.0
             t += len(output) * cfg.est_s_per_output_token + think
             if t >= cfg.duration_s:
                 break

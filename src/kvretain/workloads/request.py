@@ -148,6 +148,58 @@ def scale_and_limit(
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class WorkloadSize:
+    """What a generated workload will hold, expected from its settings before generating it (a config's
+    ``expected_size()``): its ``requests``; the references to prompt chunks over all of them (``chunk_refs``: a
+    prompt is a tuple of chunks, and a session's context grows by a chunk or two a turn, so long sessions hold
+    many); and the ``spans`` (documents) built up front that requests share. Means of the random draws, so an
+    estimate, not a bound; ``--limit`` keeps the first requests of the whole workload, generated first."""
+
+    requests: float
+    chunk_refs: float
+    spans: float = 0.0
+
+    def __add__(self, other: WorkloadSize) -> WorkloadSize:
+        return WorkloadSize(
+            self.requests + other.requests, self.chunk_refs + other.chunk_refs, self.spans + other.spans
+        )
+
+
+def sessions_size(
+    rate: float,
+    duration_s: float,
+    steps: tuple[float, float],
+    gap_s: float,
+    first_chunks: float,
+    chunks_per_step: float,
+) -> WorkloadSize:
+    """The expected size of a Poisson stream of ``rate`` sessions per second over ``duration_s``, each of
+    ``steps`` (an inclusive uniform range of integers) requests ``gap_s`` apart on average and cut at
+    ``duration_s`` (a session starts uniformly in the window); a session's first prompt has ``first_chunks``
+    chunks and each following one ``chunks_per_step`` more, so a session of n requests holds
+    ``n * first_chunks + chunks_per_step * n * (n - 1) / 2`` references."""
+    lo, hi = steps
+    m = (lo + hi) / 2
+    pairs = m * m + ((hi - lo + 1) ** 2 - 1) / 12 - m  # E[n (n - 1)] of the uniform draw
+    x = duration_s / gap_s if gap_s > 0 else math.inf  # the window in gaps
+    k = m - 1  # a session starting within k gaps of the end is cut (1 + gaps left requests)
+    if k <= 0 or x == math.inf:  # no session is cut
+        n, nn = m, pairs
+    elif k >= x:  # every session can be cut: n = 1 + u, u uniform in [0, x]
+        n, nn = 1 + x / 2, x / 2 + x * x / 3
+    else:  # within k gaps of the end: cut; before: drawn
+        n = (k + k * k / 2) / x + (1 - k / x) * m
+        nn = (k * k / 2 + k**3 / 3) / x + (1 - k / x) * pairs
+    sessions = rate * duration_s
+    return WorkloadSize(sessions * n, sessions * (n * first_chunks + chunks_per_step * nn / 2))
+
+
+def mean(bounds: tuple[float, float]) -> float:
+    """The mean of a uniform draw from ``bounds``."""
+    return (bounds[0] + bounds[1]) / 2
+
+
 def check_scale_and_limit(time_scale: float, limit: int | None) -> None:
     """``time_scale`` finite and > 0; ``limit`` (a number of requests) ``None`` or >= 1."""
     if not 0 < time_scale < math.inf:

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
-from kvretain.workloads.request import WorkloadRequest, check_config, scale_and_limit
+from kvretain.workloads.request import WorkloadRequest, WorkloadSize, check_config, scale_and_limit
 
 Range = tuple[int, int]  # inclusive uniform range
 
@@ -60,6 +60,12 @@ class RetrievalScanConfig:
             probabilities=("interactive_share",),
             at_least_one=("documents",),
         )
+
+    def expected_size(self) -> WorkloadSize:
+        """The workload's expected size (:class:`~kvretain.workloads.request.WorkloadSize`), before generating."""
+        queries, scans = self.query_rate * self.duration_s, self.scan_rate * self.duration_s
+        # a query: system + document + question; a scan: system + its document; a document: one chunk
+        return WorkloadSize(queries + scans, 3 * queries + 2 * scans + self.documents, self.documents)
 
 
 def generate_retrieval_scan(

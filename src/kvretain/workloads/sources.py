@@ -8,7 +8,11 @@ config's fields (``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanCo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
+import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +64,90 @@ def multi_tenant(
 
 
 def _config(cls: Any, name: str, options: dict[str, Any]) -> Any:
+    """A generator's config from ``options`` (an unknown one is a ``WorkloadError`` naming it), checked to fit
+    in memory before anything is generated (:func:`check_size`)."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise WorkloadError(f"{name}: unknown option {unknown[0]!r} (its options: {', '.join(known)})")
+    config = cls(**options)
+    check_size(name, config)
+    return config
+
+
+SAMPLE_DURATION_S = 600.0
+"""Seconds of a generator's default workload measured by :func:`bytes_per_item`."""
+SAMPLE_DOCUMENTS = 10_000
+"""Documents added to that sample to measure one's bytes (:func:`bytes_per_item`)."""
+
+
+def check_size(name: str, config: Any) -> None:
+    """Raise :class:`~kvretain.core.memory.PoolTooLargeError` (a ``ValueError``) when the workload ``config``
+    asks for (its ``expected_size()``) would not fit in the memory available: the rule of
+    :func:`kvretain.core.memory.check_fits`, with the bytes per request, prompt chunk and document measured on
+    a sample (:func:`bytes_per_item`). Settings within 16x the defaults' size are not measured (~0.1 s)."""
+    size, default = config.expected_size(), type(config)().expected_size()
+    pairs = (
+        (size.requests, default.requests),
+        (size.chunk_refs, default.chunk_refs),
+        (size.spans, default.spans),
+    )
+    if all(v <= 16 * max(d, 1.0) for v, d in pairs):
+        return
+    from kvretain.core.memory import check_fits
+
+    per_request, per_ref, per_span = bytes_per_item(name)
+    need = size.requests * per_request + size.chunk_refs * per_ref + size.spans * per_span
+    count = f"about {size.requests:,.0f} requests ({size.chunk_refs:,.0f} prompt chunks"
+    count += f", {size.spans:,.0f} documents)" if size.spans else ")"
+    per = f"{per_request:,.0f} bytes per request, {per_ref:,.0f} per prompt chunk"
+    per += f", {per_span:,.0f} per document" if size.spans else ""
+    unit = (
+        "requests: a shorter duration_s, lower rates, shorter sessions or fewer documents (a limit cuts them "
+    )
+    unit += "after they are generated)"
+    check_fits(need, f"{name} config", count, per, unit)
+
+
+@functools.cache
+def bytes_per_item(name: str) -> tuple[float, float, float]:
+    """Bytes a generated workload takes per request, per prompt chunk reference and per document (a span made
+    up front that requests share), measured on :data:`SAMPLE_DURATION_S` of the generator's default workload
+    (peak traced allocation): a reference is a pointer; a document what :data:`SAMPLE_DOCUMENTS` more add; a
+    request the rest."""
+    cls, spans_field, _ = _CONFIGS[name]
+    per_ref = float(struct.calcsize("P"))
+    sample: dict[str, Any] = {"duration_s": SAMPLE_DURATION_S}
+    requests, refs, peak = _measure(name, sample)
+    spans, per_span = 0, 0.0
+    if spans_field is not None:
+        spans = getattr(cls(), spans_field)
+        more_requests, more_refs, more_peak = _measure(
+            name, {**sample, spans_field: spans + SAMPLE_DOCUMENTS}
+        )
+        more = more_peak - (more_refs - refs) * per_ref - (more_requests - requests) * peak / max(1, requests)
+        per_span = max(0.0, more - peak) / SAMPLE_DOCUMENTS
+    per_request = max(0.0, peak - refs * per_ref - spans * per_span) / max(1, requests)
+    return per_request, per_ref, per_span
+
+
+def _measure(name: str, options: dict[str, Any]) -> tuple[int, int, int]:
+    """Requests, prompt chunk references and peak traced bytes of workload ``name`` with ``options``."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
     try:
-        return cls(**options)
-    except TypeError as e:
-        raise WorkloadError(f"{name}: {e}") from None
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        cls, _, generate = _CONFIGS[name]
+        sample = generate(cls(**options), random.Random(0))  # not WORKLOADS.create: no size check
+        peak = tracemalloc.get_traced_memory()[1] - base
+        requests, refs = len(sample), sum(len(r.prompt.chunks) for r in sample)
+        del sample
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    return requests, refs, peak
 
 
 def _loader_options(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -127,3 +211,11 @@ def azure(
     """Replay an Azure 2023 CSV trace (arrivals and lengths; unique synthetic prompts)."""
     _loader_options("azure", options, {})
     return load_azure(_need(path, "azure"), rng, limit=limit, time_scale=time_scale)
+
+
+_CONFIGS: dict[str, tuple[Any, str | None, Any]] = {
+    "multi-tenant": (MultiTenantConfig, "batch_documents", generate_multi_tenant),
+    "agent-pauses": (AgentPausesConfig, None, generate_agent_pauses),
+    "retrieval-scan": (RetrievalScanConfig, "documents", generate_retrieval_scan),
+}
+"""The generators: config class, the field that counts their documents, generator (:func:`bytes_per_item`)."""
