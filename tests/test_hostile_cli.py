@@ -497,3 +497,23 @@ def test_chat_without_think_time_is_generated(tmp_path: Path, capsys: pytest.Cap
     argv = ["workload", "export", "multi-tenant", "--out", str(out), "--option", "chat_think_s=0"]
     assert main([*argv, "--option", "duration_s=120", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == len(out.read_text().splitlines()) > 0
+
+
+def test_export_beyond_the_free_disk_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import kvretain.cli_workload as cli_workload
+
+    free = 3000  # bytes: 3 requests at 512 tokens a hash id fit, at one token an id they cannot
+    monkeypatch.setattr(cli_workload.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(free, 0, free))
+    out = tmp_path / "x.jsonl"
+    argv = ["workload", "export", "multi-tenant", "--limit", "3", "--out", str(out)]
+    assert main(argv) == 0
+    out.unlink()
+    capsys.readouterr()
+    assert main([*argv, "--block-tokens", "1"]) == 2
+    msg = one_line(capsys, "kvretain workload export: error: argument --out: the trace holds ")
+    assert "hash ids (its prompts' tokens / --block-tokens 1)" in msg and "use a larger --block-tokens" in msg
+    assert list(tmp_path.iterdir()) == []

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+from pathlib import Path
 from typing import Any
 
 from kvretain.cli_args import check_output_file, integer, number, path_arg
-from kvretain.workloads import WORKLOADS, WorkloadError, tag_priorities
+from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.priority import make_rule, rule_choices
 
@@ -55,6 +58,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
     if rule is not None:
         reqs = tag_priorities(reqs, rule)
+    check_disk(reqs, args.block_tokens, args.out)
     try:
         n = write_mooncake(reqs, args.out, args.block_tokens)
     except OSError as exc:
@@ -65,6 +69,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}")
     return 0
+
+
+def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None:
+    """Raise a ``ValueError`` naming ``--out`` when the trace cannot fit on its disk: each of its hash ids (one
+    per ``block_tokens`` of a prompt, known before writing) takes at least 3 bytes (``", 0"``)."""
+    ids = sum(-(-r.prompt_len // block_tokens) for r in reqs)
+    free = shutil.disk_usage(Path(os.path.realpath(out)).parent).free
+    if 3 * ids > free:
+        raise ValueError(
+            f"argument --out: the trace holds {ids:,} hash ids (its prompts' tokens / --block-tokens "
+            f"{block_tokens}), at least {3 * ids / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB free "
+            "there; use a larger --block-tokens or shorter prompts"
+        )
 
 
 def cmd_list(args: argparse.Namespace) -> int:
