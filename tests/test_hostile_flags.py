@@ -71,6 +71,8 @@ CLI_CASES: list[tuple[str, str]] = [
     ("simulate --max-num-seqs 0", "argument --max-num-seqs:"),
     ("simulate --max-num-batched-tokens -8", "argument --max-num-batched-tokens:"),
     ("simulate --block-size 0", "argument --block-size:"),
+    ("simulate --block-size 1e9", "argument --block-size: a KV block of 1,000,000,000 tokens is larger than"),
+    ("compare --block-size 1e9", "argument --block-size: a KV block of 1,000,000,000 tokens is larger than"),
     ("simulate --tp 0", "argument --tp:"),
     ("simulate --policy belady", "argument --policy: policy 'belady' is an offline oracle"),
     (

@@ -252,6 +252,13 @@ def check_sim(args: argparse.Namespace) -> None:
             raise ValueError(f"argument {flag}: {exc}") from None
     cfg = cfgs[0]
     blocks = cfg.blocks_per_replica(cfg.cost())
+    if blocks < 1:  # only from the cost model (--kv-blocks is >= 1): the room left holds no whole block
+        tokens = cfg.cost().kv_capacity_tokens(cfg.gpu_mem_utilization)
+        raise ValueError(
+            f"argument --block-size: a KV block of {cfg.block_size:,} tokens is larger than the {tokens:,} tokens "
+            f"of KV room {cfg.model} leaves on {cfg.gpu} at --gpu-mem-util {cfg.gpu_mem_utilization:g}; use a "
+            "smaller --block-size (or pass --kv-blocks)"
+        )
     what = (
         "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
     )
