@@ -134,6 +134,7 @@ def test_a_trace_is_not_silently_ignored_by_a_generated_workload(
         (["--plot", "{tmp}/no/c.png"], "argument --plot: cannot write '{tmp}/no/c.png': folder"),
         (["--out", "{tmp}/no/c.toml", "--plot", "{tmp}/c.png"], "argument --out: cannot write"),
         (["--out", "{tmp}/c"], "argument --plot: cannot write '{tmp}/c.png': it is a folder"),
+        (["--cpus", "0,99999"], "argument --cpus: core 99999 is not one this process may run on"),
     ],
 )
 def test_profile_paths_are_checked_before_measuring(
@@ -517,3 +518,10 @@ def test_export_beyond_the_free_disk_is_refused_before_writing(
     msg = one_line(capsys, "kvretain workload export: error: argument --out: the trace holds ")
     assert "hash ids (its prompts' tokens / --block-tokens 1)" in msg and "use a larger --block-tokens" in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_catalog_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--catalog", str(tmp_path), "--limit", "3", "--no-progress", "--json"]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain simulate: error: argument --catalog: ")
+    assert f"catalog file {tmp_path} is a folder (pass a TOML file)" in msg, msg

@@ -174,6 +174,13 @@ def check_profile(args: argparse.Namespace) -> None:
     bad = [p for p in args.cached if p % args.block_size]
     if bad:
         raise ValueError(f"argument --cached: {bad[0]} is not a multiple of --block-size {args.block_size}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if args.cpus and allowed is not None and not set(args.cpus) <= allowed:
+        bad = min(set(args.cpus) - allowed)
+        raise ValueError(
+            f"argument --cpus: core {bad} is not one this process may run on (these: "
+            f"{','.join(map(str, sorted(allowed)))})"
+        )
     if 0 in args.new_tokens or 0 in args.batch_sizes or 0 in args.contexts:
         raise ValueError("arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1")
 

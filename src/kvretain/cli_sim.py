@@ -30,7 +30,7 @@ from kvretain.cli_args import (
 )
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
-from kvretain.engine.sim.catalog import load_catalog
+from kvretain.engine.sim.catalog import Catalog, load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
@@ -230,8 +230,18 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         frontend_in_s=args.frontend_in_s,
         frontend_out_s=args.frontend_out_s,
         slos=parse_slos(args.slo),
-        catalog=load_catalog(args.catalog) if args.catalog else None,
+        catalog=_catalog(args.catalog),
     )
+
+
+def _catalog(path: str | None) -> Catalog | None:
+    """``--catalog``'s file read (its errors name the option), or None."""
+    if path is None:
+        return None
+    try:
+        return load_catalog(path)
+    except ValueError as e:
+        raise ValueError(f"argument --catalog: {e}") from None
 
 
 def check_sim(args: argparse.Namespace) -> None:

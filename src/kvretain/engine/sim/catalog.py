@@ -203,8 +203,10 @@ def load_catalog(path: str | Path, base: Catalog | None = None) -> Catalog:
         text = p.read_text("utf-8")
     except FileNotFoundError:
         raise CatalogError(f"catalog file not found: {p}") from None
+    except IsADirectoryError:
+        raise CatalogError(f"catalog file {p} is a folder (pass a TOML file)") from None
     except OSError as e:
-        raise CatalogError(f"cannot read catalog file {p}: {e}") from None
+        raise CatalogError(f"cannot read catalog file {p}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise CatalogError(
             f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
