@@ -525,3 +525,48 @@ def test_a_catalog_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(argv) == 2
     msg = one_line(capsys, "kvretain simulate: error: argument --catalog: ")
     assert f"catalog file {tmp_path} is a folder (pass a TOML file)" in msg, msg
+
+
+def test_sigterm_during_compare_leaves_no_report_and_says_so(tmp_path: Path) -> None:
+    # `timeout`, `kill` or a cancelled CI job send SIGTERM: the same clean-up as Ctrl-C (was: killed outright,
+    # the report's stage left behind)
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [
+        "compare",
+        "--limit",
+        "400",
+        "--policies",
+        "lru,priority,unified",
+        "--no-progress",
+        "--out",
+        "rep",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvretain", *argv],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "kvretain compare: terminated" and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

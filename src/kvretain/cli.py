@@ -288,7 +288,37 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM (``kill``, ``timeout``, a CI job cancelled), raised like Ctrl-C's ``KeyboardInterrupt`` so that
+    the same clean-up runs: no half-written output is left (:mod:`kvretain.fileio`)."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` within the block (the main thread only; the handler restored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with _sigterm_raises():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = "kvretain"
     try:
@@ -309,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM: the same, the shell's status for it
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":
