@@ -161,6 +161,30 @@ def test_decode_retention_is_limited_as_a_directive_is():
     )
 
 
+def test_a_decode_duration_alone_is_limited_too():
+    # without retention_decode_priority, the generated tokens' blocks keep the mapped priority for the duration;
+    # the duration is still a retention duration: the same limits hold (it went through unchecked before), and
+    # a duration's messages and notes name retention_decode_duration, not the priority field
+    xa = {"retention_decode_duration": 1e9}
+    assert "retention_decode_duration: duration 1e+09 s is over this server's limit" in _denied(
+        lambda: POLICY.check({"vllm_xargs": dict(xa)}, None), 400
+    )
+    assert "retention_decode_duration: duration must be a finite" in _denied(
+        lambda: POLICY.check({"vllm_xargs": {"retention_decode_duration": float("inf")}}, None), 400
+    )
+    assert "retention_decode_duration: key 'bob' may retain for at most 60 s; got 100 s" in _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": {"retention_decode_duration": 100}}, BOB), 403
+    )
+    assert "retention_decode_duration: key 'bob' may retain for at most 60 s; got no duration" in _denied(
+        lambda: POLICY.check({"priority": 1, "vllm_xargs": {"retention_decode_priority": 40}}, BOB), 403
+    )
+    clamping = AccessPolicy.from_json({**KEYS, "mode": "clamp"})
+    d = clamping.check({"priority": 1, "vllm_xargs": {"retention_decode_duration": 100}}, clamping.keys[1])
+    assert d.body["vllm_xargs"] == {"retention_decode_duration": 60.0}
+    assert len(d.notes) == 1 and d.notes[0].startswith("retention_decode_duration 100")
+    assert POLICY.check({"priority": 1, "vllm_xargs": {"retention_decode_duration": 30}}, BOB)
+
+
 def test_mapped_retention_is_capped_too():
     # carol's cap 25 is the default mapping of priority 1; a key with cap 35 and no priority floor gets floor 0
     pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})

@@ -402,13 +402,18 @@ class AccessPolicy:
             changed |= new is not dv
             out.append(new)
         decode_priority, decode_duration_s = cfg.decode_priority, cfg.decode_duration_s
-        if decode_priority is not None:  # generated tokens' blocks: the same limits as a directive's range
-            dv = RetentionDirective(0, None, decode_priority, decode_duration_s)
-            new = self._limit_directive(dv, DECODE_PRIORITY_KEY, key, clamp, d)
+        if decode_priority is not None or decode_duration_s is not None:
+            # generated tokens' blocks: the same limits as a directive's range. A duration without a priority
+            # (the mapped priority, which the priority floor already caps) is still a duration: its limits hold
+            dv = RetentionDirective(
+                0, None, 0 if decode_priority is None else decode_priority, decode_duration_s
+            )
+            new = self._limit_directive(dv, DECODE_PRIORITY_KEY, key, clamp, d, DECODE_DURATION_KEY)
             if new is not dv:
                 changed = True
-                decode_priority, decode_duration_s = new.priority, new.duration_s
-                xargs[DECODE_PRIORITY_KEY] = decode_priority
+                decode_duration_s = new.duration_s
+                if decode_priority is not None:
+                    decode_priority = xargs[DECODE_PRIORITY_KEY] = new.priority
                 if decode_duration_s is not None:  # (vLLM's vllm_xargs takes no null)
                     xargs[DECODE_DURATION_KEY] = decode_duration_s
         if changed:
@@ -422,20 +427,30 @@ class AccessPolicy:
         RetentionConfig(tuple(out), decode_priority, decode_duration_s, cfg.scope)
 
     def _limit_directive(
-        self, dv: RetentionDirective, where: str, key: ApiKey | None, clamp: bool, d: Decision
+        self,
+        dv: RetentionDirective,
+        where: str,
+        key: ApiKey | None,
+        clamp: bool,
+        d: Decision,
+        dur_where: str | None = None,
     ) -> RetentionDirective:
+        """``dv`` within the limits (clamped, or refused); ``where`` names its priority in messages and notes,
+        ``dur_where`` its duration when that is a field of its own (``None``: ``where``'s ``duration``)."""
+        dw = where if dur_where is None else dur_where
+        note = f"{where}.duration" if dur_where is None else dur_where
         dur = dv.duration_s
         if dur is not None and not math.isfinite(dur):
-            raise AccessDenied(400, f"{where}: duration must be a finite number of seconds, got {dur}", where)
+            raise AccessDenied(400, f"{dw}: duration must be a finite number of seconds, got {dur}", dw)
         if dur is not None and dur > self.max_duration_s:
             if not clamp:
                 raise AccessDenied(
                     400,
-                    f"{where}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s "
-                    "(omit duration to retain without expiry)",
-                    where,
+                    f"{dw}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s "
+                    f"(omit {'duration' if dur_where is None else dur_where} to retain without expiry)",
+                    dw,
                 )
-            d.notes.append(f"{where}.duration {dur:g} -> {self.max_duration_s:g}")
+            d.notes.append(f"{note} {dur:g} -> {self.max_duration_s:g}")
             dv = replace(dv, duration_s=self.max_duration_s)
             dur = self.max_duration_s
         if key is None:
@@ -455,9 +470,9 @@ class AccessPolicy:
             if not clamp:
                 got = "no duration (never lapses)" if dur is None else f"{dur:g} s"
                 raise AccessDenied(
-                    403, f"{where}: key {key.name!r} may retain for at most {longest:g} s; got {got}", where
+                    403, f"{dw}: key {key.name!r} may retain for at most {longest:g} s; got {got}", dw
                 )
-            d.notes.append(f"{where}.duration {dur} -> {longest:g}")
+            d.notes.append(f"{note} {dur} -> {longest:g}")
             dv = replace(dv, duration_s=longest)
         return dv
 
