@@ -185,6 +185,18 @@ def test_a_decode_duration_alone_is_limited_too():
     assert POLICY.check({"priority": 1, "vllm_xargs": {"retention_decode_duration": 30}}, BOB)
 
 
+def test_a_top_level_null_is_not_forwarded_into_vllm_xargs():
+    # null is "not given" for every retention field (a duration's own error says "or null"); vLLM's vllm_xargs
+    # takes no null (400 "vllm_xargs.retention_decode_duration: Input should be a valid string"), so a field moved
+    # from the top level must not arrive there as null
+    body = {"priority": 1, "retention_decode_priority": 40, "retention_decode_duration": None}
+    d = POLICY.check(dict(body), ADMIN)
+    assert d.body["vllm_xargs"] == {"retention_decode_priority": 40}
+    d = POLICY.check({**body, "retention_decode_priority": 90, "retention_scope": None}, CAROL)  # clamped
+    assert d.body["vllm_xargs"] == {"retention_decode_priority": 25}
+    assert "retention_decode_duration" not in d.body and "retention_scope" not in d.body
+
+
 def test_mapped_retention_is_capped_too():
     # carol's cap 25 is the default mapping of priority 1; a key with cap 35 and no priority floor gets floor 0
     pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})

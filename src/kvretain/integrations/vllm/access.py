@@ -359,8 +359,9 @@ class AccessPolicy:
                 raise AccessDenied(
                     400, f"{f} is given both at the top level and in vllm_xargs; give it once", f
                 )
-            xargs[f] = v
             del body[f]
+            if v is not None:  # null: not given (vLLM's vllm_xargs takes no null: it refuses the request)
+                xargs[f] = v
         unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_FIELDS)
         if unknown:
             raise AccessDenied(
