@@ -305,7 +305,8 @@ def test_the_run_queue_orders_close_to_the_pool(seed: int) -> None:
     # evicts leaves only, so such a parent waits for its child; the run queue ranks a parent's run at least at
     # the deeper run's key of the same release and tier, but not across tiers nor under a child that lapses
     # (the lift would outlive the lapse), and a lapsed block is re-keyed at its run's tail depth where the pool
-    # uses its own. The bound leaves a margin under the lowest
+    # uses its own (still at least at that deeper run's key, in its tier). The bound leaves a margin under the
+    # lowest
     got = _replay("run", seed, controlled=False)
     assert got["evictions"] > 100
     assert got["victim_overlap"] >= 0.75
@@ -461,3 +462,49 @@ def test_the_per_block_queue_evicts_exactly_as_the_pool_whatever_the_retention(s
         assert evictions > 100
     finally:
         _runtime.set_clock(None)
+
+
+# ---------------------------------------------------------------------------- a parent behind its child
+def _victims_after(script: list[tuple[Any, ...]], n: int = 30) -> tuple[list[str], list[str]]:
+    """Run ``script`` (``("req", priority, extra, hashes, generated)``, each admitted and freed at once, or
+    ``("tick", seconds)``) on the pool and the run queue, then evict every cached block: each side's victims."""
+    cfg = PolicyConfig(
+        block_size=BLOCK, ghost_factor=0.0, isolation_goal=None, budget=1.0, adapt_frequency=False
+    )
+    clock = [0.0]
+    _runtime.set_clock(lambda: clock[0])
+    try:
+        sides = (CoreSide(n, cfg, clock), VllmSide(n, cfg, "run"))
+        for k, ev in enumerate(script):
+            if ev[0] == "tick":
+                clock[0] += ev[1]
+                continue
+            req = _Request(f"r{k}", ev[1], ev[2], [h.encode() for h in ev[3]], ev[4])
+            for side in sides:
+                got = side.admit(req)
+                assert got is not None
+                side.free(req, got[1])
+        flood = _Request("flood", 0, None, [b"flood-%d" % i for i in range(n)])
+        for side in sides:
+            side.admit(flood)
+        return tuple([v.decode() for v in side.victims] for side in sides)  # type: ignore[return-value]
+    finally:
+        _runtime.set_clock(None)
+
+
+@pytest.mark.parametrize("head", [10, 34])
+def test_a_parent_whose_own_directive_lapses_still_goes_after_its_child(head: int) -> None:
+    # a priority-1 request (25) keeps its 2-block prompt at ``head`` for 5 s and its generated tokens' block at 30
+    # (all unprotected): the pool evicts leaves only, so the prompt's blocks wait for that block, before and
+    # after their lapse (back to 25). The run queue ranked the prompt's run at least at the generated block's
+    # key, but requeued its lapsed blocks at their own key, below the child's: they went first (its prefix gone,
+    # the child could never be hit again)
+    extra = {
+        "retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": head, "duration": 5}],
+        "retention_decode_priority": 30,
+    }
+    pool, runs = _victims_after(
+        [("req", 1, extra, ["a0", "a1", "a2"], BLOCK), ("req", 1, None, ["c0", "c1"], 0), ("tick", 6.0)]
+    )
+    assert pool == ["c1", "c0", "a2", "a1", "a0"]
+    assert runs == pool

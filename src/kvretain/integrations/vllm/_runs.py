@@ -59,9 +59,11 @@ class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
     eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
 
-    __slots__ = ("cls", "depth", "i", "ids", "key", "live", "r", "tier")
+    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "r", "tier")
 
-    def __init__(self, ids: list[int], key: float, r: int, tier: int, cls: int, depth: int = 0) -> None:
+    def __init__(
+        self, ids: list[int], key: float, r: int, tier: int, cls: int, depth: int = 0, floor: float = 0.0
+    ) -> None:
         self.ids = ids
         self.i = 0
         self.live = len(ids)  # (a run built in place sets it when it is queued)
@@ -70,6 +72,10 @@ class _Run:
         self.tier = tier
         self.cls = cls
         self.depth = depth  # its tail's depth, which ``key`` was valued at (a lapsed block is re-keyed there)
+        # the key of the deeper run of its release (same tier) that it must not go before: ``key`` is at least
+        # this, and so is a lapsed block's new key in this tier (the pool evicts leaves only: a parent waits for
+        # its child, whatever its own key; 0: none)
+        self.floor = floor
 
 
 class _RunQueue:
@@ -270,16 +276,11 @@ class RunFreeQueue(HookedFreeQueue):
     def _value(self, r: int, uses: int, depth: int) -> float:
         return rules.value(self._weight[r], self._F[uses], depth, self._cost_per_block)
 
-    def _push_run(self, ids: list[int], r: int, depth: int, cls: int) -> None:
-        """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``."""
-        run = _Run(
-            ids,
-            self._L + self._value(r, self._uses[ids[0]], depth),
-            r,
-            0 if r >= self._threshold else 1,
-            cls,
-            depth,
-        )
+    def _push_run(self, ids: list[int], r: int, depth: int, cls: int, floor: float = 0.0) -> None:
+        """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``, at
+        least at ``floor``."""
+        key = self._L + self._value(r, self._uses[ids[0]], depth)
+        run = _Run(ids, key if key > floor else floor, r, 0 if r >= self._threshold else 1, cls, depth, floor)
         run_of = self._run_of
         for bid in ids:
             run_of[bid] = run
@@ -555,11 +556,16 @@ class RunFreeQueue(HookedFreeQueue):
                 self._run_of[bid] = None
                 self._take_from_list(run)
                 moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
+        thr = self._threshold
         for (run, r, _), ids in moved.items():
             if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
                 order = {b: k for k, b in enumerate(run.ids)}
                 ids.sort(key=order.__getitem__)
-            self._push_run(ids, r, run.depth, run.cls)
+            # still not before the deeper run it was ranked behind, in its tier (once that run is evicted,
+            # ``L`` is past its key and the floor is moot)
+            self._push_run(
+                ids, r, run.depth, run.cls, run.floor if (0 if r >= thr else 1) == run.tier else 0.0
+            )
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
@@ -872,16 +878,15 @@ class RunFreeQueue(HookedFreeQueue):
                     if tag != run_tag:
                         key = L + value(r, u, i)
                         tier = 0 if r >= thr else 1
-                        if (
-                            cur is not None
-                            and cur.key > key
-                            and cur.tier == tier
-                            and (durs is None or durs[cur.depth] is None)
-                        ):
+                        floor = 0.0
+                        if cur is not None and cur.tier == tier and (durs is None or durs[cur.depth] is None):
                             # a parent never goes before the deeper blocks it leads to (the pool evicts leaves
-                            # only: their chain goes at the deepest one's key)
-                            key = cur.key
-                        cur = _Run([], key, r, tier, prio, i)
+                            # only: their chain goes at the deepest one's key), nor after its own lapse: the
+                            # deeper run's key is its floor (0: none)
+                            floor = cur.key
+                            if floor > key:
+                                key = floor
+                        cur = _Run([], key, r, tier, prio, i, floor)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
