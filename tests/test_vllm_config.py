@@ -83,6 +83,7 @@ def test_decode_retention_fields() -> None:
     assert (prios, durs) == ([35, 35, 35, 10, 10], [None, None, None, 5.0, 5.0])
     for extra, says in [
         ({"retention_decode_priority": "80"}, "retention_decode_priority: priority must be an integer"),
+        ({"retention_decode_priority": 80.0}, "pass e.g. retention_decode_priority=80"),
         ({"retention_decode_priority": 101}, "retention_decode_priority: priority 101 is out of range"),
         ({"retention_decode_duration": -1}, "retention_decode_duration must be >= 0"),
         ({"retention_decode_duration": "5"}, "retention_decode_duration must be a number of seconds"),

@@ -48,11 +48,12 @@ def _check_int(value: object, where: str, name: str, what: str) -> int:
     return value
 
 
-def check_priority(value: object, where: str) -> int:
-    """``value`` as a retention priority (an integer in [0, 100]); errors start with ``where``."""
+def check_priority(value: object, where: str, name: str = "priority") -> int:
+    """``value`` as a retention priority (an integer in [0, 100]); errors start with ``where``, and their
+    example names the field ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise RetentionError(
-            f"{where}: priority must be an integer in [0, 100], got {show_value(value)}; pass e.g. priority=80"
+            f"{where}: priority must be an integer in [0, 100], got {show_value(value)}; pass e.g. {name}=80"
         )
     if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
         raise RetentionError(

@@ -230,7 +230,7 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
             f"{SCOPE_KEY} must be a string (an owner id such as a session), got {show_value(scope)}"
         )
     if decode_priority is not None:
-        check_priority(decode_priority, DECODE_PRIORITY_KEY)
+        check_priority(decode_priority, DECODE_PRIORITY_KEY, DECODE_PRIORITY_KEY)
     decode_duration_s = check_duration(decode_duration, "vllm_xargs", DECODE_DURATION_KEY)
     return RetentionConfig.from_request_fields(
         raw, scope=scope, decode_priority=decode_priority, decode_duration_s=decode_duration_s
