@@ -178,7 +178,7 @@ class RunQueueMachine(RuleBasedStateMachine):
         tail=st.integers(1, 6),
         priority=st.integers(-1, 2),
         partial=st.booleans(),
-        directive=st.sampled_from([None, "dur", "perm", "scoped-low"]),
+        directive=st.sampled_from([None, "dur", "perm", "scoped-low", "decode", "low-dur"]),
     )
     def admit(
         self, session: int, shared: int, tail: int, priority: int, partial: bool, directive: str | None
@@ -194,8 +194,17 @@ class RunQueueMachine(RuleBasedStateMachine):
                 "retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}],
                 "retention_scope": f"s{session}",
             }
+        elif directive == "decode":  # generated tokens' blocks above the prompt's for a while
+            extra = {"retention_decode_priority": 80, "retention_decode_duration": 3}
+        elif directive == "low-dur":  # new content lowered for a while (it holds), a child kept above it
+            extra = {
+                "retention_directives": [{"start": 0, "end": 3 * BLOCK, "priority": 10, "duration": 4}],
+                "retention_decode_priority": 30,
+            }
         hashes = chain(session, shared, tail)
         req = request(f"r{self.serial}", priority, extra, tokens=len(hashes) * BLOCK + (5 if partial else 0))
+        if directive in ("decode", "low-dur"):  # its last blocks hold generated tokens
+            req.num_prompt_tokens = max(1, req.num_tokens - (tail * BLOCK) // 2)
         got = [pool.admit(req, hashes, partial) for pool in self.pools]
         ids = [None if g is None else [b.block_id for b in g] for g in got]
         assert ids[0] == ids[1], "the two pools admit alike"
