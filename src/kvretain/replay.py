@@ -239,20 +239,9 @@ SAMPLE_SESSIONS = 256
 
 def synthetic_bytes_per_session(seed: int = 0) -> float:
     """Bytes one session of :func:`synthetic_conversations` takes (peak traced allocation over a sample)."""
-    import tracemalloc
+    from kvretain.core.memory import peak_bytes
 
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        sample = synthetic_conversations(SAMPLE_SESSIONS, seed)
-        peak = tracemalloc.get_traced_memory()[1] - base
-        del sample
-    finally:
-        if not tracing:
-            tracemalloc.stop()
+    peak, _ = peak_bytes(lambda: len(synthetic_conversations(SAMPLE_SESSIONS, seed)))
     return peak / SAMPLE_SESSIONS
 
 

@@ -14,14 +14,36 @@ from __future__ import annotations
 import hashlib
 import os
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.policy import INF, PolicyConfig, make_policy
 
 SAMPLE_BLOCKS = 4096
 """Blocks of the pool measured: large enough that per-pool constants are a small share of the figure."""
+
+
+R = TypeVar("R")
+
+
+def peak_bytes(run: Callable[[], R]) -> tuple[int, R]:
+    """The peak traced allocation (``tracemalloc``) while ``run()`` runs, above what was allocated before, and
+    its result: ``run`` builds a sample and returns what is needed of it, so that the sample is freed on return.
+    Tracing is started for the call unless it is already on."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        result = run()
+        return tracemalloc.get_traced_memory()[1] - base, result
+    finally:
+        if not tracing:
+            tracemalloc.stop()
 
 
 class PoolTooLargeError(ValueError):
@@ -33,23 +55,16 @@ def pool_bytes_per_block(policy: str, config: PolicyConfig | None = None) -> flo
     cfg = config or PolicyConfig()
     if cfg.next_use is None:
         cfg = replace(cfg, next_use=lambda h: INF)  # belady needs an oracle; its own tables are not per block
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
+
+    def fill() -> None:
         pool = BlockPool(SAMPLE_BLOCKS, make_policy(policy, SAMPLE_BLOCKS, cfg))
         blocks = pool.get_new_blocks(SAMPLE_BLOCKS)
         assert blocks is not None
         hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(SAMPLE_BLOCKS)]
         pool.cache_blocks(blocks, hashes, 0, SAMPLE_BLOCKS)
         pool.free_blocks(blocks)
-        peak = tracemalloc.get_traced_memory()[1] - base
-        del pool, blocks, hashes
-    finally:
-        if not tracing:
-            tracemalloc.stop()
+
+    peak, _ = peak_bytes(fill)
     return peak / SAMPLE_BLOCKS
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import random
 import struct
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -133,20 +132,15 @@ def bytes_per_item(name: str) -> tuple[float, float, float]:
 
 def _measure(name: str, options: dict[str, Any]) -> tuple[int, int, int]:
     """Requests, prompt chunk references and peak traced bytes of workload ``name`` with ``options``."""
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        cls, _, generate = _CONFIGS[name]
-        sample = generate(cls(**options), random.Random(0))  # not WORKLOADS.create: no size check
-        peak = tracemalloc.get_traced_memory()[1] - base
-        requests, refs = len(sample), sum(len(r.prompt.chunks) for r in sample)
-        del sample
-    finally:
-        if not tracing:
-            tracemalloc.stop()
+    from kvretain.core.memory import peak_bytes
+
+    cls, _, generate = _CONFIGS[name]
+
+    def sample() -> tuple[int, int]:
+        got = generate(cls(**options), random.Random(0))  # not WORKLOADS.create: no size check
+        return len(got), sum(len(r.prompt.chunks) for r in got)
+
+    peak, (requests, refs) = peak_bytes(sample)
     return requests, refs, peak
 
 
