@@ -81,6 +81,10 @@ def test_decode_retention_fields() -> None:
     # the third holds the prompt's last 8 tokens)
     prios, durs = cfg.block_plan(5, 16, 40, 35)
     assert (prios, durs) == ([35, 35, 35, 10, 10], [None, None, None, 5.0, 5.0])
+    # a duration without a decode priority asks the mapped priority for a while: no plan, nothing that lapses
+    alone = retention_from_extra_args({"retention_decode_duration": 5})
+    assert alone is not None and not alone.needs_plan and cfg.needs_plan
+    assert alone.block_plan(5, 16, 40, 35) == ([35] * 5, [None] * 5)
     for extra, says in [
         ({"retention_decode_priority": "80"}, "retention_decode_priority: priority must be an integer"),
         ({"retention_decode_priority": 80.0}, "pass e.g. retention_decode_priority=80"),

@@ -436,3 +436,26 @@ def test_a_parent_kept_below_its_child_goes_after_it_as_in_the_pool() -> None:
     q.popleft_n(16 - 4)
     assert [x.block_id for x in q.popleft_n(4)] == [x.block_id for x in reversed(ab)]
     q.check()
+
+
+def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
+    # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
+    # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
+    # child, so the lowered head below went before the deeper blocks)
+    head = [{"start": 0, "end": BLOCK, "priority": 10}]
+    orders = []
+    for extra in (
+        {"retention_directives": head},
+        {"retention_directives": head, "retention_decode_duration": 5},
+    ):
+        pool = fixed_pool()
+        a = request("a", 1, extra, tokens=2 * BLOCK)  # 2 prompt blocks, 2 of generated tokens
+        ab = pool.admit(a, chain(0, 4, 0), False)
+        assert ab is not None
+        pool.free(a, ab)
+        q = pool.q
+        assert [q._r[x.block_id] for x in ab] == [10, 25, 25, 25]
+        q.popleft_n(16 - 4)
+        orders.append([ab.index(x) for x in q.popleft_n(4)])
+        q.check()
+    assert orders[0] == orders[1] == [3, 2, 1, 0]

@@ -244,7 +244,7 @@ class KVCacheManager:
         base = self.mapping.retention_for(req.priority)
         n = len(st.blocks)
         ret = req.retention
-        if ret is None or ret.is_default:
+        if ret is None or not ret.needs_plan:
             plan = BlockRetention([], [], None if ret is None else ret.scope, req.priority, base)
         else:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)

@@ -328,6 +328,13 @@ class RetentionConfig:
     def is_default(self) -> bool:
         return not self.directives and self.decode_priority is None and self.decode_duration_s is None
 
+    @property
+    def needs_plan(self) -> bool:
+        """Whether a release of its blocks asks anything but its request's mapped priority (a per-block plan):
+        a decode duration without a decode priority asks the mapped priority for a while, which every release
+        asks anyway, so it needs none."""
+        return bool(self.directives) or self.decode_priority is not None
+
     def block_plan(
         self,
         num_blocks: int,
@@ -339,7 +346,8 @@ class RetentionConfig:
 
         A prompt block takes the highest priority among the directives overlapping it (its longest duration
         among those); a block with no directive takes ``mapped_priority`` without expiry. Blocks that start at
-        or after ``num_prompt_tokens`` hold generated tokens and take the decode priority and duration.
+        or after ``num_prompt_tokens`` hold generated tokens and take the decode priority and duration (without a
+        decode priority, the mapped one and no duration).
         """
         prios: list[int] = [mapped_priority] * num_blocks
         durs: list[float | None] = [None] * num_blocks
@@ -360,10 +368,10 @@ class RetentionConfig:
                     prios[i] = d.priority
                     durs[i] = d.duration_s
                     covered[i] = True
-        if first_decode < num_blocks:
-            dp = mapped_priority if self.decode_priority is None else self.decode_priority
+        if first_decode < num_blocks and self.decode_priority is not None:
+            # (without a decode priority they ask the mapped priority, for any duration: as a block without any)
             for i in range(first_decode, num_blocks):
-                prios[i] = dp
+                prios[i] = self.decode_priority
                 durs[i] = self.decode_duration_s
         return prios, durs
 

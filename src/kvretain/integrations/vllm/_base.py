@@ -228,7 +228,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         retention scope, and whether the directives need a per-block plan."""
         prio = _priority(request)
         ret = self._retention(request)
-        use_plan = ret is not None and not ret.is_default and block_sizes is not None
+        use_plan = ret is not None and ret.needs_plan and block_sizes is not None
         return prio, self._mapped_for(prio), ret, ret.scope if ret is not None else None, use_plan
 
     def _retention(self, request: Any) -> RetentionConfig | None:
