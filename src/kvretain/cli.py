@@ -29,7 +29,7 @@ from kvretain.cli_args import (
     policy_config,
     priority_mapping,
 )
-from kvretain.core.memory import check_fits, check_pool_fits
+from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
 from kvretain.core.retention import RetentionError
 from kvretain.replay import (
@@ -86,7 +86,7 @@ def check_replay(args: argparse.Namespace) -> None:
             "argument --priority-rule: applies to a trace file (the built-in workload sets its own priorities)"
         )
     sessions = args.sessions or DEFAULT_SESSIONS
-    if sessions > 16 * SAMPLE_SESSIONS:  # below, ~20 MB: not worth measuring (0.07 s) on every replay
+    if sessions > UNMEASURED_MULTIPLE * SAMPLE_SESSIONS:
         per = synthetic_bytes_per_session(args.seed)
         count, each = f"{sessions:,} sessions", f"{per:,.0f} bytes per session"
         check_fits(per * sessions, "argument --sessions", count, each, "sessions")

@@ -26,6 +26,12 @@ SAMPLE_BLOCKS = 4096
 """Blocks of the pool measured: large enough that per-pool constants are a small share of the figure."""
 
 
+UNMEASURED_MULTIPLE = 16
+"""A user-sized thing (``replay --sessions``, a generator's settings) up to this many times a size known to be
+small (the measured sample, a generator's defaults) is not checked: the defaults take 4-8 MiB and the built-in
+replay sample 1 MiB, so 16x is 17-125 MiB, under what any machine running kvretain has free, while measuring
+the bytes per item costs 0.07-0.1 s on every run. Set from that cost and those sizes, not from a result."""
+
 R = TypeVar("R")
 
 

@@ -84,16 +84,18 @@ def check_size(name: str, config: Any) -> None:
     """Raise :class:`~kvretain.core.memory.PoolTooLargeError` (a ``ValueError``) when the workload ``config``
     asks for (its ``expected_size()``) would not fit in the memory available: the rule of
     :func:`kvretain.core.memory.check_fits`, with the bytes per request, prompt chunk and document measured on
-    a sample (:func:`bytes_per_item`). Settings within 16x the defaults' size are not measured (~0.1 s)."""
+    a sample (:func:`bytes_per_item`). Settings within ``UNMEASURED_MULTIPLE`` x the defaults' size are not
+    measured (:data:`kvretain.core.memory.UNMEASURED_MULTIPLE`)."""
     size, default = config.expected_size(), type(config)().expected_size()
     pairs = (
         (size.requests, default.requests),
         (size.chunk_refs, default.chunk_refs),
         (size.spans, default.spans),
     )
-    if all(v <= 16 * max(d, 1.0) for v, d in pairs):
+    from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits
+
+    if all(v <= UNMEASURED_MULTIPLE * max(d, 1.0) for v, d in pairs):
         return
-    from kvretain.core.memory import check_fits
 
     per_request, per_ref, per_span = bytes_per_item(name)
     need = size.requests * per_request + size.chunk_refs * per_ref + size.spans * per_span

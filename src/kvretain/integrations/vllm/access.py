@@ -50,7 +50,6 @@ from kvretain.integrations.vllm.config import (
 ENV_KEYS = "KVRETAIN_API_KEYS"
 ENV_KEYS_FILE = "KVRETAIN_API_KEYS_FILE"
 MODES = ("refuse", "clamp")
-RETENTION_FIELDS = RETENTION_KEYS
 PRIORITY_HEADER = "x-vllm-priority"
 """vLLM reads a request priority from this header before the body's (the check folds it into the body)."""
 
@@ -348,7 +347,7 @@ class AccessPolicy:
     def _retention(self, d: Decision, key: ApiKey | None, clamp: bool) -> None:
         body = d.body
         xargs = body.get("vllm_xargs")
-        top = {f: body[f] for f in RETENTION_FIELDS if f in body}
+        top = {f: body[f] for f in RETENTION_KEYS if f in body}
         if xargs is None and not top:
             return
         if xargs is not None and not isinstance(xargs, dict):
@@ -362,11 +361,11 @@ class AccessPolicy:
             del body[f]
             if v is not None:  # null: not given (vLLM's vllm_xargs takes no null: it refuses the request)
                 xargs[f] = v
-        unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_FIELDS)
+        unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_KEYS)
         if unknown:
             raise AccessDenied(
                 400,
-                f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_FIELDS)}",
+                f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}",
                 unknown[0],
             )
         raw = xargs.get(DIRECTIVES_KEY)
