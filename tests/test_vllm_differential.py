@@ -288,9 +288,10 @@ def test_the_per_block_queue_decides_exactly_as_the_pool(seed: int) -> None:
 def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
     got = _replay("run", seed)
     assert got["evictions"] > 100
-    # measured at seeds 0-5 with the controller: hit blocks 0.991x-1.004x the pool's, the same hits on 97.2-98.6%
-    # of admissions (0.996x-1.006x and 97.4-99.1% at seeds 0-2 before the decode-retention and lowering
-    # requests); the bounds leave a margin of a few points over that
+    # measured at seeds 0-5 with the controller: hit blocks 0.996x-1.014x the pool's, the same hits on 96.0-99.1%
+    # of admissions (0.991x-1.004x and 97.2-98.6% before a parent was ranked behind a protected or lapsing
+    # child, 0.996x-1.006x and 97.4-99.1% at seeds 0-2 before the decode-retention and lowering requests); the
+    # bounds leave a margin of a few points over that
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
     assert got["same_hits"] >= 0.95
 
@@ -299,17 +300,16 @@ def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
 def test_the_run_queue_orders_close_to_the_pool(seed: int) -> None:
     # the order alone (a fixed protected share): with the controller, two controllers fed slightly different
     # hits drift apart and their victims with them, which says nothing of the order. Measured at seeds 0-5:
-    # victim sets overlapping 94.4-96.9% when every directive covered a prompt's head and nothing lowered new
-    # content; 77.9-87.1% (hit blocks 0.989x-1.004x the pool's) since 5% of the requests keep their generated
-    # tokens' blocks at 80 for 3 s and 5% lower their head to 10: a child kept above its parent. The pool
-    # evicts leaves only, so such a parent waits for its child; the run queue ranks a parent's run at least at
-    # the deeper run's key of the same release and tier, but not across tiers nor under a child that lapses
-    # (the lift would outlive the lapse), and a lapsed block is re-keyed at its run's tail depth where the pool
-    # uses its own (still at least at that deeper run's key, in its tier). The bound leaves a margin under the
-    # lowest
+    # victim sets overlapping 91.6-95.5%, hit blocks 0.995x-1.012x the pool's. 5% of the requests keep their
+    # generated tokens' blocks at 80 for 3 s and 5% lower their head to 10: a child kept above its parent. The
+    # pool evicts leaves only, so such a parent waits for its child; the run queue ranks a parent's run at least
+    # at the deeper run's key of the same release, in that run's tier when it is protected, and again when the
+    # deeper run lapses or leaves the protected tier (77.9-87.1% before those three). What still differs: a
+    # parent freed by another request than its child's has no link to it, and a lapsed block is re-keyed at
+    # its run's tail depth where the pool uses its own. The bound leaves a margin under the lowest
     got = _replay("run", seed, controlled=False)
     assert got["evictions"] > 100
-    assert got["victim_overlap"] >= 0.75
+    assert got["victim_overlap"] >= 0.85
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
 
 
@@ -465,11 +465,19 @@ def test_the_per_block_queue_evicts_exactly_as_the_pool_whatever_the_retention(s
 
 
 # ---------------------------------------------------------------------------- a parent behind its child
-def _victims_after(script: list[tuple[Any, ...]], n: int = 30) -> tuple[list[str], list[str]]:
+def _victims_after(script: list[tuple[Any, ...]], n: int = 30, **config: Any) -> tuple[list[str], list[str]]:
     """Run ``script`` (``("req", priority, extra, hashes, generated)``, each admitted and freed at once, or
-    ``("tick", seconds)``) on the pool and the run queue, then evict every cached block: each side's victims."""
+    ``("tick", seconds)``) on the pool and the run queue, then evict every cached block: each side's victims.
+    ``config``: the policy's settings other than these (a fixed share of the whole pool)."""
     cfg = PolicyConfig(
-        block_size=BLOCK, ghost_factor=0.0, isolation_goal=None, budget=1.0, adapt_frequency=False
+        **{
+            "block_size": BLOCK,
+            "ghost_factor": 0.0,
+            "isolation_goal": None,
+            "budget": 1.0,
+            "adapt_frequency": False,
+            **config,
+        }
     )
     clock = [0.0]
     _runtime.set_clock(lambda: clock[0])
@@ -507,4 +515,73 @@ def test_a_parent_whose_own_directive_lapses_still_goes_after_its_child(head: in
         [("req", 1, extra, ["a0", "a1", "a2"], BLOCK), ("req", 1, None, ["c0", "c1"], 0), ("tick", 6.0)]
     )
     assert pool == ["c1", "c0", "a2", "a1", "a0"]
+    assert runs == pool
+
+
+def _chain(name: str, k: int) -> list[str]:
+    return [f"{name}{i}" for i in range(k)]
+
+
+# (generated tokens' blocks of a priority-1 request, which maps to 25, kept above its prompt; "c": other traffic)
+_LIFTS = {
+    # protected (90): before, the prompt's run stayed in the unprotected tier and went first, the kept block
+    # unreachable behind it
+    "a protected child": [
+        ("req", 1, {"retention_decode_priority": 90}, _chain("a", 3), BLOCK),
+        ("req", 1, None, _chain("c", 2), 0),
+    ],
+    # the same for 5 s, evicted after the lapse
+    "a protected child that lapsed": [
+        ("req", 1, {"retention_decode_priority": 90, "retention_decode_duration": 5}, _chain("a", 3), BLOCK),
+        ("req", 1, None, _chain("c", 2), 0),
+        ("tick", 6.0),
+    ],
+    # unprotected (30) for 50 s, evicted before it lapses: before, a child with a duration lifted nothing
+    "a child whose directive has not lapsed": [
+        ("req", 1, {"retention_decode_priority": 30, "retention_decode_duration": 50}, _chain("a", 3), BLOCK),
+        ("req", 1, None, _chain("c", 2), 0),
+    ],
+    # a directive on the prompt's tail (90 for 5 s), lapsed, then more traffic
+    "a tail directive that lapsed": [
+        (
+            "req",
+            1,
+            {"retention_directives": [{"start": 2 * BLOCK, "priority": 90, "duration": 5}]},
+            _chain("a", 4),
+            0,
+        ),
+        ("req", 1, None, _chain("c", 2), 0),
+        ("tick", 6.0),
+        ("req", 1, None, _chain("d", 2), 0),
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LIFTS))
+def test_a_parent_waits_for_a_child_kept_above_it_as_in_the_pool(case: str) -> None:
+    # the pool evicts leaves only: a prompt waits for its generated tokens' blocks, whichever tier they are in and
+    # whether or not their directive lapses. The run queue ranks the prompt's run at the child run's key, in the
+    # child's tier, and again when the child's blocks lapse (before: the prompt went before its child, first)
+    pool, runs = _victims_after(_LIFTS[case])
+    a = [v for v in pool if v.startswith("a")]
+    assert pool[-len(a) :] == a == sorted(a, reverse=True)  # the kept chain last, tail first
+    assert runs == pool
+
+
+def test_a_prompt_lifted_by_its_protected_child_returns_to_its_tier_when_the_child_is_evicted() -> None:
+    # A's and B's generated tokens' blocks are kept at 35 (protected, value 1; their prompts at 25, value 1/2), a
+    # protected target of one block; C's prefix, at 34 (unprotected) and used three times, is worth 2.8. Over the
+    # target the tiers compete on keys: A's child goes before C's prefix. At the target the unprotected tier goes
+    # first, and the pool exposes A's prompt there at its own key, before C's prefix. The run queue had lifted
+    # A's prompt into the protected tier with its child; it now moves it back when the child is evicted (before:
+    # C's prefix went first)
+    decode = {"retention_decode_priority": 35}
+    keep = {"retention_directives": [{"start": 0, "priority": 34}]}
+    script: list[tuple[Any, ...]] = [
+        ("req", 1, decode, _chain("a", 3), BLOCK),
+        ("req", 1, decode, _chain("b", 3), BLOCK),
+        *[("req", 1, keep, ["c0", "c1", f"t{k}"], 0) for k in range(3)],
+    ]
+    pool, runs = _victims_after(script, budget=1 / 30)
+    assert pool[-8:] == ["a2", "a1", "a0", "c1", "c0", "b2", "b1", "b0"]
     assert runs == pool

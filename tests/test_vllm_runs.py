@@ -414,7 +414,9 @@ def test_generated_tokens_blocks_take_the_decode_priority_and_lapse_to_the_mappe
         assert q.stats()["protected_blocks"] == 2
         t[0] = 31.0
         q.popleft_n(q.num_free_blocks - q._held + 1)  # one eviction applies the lapse
-        assert [q._r[x.block_id] for x in ab[2:]] == [25, 25]
+        # the generated tokens' blocks fell to 25; the victim is the deepest of them, as in the pool (leaves only:
+        # the prompt's blocks wait for their child, whatever their own key)
+        assert [q._r[x.block_id] for x in ab] == [25, 25, 25, -1]
         assert q.stats()["protected_blocks"] == 0
         q.check()
     finally:

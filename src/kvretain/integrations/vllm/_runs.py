@@ -18,11 +18,14 @@ counts, placing), so freeing a request walks its blocks once, as stock vLLM does
 Rules kept from ``unified``: the highest retention any request asked for a block wins (its owner scope may
 lower it); a directive's duration lapses to the highest mapped request priority of its users; use counts are
 remembered across eviction for one block per 256 tokens (the ghost table), and the blocks of a 256-token
-segment cached together share its count. What differs: there are no parent/child links. A run is evicted tail
-first, so a chain never loses a block before its descendants *in the same run*; a parent released later (by a
-request still holding it) sits in a later run with a later key, so it normally outlives its children, but
-nothing forbids the opposite (stock vLLM's LRU has the same property). ``KVRETAIN_GRANULARITY=block`` selects
-the exact per-block ``unified`` (:class:`~kvretain.integrations.vllm._queue.RetentionFreeQueue`).
+segment cached together share its count. What differs: there are no per-block parent/child links. The pool
+evicts leaves only (a parent waits for its cached child); here a run is evicted tail first, and within one
+release a run is ranked at least at its deeper run's key, in that run's tier when it is protected (``_Run.floor``
+and ``_Run.up``; ranked again when the deeper run lapses or is evicted from the protected tier). A parent freed
+by another request than its child's (one still holding it) sits in a later run with a later key, so it normally
+outlives its children, but nothing forbids the opposite (stock vLLM's LRU has the same property).
+``KVRETAIN_GRANULARITY=block`` selects the exact per-block ``unified``
+(:class:`~kvretain.integrations.vllm._queue.RetentionFreeQueue`).
 
 A run holds its block ids; a block belongs to the run ``_run_of[id]`` names, so a cache hit (``remove``) is
 O(1) and the run skips the block lazily when it is evicted. ``num_free_blocks`` stays the total (unhashed
@@ -59,23 +62,35 @@ class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
     eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
 
-    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "r", "tier")
+    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "own", "r", "tier", "up")
 
     def __init__(
-        self, ids: list[int], key: float, r: int, tier: int, cls: int, depth: int = 0, floor: float = 0.0
+        self,
+        ids: list[int],
+        own: float,
+        r: int,
+        tier: int,
+        cls: int,
+        depth: int = 0,
+        floor: float = 0.0,
     ) -> None:
         self.ids = ids
         self.i = 0
         self.live = len(ids)  # (a run built in place sets it when it is queued)
-        self.key = key
+        self.own = own  # its own key: ``L`` at its release + the value of its tail
+        self.key = own if own > floor else floor
         self.r = r
+        # 0: protected, 1: not. A run whose deeper run (``floor``) is protected is queued with it, whatever its
+        # own retention: the pool evicts leaves only, so a parent is not evictable while its child is cached
         self.tier = tier
         self.cls = cls
         self.depth = depth  # its tail's depth, which ``key`` was valued at (a lapsed block is re-keyed there)
-        # the key of the deeper run of its release (same tier) that it must not go before: ``key`` is at least
-        # this, and so is a lapsed block's new key in this tier (the pool evicts leaves only: a parent waits for
-        # its child, whatever its own key; 0: none)
+        # the key of the deeper run it must not go before (the pool evicts leaves only: a parent waits for its
+        # child, whatever its own key; 0: none): ``key`` is at least this, and so is a lapsed block's new key
         self.floor = floor
+        # the shallower run whose key or tier this run lifted (None: none): when this run's blocks lapse or it
+        # is evicted from the protected tier, that run is ranked again (:meth:`RunFreeQueue._relift`)
+        self.up: _Run | None = None
 
 
 class _RunQueue:
@@ -276,15 +291,56 @@ class RunFreeQueue(HookedFreeQueue):
     def _value(self, r: int, uses: int, depth: int) -> float:
         return rules.value(self._weight[r], self._F[uses], depth, self._cost_per_block)
 
-    def _push_run(self, ids: list[int], r: int, depth: int, cls: int, floor: float = 0.0) -> None:
+    def _push_run(
+        self, ids: list[int], r: int, depth: int, cls: int, floor: float = 0.0, below: int = 1
+    ) -> _Run:
         """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``, at
-        least at ``floor``."""
-        key = self._L + self._value(r, self._uses[ids[0]], depth)
-        run = _Run(ids, key if key > floor else floor, r, 0 if r >= self._threshold else 1, cls, depth, floor)
+        least at ``floor``, the key of a deeper run in tier ``below`` (see :meth:`_lifted`)."""
+        tier, floor = self._lifted(r, floor, below)
+        run = _Run(ids, self._L + self._value(r, self._uses[ids[0]], depth), r, tier, cls, depth, floor)
         run_of = self._run_of
         for bid in ids:
             run_of[bid] = run
-        self._queues[run.tier].push(run)
+        self._queues[tier].push(run)
+        return run
+
+    def _lifted(self, r: int, floor: float, below: int) -> tuple[int, float]:
+        """The tier and floor of a run at retention ``r`` above a deeper run keyed ``floor`` in tier ``below``
+        (``floor`` 0: none). The pool evicts leaves only: a parent waits for its cached child, so it is ranked
+        at least at the child's key in the child's tier when that tier is evicted after its own (a protected
+        child lifts an unprotected parent into the protected tier); a child in a tier evicted before its
+        parent's constrains nothing."""
+        tier = 0 if r >= self._threshold else 1
+        if floor > 0.0 and below <= tier:
+            return below, floor
+        return tier, 0.0
+
+    def _relift(self, run: _Run | None, floor: float, below: int) -> _Run | None:
+        """Rank ``run`` (and the runs it lifted in turn) again now that its deeper run is keyed ``floor`` in tier
+        ``below`` (``floor`` 0: gone): at its own key, at least at that floor where :meth:`_lifted` says so. Its
+        blocks move to a new run (a run's key is fixed while it is queued), which is returned (``run`` itself when
+        its rank stands; None when it has no blocks left)."""
+        run_of = self._run_of
+        first: _Run | None = None
+        while run is not None and run.live:
+            tier, fl = self._lifted(run.r, floor, below)
+            key = run.own if run.own > fl else fl
+            if key == run.key and tier == run.tier:
+                return first or run
+            ids = [bid for bid in run.ids[run.i :] if run_of[bid] is run]
+            q = self._queues[run.tier]
+            q.n -= run.live
+            run.live = 0
+            q.died()
+            new = _Run(ids, run.own, run.r, tier, run.cls, run.depth, fl)
+            new.up = run.up
+            for bid in ids:
+                run_of[bid] = new
+            self._queues[tier].push(new)
+            if first is None:
+                first = new
+            floor, below, run = new.key, tier, run.up
+        return first
 
     def _enqueue(self, ids: list[int]) -> None:
         """Queue blocks (deepest first) from their per-block state: one run per stretch of equal retention,
@@ -335,6 +391,7 @@ class RunFreeQueue(HookedFreeQueue):
         q0, q1 = self._queues
         ctl = self._ctl
         get = self.counters.get
+        thr = self._threshold
         while k:
             if q1.n and (self._num_protected <= ctl.target or not q0.n):
                 q = q1
@@ -389,14 +446,19 @@ class RunFreeQueue(HookedFreeQueue):
             run.i = i
             run.live -= taken
             q.n -= taken
-            if not run.live:
-                q.died()
             k -= taken
             if run.key > self._L:
                 self._L = run.key
-            if run.tier == 0:
+            if run.r >= thr:
                 self._num_protected -= taken
             get(run.cls).evicted_blocks += taken
+            if not run.live:
+                q.died()
+                up = run.up
+                if up is not None and up.live and up.tier < (0 if up.r >= thr else 1):
+                    # the protected child it waited for is gone: the pool now exposes the parent in its own
+                    # tier, at its own key
+                    self._relift(up, 0.0, 1)
         return ids
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -475,7 +537,7 @@ class RunFreeQueue(HookedFreeQueue):
             run = r0 if t == 0 else r1
             assert run is not None
             pos[t] += 1
-            if t == 0:
+            if run.r >= self._threshold:
                 protected -= run.live
             for bid in run.ids[run.i :]:
                 if run_of[bid] is run:
@@ -556,16 +618,23 @@ class RunFreeQueue(HookedFreeQueue):
                 self._run_of[bid] = None
                 self._take_from_list(run)
                 moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
-        thr = self._threshold
+        # the runs the lapsed blocks of each run went to
+        fell: dict[_Run, list[_Run]] = {}
         for (run, r, _), ids in moved.items():
             if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
                 order = {b: k for k, b in enumerate(run.ids)}
                 ids.sort(key=order.__getitem__)
-            # still not before the deeper run it was ranked behind, in its tier (once that run is evicted,
-            # ``L`` is past its key and the floor is moot)
-            self._push_run(
-                ids, r, run.depth, run.cls, run.floor if (0 if r >= thr else 1) == run.tier else 0.0
-            )
+            # still not before the deeper run it was ranked behind (once that run is evicted, ``L`` is past its
+            # key and the floor is moot)
+            fell.setdefault(run, []).append(self._push_run(ids, r, run.depth, run.cls, run.floor, run.tier))
+        for run, news in fell.items():
+            if not run.live and run.up is not None:
+                # every block of the run lapsed: the run it lifted is ranked above them again (a lapse that
+                # lowers a child lowers the parent waiting for it; one that raises it raises the parent)
+                top = max(news, key=lambda x: (x.key, -x.tier))
+                parent = self._relift(run.up, top.key, top.tier)
+                for new in news:
+                    new.up = parent
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
         """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
@@ -773,8 +842,16 @@ class RunFreeQueue(HookedFreeQueue):
                     seg = i - i % stride
                     su = segment_uses(blocks, seg) if ghost else 1
                     stag = mapped * 16 + ub[su]
-                    if stag != run_tag:
-                        cur = _Run([], L + value(mapped, su, i), mapped, tier, prio, i)
+                    if stag != run_tag:  # (a parent never before its child: at least the deeper run's key)
+                        cur = _Run(
+                            [],
+                            L + value(mapped, su, i),
+                            mapped,
+                            tier,
+                            prio,
+                            i,
+                            cur.key if cur is not None else 0.0,
+                        )
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = stag
@@ -876,17 +953,18 @@ class RunFreeQueue(HookedFreeQueue):
                 c = b.ref_cnt
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
                     if tag != run_tag:
-                        key = L + value(r, u, i)
                         tier = 0 if r >= thr else 1
                         floor = 0.0
-                        if cur is not None and cur.tier == tier and (durs is None or durs[cur.depth] is None):
+                        if cur is not None and cur.tier <= tier:
                             # a parent never goes before the deeper blocks it leads to (the pool evicts leaves
                             # only: their chain goes at the deepest one's key), nor after its own lapse: the
-                            # deeper run's key is its floor (0: none)
+                            # deeper run's key is its floor, in its tier (see _lifted)
+                            tier = cur.tier
                             floor = cur.key
-                            if floor > key:
-                                key = floor
-                        cur = _Run([], key, r, tier, prio, i, floor)
+                        nxt = _Run([], L + value(r, u, i), r, tier, prio, i, floor)
+                        if cur is not None:
+                            cur.up = nxt  # (ranked again when cur's blocks lapse or it leaves tier 0)
+                        cur = nxt
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
@@ -970,7 +1048,9 @@ class RunFreeQueue(HookedFreeQueue):
             for run in runs:
                 members = [b for b in run.ids[run.i :] if self._run_of[b] is run]
                 assert run.live == len(members), "run live count"
-                assert run.tier == (0 if run.r >= self._threshold else 1)
+                natural = 0 if run.r >= self._threshold else 1
+                assert run.tier == natural or (run.tier < natural and run.floor > 0.0), "run tier"
+                assert run.key == max(run.own, run.floor), "run key"
                 for b in members:
                     assert self._r[b] == run.r, f"block {b} retention differs from its run's"
         for b in listed:
