@@ -585,3 +585,35 @@ def test_a_prompt_lifted_by_its_protected_child_returns_to_its_tier_when_the_chi
     pool, runs = _victims_after(script, budget=1 / 30)
     assert pool[-8:] == ["a2", "a1", "a0", "c1", "c0", "b2", "b1", "b0"]
     assert runs == pool
+
+
+def test_a_prefix_another_request_held_waits_for_the_child_queued_before_it() -> None:
+    # A and B share a 2-block prefix; B's generated tokens' block is kept at 90 (protected), B finishes first while
+    # A still holds the prefix, then A finishes: the pool evicts leaves only, so the prefix waits for B's block.
+    # The run queue builds the prefix's run in A's release, which has no link to B's; it now remembers, at B's
+    # release, that the prefix's last block held B's child (before: the prefix went first, in the unprotected
+    # tier, and B's block was left unreachable)
+    cfg = PolicyConfig(
+        block_size=BLOCK, ghost_factor=0.0, isolation_goal=None, budget=1.0, adapt_frequency=False
+    )
+    clock = [0.0]
+    _runtime.set_clock(lambda: clock[0])
+    try:
+        sides = (CoreSide(30, cfg, clock), VllmSide(30, cfg, "run"))
+        a = _Request("A", 1, None, [b"p0", b"p1", b"x2"])
+        b = _Request("B", 1, {"retention_decode_priority": 90}, [b"p0", b"p1", b"y2"], BLOCK)
+        c = _Request("C", 1, None, [b"c0", b"c1"])
+        for side in sides:
+            got_a, got_b = side.admit(a), side.admit(b)
+            assert got_a is not None and got_b is not None
+            side.free(b, got_b[1])
+            side.free(a, got_a[1])
+            got_c = side.admit(c)
+            assert got_c is not None
+            side.free(c, got_c[1])
+            assert side.admit(_Request("flood", 0, None, [b"f%d" % i for i in range(30)])) is not None
+        assert sides[0].victims == [b"x2", b"c1", b"c0", b"y2", b"p1", b"p0"]
+        assert sides[1].victims == sides[0].victims
+        sides[1].q.check()
+    finally:
+        _runtime.set_clock(None)

@@ -265,6 +265,10 @@ class RunFreeQueue(HookedFreeQueue):
         self._r = [NEW] * n
         self._news = [NEW] * n  # (slices of these clear the state of an evicted id range)
         self._nones: list[_Run | None] = [None] * n
+        # a block another request still held when a release queued its child: that child's run and the block's
+        # hash then (the entry is stale once the hash differs), so that the release that frees the block ranks it
+        # behind its child (the pool evicts leaves only; this is the only link across releases)
+        self._wait: list[tuple[_Run, Any] | None] = [None] * n
         self._uses = [0] * n
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
         # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
@@ -455,7 +459,7 @@ class RunFreeQueue(HookedFreeQueue):
             if not run.live:
                 q.died()
                 up = run.up
-                if up is not None and up.live and up.tier < (0 if up.r >= thr else 1):
+                if up is not None and run.tier == 0 and up.live and up.tier < (0 if up.r >= thr else 1):
                     # the protected child it waited for is gone: the pool now exposes the parent in its own
                     # tier, at its own key
                     self._relift(up, 0.0, 1)
@@ -905,6 +909,9 @@ class RunFreeQueue(HookedFreeQueue):
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
+        wait = self._wait
+        # the block below (one deeper) joined ``cur`` in this release
+        below = cur is not None and start + 1 < len(blocks) and run_of[blocks[start + 1].block_id] is cur
         i = start + 1
         try:
             for i in range(start, -1, -1):
@@ -952,6 +959,13 @@ class RunFreeQueue(HookedFreeQueue):
                 uses[bid] = u
                 c = b.ref_cnt
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
+                    w = wait[bid]
+                    if w is not None:  # an earlier release queued its child
+                        wait[bid] = None
+                        if w[0].live and b._block_hash is w[1]:
+                            run_tag = -1  # (a run starts here, behind that child)
+                        else:
+                            w = None
                     if tag != run_tag:
                         tier = 0 if r >= thr else 1
                         floor = 0.0
@@ -961,15 +975,25 @@ class RunFreeQueue(HookedFreeQueue):
                             # deeper run's key is its floor, in its tier (see _lifted)
                             tier = cur.tier
                             floor = cur.key
+                        if w is not None and (w[0].tier < tier or (w[0].tier == tier and w[0].key > floor)):
+                            tier = w[0].tier
+                            floor = w[0].key
                         nxt = _Run([], L + value(r, u, i), r, tier, prio, i, floor)
                         if cur is not None:
                             cur.up = nxt  # (ranked again when cur's blocks lapse or it leaves tier 0)
+                        if w is not None:
+                            w[0].up = nxt
                         cur = nxt
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
+                    below = True
+                elif below:  # held by another request: its child's run waits for the release that frees it
+                    if c > 1:
+                        wait[bid] = (cur, b._block_hash)
+                    below = False
                 if fused:  # (vLLM's free_blocks, fused: see free_request)
                     b.ref_cnt = c - 1
         except BaseException:
