@@ -288,7 +288,7 @@ def test_the_per_block_queue_decides_exactly_as_the_pool(seed: int) -> None:
 def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
     got = _replay("run", seed)
     assert got["evictions"] > 100
-    # measured at seeds 0-5 with the controller: hit blocks 0.996x-1.014x the pool's, the same hits on 96.0-99.1%
+    # measured at seeds 0-5 with the controller: hit blocks 0.994x-1.014x the pool's, the same hits on 96.0-99.1%
     # of admissions (0.991x-1.004x and 97.2-98.6% before a parent was ranked behind a protected or lapsing
     # child, 0.996x-1.006x and 97.4-99.1% at seeds 0-2 before the decode-retention and lowering requests); the
     # bounds leave a margin of a few points over that
@@ -300,16 +300,17 @@ def test_the_run_queue_stays_close_to_the_pool(seed: int) -> None:
 def test_the_run_queue_orders_close_to_the_pool(seed: int) -> None:
     # the order alone (a fixed protected share): with the controller, two controllers fed slightly different
     # hits drift apart and their victims with them, which says nothing of the order. Measured at seeds 0-5:
-    # victim sets overlapping 91.6-95.5%, hit blocks 0.995x-1.012x the pool's. 5% of the requests keep their
+    # victim sets overlapping 94.1-96.7%, hit blocks 0.994x-1.007x the pool's. 5% of the requests keep their
     # generated tokens' blocks at 80 for 3 s and 5% lower their head to 10: a child kept above its parent. The
     # pool evicts leaves only, so such a parent waits for its child; the run queue ranks a parent's run at least
-    # at the deeper run's key of the same release, in that run's tier when it is protected, and again when the
-    # deeper run lapses or leaves the protected tier (77.9-87.1% before those three). What still differs: a
-    # parent freed by another request than its child's has no link to it, and a lapsed block is re-keyed at
-    # its run's tail depth where the pool uses its own. The bound leaves a margin under the lowest
+    # at its child run's key (the deeper run of its release, or one an earlier release queued below a block
+    # another request held), in that run's tier when it is protected, and again when the child lapses or
+    # leaves the protected tier (77.9-87.1% before). What still differs: a parent waits for one child run
+    # only, and a lapsed block is re-keyed at its run's tail depth where the pool uses its own. The bound
+    # leaves a margin under the lowest
     got = _replay("run", seed, controlled=False)
     assert got["evictions"] > 100
-    assert got["victim_overlap"] >= 0.85
+    assert got["victim_overlap"] >= 0.88
     assert abs(got["hits"][1] - got["hits"][0]) <= 0.03 * got["hits"][0]
 
 
