@@ -284,3 +284,22 @@ def test_metrics_collector_families(tmp_path, monkeypatch):
     fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
     assert fams["kvretain:prefix_cache_queries"].samples[0].value == 7
     assert fams["kvretain:evicted_blocks"].samples[0].labels == {"priority": "1"}
+
+
+def test_a_retention_cap_alone_does_not_raise_the_default_request_priority():
+    # README's alice: max_retention_priority 90 and no min_request_priority. Priority -5 maps to 85 (within the
+    # cap), so she may ask for it; a request without a priority ran at -5 anyway (the floor was filled in),
+    # ahead of every other tenant's default priority-0 traffic. It runs at vLLM's default 0, as asked.
+    pol = AccessPolicy.from_json({"keys": [{"key": "sk-alice-0123", "max_retention_priority": 90}]})
+    alice = pol.keys[0]
+    d = pol.check({"messages": []}, alice)
+    assert d.priority == 0 and d.body.get("priority", 0) == 0
+    assert pol.check({"priority": -5}, alice).priority == -5  # still allowed when asked for
+    assert "priority -5 or higher" in _denied(lambda: pol.check({"priority": -6}, alice), 403)
+    # a floor above the default is still filled in (the key may not run at 0) ...
+    assert POLICY.check({}, BOB).priority == 1
+    capped = AccessPolicy.from_json({"keys": [{"key": "sk-low-01234", "max_retention_priority": 20}]})
+    assert capped.check({}, capped.keys[0]).body["priority"] == 2  # 35 - 10 * 2 = 15 <= 20
+    # ... and an explicit min_request_priority is the key's default, as documented
+    vip = AccessPolicy.from_json({"keys": [{"key": "sk-vip-01234", "min_request_priority": -3}]})
+    assert vip.check({}, vip.keys[0]).body["priority"] == -3

@@ -17,7 +17,9 @@ Configuration: JSON in ``KVRETAIN_API_KEYS`` or in the file named by ``KVRETAIN_
         "max_duration_s": 0, "scopes": [], "mode": "clamp"}]}
 
 Per key: ``min_request_priority`` is the most important request priority it may ask for (lower value = more
-important; a request without one gets this value), ``max_retention_priority`` the highest directive priority,
+important; a request without one gets this value, or 0 when the key has none), ``max_retention_priority`` the
+highest directive priority (and of the retention a request priority maps to: it also bounds the request priority,
+and a request without one whose default 0 maps above it gets the most important priority that does not),
 ``max_duration_s`` the longest directive duration (a directive without duration never lapses, so it is over any
 finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
 any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
@@ -310,9 +312,17 @@ class AccessPolicy:
         if floor is None:
             return 0 if prio is None else int(prio)
         if prio is None:
-            body["priority"] = floor
+            # the key's default: its min_request_priority (documented), else vLLM's 0, never more important
+            # than the floor. NOTE: not the floor itself when only max_retention_priority sets it: a cap of 90
+            # allows priority -5 (85), and filling that in ran all of the key's plain traffic ahead of others'
+            default = max(
+                floor, 0 if key is None or key.min_request_priority is None else key.min_request_priority
+            )
+            if default == 0:
+                return 0
+            body["priority"] = default
             d.changed = True
-            return floor
+            return default
         if prio < floor:
             if not clamp:
                 raise AccessDenied(
