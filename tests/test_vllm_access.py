@@ -303,3 +303,32 @@ def test_a_retention_cap_alone_does_not_raise_the_default_request_priority():
     # ... and an explicit min_request_priority is the key's default, as documented
     vip = AccessPolicy.from_json({"keys": [{"key": "sk-vip-01234", "min_request_priority": -3}]})
     assert vip.check({}, vip.keys[0]).body["priority"] == -3
+
+
+def test_directives_given_as_a_list_in_vllm_xargs_are_forwarded_as_json():
+    # vLLM's vllm_xargs takes strings, numbers and flat lists only: a list of directive objects there got six
+    # pydantic errors from vLLM; the middleware already re-serializes top-level directives, so it does these too
+    dirs = [{"start": 0, "end": None, "priority": 40, "duration": 30}]
+    d = POLICY.check({"priority": 1, "vllm_xargs": {"retention_directives": dirs}}, BOB)
+    assert d.changed and isinstance(d.body["vllm_xargs"]["retention_directives"], str)
+    assert json.loads(d.body["vllm_xargs"]["retention_directives"]) == dirs
+    d = AccessPolicy().check({"vllm_xargs": {"retention_directives": dirs}}, None)
+    assert json.loads(d.body["vllm_xargs"]["retention_directives"]) == dirs
+    as_text = {"vllm_xargs": {"retention_directives": json.dumps(dirs)}}
+    assert not AccessPolicy().check(as_text, None).changed  # a JSON string passes as it came
+
+
+@pytest.mark.parametrize(
+    ("xargs", "param"),
+    [
+        ({"retention_scope": 5}, "retention_scope"),
+        ({"retention_decode_priority": "80"}, "retention_decode_priority"),
+        ({"retention_decode_duration": -1}, "retention_decode_duration"),
+        ({"retention_directives": "[{"}, "retention_directives"),
+        ({"retention_directives": '[{"priority": 200}]'}, "retention_directives"),
+    ],
+)
+def test_an_invalid_retention_field_is_named_in_the_error_param(xargs, param):
+    with pytest.raises(AccessDenied) as info:
+        AccessPolicy().check({"vllm_xargs": xargs}, None)
+    assert info.value.status == 400 and info.value.param == param, info.value.message

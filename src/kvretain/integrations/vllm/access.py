@@ -395,10 +395,12 @@ class AccessPolicy:
         try:
             cfg = retention_from_extra_args({**xargs, DIRECTIVES_KEY: raw} if raw is not None else xargs)
         except RetentionError as exc:
-            raise AccessDenied(400, f"invalid retention request: {exc}", DIRECTIVES_KEY) from None
+            raise AccessDenied(400, f"invalid retention request: {exc}", _field_named(str(exc))) from None
         if cfg is None:
             return
-        changed = bool(top)
+        # directives as a list inside vllm_xargs: vLLM's vllm_xargs takes no list of objects, so they are
+        # forwarded as the JSON string it takes (as top-level ones are)
+        changed = bool(top) or (raw is not None and not isinstance(xargs.get(DIRECTIVES_KEY), str))
         if cfg.scope is not None and key is not None and not key.owns(cfg.scope):
             owned = ", ".join(key.scopes) if key.scopes else "none"
             raise AccessDenied(
@@ -510,6 +512,12 @@ class AccessPolicy:
         if given != key.cache_salt:
             d.body["cache_salt"] = key.cache_salt
             d.changed = True
+
+
+def _field_named(message: str) -> str:
+    """The retention field a parser error is about (its message names it first), for the error's ``param``."""
+    at = {f: message.find(f) for f in RETENTION_KEYS if f in message}
+    return min(at, key=at.__getitem__) if at else DIRECTIVES_KEY
 
 
 def _as_json(dv: RetentionDirective) -> dict[str, Any]:
