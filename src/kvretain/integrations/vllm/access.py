@@ -47,6 +47,8 @@ from kvretain.integrations.vllm.config import (
     SCOPE_KEY,
     load_json,
     retention_from_extra_args,
+    unknown_fields_message,
+    unknown_retention_fields,
 )
 
 ENV_KEYS = "KVRETAIN_API_KEYS"
@@ -371,13 +373,9 @@ class AccessPolicy:
             del body[f]
             if v is not None:  # null: not given (vLLM's vllm_xargs takes no null: it refuses the request)
                 xargs[f] = v
-        unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_KEYS)
+        unknown = unknown_retention_fields(xargs)
         if unknown:
-            raise AccessDenied(
-                400,
-                f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}",
-                unknown[0],
-            )
+            raise AccessDenied(400, unknown_fields_message(unknown), unknown[0])
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
             try:
