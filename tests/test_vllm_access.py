@@ -332,3 +332,38 @@ def test_an_invalid_retention_field_is_named_in_the_error_param(xargs, param):
     with pytest.raises(AccessDenied) as info:
         AccessPolicy().check({"vllm_xargs": xargs}, None)
     assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_a_client_cannot_grow_the_per_priority_series_without_bound(monkeypatch):
+    # vLLM takes any 64-bit request priority, and each distinct one was a ClassStats in the engine, a key in every
+    # metrics snapshot and 6 series in /metrics (18 buckets x 2 histograms more with ClassLatency): one request per
+    # priority grew them without bound. Past MAX_PRIORITY_CLASSES, new priorities share one "other" class.
+    from kvretain.integrations.vllm import _runtime
+
+    counters = _runtime.Counters()
+    cap = _runtime.MAX_PRIORITY_CLASSES
+    for p in range(cap + 500):
+        counters.get(p).requests += 1
+    counters.get(0).requests += 1
+    snap = counters.snapshot()
+    assert len(snap) == cap + 1 and snap[_runtime.OTHER_PRIORITY]["requests"] == 500
+    assert snap[0]["requests"] == 2 and list(snap)[-1] == _runtime.OTHER_PRIORITY
+    assert counters.get(10**6) is counters.get(-(10**6))  # both "other", counted together
+    assert len(_runtime.Counters().snapshot()) == 0  # no "other" until it is used
+    # the per-class latency histograms' labels (API server side) likewise
+    labels = metrics.PriorityLabels(limit=3)
+    assert [labels.of(p) for p in (0, 1, 0, 2, 7, -9, 1)] == ["0", "1", "0", "2", "other", "other", "1"]
+
+
+def test_the_other_priority_class_reaches_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    snap = {
+        "pid": os.getpid(),
+        "by_priority": {"1": {"requests": 2}, "-3": {"requests": 1}, "other": {"requests": 5}},
+        "gauges": {"pool_blocks": 4},
+    }
+    monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: [snap])
+    fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
+    samples = fams["kvretain:prefix_cache_requests"].samples
+    got = [(s.labels["priority"], s.value) for s in samples if s.name.endswith("_total")]
+    assert got == [("-3", 1), ("1", 2), ("other", 5)]
