@@ -473,7 +473,9 @@ class AccessPolicy:
                     f"{where}: key {key.name!r} may ask for retention priority up to {cap}; got {dv.priority}",
                     where,
                 )
-            d.notes.append(f"{where}.priority {dv.priority} -> {cap}")
+            d.notes.append(
+                f"{where if dur_where is not None else where + '.priority'} {dv.priority} -> {cap}"
+            )
             dv = replace(dv, priority=cap)
         longest = key.max_duration_s
         if longest is not None and (dur is None or dur > longest):
