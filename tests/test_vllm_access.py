@@ -284,3 +284,86 @@ def test_metrics_collector_families(tmp_path, monkeypatch):
     fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
     assert fams["kvretain:prefix_cache_queries"].samples[0].value == 7
     assert fams["kvretain:evicted_blocks"].samples[0].labels == {"priority": "1"}
+
+
+def test_a_retention_cap_alone_does_not_raise_the_default_request_priority():
+    # README's alice: max_retention_priority 90 and no min_request_priority. Priority -5 maps to 85 (within the
+    # cap), so she may ask for it; a request without a priority ran at -5 anyway (the floor was filled in),
+    # ahead of every other tenant's default priority-0 traffic. It runs at vLLM's default 0, as asked.
+    pol = AccessPolicy.from_json({"keys": [{"key": "sk-alice-0123", "max_retention_priority": 90}]})
+    alice = pol.keys[0]
+    d = pol.check({"messages": []}, alice)
+    assert d.priority == 0 and d.body.get("priority", 0) == 0
+    assert pol.check({"priority": -5}, alice).priority == -5  # still allowed when asked for
+    assert "priority -5 or higher" in _denied(lambda: pol.check({"priority": -6}, alice), 403)
+    # a floor above the default is still filled in (the key may not run at 0) ...
+    assert POLICY.check({}, BOB).priority == 1
+    capped = AccessPolicy.from_json({"keys": [{"key": "sk-low-01234", "max_retention_priority": 20}]})
+    assert capped.check({}, capped.keys[0]).body["priority"] == 2  # 35 - 10 * 2 = 15 <= 20
+    # ... and an explicit min_request_priority is the key's default, as documented
+    vip = AccessPolicy.from_json({"keys": [{"key": "sk-vip-01234", "min_request_priority": -3}]})
+    assert vip.check({}, vip.keys[0]).body["priority"] == -3
+
+
+def test_directives_given_as_a_list_in_vllm_xargs_are_forwarded_as_json():
+    # vLLM's vllm_xargs takes strings, numbers and flat lists only: a list of directive objects there got six
+    # pydantic errors from vLLM; the middleware already re-serializes top-level directives, so it does these too
+    dirs = [{"start": 0, "end": None, "priority": 40, "duration": 30}]
+    d = POLICY.check({"priority": 1, "vllm_xargs": {"retention_directives": dirs}}, BOB)
+    assert d.changed and isinstance(d.body["vllm_xargs"]["retention_directives"], str)
+    assert json.loads(d.body["vllm_xargs"]["retention_directives"]) == dirs
+    d = AccessPolicy().check({"vllm_xargs": {"retention_directives": dirs}}, None)
+    assert json.loads(d.body["vllm_xargs"]["retention_directives"]) == dirs
+    as_text = {"vllm_xargs": {"retention_directives": json.dumps(dirs)}}
+    assert not AccessPolicy().check(as_text, None).changed  # a JSON string passes as it came
+
+
+@pytest.mark.parametrize(
+    ("xargs", "param"),
+    [
+        ({"retention_scope": 5}, "retention_scope"),
+        ({"retention_decode_priority": "80"}, "retention_decode_priority"),
+        ({"retention_decode_duration": -1}, "retention_decode_duration"),
+        ({"retention_directives": "[{"}, "retention_directives"),
+        ({"retention_directives": '[{"priority": 200}]'}, "retention_directives"),
+    ],
+)
+def test_an_invalid_retention_field_is_named_in_the_error_param(xargs, param):
+    with pytest.raises(AccessDenied) as info:
+        AccessPolicy().check({"vllm_xargs": xargs}, None)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_a_client_cannot_grow_the_per_priority_series_without_bound(monkeypatch):
+    # vLLM takes any 64-bit request priority, and each distinct one was a ClassStats in the engine, a key in every
+    # metrics snapshot and 6 series in /metrics (18 buckets x 2 histograms more with ClassLatency): one request per
+    # priority grew them without bound. Past MAX_PRIORITY_CLASSES, new priorities share one "other" class.
+    from kvretain.integrations.vllm import _runtime
+
+    counters = _runtime.Counters()
+    cap = _runtime.MAX_PRIORITY_CLASSES
+    for p in range(cap + 500):
+        counters.get(p).requests += 1
+    counters.get(0).requests += 1
+    snap = counters.snapshot()
+    assert len(snap) == cap + 1 and snap[_runtime.OTHER_PRIORITY]["requests"] == 500
+    assert snap[0]["requests"] == 2 and list(snap)[-1] == _runtime.OTHER_PRIORITY
+    assert counters.get(10**6) is counters.get(-(10**6))  # both "other", counted together
+    assert len(_runtime.Counters().snapshot()) == 0  # no "other" until it is used
+    # the per-class latency histograms' labels (API server side) likewise
+    labels = metrics.PriorityLabels(limit=3)
+    assert [labels.of(p) for p in (0, 1, 0, 2, 7, -9, 1)] == ["0", "1", "0", "2", "other", "other", "1"]
+
+
+def test_the_other_priority_class_reaches_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    snap = {
+        "pid": os.getpid(),
+        "by_priority": {"1": {"requests": 2}, "-3": {"requests": 1}, "other": {"requests": 5}},
+        "gauges": {"pool_blocks": 4},
+    }
+    monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: [snap])
+    fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
+    samples = fams["kvretain:prefix_cache_requests"].samples
+    got = [(s.labels["priority"], s.value) for s in samples if s.name.endswith("_total")]
+    assert got == [("-3", 1), ("1", 2), ("other", 5)]

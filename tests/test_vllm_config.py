@@ -129,3 +129,14 @@ def test_register_without_vllm_is_inert_and_lazy() -> None:
         "assert 'vllm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_misspelt_retention_field_fails_validation() -> None:
+    # without the access middleware (README's plain `vllm serve`) a typo such as retention_scop was silently
+    # ignored by the engine: the request ran with no retention and the client never knew; the middleware
+    # already refused it (400 "unknown retention field"), the plugin's own validation now does too
+    msg = validation_message({"retention_scop": "alice", "retention_directives": "[]"})
+    assert msg is not None and "unknown retention field(s) ['retention_scop']" in msg, msg
+    assert "retention_scope" in msg  # names the known fields
+    assert validation_message({"other_plugin_key": 1, "retention_scope": "s"}) is None
+    assert validation_message({"retention_decode_priority": 10}) is None

@@ -445,7 +445,8 @@ def plain_manager() -> KVCacheManager:
     )
 
 
-def test_counters_snapshot_while_the_engine_inserts_priorities() -> None:
+def test_counters_snapshot_while_the_engine_inserts_priorities(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_runtime, "MAX_PRIORITY_CLASSES", 10**9)  # every priority apart: inserts all along
     counters = _runtime.Counters()
     stop = threading.Event()
     errors: list[BaseException] = []

@@ -390,6 +390,30 @@ def test_bad_directives_rejected_at_input(extra: dict[str, Any], needle: str) ->
     assert "retention" in str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_bad_directives_rejected_before_a_stream_starts(kind: str) -> None:
+    """The API server builds ``SamplingParams`` before it answers; ``InputProcessor`` only runs once the engine's
+    generator is iterated, which for ``stream: true`` is inside the stream, after HTTP 200 (the client got an
+    error event in a 200 stream and the server log a traceback). A bad retention field now fails where vLLM's
+    own sampling-parameter errors do: a 400 before the stream."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    body: dict[str, Any] = {"model": "m", "stream": True, "vllm_xargs": {"retention_directives": "[{"}}
+    if kind == "chat":
+        req: Any = ChatCompletionRequest(**body, messages=[{"role": "user", "content": "hi"}])
+    else:
+        req = CompletionRequest(**body, prompt="hi")
+    req.to_sampling_params(4, {})  # plugin off: vLLM's own behaviour
+    enable("unified")
+    with pytest.raises(VLLMValidationError, match="not valid JSON") as err:
+        req.to_sampling_params(4, {})
+    assert err.value.parameter == "extra_args"
+    good = {"retention_directives": '[{"start": 0, "end": null, "priority": 80}]'}
+    req.vllm_xargs = good
+    assert req.to_sampling_params(4, {}).extra_args == good
+
+
 def test_bad_directives_fail_only_their_request(model_dir: str) -> None:
     """Engine-core path: ``preprocess_add_request`` raises ``VLLMValidationError``, which EngineCoreProc turns
     into a per-request ``validation_error`` output; the other requests run to completion."""

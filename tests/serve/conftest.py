@@ -6,8 +6,10 @@ Run by ``scripts/test_vllm_serve.sh`` (it builds the environment and the tiny mo
 * ``stock``: vLLM without the plugin;
 * ``plugin``: ``KVRETAIN_POLICY=unified``, the engine core in its own process (vLLM's default), the access
   middleware with the key file below and the per-class latency middleware;
-* ``inproc``: the plugin with the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the access
-  middleware without keys.
+* ``inproc``: the plugin with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the access middleware without keys. NOTE:
+  in vLLM's OpenAI server that variable only runs the model worker inside the engine core's process; the engine
+  core (and so the plugin's counters) stays in a process of its own, apart from the API server, as in ``plugin``
+  (only the offline ``LLM`` runs its engine core in the caller's process).
 
 Each has a 32-block pool of 32-token blocks (31 usable: vLLM keeps a null block), so 16 prompts of 4-5 blocks
 flood it. ``VLLM_SERVER_DEV_MODE=1`` opens ``/reset_prefix_cache``, which each test calls first.

@@ -60,6 +60,27 @@ def test_a_limited_key_cannot_raise_request_priority(servers, text):
     assert _wait_requests(srv, before, {"1": 2}) == {"1": 2}
 
 
+def test_a_retention_capped_key_runs_at_the_default_priority(servers, text):
+    # alice (max_retention_priority 90, no min_request_priority, as README's keys.json) may ask for priority -5
+    # (retention 85); without a priority her requests ran at -5 all the same, ahead of everyone's default 0
+    srv = servers["plugin"]
+    alice = srv.as_key(ALICE)
+    before = _requests_by_priority(srv)
+    chat(alice, srv.model, user(text("alice-default", 20)))
+    chat(alice, srv.model, user(text("alice-asks", 20)), priority=-5)
+    assert _wait_requests(srv, before, {"0": 1, "-5": 1}) == {"0": 1, "-5": 1}
+
+
+def test_directives_as_a_list_in_vllm_xargs_are_taken(servers, text):
+    # vLLM's vllm_xargs takes no list of objects (six pydantic errors); the middleware forwards them as JSON
+    srv = servers["plugin"]
+    prompt = user(text("alice-xargs-list", 20))
+    xargs = {"retention_directives": [{"start": 0, "end": None, "priority": 80, "duration": 60}]}
+    assert chat(srv.as_key(ALICE), srv.model, prompt, xargs=xargs).completion_tokens > 0
+    msg = _refused(lambda: chat(srv.as_key(BOB), srv.model, prompt, xargs=xargs))
+    assert "retention priority up to 25; got 80" in msg, msg
+
+
 def test_a_limited_key_cannot_raise_retention(servers, text):
     srv = servers["plugin"]
     bob = srv.as_key(BOB)

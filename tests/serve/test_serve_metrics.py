@@ -1,4 +1,5 @@
-"""Per-priority series in vLLM's own /metrics: engine core in its own process (vLLM's default) and in-process."""
+"""Per-priority series in vLLM's own /metrics, read from the engine core's process: with its model worker in a
+process of its own (vLLM's default) and inside the engine core's (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
 
 from __future__ import annotations
 

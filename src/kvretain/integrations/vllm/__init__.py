@@ -155,6 +155,9 @@ def stats() -> dict[str, Any]:
      preempted_requests, preempted_query_tokens, preempted_hit_tokens, released_blocks, evicted_blocks}},
      "hook_errors": {hook: count}}
 
+    The first ``_runtime.MAX_PRIORITY_CLASSES`` (64) priorities seen are counted apart, later ones together under
+    the key ``"other"`` (a client picks its priority: it must not grow the counters without bound).
+
     Each ``by_priority`` entry is a :class:`kvretain.core.stats.ClassStats` (the core's counting rules) under
     the plugin's names (``_runtime.STATS_KEYS``). ``requests`` / ``query_tokens`` / ``hit_tokens`` count each
     request's first lookup (its admission); a resume after preemption looks the cache up again and is counted

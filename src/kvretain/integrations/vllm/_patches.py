@@ -13,7 +13,8 @@ be swapped):
   the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
   does the release and vLLM's ``BlockPool.free_blocks`` in one pass (:meth:`RunFreeQueue.free_request`).
 * ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
-* ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
+* ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
+  starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
   hashed the request's blocks, also hands the request to the queue's ``on_arrival`` (:func:`request_arrived`).
 
@@ -318,6 +319,16 @@ def _make_validate_params(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _validate_params
 
 
+def _make_to_sampling_params(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def to_sampling_params(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = orig(self, *args, **kwargs)
+        if _active is not None:
+            check_sampling_params(params)
+        return params
+
+    return to_sampling_params
+
+
 def request_arrived(manager: Any, request: Any) -> None:
     """A request was taken in and its blocks hashed (``EngineCore.preprocess_add_request``, on vLLM's input
     thread when the engine core runs in its own process): the policy's per-request work ahead of the lookup
@@ -365,6 +376,16 @@ def install(cfg: PluginConfig) -> None:
     for modname, clsname, meth, make in (
         ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
         ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),
+        # NOTE: the OpenAI server builds SamplingParams before it answers, but runs InputProcessor only when the
+        # engine's generator is first iterated: inside the stream for stream=true, after HTTP 200. Checked here
+        # too, a bad field is a 400 before the stream, as vLLM's own sampling-parameter errors are
+        *(
+            (f"vllm.entrypoints.openai.{mod}.protocol", cls, "to_sampling_params", _make_to_sampling_params)
+            for mod, cls in (
+                ("chat_completion", "ChatCompletionRequest"),
+                ("completion", "CompletionRequest"),
+            )
+        ),
     ):
         try:
             import importlib

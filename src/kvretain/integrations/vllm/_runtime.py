@@ -45,36 +45,60 @@ STATS_KEYS = (
 spelling for the core's ``resume*`` counters (a resume after preemption is counted apart, as vLLM does)."""
 
 
+MAX_PRIORITY_CLASSES = 64
+"""The most request priorities counted apart; later new ones share :data:`OTHER_PRIORITY`.
+
+NOTE: a client picks its request priority (vLLM takes any 64-bit integer), and each distinct one counted apart is
+state in the engine, a key in every metrics snapshot and six series in ``/metrics``: one request per priority
+grew them without bound. Deployments use a handful of priorities."""
+OTHER_PRIORITY = "other"
+"""The key (and ``priority`` label) of the priorities past :data:`MAX_PRIORITY_CLASSES`."""
+
+
 class Counters:
     """Per-priority statistics shared by every retention queue of the process: one
     :class:`~kvretain.core.stats.ClassStats` per request priority (vLLM ``priority``, lower = more important),
     counted by the core's rules (first lookups and resumes apart; an eviction charged to the block's last
-    releaser, whose class the queues keep per block)."""
+    releaser, whose class the queues keep per block). The first :data:`MAX_PRIORITY_CLASSES` priorities seen
+    are counted apart, any later one in one shared :data:`OTHER_PRIORITY` class."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.by_priority: dict[int, ClassStats] = {}
+        self.other = ClassStats()
+        self._other_used = False
 
     def get(self, priority: int) -> ClassStats:
         c = self.by_priority.get(priority)
         if c is None:
             with self._lock:
-                c = self.by_priority.setdefault(priority, ClassStats())
+                c = self.by_priority.get(priority)
+                if c is None:
+                    if len(self.by_priority) >= MAX_PRIORITY_CLASSES:
+                        self._other_used = True
+                        return self.other
+                    c = self.by_priority[priority] = ClassStats()
         return c
 
-    def snapshot(self) -> dict[int, dict[str, int]]:
-        """``{priority: {name: count}}`` under the :data:`STATS_KEYS` names."""
+    def snapshot(self) -> dict[int | str, dict[str, int]]:
+        """``{priority: {name: count}}`` under the :data:`STATS_KEYS` names (priorities in order, then
+        :data:`OTHER_PRIORITY` once used)."""
         # NOTE: copied under the lock: the engine thread inserts new priorities while a Prometheus scrape of an
         # in-process engine iterates (a dict changing size during iteration raises)
         with self._lock:
-            return {
+            out: dict[int | str, dict[str, int]] = {
                 p: {name: getattr(c, f) for f, name in STATS_KEYS}
                 for p, c in sorted(self.by_priority.items())
             }
+            if self._other_used:
+                out[OTHER_PRIORITY] = {name: getattr(self.other, f) for f, name in STATS_KEYS}
+            return out
 
     def reset(self) -> None:
         with self._lock:
             self.by_priority = {}
+            self.other = ClassStats()
+            self._other_used = False
 
 
 COUNTERS = Counters()

@@ -17,7 +17,9 @@ Configuration: JSON in ``KVRETAIN_API_KEYS`` or in the file named by ``KVRETAIN_
         "max_duration_s": 0, "scopes": [], "mode": "clamp"}]}
 
 Per key: ``min_request_priority`` is the most important request priority it may ask for (lower value = more
-important; a request without one gets this value), ``max_retention_priority`` the highest directive priority,
+important; a request without one gets this value, or 0 when the key has none), ``max_retention_priority`` the
+highest directive priority (and of the retention a request priority maps to: it also bounds the request priority,
+and a request without one whose default 0 maps above it gets the most important priority that does not),
 ``max_duration_s`` the longest directive duration (a directive without duration never lapses, so it is over any
 finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
 any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
@@ -45,6 +47,8 @@ from kvretain.integrations.vllm.config import (
     SCOPE_KEY,
     load_json,
     retention_from_extra_args,
+    unknown_fields_message,
+    unknown_retention_fields,
 )
 
 ENV_KEYS = "KVRETAIN_API_KEYS"
@@ -310,9 +314,17 @@ class AccessPolicy:
         if floor is None:
             return 0 if prio is None else int(prio)
         if prio is None:
-            body["priority"] = floor
+            # the key's default: its min_request_priority (documented), else vLLM's 0, never more important
+            # than the floor. NOTE: not the floor itself when only max_retention_priority sets it: a cap of 90
+            # allows priority -5 (85), and filling that in ran all of the key's plain traffic ahead of others'
+            default = max(
+                floor, 0 if key is None or key.min_request_priority is None else key.min_request_priority
+            )
+            if default == 0:
+                return 0
+            body["priority"] = default
             d.changed = True
-            return floor
+            return default
         if prio < floor:
             if not clamp:
                 raise AccessDenied(
@@ -361,13 +373,9 @@ class AccessPolicy:
             del body[f]
             if v is not None:  # null: not given (vLLM's vllm_xargs takes no null: it refuses the request)
                 xargs[f] = v
-        unknown = sorted(k for k in xargs if k.startswith("retention") and k not in RETENTION_KEYS)
+        unknown = unknown_retention_fields(xargs)
         if unknown:
-            raise AccessDenied(
-                400,
-                f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}",
-                unknown[0],
-            )
+            raise AccessDenied(400, unknown_fields_message(unknown), unknown[0])
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
             try:
@@ -385,10 +393,12 @@ class AccessPolicy:
         try:
             cfg = retention_from_extra_args({**xargs, DIRECTIVES_KEY: raw} if raw is not None else xargs)
         except RetentionError as exc:
-            raise AccessDenied(400, f"invalid retention request: {exc}", DIRECTIVES_KEY) from None
+            raise AccessDenied(400, f"invalid retention request: {exc}", _field_named(str(exc))) from None
         if cfg is None:
             return
-        changed = bool(top)
+        # directives as a list inside vllm_xargs: vLLM's vllm_xargs takes no list of objects, so they are
+        # forwarded as the JSON string it takes (as top-level ones are)
+        changed = bool(top) or (raw is not None and not isinstance(xargs.get(DIRECTIVES_KEY), str))
         if cfg.scope is not None and key is not None and not key.owns(cfg.scope):
             owned = ", ".join(key.scopes) if key.scopes else "none"
             raise AccessDenied(
@@ -463,7 +473,9 @@ class AccessPolicy:
                     f"{where}: key {key.name!r} may ask for retention priority up to {cap}; got {dv.priority}",
                     where,
                 )
-            d.notes.append(f"{where}.priority {dv.priority} -> {cap}")
+            d.notes.append(
+                f"{where if dur_where is not None else where + '.priority'} {dv.priority} -> {cap}"
+            )
             dv = replace(dv, priority=cap)
         longest = key.max_duration_s
         if longest is not None and (dur is None or dur > longest):
@@ -500,6 +512,12 @@ class AccessPolicy:
         if given != key.cache_salt:
             d.body["cache_salt"] = key.cache_salt
             d.changed = True
+
+
+def _field_named(message: str) -> str:
+    """The retention field a parser error is about (its message names it first), for the error's ``param``."""
+    at = {f: message.find(f) for f in RETENTION_KEYS if f in message}
+    return min(at, key=at.__getitem__) if at else DIRECTIVES_KEY
 
 
 def _as_json(dv: RetentionDirective) -> dict[str, Any]:

@@ -237,8 +237,24 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
     )
 
 
+def unknown_retention_fields(extra_args: Mapping[str, Any]) -> list[str]:
+    """The keys of ``extra_args`` that look like retention fields (``retention...``) but are none of
+    :data:`RETENTION_KEYS`: a misspelt field would otherwise be ignored without a word."""
+    return sorted(
+        k for k in extra_args if isinstance(k, str) and k.startswith("retention") and k not in RETENTION_KEYS
+    )
+
+
+def unknown_fields_message(unknown: list[str]) -> str:
+    return f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}"
+
+
 def validation_message(extra_args: Mapping[str, Any] | None) -> str | None:
-    """``None`` when the request's retention fields are valid, else the error message."""
+    """``None`` when the request's retention fields are valid (and none is misspelt), else the error message."""
+    if extra_args and isinstance(extra_args, Mapping):
+        unknown = unknown_retention_fields(extra_args)
+        if unknown:
+            return f"invalid retention request: {unknown_fields_message(unknown)}"
     try:
         retention_from_extra_args(extra_args)
     except RetentionError as exc:

@@ -11,7 +11,8 @@ snapshots, plus its own process's state when the engine runs in-process, at each
 The directory is ``KVRETAIN_METRICS_DIR``; unset, the first process that loads the plugin (vLLM's API server,
 which loads plugins before it starts the engine core) makes a temporary one and sets the variable, which the
 engine core inherits. Series (tokens, like vLLM's ``vllm:prefix_cache_*``; ``priority`` is vLLM's request
-priority, lower = more important):
+priority, lower = more important; the first 64 priorities seen get their own label, later ones share
+``priority="other"``, so that clients cannot grow the series without bound):
 
 ``kvretain:prefix_cache_queries_total{priority}`` / ``kvretain:prefix_cache_hits_total{priority}``
     prompt tokens looked up / served from the prefix cache at admission;
@@ -244,11 +245,19 @@ class Collector:
         by_prio, gauges = merge(snaps)
         for key, name, doc in COUNTER_KEYS:
             fam = CounterMetricFamily(f"kvretain:{name}", doc, labels=["priority"])
-            for prio in sorted(by_prio, key=int):
+            for prio in sorted(by_prio, key=_label_order):
                 fam.add_metric([prio], by_prio[prio].get(key, 0.0))
             yield fam
         for key, doc in GAUGE_KEYS:
             yield GaugeMetricFamily(f"kvretain:{key}", doc, value=gauges[key])
+
+
+def _label_order(label: str) -> tuple[int, int]:
+    """Priorities in numeric order, then anything else (:data:`_runtime.OTHER_PRIORITY`)."""
+    try:
+        return (0, int(label))
+    except ValueError:
+        return (1, 0)
 
 
 _installed: dict[str, Any] = {}
@@ -342,6 +351,30 @@ def latency_histograms() -> dict[str, Any]:
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
+class PriorityLabels:
+    """The ``priority`` label of a request priority: its value for the first ``limit`` priorities seen, then
+    ``"other"`` (as the engine's counters, :data:`_runtime.MAX_PRIORITY_CLASSES`: a client must not grow the
+    histograms' series without bound by sending one request per priority)."""
+
+    def __init__(self, limit: int = _runtime.MAX_PRIORITY_CLASSES) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def of(self, priority: Any) -> str:
+        label = str(priority)
+        if label in self.seen:
+            return label
+        with self._lock:
+            if len(self.seen) >= self.limit:
+                return _runtime.OTHER_PRIORITY
+            self.seen.add(label)
+        return label
+
+
+_LABELS = PriorityLabels()
+
+
 class ClassLatency:
     """ASGI middleware: per-priority TTFT and end-to-end histograms of completions and chat completions.
 
@@ -391,7 +424,7 @@ class ClassLatency:
         finally:
             if state["status"] == 200 and state["priority"] is not None:
                 h = latency_histograms()
-                label = str(state["priority"])
+                label = _LABELS.of(state["priority"])
                 if state["first"] is not None:
                     h["ttft"].labels(label).observe(state["first"] - t0)
                 h["e2e"].labels(label).observe(time.monotonic() - t0)
