@@ -71,6 +71,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -117,15 +118,24 @@ class TraceRequest:
     input_length: int
     output_length: int
     priority: int
+    extra_args: dict[str, Any] | None = None
+    """The trace line's retention as the request's ``vllm_xargs`` (None: it asks none)."""
 
 
-def load_trace(path: Path, limit: int, step_ms: float, max_output: int) -> list[TraceRequest]:
-    """The first ``limit`` requests, read by the project's one trace parser and tagged by its reference rule."""
+def load_trace(
+    path: Path, limit: int, step_ms: float, max_output: int, priority_rule: str = "reference"
+) -> list[TraceRequest]:
+    """The first ``limit`` requests, read by the project's one trace parser and tagged by ``priority_rule``
+    (``keep``: the trace's own priorities), each with its line's retention (directives, scope, decode priority),
+    which both runs send and only the plugin reads."""
+    from kvretain.integrations.vllm.config import extra_args_for
     from kvretain.workloads.mooncake import read_trace
-    from kvretain.workloads.priority import make_rule
+    from kvretain.workloads.priority import make_rule, tag_priorities
 
-    rule = make_rule("reference")
-    assert rule is not None
+    records = read_trace(path, TRACE_BLOCK, limit)
+    rule = make_rule(priority_rule, records, random.Random(1))  # (session rules draw as the grid's do)
+    if rule is not None:
+        records = tag_priorities(records, rule)
     # NOTE: read_trace sorts by timestamp (stably), so the requests are in arrival-step order already; the
     # request id is the 0-based line number (vLLM's waiting queue breaks priority and arrival ties on it)
     return [
@@ -135,9 +145,10 @@ def load_trace(path: Path, limit: int, step_ms: float, max_output: int) -> list[
             hash_ids=rec.hash_ids,
             input_length=rec.input_length,
             output_length=max(1, min(rec.output_length, max_output)),
-            priority=rule(rec),
+            priority=rec.priority,
+            extra_args=extra_args_for(rec.retention),
         )
-        for rec in read_trace(path, TRACE_BLOCK, limit)
+        for rec in records
     ]
 
 
@@ -250,7 +261,7 @@ def replay(
             if args.stock_arrival_work and name == "stock"
             else None
         )
-        _drive(sched, hasher, res, reqs, gate, extra)
+        _drive(sched, hasher, res, reqs, gate, args.step_ms, extra)
     finally:
         gc.unfreeze()
         if gate is not None:
@@ -282,7 +293,30 @@ def _drive(
     res: Result,
     reqs: list[TraceRequest],
     gate: Gate | None,
+    step_ms: float,
     extra_arrival: Any = None,
+) -> None:
+    """Replay ``reqs``; the plugin's clock (retention durations) is the trace's: ``step_ms`` a step."""
+
+    from kvretain.integrations.vllm import _runtime
+
+    clock = [0.0]
+    _runtime.set_clock(lambda: clock[0])
+    try:
+        _drive_steps(sched, hasher, res, reqs, gate, step_ms, clock, extra_arrival)
+    finally:
+        _runtime.set_clock(None)
+
+
+def _drive_steps(
+    sched: Any,
+    hasher: Any,
+    res: Result,
+    reqs: list[TraceRequest],
+    gate: Gate | None,
+    step_ms: float,
+    clock: list[float],
+    extra_arrival: Any,
 ) -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
@@ -303,11 +337,12 @@ def _drive(
             gate.wait()
         if not sched.has_unfinished_requests() and pos < len(pending):
             step = max(step, pending[pos].arrival_step)  # idle: jump to the next arrival
+        clock[0] = step * step_ms / 1000.0
         while pos < len(pending) and pending[pos].arrival_step <= step:
             r = pending[pos]
             pos += 1
             tokens = prompt_tokens(r)
-            params = SamplingParams(max_tokens=r.output_length, ignore_eos=True)
+            params = SamplingParams(max_tokens=r.output_length, ignore_eos=True, extra_args=r.extra_args)
             # input processing, as EngineCore.preprocess_add_request (off the scheduler's step: vLLM runs it on
             # its input thread); stock: a no-op hook
             c0 = cpu()
@@ -458,7 +493,7 @@ def run_child(args: argparse.Namespace) -> None:
     from kvretain.core.retention import PriorityMapping
     from kvretain.integrations.vllm.config import PluginConfig, parse_options
 
-    reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
+    reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
     model_dir = harness.write_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-"))
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
     counters: dict[Any, Any] = {}
@@ -563,6 +598,12 @@ def main() -> None:
     )
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument(
+        "--priority-rule",
+        default="reference",
+        help="how requests get their priority: a rule of kvretain.workloads.priority, or keep (the trace's own, "
+        "e.g. a `kvretain workload export` file's; default: reference)",
+    )
     ap.add_argument("--block-size", type=int, default=16, help="vLLM tokens per KV block")
     ap.add_argument(
         "--pool-blocks", type=int, default=65536, help="KV cache size in vLLM blocks (incl. null)"
@@ -628,9 +669,12 @@ def main() -> None:
     except PluginConfigError as e:
         ap.error(f"--options: {e}")
     try:
-        reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output)
-    except TraceError as e:  # the parser's message names the file, line and field
-        sys.exit(str(e))
+        reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
+    except (
+        TraceError,
+        ValueError,
+    ) as e:  # the parser's message names the file, line and field; a rule's name
+        sys.exit(f"{e}" if isinstance(e, TraceError) else f"--priority-rule: {e} (or keep)")
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "

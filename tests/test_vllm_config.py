@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-from kvretain.core.retention import RetentionError
+from kvretain.core.retention import RetentionConfig, RetentionDirective, RetentionError
 from kvretain.integrations.vllm.config import (
     PluginConfig,
     PluginConfigError,
     config_from_env,
+    extra_args_for,
     parse_options,
     retention_from_extra_args,
     validation_message,
@@ -140,3 +141,26 @@ def test_a_misspelt_retention_field_fails_validation() -> None:
     assert "retention_scope" in msg  # names the known fields
     assert validation_message({"other_plugin_key": 1, "retention_scope": "s"}) is None
     assert validation_message({"retention_decode_priority": 10}) is None
+
+
+@pytest.mark.parametrize(
+    "retention",
+    [
+        RetentionConfig((RetentionDirective(0, 64, 90, 30.0), RetentionDirective(64, None, 10)), scope="s1"),
+        RetentionConfig(decode_priority=80, decode_duration_s=12.0),
+        RetentionConfig(decode_duration_s=3.0),
+        RetentionConfig((RetentionDirective(16, 32, 0),), decode_priority=100, scope="t"),
+    ],
+)
+def test_a_retention_config_round_trips_through_vllm_xargs(retention: RetentionConfig) -> None:
+    args = extra_args_for(retention)
+    assert args is not None
+    # what a client sends as JSON in vllm_xargs (strings and numbers: vLLM takes no list of objects there)
+    assert json.loads(json.dumps(args)) == args
+    assert all(isinstance(v, str | int | float) for v in args.values())
+    assert retention_from_extra_args(args) == retention
+
+
+def test_no_retention_asks_nothing() -> None:
+    assert extra_args_for(None) is None
+    assert extra_args_for(RetentionConfig()) is None

@@ -249,6 +249,29 @@ def unknown_fields_message(unknown: list[str]) -> str:
     return f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}"
 
 
+def extra_args_for(retention: RetentionConfig | None) -> dict[str, Any] | None:
+    """The ``vllm_xargs`` (``SamplingParams.extra_args``) that ask for ``retention``: what
+    :func:`retention_from_extra_args` reads back (``None``: nothing to ask). The directives are a JSON string
+    (RFC #37003's spelling), which vLLM's ``vllm_xargs`` takes where it takes no list of objects."""
+    if retention is None:
+        return None
+    out: dict[str, Any] = {}
+    if retention.directives:
+        out[DIRECTIVES_KEY] = json.dumps(
+            [
+                {"start": d.start, "end": d.end, "priority": d.priority, "duration": d.duration_s}
+                for d in retention.directives
+            ]
+        )
+    if retention.scope is not None:
+        out[SCOPE_KEY] = retention.scope
+    if retention.decode_priority is not None:
+        out[DECODE_PRIORITY_KEY] = retention.decode_priority
+    if retention.decode_duration_s is not None:
+        out[DECODE_DURATION_KEY] = retention.decode_duration_s
+    return out or None
+
+
 def validation_message(extra_args: Mapping[str, Any] | None) -> str | None:
     """``None`` when the request's retention fields are valid (and none is misspelt), else the error message."""
     if extra_args and isinstance(extra_args, Mapping):
