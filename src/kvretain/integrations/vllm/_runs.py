@@ -991,7 +991,7 @@ class RunFreeQueue(HookedFreeQueue):
                     run_of[bid] = cur
                     below = True
                 elif below:  # held by another request: its child's run waits for the release that frees it
-                    if c > 1:
+                    if c > 1 and cur is not None:
                         wait[bid] = (cur, b._block_hash)
                     below = False
                 if fused:  # (vLLM's free_blocks, fused: see free_request)
