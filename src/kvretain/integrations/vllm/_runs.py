@@ -622,21 +622,43 @@ class RunFreeQueue(HookedFreeQueue):
                 self._run_of[bid] = None
                 self._take_from_list(run)
                 moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
-        # the runs the lapsed blocks of each run went to
-        fell: dict[_Run, list[_Run]] = {}
-        for (run, r, _), ids in moved.items():
+        if not moved:
+            return
+        # per run, its lapsed blocks by new retention and use bucket, deepest first
+        groups: dict[_Run, list[list[int]]] = {}
+        for (run, _, _), ids in moved.items():
             if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
                 order = {b: k for k, b in enumerate(run.ids)}
                 ids.sort(key=order.__getitem__)
-            # still not before the deeper run it was ranked behind (once that run is evicted, ``L`` is past its
-            # key and the floor is moot)
-            fell.setdefault(run, []).append(self._push_run(ids, r, run.depth, run.cls, run.floor, run.tier))
-        for run, news in fell.items():
-            if not run.live and run.up is not None:
+            groups.setdefault(run, []).append(ids)
+        # children before parents (a run's parent is shallower), so that a parent whose child lapsed with it is
+        # ranked behind the child's new runs, not behind the key and tier the child had before its lapse
+        below_of: dict[_Run, tuple[float, int]] = {}  # a run's deeper run's new key and tier, where it lapsed
+        ups_of: dict[
+            _Run, list[_Run]
+        ] = {}  # the lapsed child's new runs, to link to this run's first new one
+        for run in sorted(groups, key=lambda x: -x.depth):
+            floor, below = below_of.get(run, (run.floor, run.tier))
+            news: list[_Run] = []
+            ordered = groups[run]
+            if len(ordered) > 1:
+                position = {b: k for k, b in enumerate(run.ids)}
+                ordered.sort(key=lambda g: position[g[0]])
+            for ids in ordered:
+                new = self._push_run(ids, self._r[ids[0]], run.depth, run.cls, floor, below)
+                news.append(new)
+                floor, below = new.key, new.tier  # (the run's shallower blocks wait for its deeper ones)
+            for child in ups_of.pop(run, ()):
+                child.up = news[0]
+            up = run.up
+            if not run.live and up is not None:
                 # every block of the run lapsed: the run it lifted is ranked above them again (a lapse that
                 # lowers a child lowers the parent waiting for it; one that raises it raises the parent)
                 top = max(news, key=lambda x: (x.key, -x.tier))
-                parent = self._relift(run.up, top.key, top.tier)
+                if up in groups:  # (it lapsed too: its new runs take this floor)
+                    below_of[up] = (top.key, top.tier)
+                    ups_of[up] = news
+                parent = self._relift(up, top.key, top.tier)  # (what is left of it)
                 for new in news:
                     new.up = parent
 
