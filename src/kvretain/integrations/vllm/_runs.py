@@ -938,6 +938,23 @@ class RunFreeQueue(HookedFreeQueue):
         try:
             for i in range(start, -1, -1):
                 b = blocks[i]
+                c = b.ref_cnt
+                if c > 1 and i < nc and not slow:
+                    # NOTE: the common case of a shared prefix: cached content another running request still holds,
+                    # at least at this release's priority, no directive on it: a use, and the reference goes
+                    bid = b.block_id
+                    r = rr[bid]
+                    if r >= mapped and not (lapse and bid in lapse):  # (NEW is below any mapped priority)
+                        u = uses[bid] + 1
+                        uses[bid] = u if u <= cap else cap
+                        other += 1
+                        if below:  # its child's run waits for the release that frees it
+                            if cur is not None:
+                                wait[bid] = (cur, b._block_hash)
+                            below = False
+                        if fused:
+                            b.ref_cnt = c - 1
+                        continue
                 # NOTE: below nc the hash is known to be there: not reading it saves a cache miss per block (the
                 # hash object's reference count)
                 if i >= nc and b._block_hash is None:  # (also the null block)
@@ -979,7 +996,6 @@ class RunFreeQueue(HookedFreeQueue):
                         rr[bid] = r = mapped
                     tag = r * 16 + ub[u]
                 uses[bid] = u
-                c = b.ref_cnt
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
                     w = wait[bid]
                     if w is not None:  # an earlier release queued its child
