@@ -249,6 +249,8 @@ class Gate:
 def replay(
     name: str, model_dir: str, reqs: list[TraceRequest], args: argparse.Namespace, gate: Gate | None = None
 ) -> Result:
+    from kvretain.integrations.vllm import _runtime
+
     hasher = harness.block_hasher(args.block_size)
     sched = build_scheduler(model_dir, args)
     res = Result(name)
@@ -261,8 +263,12 @@ def replay(
             if args.stock_arrival_work and name == "stock"
             else None
         )
-        _drive(sched, hasher, res, reqs, gate, args.step_ms, extra)
+        # the plugin's clock (retention durations) is the trace's
+        clock = [0.0]
+        _runtime.set_clock(lambda: clock[0])
+        _drive(sched, hasher, res, reqs, gate, args.step_ms, clock, extra)
     finally:
+        _runtime.set_clock(None)
         gc.unfreeze()
         if gate is not None:
             gate.end()
@@ -294,30 +300,10 @@ def _drive(
     reqs: list[TraceRequest],
     gate: Gate | None,
     step_ms: float,
+    clock: list[float],
     extra_arrival: Any = None,
 ) -> None:
-    """Replay ``reqs``; the plugin's clock (retention durations) is the trace's: ``step_ms`` a step."""
-
-    from kvretain.integrations.vllm import _runtime
-
-    clock = [0.0]
-    _runtime.set_clock(lambda: clock[0])
-    try:
-        _drive_steps(sched, hasher, res, reqs, gate, step_ms, clock, extra_arrival)
-    finally:
-        _runtime.set_clock(None)
-
-
-def _drive_steps(
-    sched: Any,
-    hasher: Any,
-    res: Result,
-    reqs: list[TraceRequest],
-    gate: Gate | None,
-    step_ms: float,
-    clock: list[float],
-    extra_arrival: Any,
-) -> None:
+    """Replay ``reqs``, ``step_ms`` of trace time a step, kept in ``clock[0]`` (seconds)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
