@@ -633,10 +633,9 @@ class RunFreeQueue(HookedFreeQueue):
             groups.setdefault(run, []).append(ids)
         # children before parents (a run's parent is shallower), so that a parent whose child lapsed with it is
         # ranked behind the child's new runs, not behind the key and tier the child had before its lapse
-        below_of: dict[_Run, tuple[float, int]] = {}  # a run's deeper run's new key and tier, where it lapsed
-        ups_of: dict[
-            _Run, list[_Run]
-        ] = {}  # the lapsed child's new runs, to link to this run's first new one
+        # a run's lapsed child's highest new key and its tier; that child's new runs (linked to this run's first)
+        below_of: dict[_Run, tuple[float, int]] = {}
+        ups_of: dict[_Run, list[_Run]] = {}
         for run in sorted(groups, key=lambda x: -x.depth):
             floor, below = below_of.get(run, (run.floor, run.tier))
             news: list[_Run] = []
