@@ -656,11 +656,10 @@ def main() -> None:
         ap.error(f"--options: {e}")
     try:
         reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
-    except (
-        TraceError,
-        ValueError,
-    ) as e:  # the parser's message names the file, line and field; a rule's name
-        sys.exit(f"{e}" if isinstance(e, TraceError) else f"--priority-rule: {e} (or keep)")
+    except TraceError as e:  # the parser's message names the file, line and field
+        sys.exit(str(e))
+    except ValueError as e:  # an unknown --priority-rule (the message lists the rules)
+        sys.exit(f"--priority-rule: {e} (or keep)")
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "
