@@ -133,7 +133,8 @@ def load_trace(
     from kvretain.workloads.priority import make_rule, tag_priorities
 
     records = read_trace(path, TRACE_BLOCK, limit)
-    rule = make_rule(priority_rule, records, random.Random(1))  # (session rules draw as the grid's do)
+    # (a drawing rule draws as `kvretain replay` does at its default seed: the replays beside it are comparable)
+    rule = make_rule(priority_rule, records, random.Random(1))
     if rule is not None:
         records = tag_priorities(records, rule)
     # NOTE: read_trace sorts by timestamp (stably), so the requests are in arrival-step order already; the
@@ -584,9 +585,12 @@ def main() -> None:
     )
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=2000)
+    from kvretain.workloads.priority import rule_choices
+
     ap.add_argument(
         "--priority-rule",
         default="reference",
+        choices=rule_choices(),
         help="how requests get their priority: a rule of kvretain.workloads.priority, or keep (the trace's own, "
         "e.g. a `kvretain workload export` file's; default: reference)",
     )
@@ -658,8 +662,6 @@ def main() -> None:
         reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
     except TraceError as e:  # the parser's message names the file, line and field
         sys.exit(str(e))
-    except ValueError as e:  # an unknown --priority-rule (the message lists the rules)
-        sys.exit(f"--priority-rule: {e} (or keep)")
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "

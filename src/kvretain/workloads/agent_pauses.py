@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
 from kvretain.workloads.request import (
+    Range,
     WorkloadError,
     WorkloadRequest,
     WorkloadSize,
@@ -39,8 +40,6 @@ from kvretain.workloads.request import (
     sessions_size,
 )
 from kvretain.workloads.tokens import TokenSeq
-
-Range = tuple[int, int]  # inclusive uniform range
 
 
 @dataclass(frozen=True, slots=True)

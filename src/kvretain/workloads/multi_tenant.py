@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvretain.core.retention import RetentionDirective, RetentionError
 from kvretain.workloads.request import (
+    Range,
     WorkloadError,
     WorkloadRequest,
     WorkloadSize,
@@ -34,8 +35,6 @@ from kvretain.workloads.request import (
     sessions_size,
 )
 from kvretain.workloads.tokens import TokenSeq
-
-Range = tuple[int, int]  # inclusive uniform range
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@ from typing import Any
 from kvretain.core.retention import RetentionConfig, RetentionDirective, RetentionError
 from kvretain.workloads.tokens import TokenSeq
 
+Range = tuple[int, int]
+"""An inclusive uniform range of a generator's setting (``(lo, hi)``)."""
+
 
 class WorkloadError(ValueError):
     """A workload file or configuration is malformed; the message names the place and the field."""

@@ -27,9 +27,7 @@ import random
 from dataclasses import dataclass
 
 from kvretain.workloads.multi_tenant import poisson_times, seeded_span
-from kvretain.workloads.request import WorkloadRequest, WorkloadSize, check_config, scale_and_limit
-
-Range = tuple[int, int]  # inclusive uniform range
+from kvretain.workloads.request import Range, WorkloadRequest, WorkloadSize, check_config, scale_and_limit
 
 
 @dataclass(frozen=True, slots=True)

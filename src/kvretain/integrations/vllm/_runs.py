@@ -624,12 +624,9 @@ class RunFreeQueue(HookedFreeQueue):
                 moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
         if not moved:
             return
-        # per run, its lapsed blocks by new retention and use bucket, deepest first
+        # per run, its lapsed blocks by new retention and use bucket
         groups: dict[_Run, list[list[int]]] = {}
         for (run, _, _), ids in moved.items():
-            if len(ids) > 1:  # deepest first, as they were in their run (a parent never before its child)
-                order = {b: k for k, b in enumerate(run.ids)}
-                ids.sort(key=order.__getitem__)
             groups.setdefault(run, []).append(ids)
         # children before parents (a run's parent is shallower), so that a parent whose child lapsed with it is
         # ranked behind the child's new runs, not behind the key and tier the child had before its lapse
@@ -640,8 +637,11 @@ class RunFreeQueue(HookedFreeQueue):
             floor, below = below_of.get(run, (run.floor, run.tier))
             news: list[_Run] = []
             ordered = groups[run]
-            if len(ordered) > 1:
+            if len(ordered) > 1 or len(ordered[0]) > 1:
+                # deepest first, as they were in their run (a parent never before its child)
                 position = {b: k for k, b in enumerate(run.ids)}
+                for ids in ordered:
+                    ids.sort(key=position.__getitem__)
                 ordered.sort(key=lambda g: position[g[0]])
             for ids in ordered:
                 new = self._push_run(ids, self._r[ids[0]], run.depth, run.cls, floor, below)
