@@ -327,6 +327,39 @@ def test_a_lapsed_directive_falls_back_and_its_blocks_requeue() -> None:
         _runtime.set_clock(None)
 
 
+def test_a_directive_on_a_whole_prompt_schedules_one_lapse_per_release() -> None:
+    """An agent's prompt held at 90 for 10 s: its blocks lapse together, from one scheduled entry per release (one
+    heap entry per block cost the scheduler a push and a pop per block); a second release that extends the
+    directive moves the lapse, and the first release's entry then lapses nothing."""
+    t = [0.0]
+    _runtime.set_clock(lambda: t[0])
+    try:
+        pool = fixed_pool(33)
+        d = {"retention_directives": [{"start": 0, "priority": 90, "duration": 10}]}
+        a = request("a", 1, d, tokens=8 * BLOCK)
+        ab = pool.admit(a, chain(0, 8, 0), False)
+        assert ab is not None
+        pool.free(a, ab)
+        q = pool.q
+        assert len(q._expiries) == 1 and sorted(q._expiries[0][2]) == sorted(x.block_id for x in ab)
+        t[0] = 5.0
+        a2 = request("a2", 1, d, tokens=8 * BLOCK)
+        ab2 = pool.admit(a2, chain(0, 8, 0), False)
+        assert ab2 is not None and ab2[:7] == ab[:7]  # hits (never the last block of a prompt, as vLLM)
+        pool.free(a2, ab2)
+        assert [e[0] for e in sorted(q._expiries)] == [10.0, 15.0]
+        q.check()
+        q._expire(12.0)  # the first entry: only the block the second release did not use lapses at 10
+        assert [q._r[x.block_id] for x in ab] == [90] * 7 + [25]
+        assert q.stats()["protected_blocks"] == 8  # (ab2's last block, new content at 90 until 15)
+        q._expire(15.0)
+        assert [q._r[x.block_id] for x in ab2] == [25] * 8
+        assert q.stats()["protected_blocks"] == 0 and not q._expiries
+        q.check()
+    finally:
+        _runtime.set_clock(None)
+
+
 def test_hits_leave_a_run_and_eviction_skips_them() -> None:
     pool = fixed_pool()
     a = request("a", 1)

@@ -57,6 +57,34 @@ from kvretain.integrations.vllm._base import HookedFreeQueue, _priority
 NEW = -1
 """Remembered retention of content that no request has released yet."""
 
+_Lapse = tuple[float, int]
+"""A block's pending lapse: (expiry, the retention it falls back to: the highest mapped priority of its users)."""
+
+
+def _retention(
+    r: int,
+    ent: _Lapse | None,
+    owner: str | None,
+    ask: int,
+    duration_s: float | None,
+    scope: str | None,
+    now: float,
+    mapped: int,
+) -> tuple[int, _Lapse | None, str | None, bool]:
+    """A block's retention state after one release asking for ``ask`` (:func:`rules.release` on the run queue's
+    storage): ``(retention, lapse entry (None: none), owner scope, whether the entry's expiry is new and must be
+    scheduled)``. ``r``: its retention before (``NEW``: content no release registered, ``rules.UNSET``), ``ent``
+    its lapse entry (None: no directive holds it, its retention is the highest mapped priority of its users). The
+    entry returned is ``ent`` itself when unchanged. A function of its arguments only: the release loop reuses
+    its result for the next block when the arguments are the same."""
+    expiry, base = ent if ent is not None else (INF, r)
+    cur, base, expiry, owner = rules.release(r, base, expiry, owner, ask, duration_s, scope, now, mapped)
+    if cur == base:
+        return cur, None, owner, False
+    if ent is not None and ent[0] == expiry and ent[1] == base:
+        return cur, ent, owner, False
+    return cur, (expiry, base), owner, rules.lapses(cur, base, expiry) and (ent is None or ent[0] != expiry)
+
 
 class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
@@ -276,9 +304,15 @@ class RunFreeQueue(HookedFreeQueue):
         self._cls = [0] * n
         # blocks whose retention a directive set away from the highest mapped priority of their users:
         # id -> (expiry (INF: none), that mapped priority (what a lapse falls back to))
-        self._lapse: dict[int, tuple[float, int]] = {}
+        self._lapse: dict[int, _Lapse] = {}
         self._owner: dict[int, str] = {}
-        self._expiries: list[tuple[float, int]] = []
+        # pending lapses, one entry per release and expiry time: (time, sequence, the ids it set to lapse then);
+        # an id whose lapse entry no longer names that time is skipped (a later release moved or ended it).
+        # NOTE: one heap entry per block cost a push and a pop of a ~100k-entry heap per block a directive holds
+        # (a directive on a whole agent prompt: most of the plugin's step time on the multi-tenant traces)
+        self._expiries: list[tuple[float, int, list[int]]] = []
+        self._seq = 0
+        self._due: dict[float, list[int]] = {}  # the lapses the release in progress set, by time (see _post)
         scale = rules.buckets_per_key(cfg)
         self._queues = (_RunQueue(scale), _RunQueue(scale))  # 0: protected, 1: unprotected
         self._held = 0  # blocks in runs (the rest of num_free_blocks is vLLM's list of unhashed blocks)
@@ -587,23 +621,39 @@ class RunFreeQueue(HookedFreeQueue):
     ) -> int:
         """One release of ``bid`` asking for ``retention`` (a directive, or the mapped request priority) for
         ``duration_s``; returns the block's retention after it. The rules of ``UnifiedPolicy.release``."""
-        r = self._r[bid]
-        ent = self._lapse.get(bid)
-        # (no lapse entry: no directive, the retention is the highest mapped priority of the users)
-        expiry, base = ent if ent is not None else (INF, r)
-        cur, base, expiry, owner = rules.release(
-            r, base, expiry, self._owner.get(bid), retention, duration_s, scope, now, mapped
+        rr = self._r
+        r = rr[bid]
+        lapse = self._lapse
+        ent = lapse.get(bid)
+        owners = self._owner
+        cur, nent, owner, due = _retention(
+            r, ent, owners.get(bid) if owners else None, retention, duration_s, scope, now, mapped
         )
         if owner is not None:
-            self._owner[bid] = owner
-        if cur != base:
-            self._lapse[bid] = (expiry, base)
-            if rules.lapses(cur, base, expiry) and (ent is None or ent[0] != expiry):
-                heapq.heappush(self._expiries, (expiry, bid))
+            owners[bid] = owner
+        if nent is not None:
+            lapse[bid] = nent
+            if due:
+                self._due_at(nent[0]).append(bid)
         elif ent is not None:
-            del self._lapse[bid]
+            del lapse[bid]
         self._set_retention(bid, cur)
         return cur
+
+    def _due_at(self, t: float) -> list[int]:
+        """The list of ids whose lapse the release in progress set at time ``t``."""
+        due = self._due.get(t)
+        if due is None:
+            due = self._due[t] = []
+        return due
+
+    def _post(self) -> None:
+        """Schedule the lapses the release just done set: one heap entry per expiry time."""
+        exp = self._expiries
+        for t, ids in self._due.items():
+            self._seq += 1
+            heapq.heappush(exp, (t, self._seq, ids))
+        self._due.clear()
 
     def _expire(self, now: float) -> None:
         exp = self._expiries
@@ -611,17 +661,18 @@ class RunFreeQueue(HookedFreeQueue):
         # queued blocks that fell, by run, new retention and use-count bucket (what a run's blocks share)
         moved: dict[tuple[_Run, int, int], list[int]] = {}
         while exp and exp[0][0] <= now:
-            t, bid = heapq.heappop(exp)
-            ent = lapse.get(bid)
-            if ent is None or ent[0] != t:
-                continue
-            del lapse[bid]
-            self._set_retention(bid, ent[1])
-            run = self._run_of[bid]
-            if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
-                self._run_of[bid] = None
-                self._take_from_list(run)
-                moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
+            t, _, ids = heapq.heappop(exp)
+            for bid in ids:
+                ent = lapse.get(bid)
+                if ent is None or ent[0] != t:
+                    continue
+                del lapse[bid]
+                self._set_retention(bid, ent[1])
+                run = self._run_of[bid]
+                if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
+                    self._run_of[bid] = None
+                    self._take_from_list(run)
+                    moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
         if not moved:
             return
         # per run, its lapsed blocks by new retention and use bucket
@@ -711,6 +762,7 @@ class RunFreeQueue(HookedFreeQueue):
                 self._release_group(blocks, nc, plan, rel)
             completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
+            self._post()
             try:
                 placed = self._place(rel, completed)
             finally:
@@ -927,6 +979,13 @@ class RunFreeQueue(HookedFreeQueue):
         first = rel.first.append
         runs = rel.runs
         prios, durs = plan if plan is not None else (None, None)
+        lapse_get = lapse.get
+        owners = self._owner
+        owners_get = owners.get
+        due_at = self._due_at
+        # the last inputs of the rules on the slow path and their outcome (see there)
+        m_r, m_ent, m_ask, m_dur, m_own = NEW - 1, None, -1, None, None
+        m_out: tuple[int, _Lapse | None, str | None, bool] = (NEW, None, None, False)
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
@@ -973,12 +1032,29 @@ class RunFreeQueue(HookedFreeQueue):
                     u = uses[bid] + 1
                     if u > cap:
                         u = cap
-                if slow:  # directives or a scope: the full rules, per block
+                if slow:  # directives or a scope: the full rules (_retain), per block
                     other += 1
-                    if prios is None or durs is None:
-                        r = self._retain(bid, mapped, None, scope, now, mapped)
-                    else:
-                        r = self._retain(bid, prios[i], durs[i], scope, now, mapped)
+                    ask, dur = (mapped, None) if prios is None or durs is None else (prios[i], durs[i])
+                    ent = lapse_get(bid)
+                    own = owners_get(bid) if owners else None
+                    # NOTE: the blocks of one directive's range mostly share their state (their lapse entry is
+                    # one object, set by one earlier release): the rules' outcome for the block before is theirs
+                    if r != m_r or ent is not m_ent or ask != m_ask or dur != m_dur or own != m_own:
+                        m_r, m_ent, m_ask, m_dur, m_own = r, ent, ask, dur, own
+                        m_out = _retention(r, ent, own, ask, dur, scope, now, mapped)
+                    nr, nent, nown, due = m_out
+                    if nown is not None:
+                        owners[bid] = nown
+                    if nent is not None:
+                        if nent is not ent:
+                            lapse[bid] = nent
+                            if due:
+                                due_at(nent[0]).append(bid)
+                    elif ent is not None:
+                        del lapse[bid]
+                    if (r >= thr) != (nr >= thr):
+                        new_protected += 1 if nr >= thr else -1
+                    rr[bid] = r = nr
                     tag = r * 16 + ub[u]
                 elif r == NEW:
                     rr[bid] = r = mapped
@@ -1126,6 +1202,13 @@ class RunFreeQueue(HookedFreeQueue):
                 assert self.pool_blocks[i].block_hash is not None, (
                     f"block {i}: content known, no hash in vLLM"
                 )
+        pending = {(t, bid) for t, _, ids in self._expiries for bid in ids}
+        for bid, (t, base) in self._lapse.items():
+            assert self._r[bid] != NEW and self._r[bid] != base, (
+                f"block {bid}: lapse entry without a directive"
+            )
+            assert t == INF or (t, bid) in pending, f"block {bid}: its lapse at {t} is not scheduled"
+        assert not self._due, "lapses set outside a release"
         known = [i for i in range(len(self._r)) if self._r[i] != NEW]
         assert self._num_protected == sum(1 for i in known if self._r[i] >= self._threshold), (
             "protected count"
