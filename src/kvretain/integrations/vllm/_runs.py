@@ -986,6 +986,7 @@ class RunFreeQueue(HookedFreeQueue):
         # the last inputs of the rules on the slow path and their outcome (see there)
         m_r, m_ent, m_ask, m_dur, m_own = NEW - 1, None, -1, None, None
         m_out: tuple[int, _Lapse | None, str | None, bool] = (NEW, None, None, False)
+        m_due: list[int] | None = None  # where the lapses it schedules go
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
@@ -1042,14 +1043,16 @@ class RunFreeQueue(HookedFreeQueue):
                     if r != m_r or ent is not m_ent or ask != m_ask or dur != m_dur or own != m_own:
                         m_r, m_ent, m_ask, m_dur, m_own = r, ent, ask, dur, own
                         m_out = _retention(r, ent, own, ask, dur, scope, now, mapped)
-                    nr, nent, nown, due = m_out
+                        e = m_out[1]
+                        m_due = due_at(e[0]) if m_out[3] and e is not None else None
+                    nr, nent, nown, _ = m_out
                     if nown is not None:
                         owners[bid] = nown
                     if nent is not None:
                         if nent is not ent:
                             lapse[bid] = nent
-                            if due:
-                                due_at(nent[0]).append(bid)
+                            if m_due is not None:
+                                m_due.append(bid)
                     elif ent is not None:
                         del lapse[bid]
                     if (r >= thr) != (nr >= thr):
