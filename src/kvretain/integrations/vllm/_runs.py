@@ -660,19 +660,44 @@ class RunFreeQueue(HookedFreeQueue):
         lapse = self._lapse
         # queued blocks that fell, by run, new retention and use-count bucket (what a run's blocks share)
         moved: dict[tuple[_Run, int, int], list[int]] = {}
-        while exp and exp[0][0] <= now:
-            t, _, ids = heapq.heappop(exp)
-            for bid in ids:
-                ent = lapse.get(bid)
-                if ent is None or ent[0] != t:
-                    continue
-                del lapse[bid]
-                self._set_retention(bid, ent[1])
-                run = self._run_of[bid]
-                if run is not None and run.r != ent[1]:  # requeue it at its fallen retention
-                    self._run_of[bid] = None
-                    self._take_from_list(run)
-                    moved.setdefault((run, ent[1], self._ub[self._uses[bid]]), []).append(bid)
+        # NOTE: one iteration per lapsing block (a directive on a whole prompt: hundreds at once): _set_retention
+        # and _take_from_list inlined, and the group of the block before reused (a run's blocks lapse together)
+        rr = self._r
+        run_of = self._run_of
+        ub = self._ub
+        uses = self._uses
+        queues = self._queues
+        thr = self._threshold
+        protected = 0
+        last: tuple[_Run, int, int] | None = None
+        group: list[int] = []
+        try:
+            while exp and exp[0][0] <= now:
+                t, _, ids = heapq.heappop(exp)
+                for bid in ids:
+                    ent = lapse.get(bid)
+                    if ent is None or ent[0] != t:
+                        continue
+                    del lapse[bid]
+                    base = ent[1]
+                    if (rr[bid] >= thr) != (base >= thr):
+                        protected += 1 if base >= thr else -1
+                    rr[bid] = base
+                    run = run_of[bid]
+                    if run is not None and run.r != base:  # requeue it at its fallen retention
+                        run_of[bid] = None
+                        run.live -= 1
+                        q = queues[run.tier]
+                        q.n -= 1
+                        if not run.live:
+                            q.died()
+                        key = (run, base, ub[uses[bid]])
+                        if key != last:
+                            last = key
+                            group = moved.setdefault(key, [])
+                        group.append(bid)
+        finally:
+            self._num_protected += protected
         if not moved:
             return
         # per run, its lapsed blocks by new retention and use bucket
@@ -985,8 +1010,9 @@ class RunFreeQueue(HookedFreeQueue):
         due_at = self._due_at
         # the last inputs of the rules on the slow path and their outcome (see there)
         m_r, m_ent, m_ask, m_dur, m_own = NEW - 1, None, -1, None, None
-        m_out: tuple[int, _Lapse | None, str | None, bool] = (NEW, None, None, False)
-        m_due: list[int] | None = None  # where the lapses it schedules go
+        # (the outcome: retention, lapse entry, owner, the protected count's change, where the lapses go)
+        nr, nent, nown, m_dp = NEW, None, None, 0
+        m_due: list[int] | None = None
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
@@ -1035,17 +1061,21 @@ class RunFreeQueue(HookedFreeQueue):
                         u = cap
                 if slow:  # directives or a scope: the full rules (_retain), per block
                     other += 1
-                    ask, dur = (mapped, None) if prios is None or durs is None else (prios[i], durs[i])
+                    if prios is None or durs is None:
+                        ask = mapped
+                        dur = None
+                    else:
+                        ask = prios[i]
+                        dur = durs[i]
                     ent = lapse_get(bid)
                     own = owners_get(bid) if owners else None
                     # NOTE: the blocks of one directive's range mostly share their state (their lapse entry is
                     # one object, set by one earlier release): the rules' outcome for the block before is theirs
                     if r != m_r or ent is not m_ent or ask != m_ask or dur != m_dur or own != m_own:
                         m_r, m_ent, m_ask, m_dur, m_own = r, ent, ask, dur, own
-                        m_out = _retention(r, ent, own, ask, dur, scope, now, mapped)
-                        e = m_out[1]
-                        m_due = due_at(e[0]) if m_out[3] and e is not None else None
-                    nr, nent, nown, _ = m_out
+                        nr, nent, nown, due = _retention(r, ent, own, ask, dur, scope, now, mapped)
+                        m_due = due_at(nent[0]) if due and nent is not None else None
+                        m_dp = 0 if (r >= thr) == (nr >= thr) else 1 if nr >= thr else -1
                     if nown is not None:
                         owners[bid] = nown
                     if nent is not None:
@@ -1055,8 +1085,7 @@ class RunFreeQueue(HookedFreeQueue):
                                 m_due.append(bid)
                     elif ent is not None:
                         del lapse[bid]
-                    if (r >= thr) != (nr >= thr):
-                        new_protected += 1 if nr >= thr else -1
+                    new_protected += m_dp
                     rr[bid] = r = nr
                     tag = r * 16 + ub[u]
                 elif r == NEW:
