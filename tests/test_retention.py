@@ -6,6 +6,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvretain.core.retention import (
     DEFAULT_RETENTION_PRIORITY,
@@ -366,6 +368,47 @@ def test_plan_straddle_tie_takes_the_longer_duration() -> None:
         {"start": 0, "end": 24, "priority": 60, "duration": 5}, {"start": 24, "priority": 60, "duration": 9}
     )
     assert cfg2.block_plan(2, BS, 32, 35)[1] == [5.0, 9.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 30),
+            st.integers(1, 40),
+            st.integers(0, 100),
+            st.one_of(st.none(), st.sampled_from([1.0, 5.0, 9.0])),
+        ),
+        max_size=4,
+    ),
+    st.booleans(),
+    st.integers(0, 6),
+    st.integers(1, 100),
+)
+def test_plan_each_prompt_block_takes_its_highest_directive(
+    spans: list[tuple[int, int, int, float | None]], open_end: bool, num_blocks: int, prompt: int
+) -> None:
+    """Against a per-block reading of the rule: a prompt block overlapped by directives (disjoint token ranges,
+    several may share a block) takes the highest priority among them, on a tie the longest duration (None:
+    forever); any other block the mapped one and no duration."""
+    ranges: list[tuple[int, int | None, int, float | None]] = []
+    at = 0
+    for gap, n, p, d in spans:
+        ranges.append((at + gap, at + gap + n, p, d))
+        at += gap + n
+    if open_end and ranges:
+        ranges[-1] = (ranges[-1][0], None, ranges[-1][2], ranges[-1][3])
+    directives = [{"start": a, "end": e, "priority": p, "duration": d} for a, e, p, d in ranges]
+    prios, durs = parse(*directives).block_plan(num_blocks, BS, prompt, 35)
+    for i in range(num_blocks):
+        lo, hi = i * BS, min((i + 1) * BS, prompt)  # the block's prompt tokens
+        over = [
+            (p, math.inf if d is None else d)
+            for a, e, p, d in ranges
+            if lo < hi and a < hi and (e is None or e > lo)
+        ]
+        best = max(over) if over else (35, math.inf)
+        assert (prios[i], math.inf if durs[i] is None else durs[i]) == best, (i, ranges)
 
 
 def test_plan_decode_blocks_take_the_decode_priority() -> None:

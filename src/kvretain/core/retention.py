@@ -359,7 +359,13 @@ class RetentionConfig:
             hi_tok = num_prompt_tokens if d.end is None else min(d.end, num_prompt_tokens)
             if hi_tok <= d.start:
                 continue  # no prompt token in its range (a prompt ending inside a block: that block is not its)
-            for i in range(d.start // block_size, min(first_decode, -(-hi_tok // block_size))):
+            lo, hi = d.start // block_size, min(first_decode, -(-hi_tok // block_size))
+            if lo < hi and not any(covered[lo:hi]):  # (the common case, no overlap: slices, not a loop)
+                prios[lo:hi] = [d.priority] * (hi - lo)
+                durs[lo:hi] = [d.duration_s] * (hi - lo)
+                covered[lo:hi] = [True] * (hi - lo)
+                continue
+            for i in range(lo, hi):
                 if (
                     not covered[i]
                     or d.priority > prios[i]
