@@ -263,6 +263,36 @@ class _Building:
 class RunFreeQueue(HookedFreeQueue):
     """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by ``unified`` over runs."""
 
+    __slots__ = (  # (see HookedFreeQueue)
+        "_F",
+        "_L",
+        "_cap",
+        "_cls",
+        "_cost_per_block",
+        "_ctl",
+        "_due",
+        "_expiries",
+        "_ghost",
+        "_lapse",
+        "_news",
+        "_nones",
+        "_num_protected",
+        "_owner",
+        "_queues",
+        "_r",
+        "_run_of",
+        "_sampled",
+        "_seq",
+        "_stride",
+        "_stripped",
+        "_threshold",
+        "_ub",
+        "_uses",
+        "_wait",
+        "_weight",
+        "config",
+    )
+
     def __init__(
         self,
         free_blocks: list[KVCacheBlock],
