@@ -3,6 +3,7 @@ and capacities it was not tuned on?
 
     python bench/robustness.py [--quick] [--jobs N] [--set key=value ...] [--json FILE] [--out DIR]
     python bench/robustness.py --trace mine.jsonl [--trace other.jsonl]   # your own Mooncake-format traces
+    python bench/robustness.py --ray auto          # a bigger grid on the Ray cluster this node belongs to
 
 Traces (default set):
   * the Mooncake conversation trace (``--mooncake``) whole, its first 6,000 requests and the rest;
@@ -139,7 +140,7 @@ class Trace:
 
 
 # ---------------------------------------------------------------------------------------- per process
-_LOADED: dict[Trace, tuple[list[ReplayRequest], list[TraceRecord]]] = {}
+_LOADED: dict[Trace, tuple[list[ReplayRequest], list[TraceRecord]]] = {}  # (Loaded)
 _TAGGED: dict[tuple[Trace, str, int], list[ReplayRequest]] = {}
 
 
@@ -153,13 +154,18 @@ def _load(trace: Trace) -> tuple[list[ReplayRequest], list[TraceRecord]]:
     return got
 
 
-def tagged(trace: Trace, rule: str, seed: int) -> list[ReplayRequest]:
-    """The trace's replay requests with priorities from ``rule`` (``one-class``: all 0, no directives)."""
+Loaded = tuple[list[ReplayRequest], list[TraceRecord]]
+"""A trace's replay requests and records (:func:`_load`)."""
+
+
+def tagged(trace: Trace, rule: str, seed: int, loaded: Loaded | None = None) -> list[ReplayRequest]:
+    """The trace's replay requests with priorities from ``rule`` (``one-class``: all 0, no directives);
+    ``loaded``: the trace as :func:`_load` reads it, shipped by a Ray driver (else read here)."""
     key = (trace, rule, seed)
     got = _TAGGED.get(key)
     if got is not None:
         return got
-    rr, records = _load(trace)
+    rr, records = loaded if loaded is not None else _load(trace)
     if rule == "native":
         got = rr
     elif rule == "one-class":
@@ -193,10 +199,11 @@ class Job:
     seed: int = 0
 
 
-def run_job(job: Job) -> dict[str, Any]:
+def run_job(job: Job, loaded: Loaded | None = None) -> dict[str, Any]:
+    """One job's figures (``loaded``: its trace, when a Ray driver ships it; else read in this process)."""
     base = PolicyConfig(block_size=BLOCK_TOKENS)
     tuned = PolicyConfig(**{"block_size": BLOCK_TOKENS, **dict(job.overrides)})
-    reqs = tagged(job.trace, job.rule, job.seed)
+    reqs = tagged(job.trace, job.rule, job.seed, loaded)
     out: dict[str, Any] = {
         "kind": job.kind,
         "trace": job.trace.name,
@@ -582,6 +589,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the jobs as Ray tasks instead of local processes: 'local' starts Ray on this machine with "
+        "--jobs CPUs, 'auto' joins the cluster this node belongs to, or a cluster address (ray://HOST:10001). "
+        "The traces are read here and shipped through Ray's object store; the workers need kvretain installed "
+        "(pip install 'kvretain[ray]')",
+    )
     ap.add_argument("--out", default="reports/robustness", help="folder for the PNGs and generated traces")
     ap.add_argument("--json", default=None, metavar="FILE", help="write every cell to FILE")
     ap.add_argument("--no-plots", action="store_true")
@@ -612,13 +628,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_proc = min(args.jobs, len(jobs))
     n_cells = sum(1 for j in jobs if j.kind == "cell")
     print(note)
+    where = (
+        f"~{total / n_proc / 60:.1f} min on {n_proc} processes"
+        if args.ray in (None, "local")
+        else f"on the Ray cluster at {args.ray}"
+    )
     print(
         f"grid: {len(traces)} traces, {len(caps)} capacities, {n_cells} cells, {len(jobs)} jobs; expected "
-        f"~{total / n_proc / 60:.1f} min on {n_proc} processes ({total / 60:.1f} CPU-min)",
+        f"{where} ({total / 60:.1f} CPU-min)",
         flush=True,
     )
     t0 = time.perf_counter()
-    results = run_all(jobs, n_proc, not args.no_progress)
+    if args.ray is not None:
+        try:
+            results = run_ray(jobs, args.ray, args.jobs, not args.no_progress)
+        except RayUnavailable as exc:
+            print(f"robustness: error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        results = run_all(jobs, n_proc, not args.no_progress)
     wall = time.perf_counter() - t0
     cells = [r for r in results if r["kind"] == "cell"]
     one = [r for r in results if r["kind"] == "one-class"]
@@ -716,6 +744,51 @@ def run_all(
                 results.append(fut.result())
                 bar.update()
     bar.close()
+    return results
+
+
+class RayUnavailable(Exception):
+    """``--ray`` without Ray installed, or no cluster at the address."""
+
+
+def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> list[dict[str, Any]]:
+    """:func:`run_job` of every job as a Ray task (one CPU each), with a progress bar. Each trace is read
+    once here and put in the object store; a task gets its trace from there, so the workers need kvretain
+    but not the trace files. ``address``: ``local`` (a Ray instance on this machine with ``cpus`` CPUs, shut
+    down at the end), ``auto`` or a cluster address (``ray.init(address=...)``)."""
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable("--ray needs Ray: pip install 'kvretain[ray]'") from None
+    from tqdm import tqdm
+
+    # this file is a script, not a module the workers can import: its functions travel by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        if address == "local":
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise RayUnavailable(f"--ray {address}: {exc}") from None
+    try:
+        shipped = {t: ray.put(_load(t)) for t in dict.fromkeys(j.trace for j in jobs)}
+        # (the per-process caches would travel with the functions that name them: the workers fill their own)
+        _LOADED.clear()
+        _TAGGED.clear()
+        task = ray.remote(num_cpus=1)(run_job)
+        pending = [task.remote(j, shipped[j.trace]) for j in jobs]
+        bar = tqdm(
+            total=len(jobs), desc="cells", unit="job", file=sys.stderr, disable=not progress, smoothing=0
+        )
+        results: list[dict[str, Any]] = []
+        while pending:
+            done, pending = ray.wait(pending, num_returns=min(len(pending), 8), timeout=1.0)
+            results.extend(ray.get(done))
+            bar.update(len(done))
+        bar.close()
+    finally:
+        ray.shutdown()
     return results
 
 

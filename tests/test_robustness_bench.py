@@ -63,6 +63,49 @@ def test_quick_grid_prints_the_summary_last(tmp_path: Path) -> None:
         assert (out / "frontier-tiny.png").stat().st_size > 0
 
 
+def _tiny(tmp_path: Path) -> Path:
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    return trace
+
+
+@pytest.mark.bench
+def test_the_ray_backend_gives_the_process_pools_figures(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    trace = _tiny(tmp_path)
+    docs = []
+    for name, backend in (("pool", ["--jobs", "2"]), ("ray", ["--jobs", "2", "--ray", "local"])):
+        out = tmp_path / f"{name}.json"
+        res = _run(
+            "--quick", "--trace", str(trace), *backend, "--json", str(out), "--no-progress", "--no-plots"
+        )
+        assert res.returncode == 0, res.stderr
+        docs.append(json.loads(out.read_text()))
+    pool, ray = docs
+
+    def by_cell(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+        return sorted(rows, key=lambda c: (str(c["kind"]), str(c["rule"]), int(str(c["capacity"]))))
+
+    for part in ("cells", "one_class", "frontiers"):
+        assert len(ray[part]) == len(pool[part]) > 0
+        assert by_cell(ray[part]) == by_cell(pool[part]), part
+    assert ray["summary"] == pool["summary"]
+
+
+def test_ray_without_ray_is_one_line_and_status_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # (import ray raises ImportError)
+    argv = ["--quick", "--trace", str(_tiny(tmp_path)), "--ray", "local", "--no-progress", "--no-plots"]
+    assert grid.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "robustness: error: --ray needs Ray: pip install 'kvretain[ray]'"
+
+
 def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:
     res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--set", "no_such_knob=1")
     assert res.returncode == 2 and res.stdout == ""
