@@ -596,7 +596,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run the jobs as Ray tasks instead of local processes: 'local' starts Ray on this machine with "
         "--jobs CPUs, 'auto' joins the cluster this node belongs to, or a cluster address (ray://HOST:10001). "
         "The traces are read here and shipped through Ray's object store; the workers need kvretain installed "
-        "(pip install 'kvretain[ray]')",
+        "(pip install -e '.[ray]')",
     )
     ap.add_argument("--out", default="reports/robustness", help="folder for the PNGs and generated traces")
     ap.add_argument("--json", default=None, metavar="FILE", help="write every cell to FILE")
@@ -759,7 +759,7 @@ def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> lis
     try:
         import ray
     except ImportError:
-        raise RayUnavailable("--ray needs Ray: pip install 'kvretain[ray]'") from None
+        raise RayUnavailable("--ray needs Ray: pip install -e '.[ray]'") from None
     from tqdm import tqdm
 
     # this file is a script, not a module the workers can import: its functions travel by value

@@ -103,7 +103,7 @@ def test_ray_without_ray_is_one_line_and_status_2(
     argv = ["--quick", "--trace", str(_tiny(tmp_path)), "--ray", "local", "--no-progress", "--no-plots"]
     assert grid.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "robustness: error: --ray needs Ray: pip install 'kvretain[ray]'"
+    assert err.strip().splitlines()[-1] == "robustness: error: --ray needs Ray: pip install -e '.[ray]'"
 
 
 def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:

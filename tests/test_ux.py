@@ -51,7 +51,7 @@ def test_architecture_map_names_only_modules_that_exist() -> None:
 def test_pyproject_has_no_phantom_extras_and_an_spdx_license() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     project = meta["project"]
-    assert set(project["optional-dependencies"]) == {"xxhash", "plots", "vllm", "dev"}
+    assert set(project["optional-dependencies"]) == {"xxhash", "plots", "vllm", "ray", "dev"}
     assert project["license"] == "Apache-2.0"  # the SPDX form: no setuptools deprecation warning
     assert "setuptools>=77" in meta["build-system"]["requires"]  # the first that reads it
     assert "PyTorch engine" not in project["description"]
