@@ -762,6 +762,8 @@ def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> lis
         raise RayUnavailable("--ray needs Ray: pip install -e '.[ray]'") from None
     from tqdm import tqdm
 
+    if address not in ("local", "auto"):
+        _check_reachable(address)
     # this file is a script, not a module the workers can import: its functions travel by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
@@ -790,6 +792,21 @@ def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> lis
     finally:
         ray.shutdown()
     return results
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise :class:`RayUnavailable` unless something accepts a TCP connection at ``address`` (``HOST:PORT`` or
+    ``ray://HOST:PORT``): Ray itself retries an address nobody answers for minutes before it gives up."""
+    import socket
+
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise RayUnavailable(f"--ray {address}: expected local, auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()  # ([::1]:6379)
+    except OSError as exc:
+        raise RayUnavailable(f"--ray {address}: no Ray cluster answers there ({exc})") from None
 
 
 def _slug(name: str) -> str:

@@ -106,6 +106,25 @@ def test_ray_without_ray_is_one_line_and_status_2(
     assert err.strip().splitlines()[-1] == "robustness: error: --ray needs Ray: pip install -e '.[ray]'"
 
 
+@pytest.mark.bench
+def test_a_ray_address_nobody_answers_is_one_line_and_status_2(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address, says in (
+        (f"127.0.0.1:{port}", "no Ray cluster answers there"),
+        ("nowhere", "expected local"),
+    ):
+        res = _run(
+            "--quick", "--trace", str(_tiny(tmp_path)), "--ray", address, "--no-progress", "--no-plots"
+        )
+        assert res.returncode == 2 and says in res.stderr, res.stderr
+        assert res.stderr.strip().splitlines()[-1].startswith(f"robustness: error: --ray {address}: ")
+
+
 def test_bad_set_is_one_line_and_status_2(tmp_path: Path) -> None:
     res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--set", "no_such_knob=1")
     assert res.returncode == 2 and res.stdout == ""
