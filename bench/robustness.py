@@ -751,11 +751,19 @@ class RayUnavailable(Exception):
     """``--ray`` without Ray installed, or no cluster at the address."""
 
 
-def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> list[dict[str, Any]]:
-    """:func:`run_job` of every job as a Ray task (one CPU each), with a progress bar. Each trace is read
-    once here and put in the object store; a task gets its trace from there, so the workers need kvretain
-    but not the trace files. ``address``: ``local`` (a Ray instance on this machine with ``cpus`` CPUs, shut
-    down at the end), ``auto`` or a cluster address (``ray.init(address=...)``)."""
+def run_ray(
+    jobs: Sequence[Any],
+    address: str,
+    cpus: int,
+    progress: bool,
+    fn: Callable[[Any, Loaded], dict[str, Any]] = run_job,
+    trace_of: Callable[[Any], Trace] = lambda job: job.trace,
+) -> list[dict[str, Any]]:
+    """``fn(job, its trace)`` (default :func:`run_job`) of every job as a Ray task (one CPU each), with a
+    progress bar. Each trace (``trace_of(job)``) is read once here and put in the object store; a task gets its
+    trace from there, so the workers need kvretain but not the trace files. ``address``: ``local`` (a Ray
+    instance on this machine with ``cpus`` CPUs, shut down at the end), ``auto`` or a cluster address
+    (``ray.init(address=...)``)."""
     try:
         import ray
     except ImportError:
@@ -774,12 +782,12 @@ def run_ray(jobs: Sequence[Job], address: str, cpus: int, progress: bool) -> lis
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayUnavailable(f"--ray {address}: {exc}") from None
     try:
-        shipped = {t: ray.put(_load(t)) for t in dict.fromkeys(j.trace for j in jobs)}
+        shipped = {t: ray.put(_load(t)) for t in dict.fromkeys(map(trace_of, jobs))}
         # (the per-process caches would travel with the functions that name them: the workers fill their own)
         _LOADED.clear()
         _TAGGED.clear()
-        task = ray.remote(num_cpus=1)(run_job)
-        pending = [task.remote(j, shipped[j.trace]) for j in jobs]
+        task = ray.remote(num_cpus=1)(fn)
+        pending = [task.remote(j, shipped[trace_of(j)]) for j in jobs]
         bar = tqdm(
             total=len(jobs), desc="cells", unit="job", file=sys.stderr, disable=not progress, smoothing=0
         )

@@ -1,7 +1,7 @@
 """Knob sensitivity of ``unified`` on the robustness grid (issue 10, deliverable 8): the grid's acceptance
 figures with every knob at its default and at 0.5x and 2x it, one knob at a time.
 
-    python bench/sensitivity.py [--capacities 500 5384 32000] [--traces NAME ...] [--jobs N] [--knobs K ...] [--json FILE]
+    python bench/sensitivity.py [--capacities 500 5384 32000] [--traces NAME ...] [--jobs N | --ray ADDRESS] [--knobs K ...] [--json FILE]
     python bench/sensitivity.py --quick            # smoke test: bench/robustness.py's --quick grid
 
 The traces, priority rules and capacities are bench/robustness.py's (imported, not copied: ``--mooncake``,
@@ -163,9 +163,10 @@ class SensJob:
     constants: tuple[tuple[str, Any], ...] = ()
 
 
-def run_sens(sj: SensJob) -> dict[str, Any]:
+def run_sens(sj: SensJob, loaded: grid.Loaded | None = None) -> dict[str, Any]:
+    """One job at its setting (``loaded``: its trace, when ``--ray`` ships it; else read in this process)."""
     with protection_constants(dict(sj.constants)):
-        out = grid.run_job(sj.job)
+        out = grid.run_job(sj.job, loaded)
         out["constants_seen"] = {k: getattr(protection, k) for k in CONSTANTS}
     out["setting"] = sj.setting
     return out
@@ -304,6 +305,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the jobs as Ray tasks, as robustness.py --ray does (local, auto, HOST:PORT or ray://HOST:PORT)",
+    )
     ap.add_argument("--out", default="reports/robustness", help="folder for the generated traces")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the settings and every cell to FILE")
     ap.add_argument("--no-progress", action="store_true")
@@ -352,7 +359,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    results = grid.run_all(jobs, n_proc, not args.no_progress, fn=run_sens)
+    if args.ray is not None:
+        try:
+            results = grid.run_ray(
+                jobs, args.ray, args.jobs, not args.no_progress, fn=run_sens, trace_of=lambda sj: sj.job.trace
+            )
+        except grid.RayUnavailable as exc:
+            print(f"sensitivity: error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        results = grid.run_all(jobs, n_proc, not args.no_progress, fn=run_sens)
     wall = time.perf_counter() - t0
     per_setting = assemble(results, settings, [s.key for s in one_class])
     summaries = {k: summarise(cells, one) for k, (cells, one) in per_setting.items()}

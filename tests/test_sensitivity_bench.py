@@ -124,6 +124,32 @@ def test_sensitivity_cli_table_json_and_a_knob_that_moves_a_figure(tmp_path: Pat
     assert all(c["unified"] for c in doc["one_class"]["default"]) and doc["one_class"]["budget=2x"] == []
 
 
+@pytest.mark.bench
+def test_sensitivity_through_ray_gives_the_process_pools_figures_with_the_overrides_in_the_workers(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    docs = []
+    for name, backend in (("pool", []), ("ray", ["--ray", "local"])):
+        out = tmp_path / f"{name}.json"
+        argv = ["--quick", "--trace", str(trace), "--capacities", "16", "48", "--knobs", "WINDOW_TURNOVERS"]
+        res = _run(
+            *argv, "--jobs", "2", *backend, "--json", str(out), "--out", str(tmp_path), "--no-progress"
+        )
+        assert res.returncode == 0, res.stderr
+        docs.append(json.loads(out.read_text()))
+    pool, ray = docs
+    assert ray["summary"] == pool["summary"]
+    for key, cells in pool["cells"].items():
+        order = sorted(cells, key=lambda c: (c["rule"], c["capacity"]))
+        assert sorted(ray["cells"][key], key=lambda c: (c["rule"], c["capacity"])) == order, key
+    seen = {c["constants_seen"]["WINDOW_TURNOVERS"] for c in ray["cells"]["WINDOW_TURNOVERS=2x"]}
+    assert seen == {2 * protection.WINDOW_TURNOVERS}  # the module constant overridden in the Ray worker
+
+
 def test_bad_knob_is_one_line_and_status_2(tmp_path: Path) -> None:
     res = _run("--quick", "--trace", str(tmp_path / "none.jsonl"), "--knobs", "no_such_knob")
     assert res.returncode == 2 and res.stdout == ""
