@@ -1047,6 +1047,7 @@ class RunFreeQueue(HookedFreeQueue):
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
         wait = self._wait
+        lifted = self._lifted
         # the block below (one deeper) joined ``cur`` in this release
         below = cur is not None and start + 1 < len(blocks) and run_of[blocks[start + 1].block_id] is cur
         i = start + 1
@@ -1142,14 +1143,10 @@ class RunFreeQueue(HookedFreeQueue):
                         else:
                             w = None
                     if tag != run_tag:
-                        tier = 0 if r >= thr else 1
-                        floor = 0.0
-                        if cur is not None and cur.tier <= tier:
-                            # a parent never goes before the deeper blocks it leads to (the pool evicts leaves
-                            # only: their chain goes at the deepest one's key), nor after its own lapse: the
-                            # deeper run's key is its floor, in its tier (see _lifted)
-                            tier = cur.tier
-                            floor = cur.key
+                        # a parent never goes before the deeper blocks it leads to (the pool evicts leaves only:
+                        # their chain goes at the deepest one's key), nor after its own lapse: the deeper run's
+                        # key is its floor, in its tier (once per run, not per block)
+                        tier, floor = lifted(r, cur.key, cur.tier) if cur is not None else lifted(r, 0.0, 1)
                         if w is not None and (w[0].tier < tier or (w[0].tier == tier and w[0].key > floor)):
                             tier = w[0].tier
                             floor = w[0].key

@@ -55,6 +55,27 @@ OTHER_PRIORITY = "other"
 """The key (and ``priority`` label) of the priorities past :data:`MAX_PRIORITY_CLASSES`."""
 
 
+class PriorityLabels:
+    """Which request priorities are counted apart: the first ``limit`` seen (:data:`MAX_PRIORITY_CLASSES`), each
+    under its own label; any later one under :data:`OTHER_PRIORITY`. The engine's counters and the API server's
+    latency histograms each keep one (they live in different processes)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = MAX_PRIORITY_CLASSES if limit is None else limit
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def of(self, priority: object) -> str:
+        label = str(priority)
+        if label in self.seen:
+            return label
+        with self._lock:
+            if len(self.seen) >= self.limit:
+                return OTHER_PRIORITY
+            self.seen.add(label)
+        return label
+
+
 class Counters:
     """Per-priority statistics shared by every retention queue of the process: one
     :class:`~kvretain.core.stats.ClassStats` per request priority (vLLM ``priority``, lower = more important),
@@ -67,6 +88,7 @@ class Counters:
         self.by_priority: dict[int, ClassStats] = {}
         self.other = ClassStats()
         self._other_used = False
+        self._labels = PriorityLabels()
 
     def get(self, priority: int) -> ClassStats:
         c = self.by_priority.get(priority)
@@ -74,7 +96,7 @@ class Counters:
             with self._lock:
                 c = self.by_priority.get(priority)
                 if c is None:
-                    if len(self.by_priority) >= MAX_PRIORITY_CLASSES:
+                    if self._labels.of(priority) == OTHER_PRIORITY:
                         self._other_used = True
                         return self.other
                     c = self.by_priority[priority] = ClassStats()
@@ -99,6 +121,7 @@ class Counters:
             self.by_priority = {}
             self.other = ClassStats()
             self._other_used = False
+            self._labels = PriorityLabels()
 
 
 COUNTERS = Counters()

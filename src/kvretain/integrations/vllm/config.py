@@ -257,12 +257,7 @@ def extra_args_for(retention: RetentionConfig | None) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {}
     if retention.directives:
-        out[DIRECTIVES_KEY] = json.dumps(
-            [
-                {"start": d.start, "end": d.end, "priority": d.priority, "duration": d.duration_s}
-                for d in retention.directives
-            ]
-        )
+        out[DIRECTIVES_KEY] = json.dumps([d.to_dict() for d in retention.directives])
     if retention.scope is not None:
         out[SCOPE_KEY] = retention.scope
     if retention.decode_priority is not None:

@@ -351,28 +351,8 @@ def latency_histograms() -> dict[str, Any]:
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-class PriorityLabels:
-    """The ``priority`` label of a request priority: its value for the first ``limit`` priorities seen, then
-    ``"other"`` (as the engine's counters, :data:`_runtime.MAX_PRIORITY_CLASSES`: a client must not grow the
-    histograms' series without bound by sending one request per priority)."""
-
-    def __init__(self, limit: int = _runtime.MAX_PRIORITY_CLASSES) -> None:
-        self.limit = limit
-        self.seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def of(self, priority: Any) -> str:
-        label = str(priority)
-        if label in self.seen:
-            return label
-        with self._lock:
-            if len(self.seen) >= self.limit:
-                return _runtime.OTHER_PRIORITY
-            self.seen.add(label)
-        return label
-
-
-_LABELS = PriorityLabels()
+PriorityLabels = _runtime.PriorityLabels  # (the rule lives with the engine's counters)
+_LABELS = PriorityLabels()  # the histograms' labels, in the API server
 
 
 class ClassLatency:
