@@ -326,3 +326,22 @@ def test_num_cached_tokens_is_the_first_admissions_hit() -> None:
     while not b.is_finished:
         step(s)
     assert b.num_cached_tokens == 8
+
+
+def test_a_lookup_counts_with_the_hits_it_was_admitted_with() -> None:
+    # vLLM 0.33 records a lookup at admission ("unscheduled lookups are not counted"): b, looked up while a and c
+    # hold the pool, hits a's prompt (2 blocks) but cannot be admitted; it is admitted once both finished, when
+    # a's first output block is cached too (3 blocks). The class counts the hit it was admitted with, once
+    s = make(8)
+    s.add_request(req("a", 8, out=5, base=100))
+    s.add_request(req("c", 12, out=8, base=900))
+    step(s)
+    b = Request("b", [*range(100, 108), 7, 7, 7, 7, *range(500, 508)], 2, arrival_time=1.0, priority=0)
+    s.add_request(b)
+    step(s)
+    assert b.num_cached_tokens is None and s.kv.get_computed_blocks(b)[1] == 8  # (not admitted)
+    while s.has_unfinished():
+        step(s)
+    assert b.num_cached_tokens == 12
+    st = s.kv.stats[0]
+    assert st.requests == 3 and st.hit_tokens == 12  # (before: 8, the first lookup's)

@@ -66,7 +66,8 @@ class _ReqState:
     blocks: list[int] = field(default_factory=list)
     hashes: Sequence[BlockHash] = field(default_factory=list)
     num_cached: int = 0
-    looked_up: bool = False
+    looked_up: bool = False  # admitted: its lookup is counted (a later lookup is not, until a resume)
+    hit_blocks: int = -1  # the hits of its latest lookup before admission (-1: none yet)
     seen: object | None = None  # the policy's work at arrival, for the first lookup (on_arrival)
 
 
@@ -150,12 +151,14 @@ class KVCacheManager:
         """Longest run of cached leading blocks of the request's tokens; the hit is capped so that at least
         the last token is computed (its logits are needed).
 
-        Counts one lookup per arrival and one per resume (the first call since the request arrived or was
-        last preempted; calls while it waits for blocks are not counted again): the first lookup in its
-        class's ``requests`` / ``query_tokens`` / ``hit_tokens``, a lookup after a preemption
-        (``req.num_preemptions > 0``) apart, as a resume (:mod:`kvretain.core.stats`). Only first lookups
-        are fed to the policy's ``on_lookup``: unified's controller must not take the scheduler's recompute
-        of a preempted request for reuse.
+        A lookup is counted when the request is admitted (its first successful :meth:`allocate_slots` since it
+        arrived or was last preempted), with the hits of the lookup that admitted it, as vLLM 0.33 does
+        ("record at admission so unscheduled lookups are not counted"): a request that waits for blocks is
+        looked up again each step, and only the lookup it is admitted with counts. The first admission goes
+        into its class's ``requests`` / ``query_tokens`` / ``hit_tokens``, one after a preemption
+        (``req.num_preemptions > 0``) apart, as a resume (:mod:`kvretain.core.stats`). Only first admissions
+        are fed to the policy's ``on_lookup``: unified's controller must not take the scheduler's recompute of
+        a preempted request for reuse.
         """
         if not self.enable_caching:
             return [], 0
@@ -171,13 +174,26 @@ class KVCacheManager:
                 break
             hits.append(bid)
         if not st.looked_up:
-            st.looked_up = True
-            resumed = req.num_preemptions > 0
-            self.cache_stats.record_lookup(req.priority, num_tokens, len(hits) * self.block_size, resumed)
-            seen, st.seen = st.seen, None
-            if not resumed:
-                self.pool.policy.lookup(st.hashes, len(hits), self.mapping.retention_for(req.priority), seen)
+            st.hit_blocks = len(hits)
         return hits, len(hits) * self.block_size
+
+    def _admit(self, req: CacheRequest, st: _ReqState) -> None:
+        """The request is admitted with the hits of its latest lookup: count that lookup (first or resume)
+        and, for a first one, give it to the policy (before the allocation's evictions, as the lookup saw the
+        pool)."""
+        st.looked_up = True
+        hit_blocks = st.hit_blocks
+        num_tokens = len(req.all_token_ids)
+        resumed = req.num_preemptions > 0
+        self.cache_stats.record_lookup(req.priority, num_tokens, hit_blocks * self.block_size, resumed)
+        self.on_admitted(req, hit_blocks)
+        seen, st.seen = st.seen, None
+        if not resumed:
+            self.pool.policy.lookup(st.hashes, hit_blocks, self.mapping.retention_for(req.priority), seen)
+
+    def on_admitted(self, req: CacheRequest, hit_blocks: int) -> None:
+        """Called once per admission (first or resume) with the blocks it hit; for subclasses (the simulator
+        counts the tokens it must recompute there)."""
 
     def allocate_slots(
         self,
@@ -216,6 +232,8 @@ class KVCacheManager:
         free_hits = sum(1 for b in new_computed_blocks if ref_count(b) == 0)
         if n_check + free_hits > self.pool.get_num_free_blocks():
             return None
+        if not st.looked_up and st.hit_blocks >= 0:
+            self._admit(req, st)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             st.blocks.extend(new_computed_blocks)

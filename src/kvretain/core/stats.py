@@ -6,7 +6,9 @@ Counting rules (each written here once):
 
 * **First lookups.** A request's hit ratio counts its *first* prefix-cache lookup only: ``requests``,
   ``query_tokens`` (the tokens it asked for) and ``hit_tokens`` (the cached prefix it got). This is vLLM's
-  ``requests`` / ``queries`` / ``hits`` (``PrefixCacheStats.record`` with ``preempted=False``).
+  ``requests`` / ``queries`` / ``hits`` (``PrefixCacheStats.record`` with ``preempted=False``). As in vLLM
+  0.33, a lookup counts when the request is *admitted*, with the hits it was admitted with: a request that
+  waits for blocks is looked up again at every step, and those lookups do not count.
 * **Resumes.** A lookup by a request resumed after a preemption (``num_preemptions > 0``) is counted apart, in
   ``resumes`` / ``resume_query_tokens`` / ``resume_hit_tokens`` (vLLM's ``preempted_*``). Its hits are mostly
   the request's own blocks, freed a moment ago: counting them as lookups would credit the cache with the

@@ -37,7 +37,6 @@ class TrackingKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, policy, config, mapping, clock=clock)
         self.evicted: set[BlockHash] = set()
         self.recomputed_tokens: dict[int, int] = {}
-        self._looked: set[str] = set()
         inner = self.pool.on_evict_batch
 
         def on_evict(block_ids: list[int], block_hashes: list[BlockHash]) -> None:
@@ -47,26 +46,20 @@ class TrackingKVCacheManager(KVCacheManager):
 
         self.pool.on_evict_batch = on_evict
 
-    def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:
-        hits, n = super().get_computed_blocks(req)
-        rid = req.request_id
-        if rid not in self._looked and isinstance(req, SimRequest):
-            self._looked.add(rid)
-            bs = self.block_size
-            max_blocks = (req.num_tokens - 1) // bs
-            ev = self.evicted
-            if ev and max_blocks > len(hits):
-                hashes: Sequence[BlockHash] = req.block_hashes(bs, max_blocks)
-                missed = ev.intersection(hashes[len(hits) : max_blocks])
-                if missed:
-                    ev.difference_update(missed)
-                    c = req.priority
-                    self.recomputed_tokens[c] = self.recomputed_tokens.get(c, 0) + len(missed) * bs
-        return hits, n
-
-    def free(self, req: CacheRequest) -> None:
-        self._looked.discard(req.request_id)
-        super().free(req)
+    def on_admitted(self, req: CacheRequest, hit_blocks: int) -> None:
+        """At admission: the blocks past its hits that this pool evicted earlier are recomputed."""
+        if not isinstance(req, SimRequest):
+            return
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        ev = self.evicted
+        if ev and max_blocks > hit_blocks:
+            hashes: Sequence[BlockHash] = req.block_hashes(bs, max_blocks)
+            missed = ev.intersection(hashes[hit_blocks:max_blocks])
+            if missed:
+                ev.difference_update(missed)
+                c = req.priority
+                self.recomputed_tokens[c] = self.recomputed_tokens.get(c, 0) + len(missed) * bs
 
     def prefix_match(self, req: SimRequest, max_blocks: int = 64) -> int:
         """Leading blocks of ``req`` cached here (no statistics; for routing)."""
