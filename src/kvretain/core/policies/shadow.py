@@ -93,6 +93,7 @@ class GDShadow:
         "_buckets",
         "_ghost",
         "_keys",
+        "_next",
         "_serial",
         "_stale",
         "_terms",
@@ -105,7 +106,8 @@ class GDShadow:
         self.capacity = max(1, capacity)
         self.cap = cap
         self._terms = [float(u) ** exponent for u in range(cap + 1)]  # uses -> uses ** exponent
-        self.entries: dict[BlockHash, tuple[float, int, int]] = {}  # hash -> (key, uses, serial)
+        self._next = [u + 1 if u < cap else cap for u in range(cap + 1)]  # uses -> after one more, capped
+        self.entries: dict[BlockHash, tuple[int, int]] = {}  # hash -> (uses, serial)
         self._buckets: dict[float, deque[tuple[int, BlockHash]]] = {}  # key -> (serial, hash), oldest first
         self._keys: list[float] = []  # heap of the buckets' keys
         self._serial = 0
@@ -121,33 +123,31 @@ class GDShadow:
         bucket = buckets.get
         keys = self._keys
         get = entries.get
-        cap = self.cap
+        nxt = self._next
         terms = self._terms
         L = self.L
         serial = self._serial
-        stale = self._stale
         take = self._ghost.take_or if self._ghost.capacity else None  # (an empty table remembers nothing)
+        before = len(entries)
         for h in reversed(sampled):
             got = get(h)
             if got is not None:
-                uses = got[1] + 1
-                stale += 1
+                uses = nxt[got[0]]
             elif take is not None:
-                uses = take(h, 0) + 1
+                uses = nxt[take(h, 0)]
             else:
                 uses = 1
-            if uses > cap:
-                uses = cap
             key = L + terms[uses]
             serial += 1
-            entries[h] = (key, uses, serial)
+            entries[h] = (uses, serial)
             q = bucket(key)
             if q is None:
                 buckets[key] = q = deque()
                 heapq.heappush(keys, key)
             q.append((serial, h))
+        # a use of a resident block leaves its earlier queue entry behind: every use that inserted nothing
+        self._stale += len(sampled) - (len(entries) - before)
         self._serial = serial
-        self._stale = stale
         if len(entries) > self.capacity:
             self._evict()
         if self._stale > 4 * self.capacity + 64:
@@ -159,27 +159,44 @@ class GDShadow:
         capacity = self.capacity
         buckets = self._buckets
         keys = self._keys
-        put = self._ghost.put if self._ghost.capacity else None
+        ghost = self._ghost
+        gcap = ghost.capacity
+        if gcap:
+            ring = ghost.ring
+            table = ghost.table
+            drop = table.pop
+            pos = ghost.pos
         L = self.L
         stale = self._stale
         key = keys[0]
         q = buckets[key]
+        pop = q.popleft
         while len(entries) > capacity:
             while not q:
                 del buckets[key]
                 heapq.heappop(keys)
                 key = keys[0]
                 q = buckets[key]
-            serial, h = q.popleft()
+                pop = q.popleft
+            serial, h = pop()
             got = entries.get(h)
-            if got is None or got[2] != serial:
+            if got is None or got[1] != serial:
                 stale -= 1  # (the block was used again since)
                 continue
             del entries[h]
-            if put is not None:
-                put(h, got[1])
+            if gcap:  # (GhostTable.put, inlined: once per eviction)
+                old = ring[pos]
+                if old is not None:
+                    drop(old, None)
+                ring[pos] = h
+                table[h] = got[0]
+                pos += 1
+                if pos == gcap:
+                    pos = 0
             if key > L:
                 L = key
+        if gcap:
+            ghost.pos = pos
         if not q:
             del buckets[key]
             heapq.heappop(keys)
@@ -190,7 +207,7 @@ class GDShadow:
         entries = self.entries
         kept: dict[float, deque[tuple[int, BlockHash]]] = {}
         for key, q in self._buckets.items():
-            live = deque(e for e in q if (got := entries.get(e[1])) is not None and got[2] == e[0])
+            live = deque(e for e in q if (got := entries.get(e[1])) is not None and got[1] == e[0])
             if live:
                 kept[key] = live
         self._buckets = kept
