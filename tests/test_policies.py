@@ -640,3 +640,11 @@ def test_unified_buckets_are_finer_than_the_smallest_value_step() -> None:
             f = rules.frequency_terms(cfg)
             smallest = min(w * (b - a) for a, b in zip(f, f[1:], strict=False))
             assert 1.0 / scale <= smallest / 2 * (1 + 1e-9)
+
+
+def test_the_largest_value_check_counts_the_balances_top_rung() -> None:
+    # with adapt_frequency the exponent may reach frequency_exponent x 4 (FREQUENCY_RUNGS): 64 ** 56 x 2 ** 6.5
+    # overflows the bound that keeps GreedyDual keys finite, 64 ** 14 x 2 ** 6.5 does not
+    PolicyConfig(frequency_exponent=14.0, adapt_frequency=False)
+    with pytest.raises(ValueError, match=r"top rung.*64 \*\* 56\.0"):
+        PolicyConfig(frequency_exponent=14.0)

@@ -73,9 +73,9 @@ class PolicyConfig:
             above 35 (divided below); 1 disables the soft bias and leaves only the protected/unprotected tiers.
         frequency_exponent: unified: value grows as ``uses ** frequency_exponent``.
         frequency_cap: unified/lfu: uses counted up to this many.
-        adapt_frequency: unified: the exponent moves between 0 (recency) and ``frequency_exponent`` by which of
-            the two hits more on a sample of the traffic (:mod:`kvretain.core.policies.balance`); False keeps
-            ``frequency_exponent``.
+        adapt_frequency: unified: the exponent moves between 0 (recency) and ``frequency_exponent`` times one of
+            ``FREQUENCY_RUNGS`` (1, 2 or 4), by which hits most on a sample of the traffic
+            (:mod:`kvretain.core.policies.balance`); False keeps ``frequency_exponent``.
         cost_scale_tokens: unified: recompute cost of a block at token depth p is ``1 + p / cost_scale_tokens``
             (attention over the prefix against the linear FLOPs; ~28.6k tokens for Llama-3-8B). ``0`` (default)
             disables it: on the Mooncake trace the depth term lowered the block hit ratio (deep blocks are
@@ -149,19 +149,26 @@ class PolicyConfig:
         # value = priority_weight ** ((r - 35) / 10) * min(uses, cap) ** exponent (x a depth term >= 1): its
         # largest value must leave GreedyDual keys finite. L rises to each victim's key, so after n
         # evictions L <= n * max value; MAX_VALUE keeps that finite for far more evictions than any run makes.
+        # (with adapt_frequency the exponent may reach frequency_exponent x the top rung)
         top = (MAX_RETENTION_PRIORITY - DEFAULT_RETENTION_PRIORITY) / 10.0
+        rung = max(FREQUENCY_RUNGS) if self.adapt_frequency else 1.0
+        exponent = self.frequency_exponent * rung
         try:
-            largest = self.priority_weight**top * float(self.frequency_cap) ** self.frequency_exponent
+            largest = self.priority_weight**top * float(self.frequency_cap) ** exponent
         except OverflowError:
             largest = INF
         if not largest <= MAX_VALUE:
+            scaled = f" (x {rung:g}, the balance's top rung)" if rung != 1.0 else ""
             raise ValueError(
                 f"priority_weight and frequency_exponent: the largest block value, priority_weight ** {top:g} x "
-                f"frequency_cap ** frequency_exponent = {self.priority_weight!r} ** {top:g} x "
-                f"{self.frequency_cap} ** {self.frequency_exponent!r}, exceeds {MAX_VALUE:g}; use smaller values"
+                f"frequency_cap ** frequency_exponent{scaled} = {self.priority_weight!r} ** {top:g} x "
+                f"{self.frequency_cap} ** {exponent!r}, exceeds {MAX_VALUE:g}; use smaller values"
             )
 
 
+FREQUENCY_RUNGS = (1.0, 2.0, 4.0)
+"""``unified``'s frequency candidates, as multiples of ``frequency_exponent`` (the reasons:
+:mod:`kvretain.core.policies.balance`)."""
 MAX_VALUE = 1e100
 """The largest block value ``unified`` accepts: keys are ``L + value`` with ``L`` at most (evictions x largest
 value), so 1e100 leaves 10^200 evictions before a key could overflow a float (1.8e308)."""

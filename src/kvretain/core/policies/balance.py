@@ -6,15 +6,21 @@ sample, sets how much ``unified``'s value counts a block's uses.
 working set, or when reuse comes in bursts (agents returning after a pause), old counts keep blocks whose reuse
 is over, and plain recency does better. ARC (Megiddo and Modha, FAST'03) adapts its split between a recency and
 a frequency list from hits in their ghosts; here the two candidates are simulated side by side on a spatial
-sample of the traffic (a sub-sample of the controller's, ``BALANCE_SAMPLE`` blocks: the two are compared on the
-same references, so a small sample resolves their difference), each as large as the sampled pool:
+sample of the traffic (a sub-sample of the controller's, ``BALANCE_SAMPLE`` blocks: the candidates are compared
+on the same references, so a small sample resolves their difference), each as large as the sampled pool:
 
 - an LRU shadow (``alpha = 0``: GreedyDual with equal values is LRU);
-- a GreedyDual-Frequency shadow (``alpha = frequency_exponent``, use counts remembered across eviction as the
-  pool remembers them, no priorities).
+- a ladder of GreedyDual-Frequency shadows (at ``frequency_exponent`` times each of ``RUNGS``: 1, 2 and 4; use
+  counts remembered across eviction as the pool remembers them, no priorities). The frequency candidate is the
+  rung that hits most over the window (``rung``): how strongly reuse should count is itself a property of the
+  traffic. Where one-off content floods the pool (retrieval scans, the many single-turn requests of a
+  conversation trace at small pools) only a strong frequency term keeps the reused content, as S3-FIFO's small
+  queue and ARC's recency list do; where reuse comes in bursts, a weak one or none. With the configured exponent
+  as the only candidate, ``unified`` with one class stayed at recency on the Mooncake traces at 500-1,641 blocks
+  where S3-FIFO and ARC hit 1.1-1.5x LRU (docs/results.md, session 22).
 
-Their hits ``E`` (LRU) and ``G`` (frequency) are summed over the controller's window, and the recency share
-``p`` in [0, 1] (``alpha = frequency_exponent * (1 - p)``) integrates ``(E - G) / max(E, G)``, at a rate that
+Their hits ``E`` (LRU) and ``G`` (the best rung's) are summed over the controller's window, and the recency
+share ``p`` in [0, 1] (``alpha = exponent of the rung * (1 - p)``) integrates ``(E - G) / max(E, G)``, at a rate that
 crosses the range in one window when the two differ by the reuse margin (``max_reuse_loss``: the difference
 the controller is built to resolve). The same two candidates' hits are also summed over protected lookups
 alone (``E_p``, ``G_p``: the requests at or above the controller's ``protect_threshold``), and the share
@@ -32,12 +38,14 @@ when it moves a step.
 operator runs ``unified`` as a plain prefix cache), there is no protection to pay for and the promise is the
 stock engine's own: no fewer hits than LRU. The order then starts at recency (``p = 1``: LRU, the order that
 promise is measured against) and leaves it only on evidence: it moves towards frequency only by the part of
-frequency's lead ``G - E`` that stands above ``one_class_z`` standard errors of the two candidates' paired
-difference (``sqrt(D)``, ``D`` the decayed sum over lookups of ``(e_hits - g_hits) ** 2``: a lookup's blocks
-hit or miss together, so lookups are the independent units, as in :mod:`kvretain.core.policies.evidence`),
-and back towards recency on any lead of recency. ``one_class_z`` is 1.645 (``ONE_CLASS_Z`` in
-:mod:`kvretain.core.policies.protection`): a one-sided test at 95%, the textbook level, not a value chosen on
-the grid (its sensitivity is in docs/results.md). Why not the midpoint start and the plain integrator there: the
+frequency's lead ``G - E`` that stands above ``z`` standard errors of the two candidates' paired
+difference (``sqrt(D)``, ``D`` the decayed sum over lookups of ``(e_hits - g_hits) ** 2`` for the best rung: a
+lookup's blocks hit or miss together, so lookups are the independent units, as in
+:mod:`kvretain.core.policies.evidence`), and back towards recency on any lead of recency. ``one_class_z`` is
+1.645 (``ONE_CLASS_Z`` in :mod:`kvretain.core.policies.protection`): a one-sided test at 95%, the textbook
+level, not a value chosen on the grid (its sensitivity is in docs/results.md). The lead tested is the best of
+the rungs' leads, so each is held to ``1 / len(RUNGS)`` of that level (Bonferroni, :func:`rung_z`: 2.128 for
+three rungs), and noise alone moves the order off recency no more often than with one candidate. Why not the midpoint start and the plain integrator there: the
 two candidates often differ by less than their noise (the grid's multi-tenant traces at small pools: LRU
 1.8% ahead over the whole trace, frequency ahead in stretches), and the integrator, whose gain crosses the
 range at a 2% difference, swung the share between its ends on that noise; the pool, which follows the order
@@ -54,14 +62,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.evidence import MIN_TOLERANCE
 from kvretain.core.policies.rules import HALF_USE
 from kvretain.core.policies.shadow import GDShadow, LRUShadow
+from kvretain.core.policy import FREQUENCY_RUNGS
 
 ALPHA_STEPS = 32
 """Quantization of ``alpha`` (the frequency table is rebuilt when it moves by one step)."""
+RUNGS = FREQUENCY_RUNGS
+"""The frequency candidates: GreedyDual-Frequency at ``frequency_exponent`` times each of these (1, 2 and 4; the
+one place they are set is :data:`kvretain.core.policy.FREQUENCY_RUNGS`, which also bounds the largest value a
+configuration may reach). In GreedyDual a block's value is how long it outlives new content without being used
+again (the aging floor ``L`` rises by about one new block's value per turnover), so at exponent ``a`` content
+used twice outlives one-off content by ``2 ** a``: 2 at the configured exponent 1, the weak end; the strong end
+is the first doubling of it at which twice-used content outlives one-off content by at least what S3-FIFO's
+small queue gives it (a 10% probation queue: 9x), ``2 ** 4 = 16``; the rungs double the exponent (each squares
+the ratio of two use counts' values). Without the middle rung (one shadow cheaper) mixed traffic jumped from 1
+to 4 and missed the reuse floor on two grid cells (docs/results.md, session 22)."""
 START_SHARE = 0.5
 """The recency share before any evidence: halfway between the two candidates (with nothing known about the
 traffic, the midpoint bounds the early loss against whichever of the two turns out better)."""
@@ -75,17 +95,18 @@ class FrequencyBalance:
         "_d2",
         "_e",
         "_ep",
-        "_exp",
+        "_exps",
         "_g",
         "_gain",
         "_gp",
         "_lru",
         "_mixed",
-        "_shadow",
+        "_shadows",
         "_tracked",
         "_z",
         "level",
         "one_class",
+        "rung",
         "share",
     )
 
@@ -97,18 +118,24 @@ class FrequencyBalance:
         ghost_factor: float,
         margin: float,
         one_class_z: float = 1.645,
+        rungs: Sequence[float] | None = None,
     ) -> None:
-        self._exp = exponent
-        self._shadow = GDShadow(tracked, exponent, cap, int(ghost_factor * tracked))
+        self._exps = [exponent * r for r in (RUNGS if rungs is None else rungs)]
+        k = len(self._exps)
+        ghost = int(ghost_factor * tracked)
+        self._shadows = [GDShadow(tracked, x, cap, ghost) for x in self._exps]
         self._lru = LRUShadow(tracked)
         self._tracked = tracked
         self._gain = 1.0 / max(margin, MIN_TOLERANCE)
         self._e = 0.0
-        self._g = 0.0
         self._ep = 0.0
-        self._gp = 0.0
-        self._d2 = 0.0  # decayed sum over lookups of (LRU hits - frequency hits) ** 2: the paired noise
-        self._z = one_class_z
+        # per rung: decayed hits (all traffic, protected traffic) and the decayed sum over lookups of (LRU hits -
+        # the rung's hits) ** 2, the paired noise
+        self._g = [0.0] * k
+        self._gp = [0.0] * k
+        self._d2 = [0.0] * k
+        self._z = rung_z(one_class_z, k)
+        self.rung = 0  # the frequency candidate that hits most over the window: the share's frequency end
         # ``share`` is the recency share the order follows; ``_mixed`` the mixed-traffic rule's, run alongside
         # while the traffic is one class (module docstring)
         self.one_class = True
@@ -118,45 +145,68 @@ class FrequencyBalance:
 
     @property
     def alpha(self) -> float:
-        return self._exp * self.level / ALPHA_STEPS
+        return self._exps[self.rung] * self.level / ALPHA_STEPS
 
-    def see(self, sampled: Sequence[BlockHash], lru_hits: int | None = None) -> tuple[int, int]:
-        """Reference one lookup's ``sampled`` blocks (prefix order) in both candidates; their hits (recency,
-        frequency). ``lru_hits``: the hits of an LRU shadow of this size that has seen every lookup the
+    @property
+    def exponents(self) -> list[float]:
+        """The frequency candidates' exponents, one per rung."""
+        return list(self._exps)
+
+    def see(self, sampled: Sequence[BlockHash], lru_hits: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """Reference one lookup's ``sampled`` blocks (prefix order) in every candidate; their hits (recency; each
+        frequency rung). ``lru_hits``: the hits of an LRU shadow of this size that has seen every lookup the
         balance has (the controller's, when it samples the same blocks), in place of the balance's own."""
         e_hits = self._lru.reference(sampled) if lru_hits is None else lru_hits
-        return e_hits, self._shadow.reference(sampled)
+        return e_hits, tuple([sh.reference(sampled) for sh in self._shadows])
 
     def update(
         self,
         n: int,
         e_hits: int,
-        g: int,
+        g_hits: Sequence[int],
         decay: float,
         window: float,
         protected: bool,
         one_class: bool = False,
     ) -> bool:
-        """Account one lookup of ``n`` sampled blocks whose candidates hit ``e_hits`` (recency) and ``g``
-        (frequency), from a ``protected`` request or not (:meth:`see`); ``decay`` is the controller's for this
-        lookup and ``window`` its window in these references. ``one_class``: every lookup so far (this one
-        included) asked for one retention priority; once False it is never True again. Returns True when
-        ``alpha`` moved a step."""
+        """Account one lookup of ``n`` sampled blocks whose candidates hit ``e_hits`` (recency) and ``g_hits``
+        (each frequency rung), from a ``protected`` request or not (:meth:`see`); ``decay`` is the controller's
+        for this lookup and ``window`` its window in these references. ``one_class``: every lookup so far (this
+        one included) asked for one retention priority; once False it is never True again. Returns True when
+        ``alpha`` moved."""
         self._e = e = self._e * decay + e_hits
-        self._g = gg = self._g * decay + g
+        G, GP, D2 = self._g, self._gp, self._d2
+        rungs = len(G)
+        for k in range(rungs):
+            G[k] = G[k] * decay + g_hits[k]
+        if protected:
+            for k in range(rungs):
+                GP[k] = GP[k] * decay + g_hits[k]
+        else:
+            for k in range(rungs):
+                GP[k] *= decay
         if self.one_class:
             if one_class:  # (the paired noise is the one-class rule's alone)
-                self._d2 = self._d2 * decay + (e_hits - g) * (e_hits - g)
+                for k in range(rungs):
+                    dk = e_hits - g_hits[k]
+                    D2[k] = D2[k] * decay + dk * dk
             else:  # a second retention priority ends the one-class rule: the mixed rule's share from now on
                 self.one_class = False
                 self.share = self._mixed
+        best = self.rung
+        for k in range(rungs):
+            if G[k] > G[best]:
+                best = k
+        moved = best != self.rung and self.level > 0
+        self.rung = best
+        gg = G[best]
         m = e if e > gg else gg
         if m <= 0.0:
-            return self._set_level()
+            return self._set_level() or moved
         u = (e - gg) / m
         # protected traffic's own preference: towards recency if either prefers it (see the module docstring)
         self._ep = ep = self._ep * decay + (e_hits if protected else 0)
-        self._gp = gp = self._gp * decay + (g if protected else 0)
+        gp = GP[best]
         mp = ep if ep > gp else gp
         if mp > 0.0:
             up = (ep - gp) / mp
@@ -169,12 +219,12 @@ class FrequencyBalance:
             if e >= gg:
                 u = (e - gg) / m
             else:
-                lead = gg - e - self._z * math.sqrt(self._d2)
+                lead = gg - e - self._z * math.sqrt(D2[best])
                 u = -lead / m if lead > 0.0 else 0.0
             p = self.share + step * u
             p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         self.share = p
-        return self._set_level()
+        return self._set_level() or moved
 
     def _set_level(self) -> bool:
         """``level`` from ``share``; True when it moved a step."""
@@ -188,3 +238,12 @@ class FrequencyBalance:
         """``uses ** alpha`` for uses 0..cap (0 uses count as ``HALF_USE``)."""
         a = self.alpha
         return [HALF_USE if u == 0 else float(u) ** a for u in range(cap + 1)]
+
+
+def rung_z(z: float, rungs: int) -> float:
+    """The one-class test's threshold per rung: ``z`` is the one-sided test for one candidate (1.645: 5%); with
+    ``rungs`` candidates compared with recency, the lead of the best one is the largest of ``rungs`` noisy leads,
+    so each is tested at ``1 / rungs`` of that level (Bonferroni), keeping the chance that noise alone moves the
+    order off recency at most the single test's."""
+    nd = NormalDist()
+    return nd.inv_cdf(1.0 - (1.0 - nd.cdf(z)) / rungs) if rungs > 1 else z

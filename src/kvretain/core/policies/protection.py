@@ -289,7 +289,7 @@ class Sighting:
         iso_hits: int,
         balanced: int,
         e_hits: int = 0,
-        g_hits: int = 0,
+        g_hits: tuple[int, ...] = (),
     ) -> None:
         self.blocks = blocks
         self.mask = mask
@@ -503,7 +503,8 @@ class ProtectionController:
             if protected and self._goal is not None:
                 iso_hits = lru_hits if self._iso_is_lru else self._iso.reference(sampled)
             balanced = sampled if sub is None else sub
-            e_hits = g_hits = 0
+            e_hits = 0
+            g_hits: tuple[int, ...] = ()
             if self.balance is not None and balanced:
                 e_hits, g_hits = self.balance.see(balanced, lru_hits if self._balance_takes_lru else None)
             else:
