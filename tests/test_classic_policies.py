@@ -34,6 +34,7 @@ class Sim:
             k = 0
             while k < len(hashes) and hashes[k] in pool.cached:
                 k += 1
+            self.policy.lookup(hashes, k, 35)  # before the allocation, as the core manager and replay do
             hit_ids = [pool.cached[h] for h in hashes[:k]]
             pool.touch(hit_ids)
             new = pool.get_new_blocks(len(hashes) - k)
@@ -205,6 +206,92 @@ def test_arc_b1_ghost_hit_grows_p_by_the_ghost_ratio() -> None:
     assert arc_stats(sim)["p"] == 3.0
     sim.run([1])  # B2 hit: p -= max(1, |B1| / |B2| = 0 / 3)
     assert arc_stats(sim)["p"] == 2.0
+
+
+class TextbookARC:
+    """ARC(c) as Fig. 4 of FAST'03 writes it, for one-block requests, with arc.py's one documented deviation
+    (REPLACE's tie ``|T1| == p`` with the missed page in B2 goes to T2)."""
+
+    def __init__(self, c: int) -> None:
+        self.c = c
+        self.p = 0.0
+        self.t1: dict[int, None] = {}  # insertion-ordered: LRU first
+        self.t2: dict[int, None] = {}
+        self.b1: dict[int, None] = {}
+        self.b2: dict[int, None] = {}
+
+    @staticmethod
+    def _lru(d: dict[int, None]) -> int:
+        x = next(iter(d))
+        del d[x]
+        return x
+
+    def _replace(self) -> None:
+        if self.t1 and len(self.t1) > self.p:
+            self.b1[self._lru(self.t1)] = None
+        else:
+            self.b2[self._lru(self.t2)] = None
+
+    def access(self, x: int) -> bool:
+        c = self.c
+        if x in self.t1 or x in self.t2:  # Case I
+            (self.t1 if x in self.t1 else self.t2).pop(x)
+            self.t2[x] = None
+            return True
+        if x in self.b1:  # Case II: adapt, then REPLACE
+            self.p = min(c, self.p + max(1.0, len(self.b2) / len(self.b1)))
+            self._replace()
+            del self.b1[x]
+            self.t2[x] = None
+            return False
+        if x in self.b2:  # Case III
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            self._replace()
+            del self.b2[x]
+            self.t2[x] = None
+            return False
+        if len(self.t1) + len(self.b1) == c:  # Case IV
+            if len(self.t1) < c:
+                self._lru(self.b1)
+                self._replace()
+            else:
+                self._lru(self.t1)
+        else:
+            total = len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2)
+            if total >= c:
+                if total == 2 * c:
+                    self._lru(self.b2)
+                self._replace()
+        self.t1[x] = None
+        return False
+
+
+def test_arc_adapts_p_on_a_ghost_hit_before_choosing_the_victim() -> None:
+    """c = 2, accesses 2 0 0 1 2 0. At the 5th, 2 is in B1 (T1 = [1], T2 = [0], p = 0): Case II raises p to 1
+    first, so REPLACE finds |T1| = 1 not > p and evicts T2's 0; the 6th access misses. Adapting p only when
+    2 is registered (after the victim was chosen with p = 0) evicted 1 instead and hit the 6th."""
+    trace = [2, 0, 0, 1, 2, 0]
+    ref = TextbookARC(2)
+    assert [ref.access(x) for x in trace] == [False, False, True, False, False, False]
+    sim = Sim("arc", 2)
+    assert [sim.run([x]) for x in trace] == [0, 0, 1, 0, 0, 0]
+    assert arc_stats(sim)["p"] == ref.p  # 1 after the 5th access, back to 0 at the 6th (0 was in B2)
+    assert replay(requests(singles(trace)), 2, "arc", block_tokens=1).hit_blocks == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_arc_matches_textbook_arc_one_block_per_request(seed: int) -> None:
+    rng = random.Random(seed)
+    c = rng.choice([3, 5, 8])
+    trace = [rng.randrange(4 * c) if rng.random() < 0.7 else rng.randrange(c) for _ in range(600)]
+    ref = TextbookARC(c)
+    want = [ref.access(x) for x in trace]
+    sim = Sim("arc", c)
+    got = [sim.run([x]) == 1 for x in trace]
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    assert first is None, f"c={c}: first difference at access {first}"
+    assert arc_stats(sim)["p"] == ref.p
+    assert replay(requests(singles(trace)), c, "arc", block_tokens=1).hit_blocks == sum(want)
 
 
 def test_arc_scan_does_not_flush_the_working_set_but_lru_does() -> None:

@@ -6,7 +6,8 @@ accesses it, and an object evicted earlier may come back while the algorithm sti
 policies read its calls the same way:
 
 - **insert** = ``on_cached``: a request computed new content and registered it under a hash. A hash the
-  policy remembers as evicted is a **ghost hit** at this moment.
+  policy remembers as evicted is a **ghost hit** at this moment (``arc``, whose victim choice depends on
+  the ghost hit, already adapts at the lookup that missed the hash, before the allocation evicts).
 - **access** = a release of the block by a request that found it cached (a hit: ``touch`` then, when the
   request ends, ``release``). The release by the request that inserted the block is part of the insertion,
   not an access, so a block's accesses are its releases minus one, whichever request releases first.

@@ -5,8 +5,12 @@ Resident blocks sit in two LRU lists: T1 (used once since they entered the cache
 at least twice: frequency). Two ghost lists remember the hashes evicted from each, B1 and B2. A target
 ``p`` (0..c, c = the pool's blocks) is the size T1 should have; it adapts on every ghost hit::
 
-    insert  (on_cached)  hash in B1: p += max(1, |B2| / |B1|)   (T1 was too small), enter T2
-                         hash in B2: p -= max(1, |B1| / |B2|)   (T2 was too small), enter T2
+    ghost hit (on_lookup, the request's missed hashes, before its allocation evicts)
+                         hash in B1: p += max(1, |B2| / |B1|)   (T1 was too small)
+                         hash in B2: p -= max(1, |B1| / |B2|)   (T2 was too small)
+    insert  (on_cached)  hash in B1 or B2: leave the ghost list, enter T2 (p adapted here instead when no
+                         lookup saw the miss: a resume after preemption, or vLLM, whose lookup hook runs
+                         after the allocation)
                          otherwise: enter T1 (first trimming the directory: when |T1| + |B1| reaches c the
                          LRU entry of B1 goes, else when the directory reaches 2c the LRU entry of B2)
     access  (a hit's release)          T1 -> T2 (MRU end); a T2 block goes to T2's MRU end
@@ -18,23 +22,28 @@ so that |T1| + |T2| <= c (the pool), |T1| + |B1| <= c and |T1| + |T2| + |B1| + |
 hold throughout. What insert, access and ghost hit mean in the pool, and that a block enters its list
 at its release (the MRU end, as ``lru`` does), is in :mod:`kvretain.core.policies._classic`.
 
-NOTE: ARC's REPLACE also evicts from T1 when ``|T1| == p`` and the missed page is in B2; the pool evicts
-before it registers the new content (``pop`` comes before ``on_cached``), so the policy cannot know that
-page yet and the tie goes to T2. |T1| and |T2| count the blocks in use too (they are resident); only the
-evictable ones are in the LRU lists, so a block in use is skipped until its release puts it back (at the MRU
-end, where an access puts it anyway). Every operation is O(1).
+FAST'03 adapts ``p`` on a ghost hit *before* REPLACE chooses the victim (Cases II and III). The pool evicts
+before it registers the new content (``pop`` comes before ``on_cached``), so the adaptation is done at the
+request's lookup (``on_lookup``, which the core manager and ``replay`` call before allocating) and the ghost
+entry is marked adapted (its value in B1 / B2) so that ``on_cached`` does not adapt again. NOTE: ARC's
+REPLACE also evicts from T1 when ``|T1| == p`` and the missed page is in B2; ``pop`` is not told which page
+it makes room for (a request may miss several), and the tie goes to T2. |T1| and |T2| count the blocks in
+use too (they are resident); only the evictable ones are in the LRU lists, so a block in use is skipped
+until its release puts it back (at the MRU end, where an access puts it anyway). Every operation is O(1).
 
-On the Mooncake conversation trace this gives 0.0505 / 0.1144 / 0.2894 at 875 / 5,000 / 20,000 blocks
-against 0.0488 / 0.1124 / 0.2892 for textbook ARC in the field notes' simplified replay. A separate ARC
-driven in the pool's sequence reproduces 0.0505 and 0.1144 exactly. The gap is the release order: a
-request releases its blocks deepest first, so a chain's head is the newest entry of its list (the same
-sequence in request order gives 0.0488 and 0.1133); at 5,000 blocks the pool's refusal to register a chain
-below a block cached elsewhere (an orphan left by an evicted parent) takes 0.0014 back.
+On the Mooncake conversation trace this gives 0.0505 / 0.1129 / 0.2895 at 875 / 5,000 / 20,000 blocks
+against 0.0488 / 0.1124 / 0.2892 for textbook ARC in the field notes' simplified replay. (Before ``p`` was
+adapted at the lookup it was adapted at registration, after the victim was chosen: 0.0505 / 0.1144 /
+0.2894; the analysis that followed was made on those figures.) The gap is the release order: a request
+releases its blocks deepest first, so a chain's head is the newest entry of its list (with the old
+adaptation, the same sequence in request order gave 0.0488 and 0.1133); at 5,000 blocks the pool's refusal
+to register a chain below a block cached elsewhere (an orphan left by an evicted parent) took 0.0014 back.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies._classic import ClassicBlock, ClassicPolicy
@@ -63,8 +72,9 @@ class ARCPolicy(ClassicPolicy[_Block]):
         # evictable blocks of T1 and T2 (index by _T1 / _T2), LRU first; OrderedDicts are O(1) linked lists in C
         self._lists: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._size = [0, 0, 0]  # |T1|, |T2|: resident blocks of each list, in use or not
-        self._b1: OrderedDict[BlockHash, None] = OrderedDict()
-        self._b2: OrderedDict[BlockHash, None] = OrderedDict()
+        # ghost lists, LRU first; the value is True once a lookup adapted p for that ghost hit (on_lookup)
+        self._b1: OrderedDict[BlockHash, bool] = OrderedDict()
+        self._b2: OrderedDict[BlockHash, bool] = OrderedDict()
         self.p = 0.0
 
     # ------------------------------------------------------------------ insert / access
@@ -77,11 +87,13 @@ class ARCPolicy(ClassicPolicy[_Block]):
         size = self._size
         c = self.num_blocks
         if block_hash in b1:
-            self.p = min(float(c), self.p + max(1.0, len(b2) / len(b1)))
+            if not b1[block_hash]:  # no lookup adapted p for this ghost hit
+                self.p = min(float(c), self.p + max(1.0, len(b2) / len(b1)))
             del b1[block_hash]
             b.lst = _T2
         elif block_hash in b2:
-            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+            if not b2[block_hash]:
+                self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
             del b2[block_hash]
             b.lst = _T2
         else:
@@ -94,6 +106,31 @@ class ARCPolicy(ClassicPolicy[_Block]):
                 b2.popitem(last=False)
             b.lst = _T1
         size[b.lst] += 1
+
+    def on_lookup(
+        self, hashes: Sequence[BlockHash], num_hits: int, retention: int, seen: object | None = None
+    ) -> None:
+        """FAST'03 Cases II / III: a missed hash found in B1 or B2 adapts ``p`` now, before the request's
+        allocation evicts (REPLACE with the adapted ``p``); the ghost entry is marked so that its
+        ``on_cached`` does not adapt again (a second request missing the same ghost before it is registered
+        does not adapt twice either)."""
+        b1 = self._b1
+        b2 = self._b2
+        if not b1 and not b2:
+            return
+        c = float(self.num_blocks)
+        for i in range(num_hits, len(hashes)):
+            h = hashes[i]
+            marked = b1.get(h)
+            if marked is not None:
+                if not marked:
+                    self.p = min(c, self.p + max(1.0, len(b2) / len(b1)))
+                    b1[h] = True  # (assigning an existing key keeps its place in the LRU order)
+                continue
+            marked = b2.get(h)
+            if marked is not None and not marked:
+                self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+                b2[h] = True
 
     def _access(self, b: _Block) -> None:
         if b.lst == _T1:
@@ -130,7 +167,7 @@ class ARCPolicy(ClassicPolicy[_Block]):
         else:
             return None
         b = self._meta[bid]
-        ghost[b.content] = None  # type: ignore[index]
+        ghost[b.content] = False  # type: ignore[index]
         self._size[b.lst] -= 1
         self._n -= 1
         b.lst = _NONE
