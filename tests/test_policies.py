@@ -375,6 +375,29 @@ def test_unified_highest_wins_and_only_the_owner_may_lower() -> None:
     assert sim.retention(1) == 30
 
 
+def test_unified_the_owner_is_the_scope_that_set_the_level_none_included() -> None:
+    # an unscoped request that raises the level sets it: no scope owns it then, so none may lower it (the
+    # scope that set the level before used to stay the owner and could lower the unscoped request's level)
+    sim = unified(4, 1.0)
+    sim.run([1], 80, scope="a")
+    sim.run([1], 90)  # anyone may raise: an unscoped request sets 90
+    assert sim.retention(1) == 90
+    sim.run([1], 10, scope="a")  # "a" set 80, not 90
+    assert sim.retention(1) == 90
+    sim.run([1], 10)  # nor may an unscoped request lower it (it is not untouched content)
+    assert sim.retention(1) == 90
+    sim.run([1], 95, scope="b")  # a scoped raise owns it again
+    sim.run([1], 50, scope="b")
+    assert sim.retention(1) == 50
+    # the same through a directive with a duration: the unscoped raise's lapse still falls back as before
+    sim.run([2], 80, 10.0, scope="a")
+    sim.run([2], 90, 5.0)
+    sim.run([2], 10, scope="a")
+    assert sim.retention(2) == 90
+    sim.now = 6.0
+    assert sim.retention(2) == 35
+
+
 def test_unified_a_request_may_keep_what_it_computed_below_its_priority() -> None:
     # new content, no scope: its first release is its only user so far, so a lower ask holds (TensorRT-LLM's
     # low decode priority); before, the level stayed at the request's mapped priority and the ask was lost
@@ -391,8 +414,8 @@ def test_unified_a_request_may_keep_what_it_computed_below_its_priority() -> Non
     sim.run([4], 10, scope="s")  # a scope lowering new content owns it: it may lower it again
     sim.run([4], 35)  # another user's release raises it: highest wins from then on
     assert sim.retention(4) == 35
-    sim.run([4], 20, scope="s")
-    assert sim.retention(4) == 20
+    sim.run([4], 20, scope="s")  # "s" did not set 35: it cannot lower it
+    assert sim.retention(4) == 35
 
 
 def test_unified_shared_block_keeps_the_highest_whoever_releases_last() -> None:

@@ -17,7 +17,8 @@ or its request priority mapped by :class:`~kvretain.core.retention.PriorityMappi
    the owner's (RFC #37003: only the owner may lower), or on content no release has touched (its first
    releaser is the only user it has had: a request may ask to keep what it computed *less* than its priority
    would, TensorRT-LLM's low decode priority for example; any later user's release raises it again); either
-   way the ask's duration starts now and the scope becomes the owner;
+   way the ask's duration starts now and the asker's scope becomes the owner (``None`` for a request without
+   a scope: then no scope may lower the level, since none set it);
 4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration);
 5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down.
 
@@ -63,8 +64,7 @@ def release(
     if ask > cur or (ask < cur and (level == UNSET or (scope is not None and scope == owner))):
         cur = ask
         expiry = end
-        if scope is not None:
-            owner = scope
+        owner = scope  # the scope that set the level (None included: an unscoped raise leaves no owner)
     elif ask == cur and end > expiry:
         expiry = end
     if cur == base:

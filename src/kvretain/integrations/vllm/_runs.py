@@ -661,6 +661,8 @@ class RunFreeQueue(HookedFreeQueue):
         )
         if owner is not None:
             owners[bid] = owner
+        elif owners:
+            owners.pop(bid, None)
         if nent is not None:
             lapse[bid] = nent
             if due:
@@ -1109,6 +1111,8 @@ class RunFreeQueue(HookedFreeQueue):
                         m_dp = 0 if (r >= thr) == (nr >= thr) else 1 if nr >= thr else -1
                     if nown is not None:
                         owners[bid] = nown
+                    elif own is not None:  # an unscoped request set the level: no owner any more
+                        del owners[bid]
                     if nent is not None:
                         if nent is not ent:
                             lapse[bid] = nent
@@ -1132,6 +1136,8 @@ class RunFreeQueue(HookedFreeQueue):
                         if r < thr <= mapped:
                             new_protected += 1
                         rr[bid] = r = mapped
+                        if owners:  # an unscoped release set the level: no owner any more (rules.release)
+                            owners.pop(bid, None)
                     tag = r * 16 + ub[u]
                 uses[bid] = u
                 if freeing_now and c == 1 and run_of[bid] is None:  # its last reference goes now
