@@ -164,6 +164,75 @@ def test_double_free_raises() -> None:
         pool.free_blocks(plain)
 
 
+def _misuse_state(policy: str) -> tuple[BlockPool, dict[str, int]]:
+    """A chain held by a request (a0 -> a1), a cached-free block (b), a block in use without a hash (p), the
+    rest empty."""
+    pool = new_pool(policy)
+    a = start(pool, [1, 2])
+    b = run(pool, [7])
+    p = pool.get_new_blocks(1)
+    assert a is not None and p is not None
+    return pool, {"a0": a[0], "a1": a[1], "b": b[0], "p": p[0], "empty": 9}
+
+
+def _drain(pool: BlockPool) -> list[int]:
+    """Free everything still held, then evict every cached block; the hashes evicted, in order."""
+    out: list[int] = []
+    pool.on_evict = lambda bid, h: out.append(int(h))
+    held = [b for b in range(pool.num_blocks) if pool.ref_count(b)]
+    for b in held:
+        pool.free_blocks([b] * pool.ref_count(b))
+    pool.check_integrity()
+    assert pool.get_new_blocks(pool.get_num_free_blocks()) is not None
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "unified", "s3fifo", "arc"])
+def test_a_refused_free_or_touch_changes_nothing(policy: str) -> None:
+    # the checks used to come block by block: the blocks before the refused one had been released (or taken)
+    # already, and the pool failed its integrity check after the error
+    pool, ids = _misuse_state(policy)
+    control, _ = _misuse_state(policy)
+    before = snapshot(pool)
+    a0, a1, b, p, empty = ids["a0"], ids["a1"], ids["b"], ids["p"], ids["empty"]
+    plan = BlockRetention([80, 80], [None, 5.0], "s", 0, 35)
+    refused: list[tuple[str, type[Exception], str | None]] = [
+        ("free", ValueError, "double free"),  # b is stale, a1 (released first) is live
+        ("free-plan", ValueError, "double free"),  # the same with a per-block plan (the policy's slow path)
+        ("free-twice", ValueError, "double free"),  # p is held once, freed twice
+        ("free-out-of-range", IndexError, None),
+        ("touch", ValueError, "is empty"),  # b and a0 first: taken before the empty block is refused
+        ("touch-out-of-range", IndexError, None),
+    ]
+    for what, exc, match in refused:
+        with pytest.raises(exc, match=match):
+            if what == "free":
+                pool.free_blocks([b, a1])
+            elif what == "free-plan":
+                pool.free_blocks([b, a1], plan)
+            elif what == "free-twice":
+                pool.free_blocks([a0, p, p])
+            elif what == "free-out-of-range":
+                pool.free_blocks([99, a0, a1])
+            elif what == "touch":
+                pool.touch([b, a0, p, empty])
+            else:
+                pool.touch([b, a1, 99])
+        assert snapshot(pool) == before, what
+        pool.check_integrity()
+    assert _drain(pool) == _drain(control)
+
+
+def test_a_block_held_twice_may_be_freed_twice_in_one_call() -> None:
+    pool = new_pool()
+    ids = run(pool, [1])
+    pool.touch(ids + ids)
+    assert pool.ref_count(ids[0]) == 2
+    pool.free_blocks(ids + ids)
+    pool.check_integrity()
+    assert pool.ref_count(ids[0]) == 0 and pool.get_num_free_blocks() == N
+
+
 def test_touching_an_empty_block_raises() -> None:
     pool = new_pool()
     with pytest.raises(ValueError, match="block 4 is empty; only cached blocks can be touched"):

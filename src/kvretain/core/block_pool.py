@@ -12,7 +12,7 @@ request are released deepest first, as vLLM does, so recency-based orders drop t
 its head.
 
 Running out of blocks is a return value (``None``); misuse (double free, touching an empty block...) is an
-exception.
+exception, and the call that raises it changes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from collections.abc import Callable, Sequence
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policy import NO_PARENT, BlockState, EvictionPolicy
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
+
+
+def _position(block_ids: Sequence[int], bid: object) -> int:
+    """Where ``touch`` stopped: the first occurrence of the refused id (an earlier occurrence would have been
+    refused there: touching never empties a block)."""
+    for j, b in enumerate(block_ids):
+        if b is bid or b == bid:
+            return j
+    return len(block_ids)  # pragma: no cover - bid comes from block_ids
 
 
 class PoolIntegrityError(AssertionError):
@@ -171,18 +180,36 @@ class BlockPool:
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on cache hits (removing free ones from the eviction order)."""
+        """Take a reference on cache hits (removing free ones from the eviction order). Every block must be
+        hashed or in use: otherwise ``ValueError`` names the first that is not, and nothing changes."""
         blocks = self._blocks
-        for bid in block_ids:
-            blk = blocks[bid]
-            if blk.ref_cnt == 0:
-                if blk.block_hash is None:
-                    raise ValueError(f"block {bid} is empty; only cached blocks can be touched")
-                if blk.evictable:
-                    blk.evictable = False
-                    self.policy.remove(bid)
-                self._num_cached_free -= 1
-            blk.ref_cnt += 1
+        # evictable blocks taken out of the policy's order once the whole call is valid
+        leaving: list[int] = []
+        taken_free = 0
+        try:
+            for bid in block_ids:
+                blk = blocks[bid]
+                c = blk.ref_cnt
+                if c == 0:
+                    if blk.block_hash is None:
+                        raise ValueError(f"block {bid} is empty; only cached blocks can be touched")
+                    if blk.evictable:
+                        blk.evictable = False
+                        leaving.append(bid)
+                    taken_free += 1
+                blk.ref_cnt = c + 1
+        except (ValueError, IndexError, TypeError):
+            # refused (an empty block, or an id out of range): undo the references taken before it
+            for b in block_ids[: _position(block_ids, bid)]:
+                blocks[b].ref_cnt -= 1
+            for b in leaving:
+                blocks[b].evictable = True
+            raise
+        if taken_free:
+            self._num_cached_free -= taken_free
+            remove = self.policy.remove
+            for bid in leaving:
+                remove(bid)
 
     def cache_blocks(
         self, block_ids: Sequence[int], hashes: Sequence[BlockHash], start: int, end: int
@@ -240,6 +267,10 @@ class BlockPool:
 
         ``retention`` gives, per block index of the request, the retention priority and duration that the
         releasing request asks for; without it blocks are released at the default priority (35).
+
+        A block freed more times than it is held (its repeats in ``block_ids`` counted) is a double free:
+        ``ValueError``, and nothing changes. The loop below changes only the pool's own counts, and undoes them
+        when it meets a refused block; the policy hears of the release after it (in release order).
         """
         now = self.clock()
         blocks = self._blocks
@@ -250,43 +281,70 @@ class BlockPool:
         scope = retention.scope if retention is not None else None
         base = retention.base_priority if retention is not None else DEFAULT_RETENTION_PRIORITY
         n_plan = min(len(prios), len(durs)) if prios is not None and durs is not None else 0
-        batch = track and n_plan == 0  # uniform retention: one batched policy call after the loop
-        run_ids: list[int] = []
-        run_evs: list[int] = []  # the blocks of run_ids that became evictable
+        # uniform retention (or a policy that counts no uses): one batched policy call after the loop
+        batch = n_plan == 0 or not track
+        run_ids: list[int] = []  # the hashed blocks released, for a policy that tracks uses (batch)
+        run_evs: list[int] = []  # the blocks of run_ids that became evictable (batch)
+        run_idx: list[int] = []  # the hashed blocks' indices (a plan's, not batch)
         leaf_only = self._leaf_only
-        release = policy.release
         empty = self._empty
         freed_cached = 0
-        for i in range(len(block_ids) - 1, -1, -1):
-            bid = block_ids[i]
-            blk = blocks[bid]
-            c = blk.ref_cnt
-            if c <= 0:
-                raise ValueError(f"block {bid} freed more times than it was taken (double free)")
-            blk.ref_cnt = c - 1
-            if blk.block_hash is None:
+        i = len(block_ids)
+        try:
+            for i in range(len(block_ids) - 1, -1, -1):
+                bid = block_ids[i]
+                blk = blocks[bid]
+                c = blk.ref_cnt
+                if c <= 0:
+                    raise ValueError(f"block {bid} freed more times than it was taken (double free)")
+                blk.ref_cnt = c - 1
+                if blk.block_hash is None:
+                    if c == 1:
+                        empty.append(bid)
+                    continue
+                ev = False
                 if c == 1:
-                    empty.append(bid)
-                continue
-            ev = False
-            if c == 1:
-                freed_cached += 1
-                if not leaf_only or blk.num_children == 0:
-                    blk.evictable = ev = True
-            if batch:
-                run_ids.append(bid)
-                if ev:
-                    run_evs.append(bid)
-            elif track:
-                if i < n_plan:
-                    release(bid, prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]
+                    freed_cached += 1
+                    if not leaf_only or blk.num_children == 0:
+                        blk.evictable = ev = True
+                if batch:
+                    if track:
+                        run_ids.append(bid)
+                    if ev:
+                        run_evs.append(bid)
                 else:
-                    release(bid, base, None, scope, now, base, ev)
-            elif ev:
-                policy.push(bid, now)
+                    run_idx.append(~i if ev else i)  # (negative: the release makes it evictable)
+        except (ValueError, IndexError, TypeError):
+            self._undo_free(block_ids, i + 1)  # (block i is unchanged)
+            raise
         self._num_cached_free += freed_cached
-        if run_ids:
-            policy.release_run(run_ids, run_evs, base, scope, now, base)
+        if batch:
+            if run_evs or run_ids:
+                policy.release_run(run_ids, run_evs, base, scope, now, base)
+            return
+        release = policy.release
+        for i in run_idx:
+            ev = i < 0
+            if ev:
+                i = ~i
+            if i < n_plan:
+                release(block_ids[i], prios[i], durs[i], scope, now, base, ev)  # type: ignore[index]
+            else:
+                release(block_ids[i], base, None, scope, now, base, ev)
+
+    def _undo_free(self, block_ids: Sequence[int], start: int) -> None:
+        """Undo what :meth:`free_blocks`'s loop did to ``block_ids[start:]`` (it went deepest first: undone in the
+        reverse order, each step restores the state before it)."""
+        blocks = self._blocks
+        empty = self._empty
+        for j in range(start, len(block_ids)):
+            blk = blocks[block_ids[j]]
+            blk.ref_cnt += 1
+            if blk.ref_cnt == 1:  # this step had freed it
+                if blk.block_hash is None:
+                    empty.pop()  # (the last one the loop appended)
+                else:
+                    blk.evictable = False
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block's hash (only when no block is in use, as vLLM); returns success."""

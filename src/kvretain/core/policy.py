@@ -253,7 +253,8 @@ class EvictionPolicy(ABC):
         """``release`` for each block of ``block_ids`` (in release order), all at ``retention`` without expiry;
         ``evictable_ids`` (a subsequence of ``block_ids``) are the blocks the release made evictable, pushed
         in that order after the releases. One call per request on the hot path; policies may override it
-        with a fused loop."""
+        with a fused loop. A pool gives a policy that does not track uses (``tracks_uses`` False) only
+        ``evictable_ids`` (``block_ids`` empty), whatever the retention."""
         release = self.release
         for bid in block_ids:
             release(bid, retention, None, scope, now, base, False)

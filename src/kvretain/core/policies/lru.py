@@ -9,6 +9,7 @@ not do it; with deepest-first release it rarely matters).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from kvretain.core.policy import POLICIES, EvictionPolicy, PolicyConfig
 
@@ -25,6 +26,20 @@ class LRUPolicy(EvictionPolicy):
 
     def push(self, block_id: int, now: float) -> None:
         self._queue[block_id] = None
+
+    def release_run(
+        self,
+        block_ids: Sequence[int],
+        evictable_ids: Sequence[int],
+        retention: int,
+        scope: str | None,
+        now: float,
+        base: int,
+    ) -> None:
+        # no use counts: the blocks the release made evictable join the tail, in release order
+        queue = self._queue
+        for bid in evictable_ids:
+            queue[bid] = None
 
     def remove(self, block_id: int) -> None:
         del self._queue[block_id]
