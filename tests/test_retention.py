@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvretain.core.retention import (
     DEFAULT_RETENTION_PRIORITY,
+    BlockRetention,
     PriorityMapping,
     RetentionConfig,
     RetentionDirective,
@@ -440,3 +441,41 @@ def test_plan_with_fewer_blocks_than_the_prompt() -> None:
     cfg = parse({"start": 0, "priority": 90})
     assert cfg.block_plan(2, BS, 64, 35)[0] == [90, 90]
     assert cfg.block_plan(0, BS, 64, 35) == ([], [])
+
+
+# ---------------------------------------------------------------- BlockRetention (what a release asks for)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        # -1 is the rules' UNSET (unified read it as the weight of 100); 150 indexed past the weights
+        (
+            {"priorities": [50, -1], "durations": [None, None]},
+            r"priorities\[1\]: priority -1 is out of range",
+        ),
+        ({"priorities": [150], "durations": [None]}, r"priorities\[0\]: priority 150 is out of range"),
+        (
+            {"priorities": [50, 50.5], "durations": [None, None]},
+            r"priorities\[1\]: priority must be an integer",
+        ),
+        ({"priorities": ["80"], "durations": [None]}, r"priorities\[0\]: priority must be an integer"),
+        # a NaN duration never lapsed
+        ({"priorities": [80, 80], "durations": [None, math.nan]}, r"durations\[1\] must be >= 0 seconds"),
+        ({"priorities": [80], "durations": [-1.0]}, r"durations\[0\] must be >= 0 seconds"),
+        ({"priorities": [80], "durations": ["5"]}, r"durations\[0\] must be a number of seconds or null"),
+        ({"priorities": [80], "durations": [[5]]}, r"durations\[0\] must be a number of seconds or null"),
+        ({"base_priority": -1}, r"BlockRetention: base_priority: priority -1 is out of range"),
+        ({"base_priority": 101}, r"BlockRetention: base_priority: priority 101 is out of range"),
+        ({"base_priority": 35.0}, r"base_priority: priority must be an integer .* base_priority=80"),
+    ],
+)
+def test_block_retention_refuses_what_the_rules_cannot_rank(kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(RetentionError, match=pattern):
+        BlockRetention(**kwargs)
+
+
+def test_block_retention_accepts_the_whole_range() -> None:
+    BlockRetention()
+    BlockRetention([0, 100, 35], [None, 0.0, math.inf], "s", -3, 0)  # inf: no expiry, as a directive's
+    BlockRetention([100] * 3, [1, 2.5, None], None, 0, 100)  # an int duration is seconds too

@@ -399,7 +399,9 @@ class BlockRetention:
     """What a request says about its blocks when it releases them (computed once per request).
 
     Empty ``priorities`` means every block at ``base_priority`` without expiry (the common case, which the
-    pool releases in one batched policy call).
+    pool releases in one batched policy call). Priorities and ``base_priority`` are integers in [0, 100];
+    durations are None (no expiry) or seconds >= 0 (``inf``: no expiry, as a directive's); anything else is a
+    :class:`RetentionError` naming the entry.
     """
 
     priorities: list[int] = field(default_factory=list)
@@ -408,3 +410,60 @@ class BlockRetention:
     request_priority: int = 0
     base_priority: int = DEFAULT_RETENTION_PRIORITY
     """The retention priority the request priority maps to (where a lapsed duration falls back)."""
+
+    def __post_init__(self) -> None:
+        # Checked here, not in the policies (an out-of-range priority indexed unified's weights from the end,
+        # a NaN duration never lapsed). Built per release: a plan's lists are checked in C (no Python per
+        # block); only a refused one is walked to name its first bad entry.
+        base = self.base_priority
+        if type(base) is not int or not MIN_RETENTION_PRIORITY <= base <= MAX_RETENTION_PRIORITY:
+            check_priority(base, "BlockRetention: base_priority", "base_priority")
+        prios = self.priorities
+        if prios:
+            try:
+                ok = not bytes(prios).translate(None, _PRIORITY_BYTES)  # ints in [0, 100]
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                _refuse_priorities(prios)
+        durs = self.durations
+        if durs and durs.count(None) != len(durs):
+            try:
+                distinct = set(durs)  # (a plan holds a few durations, repeated per block)
+            except TypeError:
+                _refuse_durations(durs)
+            else:
+                for d in distinct:
+                    if d is not None and (type(d) is not float or not d >= 0.0) and not _duration_ok(d):
+                        _refuse_durations(durs)
+
+
+_PRIORITY_BYTES = bytes(range(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY + 1))
+
+
+def _duration_ok(d: object) -> bool:
+    try:
+        check_duration(d, "BlockRetention")
+    except RetentionError:
+        return False
+    return True
+
+
+def _refuse_priorities(prios: Sequence[Any]) -> None:
+    """Raise naming the first entry of ``prios`` that is not an integer in [0, 100]."""
+    for i, p in enumerate(prios):
+        try:
+            ok = not bytes((p,)).translate(None, _PRIORITY_BYTES)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            check_priority(p, f"BlockRetention: priorities[{i}]", "priorities")
+            raise RetentionError(f"BlockRetention: priorities[{i}] must be an integer in [0, 100]")
+    raise AssertionError("no bad priority found")  # pragma: no cover
+
+
+def _refuse_durations(durs: Sequence[object]) -> None:
+    """Raise naming the first entry of ``durs`` that is not None or a number of seconds >= 0."""
+    for i, d in enumerate(durs):
+        check_duration(d, "BlockRetention", f"durations[{i}]")
+    raise AssertionError("no bad duration found")  # pragma: no cover
