@@ -136,6 +136,25 @@ def test_retention_limits():
     )
 
 
+@pytest.mark.parametrize("where", ["top", "xargs"])
+def test_the_directive_limit_holds_for_a_list_too(where):
+    """Only a JSON string was counted: 20,000 directives as a list (top level or in vllm_xargs) went through."""
+    dirs = [{"start": 2 * i, "end": 2 * i + 1, "priority": 1} for i in range(20_000)]
+    body = (
+        {"retention_directives": dirs} if where == "top" else {"vllm_xargs": {"retention_directives": dirs}}
+    )
+    for key in (None, ADMIN):
+        assert "20000 directives; at most 1024" in _denied(lambda k=key: POLICY.check(dict(body), k), 400)
+    low = AccessPolicy.from_json({"max_directives": 3})
+    assert "4 directives; at most 3" in _denied(
+        lambda: low.check({"retention_directives": dirs[:4]}, None), 400
+    )
+    assert low.check({"retention_directives": dirs[:3]}, None).changed
+    # a server limit above the engine's would let through requests the engine refuses
+    with pytest.raises(AccessConfigError, match=r"max_directives must be an integer in \[0, 1024\]"):
+        AccessPolicy.from_json({"max_directives": 1025})
+
+
 def test_decode_retention_is_limited_as_a_directive_is():
     xa = {"retention_decode_priority": 90, "retention_decode_duration": 10}
     assert "retention_decode_priority: key 'bob' may ask for retention priority up to 50; got 90" in _denied(

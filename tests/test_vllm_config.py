@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvretain.core.retention import RetentionConfig, RetentionDirective, RetentionError
+from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig, RetentionDirective, RetentionError
 from kvretain.integrations.vllm.config import (
     PluginConfig,
     PluginConfigError,
@@ -73,6 +73,22 @@ def test_retention_fields() -> None:
     msg = validation_message({"retention_directives": [{"start": 0, "priority": 101}]})
     assert msg is not None and "retention_directives[0]" in msg
     assert validation_message({"retention_directives": d}) is None
+
+
+@pytest.mark.parametrize("form", ["list", "json"])
+def test_the_engine_refuses_more_directives_than_the_limit_in_either_form(form: str) -> None:
+    """A list was parsed whatever its length (only the access middleware counted, and only a JSON string): the
+    engine took 20,000 directives from an offline caller or a list in ``vllm_xargs``."""
+
+    def xargs(n: int) -> dict[str, object]:
+        dirs = [{"start": 2 * i, "end": 2 * i + 1, "priority": 50} for i in range(n)]
+        return {"retention_directives": dirs if form == "list" else json.dumps(dirs)}
+
+    ret = retention_from_extra_args(xargs(MAX_DIRECTIVES))
+    assert ret is not None and len(ret.directives) == MAX_DIRECTIVES
+    with pytest.raises(RetentionError, match=f"{MAX_DIRECTIVES + 1} directives; at most {MAX_DIRECTIVES}"):
+        retention_from_extra_args(xargs(MAX_DIRECTIVES + 1))
+    assert "at most 1024" in (validation_message(xargs(20_000)) or "")
 
 
 def test_decode_retention_fields() -> None:

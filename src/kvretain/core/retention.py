@@ -24,6 +24,13 @@ MIN_RETENTION_PRIORITY = 0
 MAX_RETENTION_PRIORITY = 100
 DEFAULT_RETENTION_PRIORITY = 35
 """TensorRT-LLM's default retention priority; a lapsed duration reverts a block to it."""
+MAX_DIRECTIVES = 1024
+"""The most retention directives one request (or trace line) may carry: a trace's ``retention``, the vLLM
+plugin's ``retention_directives`` (the engine refuses more) and the access limits' ceiling.
+
+NOTE: a directive's effect is per KV block, so more directives than blocks in a prompt change nothing; 1024
+covers a 32k-token prompt at vLLM's 32-token CPU blocks (and 16k at 16). Parsing 10^5 directives costs about a
+second of CPU, which a client could repeat at will (real requests carry a handful)."""
 
 
 class RetentionError(ValueError):

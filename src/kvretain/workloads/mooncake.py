@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvretain.core.retention import RetentionConfig
+from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig
 from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_scale_and_limit
 from kvretain.workloads.tokens import Chunk, SeededChunk, TokenSeq
 
@@ -57,8 +57,6 @@ HASH_ID_BOUND = 1 << 64
 """Hash ids lie in ``[0, 2**64)`` (64-bit unsigned hashes, as trace generators write them)."""
 MAX_LINE_BYTES = 2 << 20
 """2 MiB: ``MAX_HASH_IDS`` ids of 20 digits each (every id < 2**64) with separators, plus the rest."""
-MAX_DIRECTIVES = 1024
-"""Retention directives per line (disjoint ranges; real requests carry a handful)."""
 MAX_STRING_BYTES = 4096
 """``session_id`` / ``cache_salt`` / scope in UTF-8 bytes (ids and tenant names are tens of bytes)."""
 MAX_TIMESTAMP_MS = 1 << 53

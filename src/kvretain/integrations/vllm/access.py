@@ -24,11 +24,13 @@ and a request without one whose default 0 maps above it gets the most important 
 finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
 any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
 out or ``null`` is not limited, except ``scopes`` (none owned unless listed). Without keys every client may ask
-for everything; the global ``max_directives`` / ``max_duration_s`` limits still hold.
+for everything; the global ``max_directives`` (at most the engine's own 1024) / ``max_duration_s`` limits still
+hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +39,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvretain.core.retention import PriorityMapping, RetentionConfig, RetentionDirective, RetentionError
+from kvretain.core.retention import (
+    MAX_DIRECTIVES,
+    PriorityMapping,
+    RetentionConfig,
+    RetentionDirective,
+    RetentionError,
+)
 from kvretain.integrations.vllm.config import (
     DECODE_DURATION_KEY,
     DECODE_PRIORITY_KEY,
@@ -45,6 +53,7 @@ from kvretain.integrations.vllm.config import (
     ENV_MAPPING,
     RETENTION_KEYS,
     SCOPE_KEY,
+    check_directive_count,
     load_json,
     retention_from_extra_args,
     unknown_fields_message,
@@ -57,10 +66,9 @@ MODES = ("refuse", "clamp")
 PRIORITY_HEADER = "x-vllm-priority"
 """vLLM reads a request priority from this header before the body's (the check folds it into the body)."""
 
-DEFAULT_MAX_DIRECTIVES = 1024
-"""NOTE: a directive's effect is per KV block, so more directives than blocks in a prompt change nothing; 1024
-covers a 32k-token prompt at vLLM's 32-token CPU blocks (and 16k at 16). Parsing 10^5 directives costs the API
-server about a second of CPU per request, which a client could repeat at will."""
+DEFAULT_MAX_DIRECTIVES = MAX_DIRECTIVES
+"""The engine's own limit (:data:`~kvretain.core.retention.MAX_DIRECTIVES`, why 1024 there); ``max_directives``
+may set a lower one, not a higher one (the engine would refuse those requests)."""
 DEFAULT_MAX_DURATION_S = 7 * 24 * 3600.0
 """NOTE: an explicit duration over a week is more often a unit mistake (milliseconds given as seconds) than a
 wish; a directive without a duration never lapses (it is still evicted, last, under pressure)."""
@@ -223,7 +231,7 @@ class AccessPolicy:
             if k.key in seen:
                 raise AccessConfigError(f"{where}: key {k.name!r} is listed twice")
             seen.add(k.key)
-        max_dir = _opt_int(raw, "max_directives", where, 0, 10**6)
+        max_dir = _opt_int(raw, "max_directives", where, 0, MAX_DIRECTIVES)
         max_dur = _opt_duration(raw, "max_duration_s", where)
         return cls(
             keys=keys,
@@ -378,18 +386,13 @@ class AccessPolicy:
             raise AccessDenied(400, unknown_fields_message(unknown), unknown[0])
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
-            try:
+            with contextlib.suppress(ValueError):  # (the plugin's parser below names the JSON error)
                 raw = load_json(raw)
-            except ValueError:
-                pass  # the plugin's parser below names the JSON error
-            else:
-                if isinstance(raw, list) and len(raw) > self.max_directives:
-                    raise AccessDenied(
-                        400,
-                        f"{DIRECTIVES_KEY}: {len(raw)} directives; at most {self.max_directives} per request "
-                        "(a directive acts per KV block: merge adjacent ranges)",
-                        DIRECTIVES_KEY,
-                    )
+        if isinstance(raw, list):  # counted once parsed: a list carries no more than a JSON string
+            try:
+                check_directive_count(len(raw), self.max_directives)
+            except RetentionError as exc:
+                raise AccessDenied(400, str(exc), DIRECTIVES_KEY) from None
         try:
             cfg = retention_from_extra_args({**xargs, DIRECTIVES_KEY: raw} if raw is not None else xargs)
         except RetentionError as exc:

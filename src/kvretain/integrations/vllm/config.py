@@ -27,7 +27,8 @@ Per request (``SamplingParams.extra_args``; over the OpenAI API: ``vllm_xargs``)
 
 ``retention_directives``
     RFC #37003 directives: a list of ``{"start", "end", "priority", "duration"}`` objects, or that list as a
-    JSON string (``vllm_xargs`` only carries strings, numbers and flat lists).
+    JSON string (``vllm_xargs`` only carries strings, numbers and flat lists); at most
+    :data:`~kvretain.core.retention.MAX_DIRECTIVES` (1024) of them, in either form.
 ``retention_scope``
     An owner id (e.g. a session): only the owner may lower a priority it set.
 """
@@ -43,6 +44,7 @@ from typing import Any
 
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.core.retention import (
+    MAX_DIRECTIVES,
     PriorityMapping,
     RetentionConfig,
     RetentionError,
@@ -200,10 +202,21 @@ def load_json(text: str | bytes) -> Any:
         raise ValueError("nested too deeply") from None
 
 
+def check_directive_count(n: int, limit: int = MAX_DIRECTIVES) -> None:
+    """Refuse a request with more than ``limit`` directives (:data:`~kvretain.core.retention.MAX_DIRECTIVES` in the
+    engine; the access limits may set a lower one): counted once parsed, whether they came as a list or as a JSON
+    string, so that neither form carries more."""
+    if n > limit:
+        raise RetentionError(
+            f"{DIRECTIVES_KEY}: {n} directives; at most {limit} per request "
+            "(a directive acts per KV block: merge adjacent ranges)"
+        )
+
+
 def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> RetentionConfig | None:
     """Parse a request's retention fields; ``None`` when it has none (``extra_args`` that is not a mapping
     carries none: what vLLM does with it is vLLM's business). Raises :class:`RetentionError` with a message naming
-    the field and the fix."""
+    the field and the fix (also for more than :data:`~kvretain.core.retention.MAX_DIRECTIVES` directives)."""
     if not extra_args or not isinstance(extra_args, Mapping):
         return None
     raw = extra_args.get(DIRECTIVES_KEY)
@@ -225,6 +238,8 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
         raise RetentionError(
             f"{DIRECTIVES_KEY} must be a list of {{start, end, priority, duration}} objects, got {show_value(raw)}"
         )
+    if raw is not None:
+        check_directive_count(len(raw))
     if scope is not None and not isinstance(scope, str):
         raise RetentionError(
             f"{SCOPE_KEY} must be a string (an owner id such as a session), got {show_value(scope)}"
