@@ -494,3 +494,33 @@ def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
         orders.append([ab.index(x) for x in q.popleft_n(4)])
         q.check()
     assert orders[0] == orders[1] == [3, 2, 1, 0]
+
+
+def test_a_requests_retention_is_parsed_once_whatever_its_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every release parsed the request's retention fields again (up to 1024 directives in the engine's busy loop);
+    a preempted request is released at each preemption. Parsed once now, and again only for other ``extra_args``."""
+    from kvretain.integrations.vllm import _base
+
+    parsed: list[object] = []
+    real = _base.retention_from_extra_args
+
+    def counting(extra: Any) -> Any:
+        parsed.append(extra)
+        return real(extra)
+
+    monkeypatch.setattr(_base, "retention_from_extra_args", counting)
+    pool = fixed_pool()
+    d = {"retention_directives": [{"start": 0, "end": BLOCK, "priority": 90}]}
+    a = request("a", 1, d, tokens=3 * BLOCK)
+    for _ in range(3):  # admitted, preempted (released), admitted again...
+        ab = pool.admit(a, chain(0, 3, 0), False)
+        assert ab is not None
+        pool.free(a, ab)
+        assert pool.q._r[ab[0].block_id] == 90
+    assert len(parsed) == 1
+    a.sampling_params = SimpleNamespace(extra_args={"retention_directives": [{"start": 0, "priority": 10}]})
+    ab = pool.admit(a, chain(1, 3, 0), False)
+    assert ab is not None
+    pool.free(a, ab)
+    assert len(parsed) == 2 and pool.q._r[ab[0].block_id] == 10
+    pool.q.check()

@@ -20,6 +20,8 @@ from kvretain.integrations.vllm.config import retention_from_extra_args
 
 SIGHTING = "_kvretain_sighting"
 """The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
+RETENTION = "_kvretain_retention"
+"""The attribute of a vLLM ``Request`` that keeps its parsed retention: ``(extra_args, RetentionConfig | None)``."""
 
 
 def _priority(request: Any) -> int:
@@ -237,15 +239,23 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         return prio, self._mapped_for(prio), ret, ret.scope if ret is not None else None, use_plan
 
     def _retention(self, request: Any) -> RetentionConfig | None:
+        """The request's retention fields, parsed at its first release and kept on the request with the
+        ``extra_args`` they came from (parsed again only if vLLM gave the request other ones): a request released
+        several times (preemption, a hybrid model's groups) is parsed once, up to 1024 directives."""
         sp = getattr(request, "sampling_params", None)
         extra = getattr(sp, "extra_args", None) if sp is not None else None
         if not extra:
             return None
+        kept = getattr(request, RETENTION, None)
+        if kept is not None and kept[0] is extra:
+            return kept[1]  # type: ignore[no-any-return]
         try:
-            return retention_from_extra_args(extra)
+            ret = retention_from_extra_args(extra)
         except RetentionError as exc:  # validated at input; never fail the engine here
             self._warn_once("bad-retention", f"ignoring invalid retention fields: {exc}")
-            return None
+            ret = None
+        setattr(request, RETENTION, (extra, ret))
+        return ret
 
     def _arrival_retention(self, request: Any) -> int:
         """The retention a request's first lookup will be counted at (:meth:`_count_lookup`)."""
