@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvretain.core.retention import PriorityMapping
 from kvretain.integrations.vllm import metrics
 from kvretain.integrations.vllm.access import (
     AccessConfigError,
@@ -220,6 +221,37 @@ def test_mapped_retention_is_capped_too():
     # carol's cap 25 is the default mapping of priority 1; a key with cap 35 and no priority floor gets floor 0
     pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})
     assert "priority 0 or higher" in _denied(lambda: pol.check({"priority": -1}, pol.keys[0]), 403)
+
+
+def test_a_table_mapping_cannot_lift_a_request_over_the_keys_cap():
+    """The cap bounded the request priority through a floor, which assumes a monotonic mapping: under the table
+    1:80, 2:35, 3:10 (0 -> 35 and -1 -> 45 by the default rule) a cap of 50 gave floor -1, and priority 1 (80) went
+    through. Refused now, or clamped to the nearest priority within the cap (the less important on a tie)."""
+    mapping = PriorityMapping.parse("1:80,2:35,3:10")
+    keys = [
+        {"key": "sk-refuse-001", "max_retention_priority": 50},
+        {"key": "sk-clamp-0001", "max_retention_priority": 50, "mode": "clamp"},
+    ]
+    pol = AccessPolicy.from_json({"keys": keys}, mapping=mapping)
+    refuse, clamp = pol.keys
+    assert "request priority 1 maps to 80" in _denied(lambda: pol.check({"priority": 1}, refuse), 403)
+    assert pol.check({"priority": 0}, refuse).priority == 0
+    d = pol.check({"priority": 1}, clamp)
+    assert d.priority == d.body["priority"] == 2 and d.notes  # 0 and 2 both map to 35: the less important
+    for key in (refuse, clamp):
+        for prio in range(-20, 20):
+            try:
+                d = pol.check({"priority": prio}, key)
+            except AccessDenied:
+                assert key is refuse
+                continue
+            assert mapping.retention_for(d.priority) <= 50, (key.name, prio, d.priority)
+    # a key with a floor: clamped to the nearest priority within the cap; its default stays its floor
+    pol = AccessPolicy.from_json(
+        {"keys": [{**keys[1], "min_request_priority": 1}]}, mapping=PriorityMapping.parse("1:35,2:80")
+    )
+    assert pol.check({"priority": 2}, pol.keys[0]).priority == 3
+    assert pol.check({}, pol.keys[0]).priority == 1
 
 
 def test_salts_are_bound_and_reserved():

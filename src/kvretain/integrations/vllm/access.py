@@ -19,7 +19,9 @@ Configuration: JSON in ``KVRETAIN_API_KEYS`` or in the file named by ``KVRETAIN_
 Per key: ``min_request_priority`` is the most important request priority it may ask for (lower value = more
 important; a request without one gets this value, or 0 when the key has none), ``max_retention_priority`` the
 highest directive priority (and of the retention a request priority maps to: it also bounds the request priority,
-and a request without one whose default 0 maps above it gets the most important priority that does not),
+and a request without one whose default 0 maps above it gets the most important priority that does not; under a
+table mapping, which need not be monotonic, a priority that maps above the cap is refused, or in clamp mode moved to
+the nearest priority that maps within it, the less important one on a tie),
 ``max_duration_s`` the longest directive duration (a directive without duration never lapses, so it is over any
 finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
 any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
@@ -317,23 +319,19 @@ class AccessPolicy:
         if prio is not None and not INT64[0] <= prio <= INT64[1]:
             raise AccessDenied(400, f"priority {prio} is outside the 64-bit integer range", "priority")
         floor = key.min_request_priority if key is not None else None
-        if key is not None and key.max_retention_priority is not None:
-            floor = self._retention_floor(key, key.max_retention_priority, floor)
+        cap = key.max_retention_priority if key is not None else None
+        if key is not None and cap is not None:
+            floor = self._retention_floor(key, cap, floor)
         if floor is None:
-            return 0 if prio is None else int(prio)
-        if prio is None:
+            out = 0 if prio is None else int(prio)
+        elif prio is None:
             # the key's default: its min_request_priority (documented), else vLLM's 0, never more important
             # than the floor. NOTE: not the floor itself when only max_retention_priority sets it: a cap of 90
             # allows priority -5 (85), and filling that in ran all of the key's plain traffic ahead of others'
-            default = max(
+            out = max(
                 floor, 0 if key is None or key.min_request_priority is None else key.min_request_priority
             )
-            if default == 0:
-                return 0
-            body["priority"] = default
-            d.changed = True
-            return default
-        if prio < floor:
+        elif prio < floor:
             if not clamp:
                 raise AccessDenied(
                     403,
@@ -341,11 +339,46 @@ class AccessPolicy:
                     f"(lower = more important); got {prio}",
                     "priority",
                 )
-            body["priority"] = floor
-            d.changed = True
             d.notes.append(f"priority {prio} -> {floor}")
-            return floor
-        return int(prio)
+            out = floor
+        else:
+            out = int(prio)
+        if key is not None and cap is not None and self.mapping.retention_for(out) > cap:
+            # NOTE: the floor bounds a monotonic mapping; a table need not be one (0:35, 1:80, 2:35): a priority at
+            # or above the floor may still map above the cap
+            mapped = self.mapping.retention_for(out)
+            if prio is not None and out == prio and not clamp:
+                raise AccessDenied(
+                    403,
+                    f"key {key.name!r} may ask for retention priority up to {cap}; request priority {prio} "
+                    f"maps to {mapped}",
+                    "priority",
+                )
+            nearest = self._nearest_within(key, cap, out, floor)
+            if prio is not None:
+                d.notes.append(f"priority {out} (retention {mapped}) -> {nearest}")
+            out = nearest
+        if out != (0 if prio is None else prio):  # (a request without one runs at vLLM's 0 as it is)
+            body["priority"] = out
+            d.changed = True
+        return out
+
+    def _nearest_within(self, key: ApiKey, cap: int, prio: int, floor: int | None) -> int:
+        """The request priority nearest ``prio`` (the less important one on a tie, never below ``floor``) whose
+        mapped retention is within ``cap``: where clamp mode puts a priority that maps above the cap."""
+        for step in range(1, MAX_MAPPING_STEPS + 1):
+            for p in (prio + step, prio - step):
+                if (
+                    INT64[0] <= p <= INT64[1]
+                    and (floor is None or p >= floor)
+                    and self.mapping.retention_for(p) <= cap
+                ):
+                    return p
+        raise AccessDenied(
+            403,
+            f"key {key.name!r}: no request priority near {prio} maps to a retention within {cap}",
+            "priority",
+        )
 
     def _retention_floor(self, key: ApiKey, cap: int, floor: int | None) -> int | None:
         """The most important request priority whose mapped retention is within ``cap`` (and ``floor``)."""
