@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 
@@ -262,12 +263,19 @@ def test_salts_are_bound_and_reserved():
     assert "cache_salt" not in POLICY.check({"priority": 1, "cache_salt": "salt-bob"}, CAROL).body
 
 
-def _asgi(policy, body, headers=()):
+def _asgi(policy, body, headers=(), path="/v1/chat/completions"):
     seen = {}
 
     async def app(scope, receive, send):
-        msg = await receive()
-        seen["body"] = json.loads(msg["body"])
+        raw = b""
+        more = True
+        while more:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        seen["raw"] = raw
+        with contextlib.suppress(ValueError):
+            seen["body"] = json.loads(raw)
         seen["headers"] = dict(scope["headers"])
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
@@ -283,7 +291,7 @@ def _asgi(policy, body, headers=()):
     async def send(msg):
         sent.append(msg)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": list(headers)}
+    scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers)}
     asyncio.run(AccessLimits(app, policy, max_body_bytes=4096)(scope, receive, send))
     status = sent[0]["status"]
     reply = json.loads(sent[1]["body"]) if status != 200 else None
@@ -306,6 +314,80 @@ def test_middleware_rewrites_and_refuses():
     status, reply, _ = _asgi(AccessPolicy(), deep)
     assert status == 400 and "not valid JSON" in reply["error"]["message"]
     assert _asgi(AccessPolicy(), b"x" * 5000)[0] == 413
+
+
+GENERATING = [
+    "/invocations",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/chat/completions/batch",
+    "/cohere/v2/chat",
+]
+
+
+def _many(n, duration=None):
+    return json.dumps(
+        [{"start": 2 * i, "end": 2 * i + 1, "priority": 50, "duration": duration} for i in range(n)]
+    )
+
+
+@pytest.mark.parametrize("path", [*GENERATING, "/inference/v1/generate"])
+def test_the_global_limits_hold_on_every_generating_endpoint(path):
+    """Only completions and chat completions were checked: vLLM 0.32-0.33 also generate at /invocations,
+    /v1/responses, /v1/messages (and more), where any number of directives or durations over the server's limit
+    went through on a server without keys (or for an unlimited key)."""
+    ctype = (b"content-type", b"application/json")
+    limits = {"max_directives": 8, "max_duration_s": 3600}
+    policy_open = AccessPolicy.from_json(limits)
+    policy_keys = AccessPolicy.from_json({**KEYS, **limits})
+
+    def body(directives, top=False):
+        if path == "/inference/v1/generate":  # vLLM's token-in API: the SamplingParams themselves
+            xargs = {"retention_directives": directives}
+            return {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "extra_args": xargs}}
+        if top:
+            return {"model": "m", "input": "hi", "retention_directives": json.loads(directives)}
+        return {"model": "m", "input": "hi", "vllm_xargs": {"retention_directives": directives}}
+
+    admin = [ctype, (b"authorization", b"Bearer sk-admin-000")]
+    for policy, headers in ((policy_open, [ctype]), (policy_keys, admin)):
+        status, reply, _ = _asgi(policy, body(_many(9)), headers, path)
+        assert status == 400 and "9 directives; at most 8" in reply["error"]["message"], (path, status)
+        status, reply, _ = _asgi(policy, body(_many(1, duration=7200)), headers, path)
+        assert status == 400 and "over this server's limit of 3600 s" in reply["error"]["message"]
+        if path != "/inference/v1/generate":
+            assert _asgi(policy, body(_many(9), top=True), headers, path)[0] == 400
+    # within the limits: forwarded (a top-level list goes into vllm_xargs as the JSON string vLLM takes)
+    status, _, seen = _asgi(policy_open, body(_many(3)), [ctype, (b"x-vllm-priority", b"2")], path)
+    assert status == 200 and seen["headers"][b"x-vllm-priority"] == b"2"  # (vLLM reads it there itself)
+    assert int(seen["headers"][b"content-length"]) == len(seen["raw"])
+    if path != "/inference/v1/generate":
+        status, _, seen = _asgi(policy_open, body(_many(3), top=True), [ctype], path)
+        assert (
+            status == 200 and json.loads(seen["body"]["vllm_xargs"]["retention_directives"])[2]["start"] == 4
+        )
+    # a limited key is still refused there; an oversized body too; a body that is no JSON goes to vLLM as it came
+    assert (
+        _asgi(policy_keys, body(_many(3)), [ctype, (b"authorization", b"Bearer sk-bob-00000")], path)[0]
+        == 403
+    )
+    assert _asgi(policy_open, b"x" * 5000, [ctype], path)[0] == 413
+    assert _asgi(policy_open, b"{bad", [ctype], path)[2]["raw"] == b"{bad"
+
+
+def test_form_bodies_and_harmless_posts_pass_as_they_came():
+    form = b"--x\r\nContent-Disposition: form-data; name=vllm_xargs\r\n\r\n{}\r\n--x--" + b" " * 5000
+    status, _, seen = _asgi(
+        AccessPolicy(),
+        form,
+        [(b"content-type", b"multipart/form-data; boundary=x")],
+        "/v1/audio/transcriptions",
+    )
+    assert status == 200 and seen["raw"] == form
+    status, _, seen = _asgi(
+        POLICY, {"prompt": "x"}, [(b"authorization", b"Bearer sk-bob-00000")], "/tokenize"
+    )
+    assert status == 200 and seen["body"] == {"prompt": "x"}
 
 
 def test_metrics_side_channel(tmp_path):

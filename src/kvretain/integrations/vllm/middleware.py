@@ -8,6 +8,11 @@ file stops the server at start instead of opening it; a server without keys logs
 retention are open to every client. With keys, every path but ``/health``, ``/ping``, ``/version``, ``/load``
 and ``/metrics`` needs ``Authorization: Bearer KEY``; completions and chat completions are checked (and maybe
 rewritten), other POST endpoints are open to unlimited keys only (they could carry a priority unchecked).
+The global limits (directives, durations, body size) hold on every POST but ``/tokenize`` / ``/detokenize``: vLLM
+also generates at ``/invocations``, ``/v1/responses``, ``/v1/messages``, ``/inference/v1/generate`` and more, so a
+JSON body's retention fields (``vllm_xargs`` and top-level ones, ``sampling_params.extra_args``) are checked
+wherever they come (:func:`check_elsewhere`). Form bodies (the audio endpoints' uploads) pass as they are; the
+engine still refuses more than 1024 directives there.
 Errors are OpenAI-shaped JSON: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -25,8 +30,9 @@ from kvretain.integrations.vllm.access import (
     AccessDenied,
     AccessPolicy,
     ApiKey,
+    Decision,
 )
-from kvretain.integrations.vllm.config import load_json
+from kvretain.integrations.vllm.config import RETENTION_KEYS, load_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -38,6 +44,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 logger = logging.getLogger("vllm.kvretain.access")
 
 CHECKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The endpoints whose bodies get every limit of the key (priority floor, retention caps, scopes, salt)."""
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/load", "/metrics"})
 HARMLESS_POSTS = frozenset({"/tokenize", "/detokenize"})
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -122,6 +130,28 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def check_elsewhere(policy: AccessPolicy, body: Any, key: ApiKey | None) -> Decision | None:
+    """The limits on a POST body outside :data:`CHECKED_PATHS` (an unlimited key, or a server without keys):
+    the retention fields it carries, where vLLM's endpoints read them (``vllm_xargs`` and the top-level fields of
+    completions-like bodies: ``/invocations``, ``/v1/responses``, ``/v1/messages``; ``sampling_params.extra_args``
+    of ``/inference/v1/generate``), get the same check as on completions; ``None``: nothing to check."""
+    if not isinstance(body, dict):
+        return None
+    out: Decision | None = None
+    if "vllm_xargs" in body or any(f in body for f in RETENTION_KEYS):
+        out = policy.check(body, key)
+    sp = (body if out is None else out.body).get("sampling_params")
+    if isinstance(sp, dict) and isinstance(sp.get("extra_args"), dict):
+        inner = policy.check({"vllm_xargs": sp["extra_args"]}, key)
+        if inner.changed:
+            if out is None:
+                out = Decision(body=dict(body))
+            out.body["sampling_params"] = {**sp, "extra_args": inner.body["vllm_xargs"]}
+            out.changed = True
+            out.notes.extend(inner.notes)
+    return out
+
+
 class AccessLimits:
     """The ASGI middleware (vLLM instantiates it as ``AccessLimits(app)``)."""
 
@@ -137,38 +167,46 @@ class AccessLimits:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        checked = path in CHECKED_PATHS
         try:
             key = None if path in OPEN_PATHS else self.policy.authenticate(_header(scope, b"authorization"))
-            if scope.get("method") != "POST":
+            if scope.get("method") != "POST" or path in HARMLESS_POSTS:
                 await self.app(scope, receive, send)
                 return
-            if path not in CHECKED_PATHS:
-                if path not in HARMLESS_POSTS and not self.policy.is_open and not _unlimited(key):
+            if not checked:
+                if not self.policy.is_open and not _unlimited(key):
                     raise AccessDenied(403, f"{path} is not open to limited API keys")
-                await self.app(scope, receive, send)
-                return
+                ctype = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
+                if ctype in FORM_TYPES:
+                    await self.app(scope, receive, send)
+                    return
             raw = await read_body(receive, self.max_body_bytes)
+            decision: Decision | None
             try:
                 body = load_json(raw)
             except ValueError as exc:
-                raise AccessDenied(400, f"the request body is not valid JSON ({exc})") from None
-            decision = self.policy.check(body, key, _header(scope, PRIORITY_HEADER.encode()))
+                if checked:
+                    raise AccessDenied(400, f"the request body is not valid JSON ({exc})") from None
+                decision = None  # (vLLM answers it)
+            else:
+                if checked:
+                    decision = self.policy.check(body, key, _header(scope, PRIORITY_HEADER.encode()))
+                else:
+                    decision = check_elsewhere(self.policy, body, key)
         except AccessDenied as exc:
             await error_response(send, exc.status, exc.message, exc.param)
             return
         except ConnectionError:
             return
-        if decision.notes:
+        if decision is not None and decision.notes:
             logger.info(
                 "kvretain access limits: %s clamped: %s", key.name if key else "-", "; ".join(decision.notes)
             )
-        if decision.changed:
+        if decision is not None and decision.changed:
             raw = json.dumps(decision.body).encode()
-        headers = [
-            (k, v)
-            for k, v in scope.get("headers", [])
-            if k.lower() not in (b"content-length", PRIORITY_HEADER.encode())
-        ]
+        # the priority header was folded into the body (completions); elsewhere it goes on as it came
+        dropped = (b"content-length", PRIORITY_HEADER.encode()) if checked else (b"content-length",)
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in dropped]
         headers.append((b"content-length", str(len(raw)).encode()))
         sent = False
 
