@@ -671,3 +671,37 @@ def test_the_largest_value_check_counts_the_balances_top_rung() -> None:
     PolicyConfig(frequency_exponent=14.0, adapt_frequency=False)
     with pytest.raises(ValueError, match=r"top rung.*64 \*\* 56\.0"):
         PolicyConfig(frequency_exponent=14.0)
+
+
+def _lapsing_program(policy: str, n: int, steps: int) -> tuple[list[int], list[int]]:
+    """Single-block requests on an ``n``-block pool, directives of a week, 3 s or none, a clock moving 1 s a
+    request: what is evicted (in order) and the size of the scheduled-lapse heap after each request."""
+    sim = Sim(policy, n, PolicyConfig(budget=0.5, isolation_goal=None))
+    evicted: list[int] = []
+    heap: list[int] = []
+    sim.pool.on_evict = lambda bid, h: evicted.append(int(h))
+    for i in range(steps):
+        h = i % (3 * n)  # (some content comes back while cached, some after its eviction)
+        ids = sim.start([1000 + h])
+        sim.finish(ids, 80 if i % 2 else 10, (7 * 24 * 3600.0, 3.0, None)[i % 3])
+        sim.now += 1.0
+        heap.append(len(sim.policy._expiries))  # type: ignore[attr-defined]
+    return evicted, heap
+
+
+@pytest.mark.parametrize("policy", ["unified", "priority"])
+def test_scheduled_lapses_grow_with_the_pool_not_the_releases(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lapse entry went stale when its block was released again or evicted, but left the heap only when its
+    time came: with week-long durations the heap grew by one entry a release. Compacted now (entries whose
+    block's expiry is still theirs are kept), within twice the pool plus a constant, deciding the same."""
+    from kvretain.core.policies import rules
+
+    n = 8
+    evicted, heap = _lapsing_program(policy, n, 600)
+    assert max(heap) <= 2 * n + rules.LAPSE_SLACK, max(heap)
+    monkeypatch.setattr(rules, "lapse_limit", lambda kept: 10**9)  # never compacted
+    never, grown = _lapsing_program(policy, n, 600)
+    assert evicted == never and len(evicted) > 500
+    assert max(grown) > 2 * n + rules.LAPSE_SLACK

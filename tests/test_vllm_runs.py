@@ -524,3 +524,45 @@ def test_a_requests_retention_is_parsed_once_whatever_its_releases(monkeypatch: 
     pool.free(a, ab)
     assert len(parsed) == 2 and pool.q._r[ab[0].block_id] == 10
     pool.q.check()
+
+
+def _lapsing_requests(steps: int) -> tuple[list[Any], list[int]]:
+    """Requests of 4 blocks (every third shares a 2-block prefix) on a 16-block pool, directives of a week, 3 s or
+    none, a clock moving 1 s a request, freed alternately through the fused and the general path: the queue's
+    state after each, and the ids its scheduled lapses hold."""
+    t = [0.0]
+    _runtime.set_clock(lambda: t[0])
+    try:
+        pool = fixed_pool()
+        states: list[Any] = []
+        pending: list[int] = []
+        for i in range(steps):
+            d = {"start": 0, "priority": 80 if i % 2 else 10, "duration": (7 * 24 * 3600.0, 3.0, None)[i % 3]}
+            req = request(f"r{i}", i % 3 - 1, {"retention_directives": [d]}, tokens=4 * BLOCK)
+            own = [b"u%d-%d" % (i, k) for k in range(4)]
+            blocks = pool.admit(req, chain(0, 2, 0) + own[:2] if i % 3 == 0 else own, False)
+            assert blocks is not None
+            (pool.free_fused if i % 2 else pool.free)(req, blocks)
+            t[0] += 1.0
+            pool.q.check()
+            states.append(pool.state())
+            pending.append(pool.q._pending)
+        states.append([b.block_id for b in pool.q.popleft_n(pool.q.num_free_blocks)])
+        return states, pending
+    finally:
+        _runtime.set_clock(None)
+
+
+def test_scheduled_lapses_grow_with_the_pool_not_the_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run queue's scheduled lapses (one entry per release and expiry time) kept the ids of evicted or
+    re-released blocks until their time came: with week-long durations they grew with the releases. Compacted now
+    (ids whose block's expiry is still the entry's are kept), within twice the pool plus a constant, deciding the
+    same (the whole state after every request, and the final eviction order)."""
+    from kvretain.core.policies import rules
+
+    states, pending = _lapsing_requests(300)
+    assert max(pending) <= 2 * 16 + rules.LAPSE_SLACK, max(pending)
+    monkeypatch.setattr(rules, "lapse_limit", lambda kept: 10**9)  # never compacted
+    never, grown = _lapsing_requests(300)
+    assert states == never
+    assert max(grown) > 2 * 16 + rules.LAPSE_SLACK

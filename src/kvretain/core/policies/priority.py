@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 
+from kvretain.core.policies import rules
 from kvretain.core.policies._lazyheap import HeapOrderedPolicy
 from kvretain.core.policy import INF, POLICIES, PolicyConfig
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
@@ -30,6 +31,7 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
         self._expiry = [INF] * num_blocks
         self._released = [0] * num_blocks
         self._expiries: list[tuple[float, int]] = []
+        self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many entries
         self._tick = 0
 
     def on_cached(self, block_id: int, block_hash: object, depth: int, now: float) -> None:
@@ -54,6 +56,11 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
             exp = now + duration_s
             self._expiry[block_id] = exp
             heapq.heappush(self._expiries, (exp, block_id))
+            if len(self._expiries) > self._lapse_limit:  # (see rules.lapse_limit)
+                expiry = self._expiry
+                self._expiries[:] = [e for e in self._expiries if expiry[e[1]] == e[0]]
+                heapq.heapify(self._expiries)
+                self._lapse_limit = rules.lapse_limit(len(self._expiries))
 
     def retention_of(self, block_id: int, now: float) -> int:
         return DEFAULT_RETENTION_PRIORITY if self._expiry[block_id] <= now else self._prio[block_id]

@@ -77,6 +77,21 @@ def lapses(level: int, base: int, expiry: float) -> bool:
     return expiry != INF and level != base
 
 
+LAPSE_SLACK = 64
+"""Stale entries a heap of scheduled lapses may hold beyond twice its live ones (see :func:`lapse_limit`)."""
+
+
+def lapse_limit(kept: int) -> int:
+    """How many entries a heap of scheduled lapses may grow to before it is compacted, after a compaction kept
+    ``kept`` live ones (whose block's pending expiry is still the entry's time).
+
+    NOTE: an entry goes stale when a later release moves its block's expiry, or the block is evicted, but is
+    dropped only when its time comes: with durations of days the heap grew with the releases, not the pool.
+    Compacting when it doubles (plus :data:`LAPSE_SLACK`) keeps it within about twice the pool, costs amortized
+    O(1) per entry, and drops only entries that would lapse nothing: decisions are unchanged."""
+    return 2 * kept + LAPSE_SLACK
+
+
 def effective(level: int, base: int, expiry: float, now: float) -> int:
     """The block's retention priority at ``now`` (lapse applied; ``UNSET`` content counts at the default)."""
     if level == UNSET:

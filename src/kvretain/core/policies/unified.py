@@ -214,6 +214,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._queues = (_Queue(scale), _Queue(scale))  # 0: protected, 1: unprotected
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
+        self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many entries
         # NOTE: the shadow directory and the ghost table track one block in ``stride`` (by depth, so a block
         # is always or never sampled): one per 256 tokens, exact for blocks of 256 tokens or more and 16x
         # cheaper at 16. A block inside a 256-token segment that is cached right after its predecessor takes
@@ -290,6 +291,8 @@ class UnifiedPolicy(EvictionPolicy):
                 m.expiry = expiry
                 if rules.lapses(cur, m.base, expiry):
                     heapq.heappush(self._expiries, (expiry, block_id))
+                    if len(self._expiries) > self._lapse_limit:
+                        self._compact_lapses()
             p = 1 if cur >= self._threshold else 0
             if p != m.protected:
                 m.protected = p
@@ -388,6 +391,15 @@ class UnifiedPolicy(EvictionPolicy):
         if m.prev is None:
             raise KeyError(block_id)
         self._queues[m.tier].unlink(m)
+
+    def _compact_lapses(self) -> None:
+        """Drop the scheduled lapses that would lapse nothing (their block's expiry moved since): see
+        :func:`rules.lapse_limit`. The live ones keep their order (a heap of the same ``(time, block)`` keys)."""
+        exp = self._expiries
+        meta = self._meta
+        exp[:] = [e for e in exp if meta[e[1]].expiry == e[0]]
+        heapq.heapify(exp)
+        self._lapse_limit = rules.lapse_limit(len(exp))
 
     def _expire(self, now: float) -> None:
         exp = self._expiries

@@ -274,10 +274,12 @@ class RunFreeQueue(HookedFreeQueue):
         "_expiries",
         "_ghost",
         "_lapse",
+        "_lapse_limit",
         "_news",
         "_nones",
         "_num_protected",
         "_owner",
+        "_pending",
         "_queues",
         "_r",
         "_run_of",
@@ -341,6 +343,8 @@ class RunFreeQueue(HookedFreeQueue):
         # NOTE: one heap entry per block cost a push and a pop of a ~100k-entry heap per block a directive holds
         # (a directive on a whole agent prompt: most of the plugin's step time on the multi-tenant traces)
         self._expiries: list[tuple[float, int, list[int]]] = []
+        self._pending = 0  # ids in _expiries' lists (live or stale)
+        self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many ids
         self._seq = 0
         self._due: dict[float, list[int]] = {}  # the lapses the release in progress set, by time (see _post)
         scale = rules.buckets_per_key(cfg)
@@ -685,7 +689,27 @@ class RunFreeQueue(HookedFreeQueue):
         for t, ids in self._due.items():
             self._seq += 1
             heapq.heappush(exp, (t, self._seq, ids))
+            self._pending += len(ids)
         self._due.clear()
+        if self._pending > self._lapse_limit:
+            self._compact_lapses()
+
+    def _compact_lapses(self) -> None:
+        """Drop the ids of scheduled lapses that would lapse nothing (a later release moved the block's expiry,
+        or the block was evicted), and the entries left empty: see :func:`rules.lapse_limit`. What is kept keeps
+        its order (entries by time and sequence, ids within one as they were)."""
+        lapse = self._lapse
+        kept: list[tuple[float, int, list[int]]] = []
+        n = 0
+        for t, seq, ids in self._expiries:
+            live = [bid for bid in ids if (ent := lapse.get(bid)) is not None and ent[0] == t]
+            if live:
+                kept.append((t, seq, live))
+                n += len(live)
+        heapq.heapify(kept)
+        self._expiries[:] = kept
+        self._pending = n
+        self._lapse_limit = rules.lapse_limit(n)
 
     def _expire(self, now: float) -> None:
         exp = self._expiries
@@ -706,6 +730,7 @@ class RunFreeQueue(HookedFreeQueue):
         try:
             while exp and exp[0][0] <= now:
                 t, _, ids = heapq.heappop(exp)
+                self._pending -= len(ids)
                 for bid in ids:
                     ent = lapse.get(bid)
                     if ent is None or ent[0] != t:
@@ -1268,6 +1293,7 @@ class RunFreeQueue(HookedFreeQueue):
                     f"block {i}: content known, no hash in vLLM"
                 )
         pending = {(t, bid) for t, _, ids in self._expiries for bid in ids}
+        assert self._pending == sum(len(ids) for _, _, ids in self._expiries), "pending lapse count"
         for bid, (t, base) in self._lapse.items():
             assert self._r[bid] != NEW and self._r[bid] != base, (
                 f"block {bid}: lapse entry without a directive"
