@@ -566,3 +566,34 @@ def test_scheduled_lapses_grow_with_the_pool_not_the_releases(monkeypatch: pytes
     never, grown = _lapsing_requests(300)
     assert states == never
     assert max(grown) > 2 * 16 + rules.LAPSE_SLACK
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_distinct_request_priorities_do_not_grow_the_queues_state(granularity: str) -> None:
+    """The queue kept the mapped retention of every request priority it ever saw (a client picks any 64-bit
+    integer): one entry per distinct priority, never dropped, not even at a prefix-cache reset. At most
+    MAX_PRIORITY_CLASSES now; the others are mapped again, to the same retention."""
+    from kvretain.core.policy import make_policy
+    from kvretain.integrations.vllm._queue import RetentionFreeQueue
+
+    pool = fixed_pool()
+    if granularity == "block":
+        n = len(pool.blocks)
+        pool.q = RetentionFreeQueue(
+            pool.blocks[1:], pool.blocks, lambda: make_policy("unified", n, PolicyConfig()), PriorityMapping()
+        )
+    q = pool.q
+    try:
+        for i in range(500):
+            req = request(f"p{i}", 10**12 + i, tokens=2 * BLOCK)
+            blocks = pool.admit(req, chain(i, 2, 0), False)
+            assert blocks is not None
+            q.on_lookup(req, 0, BLOCK)
+            pool.free(req, blocks)
+    finally:
+        _runtime.COUNTERS.reset()  # (process-wide)
+    assert len(q._mapped) <= _runtime.MAX_PRIORITY_CLASSES
+    assert q._mapped_for(-5) == 85 and q._mapped_for(2**62) == 0  # (past the limit: mapped all the same)
+    pool.reset()
+    assert not q._mapped
+    q.check()

@@ -95,6 +95,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ids = sorted(self._held_ids())
         self.num_free_blocks -= len(ids)
         self._reset_state()
+        self._mapped.clear()
         super().append_n([self.pool_blocks[i] for i in ids])
 
     def _placed_by_release(self, n: int) -> bool:
@@ -222,10 +223,15 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                         self._take_out(b.block_id)
 
     def _mapped_for(self, prio: int) -> int:
-        """The retention priority request priority ``prio`` maps to (cached)."""
+        """The retention priority request priority ``prio`` maps to (kept for the first
+        :data:`~._runtime.MAX_PRIORITY_CLASSES` priorities seen since the last reset; any other is mapped again,
+        which is cheap: a client picks its priority among 2**64, and keeping each one grew the engine's memory
+        without bound)."""
         mapped = self._mapped.get(prio)
         if mapped is None:
-            mapped = self._mapped[prio] = self.mapping.retention_for(prio)
+            mapped = self.mapping.retention_for(prio)
+            if len(self._mapped) < _runtime.MAX_PRIORITY_CLASSES:
+                self._mapped[prio] = mapped
         return mapped
 
     def _request_retention(

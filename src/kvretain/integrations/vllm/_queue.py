@@ -70,7 +70,6 @@ class RetentionFreeQueue(HookedFreeQueue):
         self._gen = [0] * n
         self._children = [0] * n
         self._cls = [0] * n  # request priority of the block's last releaser (eviction counters)
-        self._mapped: dict[int, int] = {}
 
     # ------------------------------------------------------------ queue interface
     def _evict(self, k: int, now: float) -> list[int]:
