@@ -623,6 +623,35 @@ def test_evict_blocks_of_free_cached_blocks(model_dir: str, granularity: str) ->
     q.check()
 
 
+@GRANULARITY
+def test_evict_blocks_of_blocks_in_use_are_counted_as_vllm_removes_them(
+    model_dir: str, granularity: str
+) -> None:
+    """``evict_blocks`` on blocks a running request holds (a KV connector's failed load): vLLM removes every hash
+    (``BlockRemoved``). The run queue counted only content a release had registered, under a stale class: the
+    running request's own new blocks were not counted at all, and a prefix it hit not under its last releaser."""
+    enable("unified", granularity=granularity)
+    sched = build_scheduler(model_dir, 32, kv_events=True)
+    kvm = sched.kv_cache_manager
+    prompt = tokens(3, 80)
+    run(sched, [Spec("a", prompt, priority=3)])  # 5 full blocks cached, released by priority 3
+    sched.add_request(make_request(Spec("b", prompt[:64] + tokens(4, 48), max_tokens=50, priority=5)))
+    out = sched.schedule()  # b hits a's first 4 blocks and computes 3 of its own, and keeps running
+    sched.update_from_output(out, harness.runner_output(sched, out))
+    pool = kvm.block_pool
+    held = {b.block_id for b in pool.blocks if b.block_hash is not None and b.ref_cnt > 0}
+    assert len(held) == 7
+    kvm.take_events()
+    before = {p: c["evicted_blocks"] for p, c in plugin.stats()["by_priority"].items()}
+    kvm.evict_blocks(held)
+    removed = sum(len(e.block_hashes) for e in kvm.take_events() if isinstance(e, BlockRemoved))
+    after = {p: c["evicted_blocks"] for p, c in plugin.stats()["by_priority"].items()}
+    counted = {p: n - before.get(p, 0) for p, n in after.items() if n != before.get(p, 0)}
+    assert removed == 7 and sum(counted.values()) == 7, counted
+    assert counted.get(3) == 4, counted  # the prefix b hit: its last releaser's class
+    queue_of(sched).check()
+
+
 def test_import_is_lazy() -> None:
     """``import kvretain.integrations.vllm`` must not import vLLM (checked in a fresh interpreter)."""
     import subprocess

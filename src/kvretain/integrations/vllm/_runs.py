@@ -331,8 +331,8 @@ class RunFreeQueue(HookedFreeQueue):
         self._wait: list[tuple[_Run, Any] | None] = [None] * n
         self._uses = [0] * n
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
-        # request priority of the block's last releaser, for blocks placed by append_n (queued blocks count
-        # evictions under their run's class)
+        # request priority of the block's last releaser, for blocks placed by append_n and blocks in use (queued
+        # blocks count evictions under their run's class; a hit takes that class out of the run with the block)
         self._cls = [0] * n
         # blocks whose retention a directive set away from the highest mapped priority of their users:
         # id -> (expiry (INF: none), that mapped priority (what a lapse falls back to))
@@ -542,6 +542,7 @@ class RunFreeQueue(HookedFreeQueue):
             super(HookedFreeQueue, self).remove(block)
             return
         self._run_of[bid] = None
+        self._cls[bid] = run.cls  # (its last releaser, should evict_blocks take it while in use)
         self._held -= 1
         self.num_free_blocks -= 1
         run.live -= 1
@@ -795,7 +796,11 @@ class RunFreeQueue(HookedFreeQueue):
                     new.up = parent
 
     def _drop(self, bid: int, cls: int | None = None) -> None:
-        """``bid``'s content goes without a ``popleft`` (``evict_blocks``); ``cls``: its releaser's class."""
+        """``bid``'s content goes without a ``popleft`` (``evict_blocks``: vLLM removes its hash, a ``BlockRemoved``
+        event), counted as evicted under ``cls`` (its run's class) or else its last releaser's. Content no release
+        registered (in use since vLLM cached it: a KV connector's failed load) is counted too, as the per-block
+        queue counts it: under the class that last released that block id (no request has released it yet)."""
+        self.counters.get(self._cls[bid] if cls is None else cls).evicted_blocks += 1
         if self._r[bid] == NEW:
             return
         if self._sampled[bid]:
@@ -808,7 +813,6 @@ class RunFreeQueue(HookedFreeQueue):
         self._r[bid] = NEW
         self._lapse.pop(bid, None)
         self._owner.pop(bid, None)
-        self.counters.get(self._cls[bid] if cls is None else cls).evicted_blocks += 1
 
     # ------------------------------------------------------------ hooks called by the patches
     def _release(
