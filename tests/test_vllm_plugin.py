@@ -652,6 +652,90 @@ def test_evict_blocks_of_blocks_in_use_are_counted_as_vllm_removes_them(
     queue_of(sched).check()
 
 
+def build_hybrid(model_dir: str, num_blocks: int, second: str, window_blocks: int = 2) -> Scheduler:
+    """A scheduler over two KV cache groups of one pool: full attention, and sliding-window or chunked-local
+    attention (``window_blocks`` blocks), whose manager frees blocks while their request runs."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(
+        model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, max_model_len=1024, dtype="float32"
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=96, max_model_len=1024, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    shape = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    spec: Any = (
+        SlidingWindowSpec(**shape, sliding_window=window_blocks * BLOCK)
+        if second == "sliding_window"
+        else ChunkedLocalAttentionSpec(**shape, attention_chunk_size=window_blocks * BLOCK)
+    )
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.self_attn"], FullAttentionSpec(**shape)),
+        KVCacheGroupSpec(["model.layers.1.self_attn"], spec),
+    ]
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+@GRANULARITY
+@pytest.mark.parametrize("second", ["sliding_window", "chunked_local"])
+def test_blocks_a_window_frees_mid_request_take_their_requests_retention(
+    model_dir: str, granularity: str, second: str
+) -> None:
+    """A sliding window (or an attention chunk) moving past a running request's blocks frees them through vLLM's
+    ``free_blocks`` with no release: they were queued at class 0's default retention (35), charged to class 0,
+    whoever computed them. Released at their request's priority and directives now."""
+    enable("unified", granularity=granularity)
+    sched = build_hybrid(model_dir, 61, second)
+    q = queue_of(sched)
+    window = sched.kv_cache_manager.coordinator.single_type_managers[1]
+    # priority 5 maps to retention 0; a directive keeps its first 4 blocks at 90
+    extra = {"retention_directives": [{"start": 0, "end": 4 * BLOCK, "priority": 90}]}
+    sched.add_request(
+        make_request(Spec("b", tokens(11, 12 * BLOCK), max_tokens=30, priority=5, extra_args=extra))
+    )
+    seen: dict[int, int] = {}  # position in the window group -> block id, while the request holds it
+    freed: dict[int, int] = {}  # block id -> its position
+    for _ in range(8):
+        out = sched.schedule()
+        sched.update_from_output(out, harness.runner_output(sched, out))
+        for pos, b in enumerate(window.req_to_blocks.get("b", [])):
+            if not b.is_null:
+                seen[pos] = b.block_id
+            elif pos in seen:
+                freed[seen.pop(pos)] = pos
+    assert len(freed) >= 6, freed
+    for bid, pos in freed.items():
+        if granularity == "run":
+            run_ = q._run_of[bid]
+            retention, cls = q._r[bid], run_.cls if run_ is not None else None
+        else:
+            retention, cls = q.policy.retention_of(bid, 0.0), q._cls[bid]
+        assert (retention, cls) == (90 if pos < 4 else 0, 5), (bid, pos, retention, cls)
+    q.check()
+    assert plugin.stats()["hook_errors"] == {}
+
+
 def test_import_is_lazy() -> None:
     """``import kvretain.integrations.vllm`` must not import vLLM (checked in a fresh interpreter)."""
     import subprocess

@@ -35,7 +35,16 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     # NOTE: slots, not instance-dict entries: CPython 3.11 keeps at most 30 attributes of an object inline; past
     # that every attribute read goes through the instance dict (about 30% slower, measured), and the run queue
     # has 37. vLLM's own FreeKVCacheBlockQueue has no slots, so its attributes stay in a (small) dict.
-    __slots__ = ("_expect", "_held", "_mapped", "_warned", "counters", "mapping", "pool_blocks")
+    __slots__ = (
+        "_expect",
+        "_held",
+        "_mapped",
+        "_warned",
+        "allocating",
+        "counters",
+        "mapping",
+        "pool_blocks",
+    )
 
     def __init__(
         self, free_blocks: list[KVCacheBlock], pool_blocks: Sequence[KVCacheBlock], mapping: PriorityMapping
@@ -50,6 +59,8 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._held = (
             0  # cached free blocks the queue orders (the rest of num_free_blocks is the unhashed list)
         )
+        # the request KVCacheManager.allocate_slots is serving (hybrid models only: release_skipped's request)
+        self.allocating: Any = None
 
     # ------------------------------------------------------------ queue interface
     def popleft(self) -> KVCacheBlock:
@@ -188,6 +199,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         block_sizes: Sequence[int] | None,
         freeing_now: bool = False,
         num_cached: Sequence[int] | None = None,
+        first: Sequence[int] | None = None,
     ) -> None:
         """Before a request's blocks are freed: one release (a use) per hashed block, at the retention the
         request asks for (directives, else its mapped ``priority``), deepest block first (vLLM's free order).
@@ -195,9 +207,11 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ``freeing_now``: the caller frees the blocks right after this call (``KVCacheManager.free``), so the
         blocks whose last reference goes are placed here and the ``append_n`` that follows only counts them.
         ``num_cached``: per group, how many leading blocks vLLM's manager has cached (full attention only; a
-        hint the queue may use to skip hash reads)."""
+        hint the queue may use to skip hash reads). ``first``: per group, the position of the first block
+        released (the ones before it are not; a group's blocks keep their positions, which directives and
+        depths are reckoned by)."""
         try:
-            self._release(request, groups, block_sizes, freeing_now, num_cached)
+            self._release(request, groups, block_sizes, freeing_now, num_cached, first=first)
         except Exception:
             if freeing_now:
                 self._unplace(request, groups)  # the append_n that follows places the blocks
@@ -210,8 +224,28 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         block_sizes: Sequence[int] | None,
         freeing_now: bool,
         num_cached: Sequence[int] | None,
+        *,
+        first: Sequence[int] | None = None,
     ) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def release_skipped(
+        self, request: Any, blocks: Sequence[KVCacheBlock] | None, first: int, last: int, block_size: int
+    ) -> None:
+        """Before vLLM frees blocks of a running ``request`` that its attention no longer reads (a sliding
+        window or chunked local attention moved past them: ``SingleTypeKVCacheManager._remove_blocks_in_range``
+        of ``blocks``, the group's blocks, over ``[first, last)``): one release each, at the request's priority
+        and retention, as its other blocks get when it ends. Without it vLLM's ``free_blocks`` placed them with no
+        release, at the retention and class of whoever last released that block id. vLLM frees the blocks from
+        ``last - 1`` down to the first null block (one an earlier call freed); so does this."""
+        if not blocks:
+            return
+        last = min(last, len(blocks))
+        lo = last
+        while lo > first and not blocks[lo - 1].is_null:
+            lo -= 1
+        if lo < last:
+            self.on_request_release(request, (blocks[:last],), (block_size,), first=(lo,))
 
     def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
         """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""

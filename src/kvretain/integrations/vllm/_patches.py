@@ -13,6 +13,10 @@ be swapped):
   the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
   does the release and vLLM's ``BlockPool.free_blocks`` in one pass (:meth:`RunFreeQueue.free_request`).
 * ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
+* ``SingleTypeKVCacheManager._remove_blocks_in_range`` (sliding-window and chunked-local attention free blocks
+  mid-request) and, on hybrid models, ``KVCacheManager.allocate_slots`` (which calls it, and knows the request):
+  the blocks freed there are released at their request's priority and retention
+  (:meth:`HookedFreeQueue.release_skipped`). ``KVCacheManager.__init__`` installs the latter on a hybrid model.
 * ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
   starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -287,6 +291,54 @@ def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     return pop_blocks_for_free
 
 
+def _make_manager_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        try:
+            if type(self.block_pool.free_block_queue) in QUEUE_TYPES and _full_attention(self) is None:
+                # a group may free blocks mid-request (release_skipped needs the request): only then, so that
+                # a plain model's allocate_slots, called for every scheduled request each step, pays nothing
+                _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
+        except Exception:
+            _hook_failed("manager", "kvretain: cannot follow a hybrid model's mid-request frees (ignored)")
+
+    return __init__
+
+
+def _make_allocate_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        q = self.block_pool.free_block_queue
+        if type(q) not in QUEUE_TYPES:
+            return orig(self, request, *args, **kwargs)
+        q.allocating = request  # (for _remove_blocks_in_range, which vLLM calls from here)
+        try:
+            return orig(self, request, *args, **kwargs)
+        finally:
+            q.allocating = None
+
+    return allocate_slots
+
+
+def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _remove_blocks_in_range(self: Any, request_id: str, first_block: int, last_block: int) -> None:
+        q = self.block_pool.free_block_queue
+        if type(q) in QUEUE_TYPES:
+            request = q.allocating
+            # (None: a KV connector's finished request (Scheduler._connector_finished): placed as before)
+            if request is not None and request.request_id == request_id:
+                try:
+                    q.release_skipped(
+                        request, self.req_to_blocks.get(request_id), first_block, last_block, self.block_size
+                    )
+                except Exception:
+                    _hook_failed(
+                        "skip", "kvretain: release hook failed (blocks released at default retention)"
+                    )
+        orig(self, request_id, first_block, last_block)
+
+    return _remove_blocks_in_range
+
+
 def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
     def record_prefix_cache_stats(self: Any, request: Any, num_hits: int) -> None:
         orig(self, request, num_hits)
@@ -373,6 +425,8 @@ def install(cfg: PluginConfig) -> None:
     _patch(KVCacheManager, "free", _make_free)
     _patch(KVCacheManager, "pop_blocks_for_free", _make_pop_blocks_for_free)
     _patch(KVCacheManager, "record_prefix_cache_stats", _make_record_stats)
+    _patch(KVCacheManager, "__init__", _make_manager_init)
+    _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     for modname, clsname, meth, make in (
         ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
         ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),

@@ -276,6 +276,8 @@ class RetentionFreeQueue(HookedFreeQueue):
         block_sizes: Sequence[int] | None,
         freeing_now: bool,
         num_cached: Sequence[int] | None,
+        *,
+        first: Sequence[int] | None = None,
     ) -> None:
         prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         tracks = self._tracks
@@ -305,7 +307,7 @@ class RetentionFreeQueue(HookedFreeQueue):
                 assert ret is not None and block_sizes is not None
                 prios, durs = ret.block_plan(n, block_sizes[g], request.num_prompt_tokens, mapped)
             # NOTE: hot path (one iteration per released block), deepest block first
-            for i in range(n - 1, -1, -1):
+            for i in range(n - 1, (first[g] if first is not None else 0) - 1, -1):
                 b = blocks[i]
                 h = b._block_hash
                 if h is None:  # (also the null block)

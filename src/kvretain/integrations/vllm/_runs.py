@@ -823,8 +823,11 @@ class RunFreeQueue(HookedFreeQueue):
         freeing_now: bool,
         num_cached: Sequence[int] | None,
         free_blocks: Callable[[list[KVCacheBlock]], None] | None = None,
+        *,
+        first: Sequence[int] | None = None,
     ) -> None:
-        """``free_blocks`` (fused, see :meth:`free_request`): vLLM's ``BlockPool.free_blocks`` of this pool."""
+        """``free_blocks`` (fused, see :meth:`free_request`): vLLM's ``BlockPool.free_blocks`` of this pool;
+        ``first``: see :meth:`on_request_release`."""
         if freeing_now:
             self._expect = -1
         prio = _priority(request)
@@ -845,7 +848,7 @@ class RunFreeQueue(HookedFreeQueue):
                     assert ret is not None and block_sizes is not None
                     plan = ret.block_plan(len(blocks), block_sizes[g], request.num_prompt_tokens, rel.mapped)
                 nc = 0 if num_cached is None or self._stripped else min(len(blocks), num_cached[g])
-                self._release_group(blocks, nc, plan, rel)
+                self._release_group(blocks, nc, plan, rel, 0 if first is None else first[g])
             completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
             self._post()
@@ -855,8 +858,8 @@ class RunFreeQueue(HookedFreeQueue):
                 if free_blocks is not None:
                     self._settle(groups, rel, completed, free_blocks)
         if not freeing_now:  # the append_n that places these blocks later needs their releaser's class
-            for blocks in groups:
-                self._charge(blocks, prio)
+            for g, blocks in enumerate(groups):
+                self._charge(blocks if first is None else blocks[first[g] :], prio)
         elif not fused:
             self._expect = placed
         released = rel.total - rel.skipped
@@ -952,18 +955,19 @@ class RunFreeQueue(HookedFreeQueue):
         nc: int,
         plan: tuple[list[int], list[float | None]] | None,
         rel: _Release,
+        lo: int = 0,
     ) -> None:
-        """One KV cache group's blocks of a release, deepest first (``nc``: how many leading ones are known to
-        be cached; ``plan``: the per-block retention and duration of directives)."""
+        """One KV cache group's blocks of a release, deepest first, down to position ``lo`` (``nc``: how many
+        leading ones are known to be cached; ``plan``: the per-block retention and duration of directives)."""
         n = len(blocks)
-        rel.total += n
+        rel.total += n - lo
         # the run being built and the 256-token segment of the last new block (seg: its first depth)
         st = _Building(n, rel.mapped * 16 + self._ub[1])
         start = n - 1
-        if rel.freeing_now and not rel.slow:
+        if rel.freeing_now and not rel.slow and not lo:
             start = self._release_new(blocks, nc, rel, st)
-        if start >= 0:
-            self._release_known(blocks, start, nc, plan, rel, st)
+        if start >= lo:
+            self._release_known(blocks, start, nc, plan, rel, st, lo)
 
     def _release_new(self, blocks: Sequence[KVCacheBlock], nc: int, rel: _Release, st: _Building) -> int:
         """The hottest path: the request's own new blocks, deepest first, up to the first block whose content is
@@ -1042,8 +1046,9 @@ class RunFreeQueue(HookedFreeQueue):
         plan: tuple[list[int], list[float | None]] | None,
         rel: _Release,
         st: _Building,
+        lo: int = 0,
     ) -> None:
-        """Blocks ``start`` down to 0: every case (known content, other retentions, directives, a scope).
+        """Blocks ``start`` down to ``lo``: every case (known content, other retentions, directives, a scope).
         NOTE: hot path (one iteration per released block): flat lists only, and the common cases (new content,
         the same priority again) without calls."""
         rr = self._r
@@ -1083,7 +1088,7 @@ class RunFreeQueue(HookedFreeQueue):
         below = cur is not None and start + 1 < len(blocks) and run_of[blocks[start + 1].block_id] is cur
         i = start + 1
         try:
-            for i in range(start, -1, -1):
+            for i in range(start, lo - 1, -1):
                 b = blocks[i]
                 c = b.ref_cnt
                 if c > 1 and i < nc and not slow:
