@@ -63,6 +63,8 @@ CLI_CASES: list[tuple[str, str]] = [
     ("simulate --slo=", "argument --slo: expected 'class=ttft_s:tpot_s,...'"),
     ("simulate --slo 0=nan:0.1", "argument --slo: class 0: ttft_s must be > 0"),
     ("simulate --slo 0=2:-1", "argument --slo: class 0: tpot_s must be > 0"),
+    ("simulate --frontend-out-s 1e308", "argument --frontend-out-s: must be a finite number in [0, 3600]"),
+    ("compare --frontend-in-s 1e308", "argument --frontend-in-s: must be a finite number in [0, 3600]"),
     ("simulate --time-scale inf", "argument --time-scale: must be a finite number > 0"),
     ("simulate --time-scale 0", "argument --time-scale:"),
     ("simulate --gpu-mem-util 0", "argument --gpu-mem-util:"),

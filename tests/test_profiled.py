@@ -195,6 +195,8 @@ BAD = {
     "lacks.toml": "[coefficients]\nstep_overhead_s = 0.1\n",
     "negative.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = -1.0\nper_pair_s = 0.0\n"
     "per_sequence_s = 0.0\n",
+    "huge.toml": "[coefficients]\nstep_overhead_s = 1e308\nper_token_s = 1e308\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\n",
     "text.toml": '[coefficients]\nstep_overhead_s = "fast"\nper_token_s = 1.0\nper_pair_s = 0.0\n'
     "per_sequence_s = 0.0\n",
     "unknown.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = 1.0\nper_pair_s = 0.0\n"
@@ -209,6 +211,7 @@ WORDS = {
     "no-coef.toml": "no [coefficients]",
     "lacks.toml": "lacks per_token_s",
     "negative.toml": "per_token_s must be a finite number >= 0",
+    "huge.toml": "step_overhead_s must be a finite number >= 0 and at most 3600 seconds",
     "text.toml": "step_overhead_s must be",
     "unknown.toml": "unknown field(s) per_block_s",
     "badpoint.toml": "point 1: point seconds must be a number > 0",

@@ -133,3 +133,31 @@ def test_simulate_reports_rejected_requests_and_exits_0(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "rejected at admission: 5 requests (the first 3; --json lists all)" in out
     assert out.count("but the replica has only 1") == 3
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_result_json_cannot_hold_is_one_line_not_invalid_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    # --json printed `Infinity` (not JSON) when a time overflowed; whatever the bounds on the inputs leave, a
+    # non-finite number is refused by name: nothing on stdout, no report folder
+    from kvretain.engine.sim.simulator import Simulation
+
+    summary = Simulation.summary
+
+    def overflowed(self: Simulation) -> dict[str, object]:
+        obj = summary(self)
+        obj["ttft_mean_s"] = float("inf")
+        return obj
+
+    monkeypatch.setattr(Simulation, "summary", overflowed)
+    rep = tmp_path / "rep"
+    argv = ["simulate", "--json"] if command == "simulate" else ["compare", "--budgets", "0.5"]
+    argv += [] if command == "simulate" else ["--out", str(rep)]
+    assert main([*argv, "--limit", "5", "--kv-blocks", "200", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]  # compare says first what it runs
+    assert out == "" and err.count("\n") == (1 if command == "simulate" else 2) and "Traceback" not in err
+    where = "ttft_mean_s" if command == "simulate" else "0.ttft_mean_s"  # compare: a list of runs
+    assert last.endswith(f"error: cannot write the results as JSON: {where} is inf (not a finite number)")
+    assert not rep.exists()

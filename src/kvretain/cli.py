@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -24,6 +23,7 @@ from kvretain.cli_args import (
     add_policy_options,
     fail,
     integer,
+    json_text,
     option_error,
     path_arg,
     policy_config,
@@ -186,7 +186,7 @@ def _replay_all(args: argparse.Namespace, requests: Sequence[ReplayRequest], sou
         for res, wall in results:
             obj = res.to_json()
             obj["wall_s"] = round(wall, 3)
-            print(json.dumps(obj))
+            print(json_text(obj))
     else:
         print(f"replay of {source}: {len(requests)} requests, {args.capacity_blocks} blocks")
         rows = _result_rows([r for r, _ in results])

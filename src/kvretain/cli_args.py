@@ -9,13 +9,14 @@ with status 2 (no usage block, no traceback). Ranges are the ones the library en
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvretain.core.policy import MAX_GHOST_FACTOR, PolicyConfig
 from kvretain.core.retention import (
@@ -175,6 +176,31 @@ def fail(prog: str, message: str) -> int:
     """Print a user error as one line (as :class:`Parser` does) and return the exit status 2."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def json_text(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as JSON text for a command's ``--json`` output or a JSON file it writes. A number JSON cannot hold
+    (``inf``, ``nan``: ``json.dumps`` would write ``Infinity`` / ``NaN``, which no JSON parser reads) is a
+    ``ValueError`` naming the first such field (one line, exit status 2), not invalid output."""
+    try:
+        return json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError:
+        where, value = _non_finite(obj, "")
+        raise ValueError(
+            f"cannot write the results as JSON: {where or 'a value'} is {value} (not a finite number)"
+        ) from None
+
+
+def _non_finite(obj: Any, where: str) -> tuple[str, str]:
+    """The path (``classes.0.ttft_mean_s``) and value of the first non-finite float in ``obj``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where, repr(obj)
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if where else str(k))
+        if found[1]:
+            return found
+    return where, ""
 
 
 def option_error(exc: ValueError, fields: Iterable[str]) -> str:

@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer, path_arg
+from kvretain.cli_args import check_output_file, integer, json_text, path_arg
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -361,7 +361,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             "median_abs_rel_error": err,
             "points": len(points),
         }
-        print(json.dumps(out))
+        print(json_text(out))
         return 0
     rows = []
     for lab, p in zip(labels, points, strict=True):

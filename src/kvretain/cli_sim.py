@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import random
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 from kvretain.cli_args import (
     add_policy_options,
     integer,
+    json_text,
     names_of,
     number,
     path_arg,
@@ -34,7 +34,7 @@ from kvretain.engine.sim.catalog import Catalog, load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
-from kvretain.engine.sim.simulator import SimConfig, Simulation
+from kvretain.engine.sim.simulator import MAX_FRONTEND_S, SimConfig, Simulation
 from kvretain.fileio import StagedFolder
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
@@ -76,6 +76,9 @@ def _choices_help(docs: dict[str, str]) -> str:
     return "; ".join(f"{k}: {v.rstrip('.')}" for k, v in docs.items()).replace("%", "%%")
 
 
+_FRONTEND_WHY = " seconds (a front end takes milliseconds; MAX_FRONTEND_S)"
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "trace",
@@ -106,14 +109,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--open-loop", action="store_true", help="ignore follow-up links: open-loop arrivals")
     p.add_argument(
         "--frontend-in-s",
-        type=number(0.0),
+        type=number(0.0, MAX_FRONTEND_S, what=_FRONTEND_WHY),
         default=0.0,
         help="seconds from a client's send to the engine seeing the request (HTTP, tokenization, the hop to the "
         "engine process; default 0: the engine driven directly)",
     )
     p.add_argument(
         "--frontend-out-s",
-        type=number(0.0),
+        type=number(0.0, MAX_FRONTEND_S, what=_FRONTEND_WHY),
         default=0.0,
         help="seconds from the step that sampled a token to the client receiving it (default 0)",
     )
@@ -329,7 +332,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     obj = _run(cfg, reqs, show, args.policy).summary()
     obj["workload"] = source
     if args.json:
-        print(json.dumps(obj))
+        print(json_text(obj))
     else:
         print_table(obj)
     return 0
@@ -410,8 +413,9 @@ def _compare_runs(
         ttfts[label] = per
     out = stage.path
     markdown = _markdown(results, source, capacity, args.frontier_priority_weight)
+    summary = json_text(results, indent=1)  # before writing: a value JSON cannot hold is one line, no report
     try:
-        (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "summary.json").write_text(summary + "\n")
         _write_csv(out / "runs.csv", results)
         (out / "summary.md").write_text(markdown)
         plots = _plots(out, results, ttfts, args.policies)

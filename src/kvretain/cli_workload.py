@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer, number, path_arg
+from kvretain.cli_args import check_output_file, integer, json_text, number, path_arg
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.priority import make_rule, rule_choices
@@ -65,7 +65,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise WorkloadError(f"cannot write {args.out}: {exc.strerror}") from None
     summary = {"workload": args.name, "seed": args.seed, "requests": n, "out": args.out}
     if args.json:
-        print(json.dumps(summary))
+        print(json_text(summary))
     else:
         print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}")
     return 0

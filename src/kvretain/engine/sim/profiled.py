@@ -42,6 +42,10 @@ from kvretain.fileio import replaced
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
+MAX_COEFFICIENT_S = 3600.0
+"""Largest coefficient: an hour (for a step, a token, a pair or a sequence). A real engine's step takes
+milliseconds to seconds, so a coefficient beyond an hour is a wrong file (a unit mistake gives at most 1,000x);
+the bound keeps every step time and the run's sums finite (``1e308`` s per step overflowed them to ``inf``)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ def step_point(
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """The fitted seconds of the model above (all >= 0, finite)."""
+    """The fitted seconds of the model above (each in ``[0, MAX_COEFFICIENT_S]``)."""
 
     step_overhead_s: float
     per_token_s: float
@@ -109,8 +113,11 @@ class StepCoefficients:
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"coefficient {name} must be a finite number >= 0, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= MAX_COEFFICIENT_S:
+                raise ValueError(
+                    f"coefficient {name} must be a finite number >= 0 and at most {MAX_COEFFICIENT_S:g} seconds "
+                    f"(MAX_COEFFICIENT_S), got {v!r}"
+                )
         if self.per_token_s == 0 and self.step_overhead_s == 0:
             raise ValueError(
                 "coefficients step_overhead_s and per_token_s are both 0: every step would be free"

@@ -44,6 +44,12 @@ from kvretain.workloads.request import WorkloadRequest
 
 _STEP, _ARRIVAL = 0, 1
 
+MAX_FRONTEND_S = 3600.0
+"""Largest ``frontend_in_s`` / ``frontend_out_s``: an hour. A serving front end takes milliseconds (a slow one
+seconds); an hour per request is a mistake (milliseconds passed as seconds at most gives 1,000 s), and the
+bound keeps every virtual time, and the sums and means of the summary, finite (``1e308`` seconds overflowed
+them to ``inf``)."""
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -84,8 +90,10 @@ class SimConfig:
     def __post_init__(self) -> None:
         for name in ("frontend_in_s", "frontend_out_s"):
             v = getattr(self, name)
-            if not (v >= 0.0 and v != float("inf")):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
+            if not 0.0 <= v <= MAX_FRONTEND_S:  # also NaN
+                raise ValueError(
+                    f"{name} must be a finite number of seconds in [0, {MAX_FRONTEND_S:g}] (MAX_FRONTEND_S), got {v}"
+                )
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.block_size < 1:
