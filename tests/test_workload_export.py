@@ -113,6 +113,18 @@ def test_export_rejects_an_empty_prompt() -> None:
         list(mooncake_records([_req("e", TokenSeq.of([]))]))
 
 
+def test_export_of_a_time_beyond_the_format_is_refused_not_infinity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # arrivals times --time-scale 1e306 overflowed to a timestamp `Infinity`: not JSON, no reader takes it
+    out = tmp_path / "x.jsonl"
+    argv = ["workload", "export", "multi-tenant", "--time-scale", "1e306", "--limit", "3", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "beyond the trace format's timestamps (at most 2**53 ms" in err[0], err
+    assert not out.exists()
+
+
 def test_workload_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "a.jsonl"
     argv = ["workload", "export", "agent-pauses", "--seed", "3", "--out", str(out)]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.fileio import replaced
+from kvretain.workloads.mooncake import MAX_TIMESTAMP_MS
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.tokens import SeededChunk, TokenSeq
 
@@ -84,8 +85,15 @@ def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512)
     for r in sorted(requests, key=lambda r: r.arrival_s):
         if r.prompt_len < 1:
             raise WorkloadError(f"request {r.request_id}: an empty prompt has no Mooncake record")
+        ts = round(r.arrival_s * 1000.0, 3)
+        # the format's bound (beyond it: `inf`, which json writes as `Infinity`, not JSON)
+        if not ts <= MAX_TIMESTAMP_MS:
+            raise WorkloadError(
+                f"request {r.request_id}: arrival {r.arrival_s:g} s is beyond the trace format's timestamps "
+                f"(at most 2**53 ms, MAX_TIMESTAMP_MS; a smaller --time-scale?)"
+            )
         rec: dict[str, Any] = {
-            "timestamp": round(r.arrival_s * 1000.0, 3),
+            "timestamp": ts,
             "input_length": r.prompt_len,
             "output_length": r.output_len,
             "hash_ids": ids.of(r, block_size),
@@ -125,6 +133,6 @@ def write_mooncake(requests: Iterable[WorkloadRequest], path: str | Path, block_
     n = 0
     with replaced(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
         for rec in mooncake_records(requests, block_size):
-            fh.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
+            fh.write(json.dumps(rec, separators=(", ", ": "), allow_nan=False) + "\n")
             n += 1
     return n
