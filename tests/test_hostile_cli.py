@@ -122,6 +122,37 @@ def test_a_trace_is_not_silently_ignored_by_a_generated_workload(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
 
 
+# ---------------------------------------------------------------- Azure CSV mistakes
+AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("2023-11-16 18:15:46,100,10\n2023-11-16 18:15:47+00:00,100,10\n", "az.csv:3: column 'TIMESTAMP'"),
+        ('2023-11-16 18:15:46,"' + "1" * 200_000 + '",10\n', "az.csv:2: not a CSV row of the trace"),
+        ("", "az.csv: no requests in the trace"),
+        ("2023-11-16 18:15:46,1000000000000,10\n", "az.csv:2: column 'ContextTokens': must be an integer in"),
+    ],
+    ids=["mixed-time-zones", "oversized-field", "header-only", "huge-context"],
+)
+@pytest.mark.parametrize("command", ["simulate", "compare", "export"])
+def test_azure_csv_mistakes_are_one_line_and_write_nothing(
+    body: str, expected: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tracebacks (TypeError, _csv.Error), a 0-request run or empty export, a hang on 10^12 tokens
+    az = tmp_path / "az.csv"
+    az.write_text(AZURE_HEAD + body)
+    argv = {
+        "simulate": ["simulate", str(az), "--json", "--no-progress"],
+        "compare": ["compare", str(az), "--no-progress", "--out", str(tmp_path / "rep")],
+        "export": ["workload", "export", "azure", "--trace", str(az), "--out", str(tmp_path / "x.jsonl")],
+    }[command]
+    assert main(argv) == 2
+    assert expected in one_line(capsys, "kvretain ")
+    assert [p.name for p in tmp_path.iterdir()] == ["az.csv"]
+
+
 # ---------------------------------------------------------------- profile's paths, checked before measuring
 @pytest.mark.parametrize(
     ("flags", "expected"),

@@ -187,6 +187,56 @@ def test_azure_errors(tmp_path: Path) -> None:
         load_azure(path, random.Random(0))
 
 
+HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+AZURE_MISTAKES = [
+    # naive and aware times: a TypeError traceback where they were compared
+    (
+        "2023-11-16 18:15:46.6805900,100,10\n2023-11-16 18:15:47+00:00,100,10\n",
+        r":3: column 'TIMESTAMP': '2023-11-16 18:15:47\+00:00' has a time zone but line 2's has none",
+    ),
+    (
+        "2023-11-16 18:15:47+00:00,100,10\n\n2023-11-16 18:15:46,100,10\n",
+        r":4: column 'TIMESTAMP': '2023-11-16 18:15:46' has no time zone but line 2's has one",
+    ),
+    # a field over csv's size limit: a _csv.Error traceback (not a ValueError)
+    ('2023-11-16 18:15:46,"' + "1" * 200_000 + '",10\n', r":2: not a CSV row of the trace \(field larger"),
+    # the header alone: 0 requests (simulate exited 0, export wrote an empty file, compare crashed plotting)
+    ("", r"az.csv: no requests in the trace \(the header alone"),
+    ("\n\n", r"az.csv: no requests in the trace"),
+    # lengths beyond Mooncake's bound: 10^12 prompt tokens ran for minutes, memory growing
+    (
+        "2023-11-16 18:15:46,1000000000000,10\n",
+        r":2: column 'ContextTokens': must be an integer in \[1, 16777216\]",
+    ),
+    (
+        "2023-11-16 18:15:46,10,16777217\n",
+        r":2: column 'GeneratedTokens': must be an integer in \[0, 16777216\]",
+    ),
+]
+
+
+AZURE_IDS = ["naive-then-aware", "aware-then-naive", "oversized-field", "header-only", "blank-lines"]
+AZURE_IDS += ["huge-context", "huge-output"]
+
+
+@pytest.mark.parametrize(("body", "pattern"), AZURE_MISTAKES, ids=AZURE_IDS)
+def test_azure_mistakes_are_workload_errors_naming_the_line(tmp_path: Path, body: str, pattern: str) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text(HEAD + body)
+    with pytest.raises(WorkloadError, match=pattern):
+        load_azure(path, random.Random(0))
+
+
+def test_azure_lengths_at_the_bound_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text(HEAD + "2023-11-16 18:15:46+01:00,16777216,16777216\n2023-11-16 18:15:47+00:00,1,0\n")
+    reqs = load_azure(path, random.Random(0))
+    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in reqs] == [
+        (16777216, 16777216, 0.0),
+        (1, 0, 3601.0),
+    ]
+
+
 # --- priority rules -----------------------------------------------------------------------------------
 
 

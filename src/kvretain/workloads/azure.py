@@ -12,6 +12,7 @@ import random
 from datetime import datetime
 from pathlib import Path
 
+from kvretain.workloads.mooncake import MAX_TOKENS
 from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
@@ -24,35 +25,55 @@ def load_azure(
     """Requests of the first ``limit`` rows, arrivals relative to the earliest row times ``time_scale``.
 
     Request ids are ``azure-<row index>`` (0-based, header excluded). Raises ``WorkloadError`` for a missing
-    file, a wrong header or a bad row (naming the line number and the column).
+    file, a wrong header, no row, or a bad row (naming the line number and the column): a length beyond
+    ``MAX_TOKENS`` (Mooncake's bound), timestamps with and without a time zone in one file, a field beyond
+    csv's size limit.
     """
     check_scale_and_limit(time_scale, limit)
     p = Path(path)
     if not p.is_file():
         raise WorkloadError(f"Azure trace not found: {p}")
     rows: list[tuple[datetime, int, int]] = []
+    zoned: tuple[bool, int] | None = None  # whether the first row's time has a zone, and its line
     with p.open(encoding="utf-8", newline="") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header] != _HEADER:
-            raise WorkloadError(f"{p}:1: expected header {','.join(_HEADER)}, got {header!r}")
-        for row in reader:
-            if limit is not None and len(rows) >= limit:
-                break
-            if not row:
-                continue
-            where = f"{p}:{reader.line_num}"
-            if len(row) != 3:
-                raise WorkloadError(f"{where}: expected 3 columns, got {len(row)}")
-            try:
-                t = datetime.fromisoformat(row[0].strip())
-            except ValueError:
-                raise WorkloadError(f"{where}: column 'TIMESTAMP': bad timestamp {row[0]!r}") from None
-            n_in = _int(row[1], where, "ContextTokens", minimum=1)
-            n_out = _int(row[2], where, "GeneratedTokens", minimum=0)
-            rows.append((t, n_in, n_out))
+        try:
+            header = next(reader, None)
+            if header is None or [h.strip() for h in header] != _HEADER:
+                raise WorkloadError(f"{p}:1: expected header {','.join(_HEADER)}, got {_short(header)}")
+            for row in reader:
+                if limit is not None and len(rows) >= limit:
+                    break
+                if not row:
+                    continue
+                where = f"{p}:{reader.line_num}"
+                if len(row) != 3:
+                    raise WorkloadError(f"{where}: expected 3 columns, got {len(row)}")
+                try:
+                    t = datetime.fromisoformat(row[0].strip())
+                except ValueError:
+                    raise WorkloadError(
+                        f"{where}: column 'TIMESTAMP': bad timestamp {_short(row[0])}"
+                    ) from None
+                # NOTE: times with and without a zone cannot be compared (or subtracted): one kind per file
+                has_zone = t.tzinfo is not None
+                if zoned is None:
+                    zoned = (has_zone, reader.line_num)
+                elif has_zone != zoned[0]:
+                    this, first = ("has a", "none") if has_zone else ("has no", "one")
+                    raise WorkloadError(
+                        f"{where}: column 'TIMESTAMP': {_short(row[0].strip())} {this} time zone but line "
+                        f"{zoned[1]}'s has {first} (give every timestamp a zone, or none)"
+                    )
+                n_in = _int(row[1], where, "ContextTokens", minimum=1)
+                n_out = _int(row[2], where, "GeneratedTokens", minimum=0)
+                rows.append((t, n_in, n_out))
+        except csv.Error as e:  # a field over csv's size limit, a NUL byte...
+            raise WorkloadError(f"{p}:{reader.line_num}: not a CSV row of the trace ({e})") from None
+        except UnicodeDecodeError as e:
+            raise WorkloadError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
     if not rows:
-        return []
+        raise WorkloadError(f"{p}: no requests in the trace (the header alone, or only blank lines)")
     t0 = min(r[0] for r in rows)
     out = [
         WorkloadRequest(
@@ -67,11 +88,19 @@ def load_azure(
     return out
 
 
+def _short(v: object, n: int = 60) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _int(text: str, where: str, column: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise WorkloadError(f"{where}: column {column!r}: expected an integer, got {text!r}") from None
-    if value < minimum:
-        raise WorkloadError(f"{where}: column {column!r}: must be >= {minimum}, got {value}")
+        raise WorkloadError(f"{where}: column {column!r}: expected an integer, got {_short(text)}") from None
+    if not minimum <= value <= MAX_TOKENS:  # the trace format's bound on a length, as Mooncake's
+        raise WorkloadError(
+            f"{where}: column {column!r}: must be an integer in [{minimum}, {MAX_TOKENS}] (MAX_TOKENS), "
+            f"got {_short(value)}"
+        )
     return value
