@@ -46,7 +46,9 @@ CLI_CASES: list[tuple[str, str]] = [
     ("replay --sessions 0", "argument --sessions:"),
     ("replay --max-reuse-loss 1.5", "argument --max-reuse-loss: must be a finite number in [0, 1]"),
     ("replay --protect-threshold 101", "argument --protect-threshold: must be an integer in [0, 100]"),
-    ("replay --frequency-cap 0", "argument --frequency-cap: must be an integer >= 1"),
+    ("replay --frequency-cap 0", "argument --frequency-cap: must be an integer in [1, 65536]"),
+    ("replay --frequency-cap 1e18", "argument --frequency-cap: must be an integer in [1, 65536]"),
+    ("simulate --frequency-cap 65537", "argument --frequency-cap: must be an integer in [1, 65536]"),
     ("replay --ghost-factor -1", "argument --ghost-factor: must be a finite number in [0, 1000]"),
     ("simulate --max-reuse-loss nan", "argument --max-reuse-loss:"),
     ("simulate --frequency-cap 2.5", "argument --frequency-cap: expected an integer"),
@@ -213,6 +215,8 @@ def test_compare_rejects_a_bad_policy_before_any_run(
         ({"ghost_factor": math.inf}, "ghost_factor"),
         ({"ghost_factor": math.nan}, "ghost_factor"),
         ({"frequency_cap": 0}, "frequency_cap"),
+        ({"frequency_cap": 10**18}, "frequency_cap"),  # a list of 10^18 floats was built: a hang
+        ({"frequency_cap": 65537}, "frequency_cap"),
         ({"block_size": 0}, "block_size"),
         ({"next_use": 3}, "next_use"),
         ({"priority_weight": 1e20}, "priority_weight"),
@@ -230,6 +234,7 @@ def test_policy_config_edges_that_stay_valid() -> None:
     PolicyConfig(priority_weight=8.0, protect_threshold=100)
     PolicyConfig(max_reuse_loss=0.0)
     PolicyConfig(max_reuse_loss=1)
+    PolicyConfig(frequency_cap=65536)
 
 
 # ---------------------------------------------------------------- Python API: retention

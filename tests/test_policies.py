@@ -105,7 +105,10 @@ def test_policy_flags() -> None:
             r"isolation_goal must be a finite number in \(0, 1\] .* or None .*got 0\.0",
         ),
         ({"isolation_goal": 1.01}, r"isolation_goal must be a finite number in \(0, 1\]"),
-        ({"frequency_cap": 0}, r"frequency_cap must be an integer >= 1 \(a count of uses\), got 0"),
+        (
+            {"frequency_cap": 0},
+            r"frequency_cap must be an integer in \[1, 65536\] \(a count of uses; MAX_FREQUENCY_CAP\), got 0",
+        ),
         ({"cost_scale_tokens": -1.0}, r"cost_scale_tokens must be a finite number >= 1 .* got -1\.0"),
         ({"ghost_factor": -1.0}, r"ghost_factor must be a finite number in \[0, 1000\] .* got -1\.0"),
     ],

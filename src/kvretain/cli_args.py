@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvretain.core.policy import MAX_GHOST_FACTOR, PolicyConfig
+from kvretain.core.policy import MAX_FREQUENCY_CAP, MAX_GHOST_FACTOR, PolicyConfig
 from kvretain.core.retention import (
     MAX_RETENTION_PRIORITY,
     MIN_RETENTION_PRIORITY,
@@ -257,9 +257,9 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     )
     group.add_argument(
         "--frequency-cap",
-        type=integer(1),
+        type=integer(1, MAX_FREQUENCY_CAP, " (a count of uses; MAX_FREQUENCY_CAP)"),
         default=d.frequency_cap,
-        help=f"unified, lfu: uses counted up to this many, >= 1 (default {d.frequency_cap})",
+        help=f"unified, lfu: uses counted up to this many, 1..{MAX_FREQUENCY_CAP} (default {d.frequency_cap})",
     )
     group.add_argument(
         "--no-adapt-frequency",

@@ -137,7 +137,9 @@ class PolicyConfig:
             INF,
             "below 0 more uses would make a block worth less; 0 turns frequency off",
         )
-        _integer("frequency_cap", self.frequency_cap, 1, None, "a count of uses")
+        _integer(
+            "frequency_cap", self.frequency_cap, 1, MAX_FREQUENCY_CAP, "a count of uses; MAX_FREQUENCY_CAP"
+        )
         if self.cost_scale_tokens != 0:
             _number(
                 "cost_scale_tokens", self.cost_scale_tokens, 1.0, INF, "tokens; 0 turns the cost term off"
@@ -172,6 +174,12 @@ FREQUENCY_RUNGS = (1.0, 2.0, 4.0)
 MAX_VALUE = 1e100
 """The largest block value ``unified`` accepts: keys are ``L + value`` with ``L`` at most (evictions x largest
 value), so 1e100 leaves 10^200 evictions before a key could overflow a float (1.8e308)."""
+MAX_FREQUENCY_CAP = 1 << 16
+"""The largest ``frequency_cap``: 65,536 uses. ``unified`` keeps a table of ``uses ** exponent`` for 0..cap
+(:func:`kvretain.core.policies.rules.frequency_terms`, rebuilt whenever the balance moves the exponent), so the
+cap is a list's length: 65,536 entries are 0.5 MiB and milliseconds to build, while ``1e18`` asked for a list
+that never finished. Counting further changes nothing in practice: the default is 64, and a block's value
+grows with ``uses ** exponent`` only up to the cap (the vLLM run queue counts at most 255)."""
 MAX_GHOST_FACTOR = 1e3
 """The ghost table holds ``ghost_factor`` x pool entries: 1,000 x the pool already needs far more memory than
 the pool itself (defaults: 4)."""
