@@ -161,3 +161,26 @@ def test_a_result_json_cannot_hold_is_one_line_not_invalid_json(
     where = "ttft_mean_s" if command == "simulate" else "0.ttft_mean_s"  # compare: a list of runs
     assert last.endswith(f"error: cannot write the results as JSON: {where} is inf (not a finite number)")
     assert not rep.exists()
+
+
+def test_simulate_and_compare_read_a_trace_exported_with_block_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the reader's error said "see --block-tokens", but only replay had that option
+    trace = tmp_path / "bt16.jsonl"
+    argv = ["workload", "export", "multi-tenant", "--out", str(trace), "--block-tokens", "16", "--limit", "5"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(trace), "--no-progress"]) == 2
+    assert "(one per 512-token block; see --block-tokens)" in capsys.readouterr().err
+    obj = run_json(capsys, str(trace), "--block-tokens", "16", "--kv-blocks", "2000", "--no-progress")
+    assert obj["requests"] == 5
+    rep = tmp_path / "rep"
+    argv = ["compare", str(trace), "--block-tokens", "16", "--policies", "lru", "--budgets", "0.5"]
+    assert main([*argv, "--kv-blocks", "2000", "--no-progress", "--out", str(rep)]) == 0
+    assert [r["requests"] for r in json.loads((rep / "summary.json").read_text())] == [5, 5]
+    capsys.readouterr()
+    # a workload without hash ids: the option would be ignored, so it is refused
+    assert main(["simulate", "--block-tokens", "16", "--limit", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --block-tokens: tokens per hash id of a Mooncake trace" in err

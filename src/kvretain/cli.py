@@ -20,6 +20,7 @@ from typing import Any
 from kvretain import __version__
 from kvretain.cli_args import (
     Parser,
+    add_block_tokens_option,
     add_policy_options,
     fail,
     integer,
@@ -42,7 +43,7 @@ from kvretain.replay import (
     synthetic_bytes_per_session,
     synthetic_conversations,
 )
-from kvretain.workloads.mooncake import read_trace
+from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, read_trace
 from kvretain.workloads.priority import KEEP, make_rule, rule_choices, tag_priorities
 from kvretain.workloads.request import check_scale_and_limit
 
@@ -249,9 +250,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default="",
         help="request priority -> retention priority: 'normal=0,step=10,base=35' (default) or a table '0:60,1:35'",
     )
-    r.add_argument(
-        "--block-tokens", type=integer(1), default=512, help="tokens per trace block (Mooncake: 512)"
-    )
+    add_block_tokens_option(r, MOONCAKE_BLOCK_TOKENS, "; the built-in workload: tokens per block")
     r.add_argument(
         "--sessions",
         type=integer(1),

@@ -25,6 +25,7 @@ from kvretain.core.retention import (
     PriorityMapping,
     RetentionError,
 )
+from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 
 
 class Parser(argparse.ArgumentParser):
@@ -210,6 +211,18 @@ def option_error(exc: ValueError, fields: Iterable[str]) -> str:
     known = set(fields)
     named = ["--" + w.replace("_", "-") for w in msg.replace(":", " ").split()[:3] if w in known]
     return f"argument {'/'.join(named)}: {msg}" if named else msg
+
+
+def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, what: str) -> None:
+    """``--block-tokens``: tokens per hash id of a Mooncake-format trace (:data:`MOONCAKE_BLOCK_TOKENS` in the
+    published traces), one option for ``replay``, ``simulate``, ``compare`` (reading) and ``workload export``
+    (writing); the trace reader's errors point at it. ``what``: the rest of its help."""
+    p.add_argument(
+        "--block-tokens",
+        type=integer(1),
+        default=default,
+        help=f"tokens per trace hash id (Mooncake: {MOONCAKE_BLOCK_TOKENS}){what}",
+    )
 
 
 def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.cli_args import (
+    add_block_tokens_option,
     add_policy_options,
     integer,
     json_text,
@@ -99,6 +100,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    add_block_tokens_option(
+        p,
+        None,
+        "; a Mooncake .jsonl trace only, as `workload export --block-tokens` wrote it",
+    )
     p.add_argument(
         "--time-scale",
         type=number(0.0, lo_open=True),
@@ -200,8 +206,17 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
         name = "multi-tenant" if args.trace is None else _SUFFIX_WORKLOAD.get(Path(args.trace).suffix)
         if name is None:
             raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
+    options: dict[str, Any] = {}
+    if args.block_tokens is not None:
+        if name != "mooncake":
+            raise ValueError(
+                f"argument --block-tokens: tokens per hash id of a Mooncake trace; workload {name!r} has none"
+            )
+        options["block_size"] = args.block_tokens
     rng = random.Random(args.seed)
-    reqs = WORKLOADS.create(name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale)
+    reqs = WORKLOADS.create(
+        name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale, **options
+    )
     rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
     if rule is not None:
         reqs = tag_priorities(reqs, rule)

@@ -14,9 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer, json_text, number, path_arg
+from kvretain.cli_args import add_block_tokens_option, check_output_file, integer, json_text, number, path_arg
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
+from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvretain.workloads.priority import make_rule, rule_choices
 
 
@@ -128,7 +129,7 @@ def add_subcommands(sub: Any) -> None:
         choices=rule_choices(),
         help="re-tag priorities (keep: the workload's own; session rules draw from seed + 1)",
     )
-    e.add_argument("--block-tokens", type=integer(1), default=512, help="tokens per hash id (Mooncake: 512)")
+    add_block_tokens_option(e, MOONCAKE_BLOCK_TOKENS, ", in the trace written")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_export)
     ls = wsub.add_parser("list", help="list the workloads")
