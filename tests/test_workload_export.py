@@ -125,6 +125,20 @@ def test_export_of_a_time_beyond_the_format_is_refused_not_infinity(
     assert not out.exists()
 
 
+def test_export_of_no_request_is_refused_not_an_empty_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # duration_s=0 wrote a 0-line trace that replay, simulate and compare then refuse ("no requests")
+    out = tmp_path / "e.jsonl"
+    assert main(["workload", "export", "multi-tenant", "--option", "duration_s=0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvretain workload export: error: workload 'multi-tenant' --option duration_s=0 has no request: nothing to "
+        "export (the trace readers refuse an empty file); use a longer duration_s or higher rates"
+    ]
+    assert not out.exists()
+
+
 def test_workload_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "a.jsonl"
     argv = ["workload", "export", "agent-pauses", "--seed", "3", "--out", str(out)]

@@ -56,6 +56,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         **options,
     )
+    if not reqs:  # an empty trace is an error to every reader (replay, simulate, compare): not written
+        shown = " ".join(f"--option {o}" for o in args.option)
+        raise WorkloadError(
+            f"workload {args.name!r} {shown + ' ' if shown else ''}has no request: nothing to export (the "
+            "trace readers refuse an empty file); use a longer duration_s or higher rates"
+        )
     rule = make_rule(args.priority_rule, reqs, random.Random(args.seed + 1))
     if rule is not None:
         reqs = tag_priorities(reqs, rule)
