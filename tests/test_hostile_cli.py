@@ -601,3 +601,28 @@ def test_sigterm_during_compare_leaves_no_report_and_says_so(tmp_path: Path) -> 
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == "kvretain compare: terminated" and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["workload", "list"],
+        ["simulate", "--limit", "5", "--json"],
+        ["replay", "--sessions", "3", "--policy", "lru"],
+    ],
+    ids=["workload-list", "simulate-json", "replay"],
+)
+def test_a_closed_stdout_ends_quietly_with_the_shells_sigpipe_status(argv: list[str]) -> None:
+    # `kvretain workload list | head -1`: the reader gone, each command ended in a BrokenPipeError traceback
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvretain", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the command writes anything: every write finds no reader
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err.decode()) == (141, "")
