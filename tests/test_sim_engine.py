@@ -154,6 +154,26 @@ def test_the_front_end_delays_the_engine_and_the_client() -> None:
             SimConfig(frontend_in_s=bad)
 
 
+@pytest.mark.parametrize(
+    ("links", "cycle"),
+    [
+        ({"a": "b", "b": "a"}, "a -> b -> a"),
+        ({"a": "a"}, "a -> a"),
+        ({"c": "a", "a": "b", "b": "d", "d": "a", "e": None}, "a -> b -> d -> a"),  # reached from c's chain
+    ],
+)
+def test_a_follow_up_cycle_is_refused_by_name(links: dict[str, str | None], cycle: str) -> None:
+    # each request waited for the other: both were lost and run() ended blaming the scheduler (RuntimeError)
+    wl = [wr(k, TokenSeq.seeded(i, 10), 2, after=v) for i, (k, v) in enumerate(links.items())]
+    with pytest.raises(ValueError, match=rf"follow-ups form a cycle of \d request\(s\): {cycle} \("):
+        Simulation(SimConfig(kv_blocks=100), wl)
+    # open loop: `after` is not followed, every request arrives at its own time
+    assert len(Simulation(SimConfig(kv_blocks=100, closed_loop=False), wl).run().finished) == len(wl)
+    # a chain (and a link to a request outside the workload) is no cycle
+    chain = [wr("x", TokenSeq.seeded(1, 10), 2, after="gone"), wr("y", TokenSeq.seeded(2, 10), 2, after="x")]
+    assert len(Simulation(SimConfig(kv_blocks=100), chain).run().finished) == 2
+
+
 def test_recomputed_tokens_count_misses_on_evicted_blocks() -> None:
     doc = TokenSeq.seeded(5, 320)  # 20 blocks
     reqs = [

@@ -117,8 +117,31 @@ class SimConfig:
         return cost.kv_capacity_blocks(self.block_size, self.gpu_mem_utilization)
 
 
+def follow_up_cycle(workload: Sequence[WorkloadRequest]) -> list[str] | None:
+    """A cycle of ``after`` links among ``workload``'s requests (``[a, b, a]``: ``a`` after ``b``, ``b`` after
+    ``a``), or ``None``. In a closed loop a request of a cycle waits for itself: it is never sent (and the run
+    would end with it neither finished nor rejected). A link to a request outside the workload ends a chain."""
+    after = {w.request_id: w.after for w in workload if w.after is not None}
+    done: set[str] = set()
+    for start in after:
+        path: list[str] = []
+        at: dict[str, int] = {}
+        node: str | None = start
+        while node is not None and node in after and node not in done:
+            if node in at:
+                return [*path[at[node] :], node]
+            at[node] = len(path)
+            path.append(node)
+            node = after[node]
+        done.update(path)
+    return None
+
+
 class Simulation:
-    """One run: build with a config and a workload, call :meth:`run`, read :meth:`summary`."""
+    """One run: build with a config and a workload, call :meth:`run`, read :meth:`summary`.
+
+    Raises ``ValueError`` for duplicate request ids and, in a closed loop, for follow-ups that form a cycle
+    (:func:`follow_up_cycle`)."""
 
     def __init__(self, config: SimConfig, workload: Sequence[WorkloadRequest]) -> None:
         self.config = config
@@ -155,6 +178,14 @@ class Simulation:
         if len(ids) != len(workload):
             raise ValueError("workload request ids must be unique")
         self.num_requests = len(workload)
+        if config.closed_loop:
+            cycle = follow_up_cycle(workload)
+            if cycle is not None:
+                shown = cycle if len(cycle) <= 9 else [*cycle[:8], "...", cycle[-1]]
+                raise ValueError(
+                    f"workload follow-ups form a cycle of {len(cycle) - 1} request(s): {' -> '.join(shown)} "
+                    "(each sent after the next finishes): none of them could ever be sent"
+                )
         for w in workload:
             if config.closed_loop and w.after is not None and w.after in ids:
                 self._followers.setdefault(w.after, []).append(w)
