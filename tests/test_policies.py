@@ -708,3 +708,25 @@ def test_scheduled_lapses_grow_with_the_pool_not_the_releases(
     never, grown = _lapsing_program(policy, n, 600)
     assert evicted == never and len(evicted) > 500
     assert max(grown) > 2 * n + rules.LAPSE_SLACK
+
+
+def test_a_lapse_due_after_its_blocks_eviction_protects_nothing() -> None:
+    # a block held at 90 for 1 s (falling back to 60, still protected) is evicted before its lapse, and its id is
+    # now a block in use that is not full yet (no content); when the lapse comes due, the evicted content must not
+    # count as protected again (the count steers what the pool evicts)
+    sim = Sim("unified", 3, PolicyConfig(budget=0.5, isolation_goal=None))
+    (held,) = sim.run([1], 90, 1.0, base=60)
+    sim.run([2], 10)
+    sim.run([3], 10)
+    assert sim.policy.stats()["protected_blocks"] == 1.0
+    sim.now = 0.5
+    taken = sim.pool.get_new_blocks(3)  # (evicts all three; nothing cached in them yet)
+    assert taken is not None and not sim.pool.cached
+    assert sim.policy.stats()["protected_blocks"] == 0.0
+    others = [b for b in taken if b != held]  # (the block that held 1 stays in use, still without content)
+    sim.pool.free_blocks(others, BlockRetention([10, 10], [None, None], None, 0, 10))
+    sim.run([5], 10)
+    sim.run([6], 10)
+    sim.now = 5.0
+    sim.start([7])  # (evicts, which runs the lapses due)
+    assert sim.policy.stats()["protected_blocks"] == 0.0  # (before: 1, for content the pool no longer holds)

@@ -474,6 +474,7 @@ class UnifiedPolicy(EvictionPolicy):
         if h is None:
             return
         m.content = None
+        m.expiry = INF  # (its pending lapse goes with its content: a lapse must not protect an evicted block)
         if m.depth % self._stride == 0:  # the ghost keeps one count per 256-token segment
             self._ghost.put(h, m.uses)
         if m.protected:
