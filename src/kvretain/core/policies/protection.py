@@ -21,7 +21,7 @@ Per block reference the controller keeps decayed sums of: the pool's hits ``A`` 
 traffic. Two relative errors follow::
 
     reuse slack   s = (A - (1 - max_reuse_loss) * E) / max(A, E)      # > 0: overall reuse above its floor
-    isolation gap g = (max(isolation_goal * E_p, L_p) - A_p) / max(A_p, E_p)    # > 0: protected traffic short
+    isolation gap g = (W - A_p) / max(A_p, E_p, W),  W = max(isolation_goal * E_p, L_p)   # > 0: protected short
 
 where ``L_p`` is the LRU shadow's hits of protected traffic: the goal never asks for less than what protected
 traffic gets from plain LRU in the shared pool (where LRU already gives it most of its isolated hits, a goal
@@ -564,6 +564,8 @@ class ProtectionController:
         m = e if e > a else a
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
         m = ep if ep > ap else ap
+        if want > m:  # (short of what LRU gives it while it hits nothing alone is short, not beyond the goal)
+            m = want
         gap = (want - ap) / m if m > 0.0 else -1.0
         gain = self._gain
         if gap > 0.0:  # short of the goal: rise as far as the floor allows
