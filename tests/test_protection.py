@@ -487,3 +487,25 @@ def test_short_of_what_lru_gives_is_short_when_the_pool_and_isolation_hit_nothin
     assert st["lru_hit_ratio_estimate"] > 0.0
     assert st["isolation_goal_met"] == 0.0 and st["reuse_floor_binds"] == 0.0
     assert levels[-1] >= levels[100]
+
+
+def _steered(a: float, e: float, ap: float, ep: float, lp: float) -> ProtectionController:
+    """A controller at level 0 after one step of its control law on these sums (the pool's and the LRU
+    shadow's hits over 1,000 references; protected traffic's in the pool, alone and under plain LRU over 300)."""
+    ctl = _ctl()
+    ctl.level = ctl.target = 0.0
+    ctl._acc[:] = [a, e, ap, ep, 1000.0, 300.0, lp, 0.0]
+    ctl._steer(10, 100.0, None)
+    return ctl
+
+
+def test_protection_falls_where_plain_lru_gives_every_class_more() -> None:
+    # the pool hits 1% less than LRU overall (within the 2% floor) and protected traffic less than LRU gives it
+    # (40 against 50; alone 45): plain LRU is better on both counts, so protection is costing reuse without
+    # delivering protected hits, and the level falls (before this rule it rose: short of the goal, room above
+    # the floor)
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=45.0, lp=50.0).level < 0.0
+    # the same shortfall while the pool hits more than LRU overall: a trade, protection rises as before
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0).level > 0.0
+    # protected traffic above what LRU gives it but short of the goal: rises as before
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=60.0, lp=35.0).level > 0.0

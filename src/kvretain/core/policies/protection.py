@@ -30,7 +30,14 @@ of 0.9 of them would otherwise let the controller give protected traffic less th
 and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
 
 - while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, ``min(g, s)``
-  (it rises while overall reuse has room above its floor, falls as soon as the floor is crossed);
+  (it rises while overall reuse has room above its floor, falls as soon as the floor is crossed). Unless plain
+  LRU would give both sides more (``A < E`` and ``A_p < L_p``): protection is then spending reuse without
+  delivering protected hits (no protection at all would give protected traffic more, and every request more),
+  and the level falls by the smaller of the two relative shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) /
+  L_p)``. The rise assumes more protection means more protected hits; where protected traffic's hits come
+  partly from blocks other traffic brings in (the multi-tenant grid's longest-conversations rule) it means
+  fewer, and the rise held the pool where LRU dominated it: class 0 below lru's by 2.4-3.2 standard errors on
+  three grid and held-out cells, none beyond 2 with this rule (docs/results.md, session 23);
 - beyond the goal (``g <= 0``): while the pool hits less than the LRU shadow (protection costs reuse), the
   larger of the excess and that cost, ``min(g, (A - E) / max(A, E))``, so protection nobody needs is given
   back; while the pool hits at least as much as LRU, nothing (protection that costs no reuse is kept: giving it
@@ -561,14 +568,21 @@ class ProtectionController:
             want = acc[6]
         # relative to the larger count, so that both errors lie in [-1, 1] (and a shadow that hits nothing
         # leaves full room, not a division by zero)
-        m = e if e > a else a
+        m_all = m = e if e > a else a
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
         m = ep if ep > ap else ap
         if want > m:  # (short of what LRU gives it while it hits nothing alone is short, not beyond the goal)
             m = want
         gap = (want - ap) / m if m > 0.0 else -1.0
         gain = self._gain
-        if gap > 0.0:  # short of the goal: rise as far as the floor allows
+        lp = acc[6]
+        if (
+            gap > 0.0 and a < e and ap < lp
+        ):  # plain LRU would give every request and protected traffic more: fall
+            u = max((a - e) / m_all, (ap - lp) / lp)
+            if slack < u:
+                u, gain = slack, self._gain_floor
+        elif gap > 0.0:  # short of the goal: rise as far as the floor allows
             u = gap
             if slack < gap:
                 u, gain = slack, self._gain_floor
