@@ -558,41 +558,36 @@ class ProtectionController:
         more references of a ``window`` (``held``: the pool's protected blocks, decayed peak; None: not known); set
         the target and the retention weights from it. True when the weights changed."""
         acc = self._acc
-        a, e, ap, ep = acc[0], acc[1], acc[2], acc[3]
+        a, e, ap, ep, lp = acc[0], acc[1], acc[2], acc[3], acc[6]
         # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
         # LRU gives it in the shared pool (protection must not leave it worse off than no protection at all)
         goal = self._goal
         assert goal is not None
         want = goal * ep
-        if acc[6] > want:
-            want = acc[6]
+        if lp > want:
+            want = lp
         # relative to the larger count, so that both errors lie in [-1, 1] (and a shadow that hits nothing
-        # leaves full room, not a division by zero)
-        m_all = m = e if e > a else a
+        # leaves full room, not a division by zero); the gap's count includes what it is a gap to (short of what
+        # LRU gives protected traffic while it hits nothing alone is short, not beyond the goal)
+        m = e if e > a else a
         slack = (a - self._keep * e) / m if m > 0.0 else 0.0
-        m = ep if ep > ap else ap
-        if want > m:  # (short of what LRU gives it while it hits nothing alone is short, not beyond the goal)
-            m = want
-        gap = (want - ap) / m if m > 0.0 else -1.0
-        gain = self._gain
-        lp = acc[6]
-        if (
-            gap > 0.0 and a < e and ap < lp
-        ):  # plain LRU would give every request and protected traffic more: fall
-            u = max((a - e) / m_all, (ap - lp) / lp)
-            if slack < u:
-                u, gain = slack, self._gain_floor
+        mp = ep if ep > ap else ap
+        if want > mp:
+            mp = want
+        gap = (want - ap) / mp if mp > 0.0 else -1.0
+        if gap > 0.0 and a < e and ap < lp:
+            # short, but plain LRU would give every request and protected traffic more: fall
+            u = max((a - e) / m, (ap - lp) / lp)
         elif gap > 0.0:  # short of the goal: rise as far as the floor allows
             u = gap
-            if slack < gap:
-                u, gain = slack, self._gain_floor
         else:  # beyond the goal: give back while protection costs reuse against LRU (excess or cost), else hold
             u = 0.0
             if a < e:
-                cost = (a - e) / (e if e > a else a)
+                cost = (a - e) / m
                 u = gap if gap < cost else cost
-            if slack < u:
-                u, gain = slack, self._gain_floor
+        gain = self._gain
+        if slack < u:  # the floor caps every move, at its own gain
+            u, gain = slack, self._gain_floor
         self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
         # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
         conf = confidence(acc[7], a, e, self._margin)
