@@ -434,6 +434,8 @@ def test_replay_json_is_one_object_per_policy_per_line(capsys: pytest.CaptureFix
             ],
             "agent-pauses config: about 900,000,000 requests",
         ),
+        # a template every 5.6 microseconds: the templates made count, not only the calls
+        ("template-drift", ["drift_s=0.0001"], "648,000,042 documents) need about"),
     ],
 )
 def test_export_of_a_workload_beyond_memory_is_refused_before_generating(
@@ -448,7 +450,12 @@ def test_export_of_a_workload_beyond_memory_is_refused_before_generating(
     import kvretain.workloads.sources as sources
 
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
-    for gen in ("generate_multi_tenant", "generate_agent_pauses", "generate_retrieval_scan"):
+    for gen in (
+        "generate_multi_tenant",
+        "generate_agent_pauses",
+        "generate_retrieval_scan",
+        "generate_template_drift",
+    ):
         monkeypatch.setattr(sources, gen, _interrupt)  # must not be reached
     out = tmp_path / "x.jsonl"
     argv = ["workload", "export", name, "--out", str(out), "--limit", "3"]
@@ -466,6 +473,8 @@ def test_export_of_a_workload_beyond_memory_is_refused_before_generating(
         ("agent-pauses", {}),
         ("agent-pauses", {"steps": (60, 60), "long_pause_prob": 0.0, "agent_rate": 0.05}),
         ("retrieval-scan", {"documents": 20_000}),
+        ("template-drift", {}),
+        ("template-drift", {"followup_prob": 0.9, "max_turns": 30}),
     ],
 )
 def test_expected_size_and_bytes_are_close_to_the_generated_workload(
@@ -502,7 +511,7 @@ def test_default_workloads_are_not_measured(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(
         sources, "bytes_per_item", _interrupt
     )  # ~0.1 s: only for settings far above the defaults
-    for name in ("multi-tenant", "agent-pauses", "retrieval-scan"):
+    for name in ("multi-tenant", "agent-pauses", "retrieval-scan", "template-drift"):
         assert sources.WORKLOADS.create(name, rng=random.Random(0), duration_s=60.0)
 
 

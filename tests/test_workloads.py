@@ -1,7 +1,9 @@
-"""Workloads: token sequences, trace loaders, priority rules, the multi-tenant generator, working sets."""
+"""Workloads: token sequences, trace loaders, priority rules, the multi-tenant and template-drift generators,
+working sets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -26,6 +28,8 @@ from kvretain.workloads import (
     tag_priorities,
     working_set,
 )
+from kvretain.workloads.template_drift import TemplateDriftConfig, generate_template_drift
+from kvretain.workloads.tokens import Chunk
 
 # --- TokenSeq -----------------------------------------------------------------------------------------
 
@@ -372,6 +376,160 @@ def test_workload_registry() -> None:
         WORKLOADS.create("mooncake", rng=random.Random(0))
     with pytest.raises(WorkloadError, match="no_such_option"):
         WORKLOADS.create("multi-tenant", rng=random.Random(0), no_such_option=1)
+
+
+# --- template-drift -----------------------------------------------------------------------------------
+
+SMALL_TPL = TemplateDriftConfig(duration_s=120.0, rate=2.0, active=10)
+
+
+def _templates(reqs: list[WorkloadRequest]) -> set[Chunk]:
+    """The templates the requests are on (a prompt's first chunk)."""
+    return {r.prompt.chunks[0] for r in reqs}
+
+
+def test_template_drift_is_deterministic_and_sorted() -> None:
+    a = generate_template_drift(SMALL_TPL, random.Random(7))
+    assert a == generate_template_drift(SMALL_TPL, random.Random(7))
+    assert a != generate_template_drift(SMALL_TPL, random.Random(8))
+    assert 150 < len(a) < 400  # ~240 calls opening a session, and their follow-ups
+    arrivals = [r.arrival_s for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0 and arrivals[-1] < SMALL_TPL.duration_s
+    assert all(r.retention is None and r.output is not None and len(r.output) == r.output_len for r in a)
+    lo, hi = SMALL_TPL.template_tokens
+    assert all(lo <= c.length <= hi for c in _templates(a))
+
+
+def test_template_drift_draws_are_split_by_aspect() -> None:
+    # the follow-ups draw from the sessions' rng: without them, the calls that open a session (arrival,
+    # template, input) are the same
+    base = generate_template_drift(SMALL_TPL, random.Random(7))
+    alone = generate_template_drift(dataclasses.replace(SMALL_TPL, followup_prob=0.0), random.Random(7))
+    assert all(r.after is None for r in alone) and len(alone) < len(base)
+    firsts = [(r.request_id, r.arrival_s, r.prompt.chunks[0], r.priority) for r in base if r.after is None]
+    assert firsts == [(r.request_id, r.arrival_s, r.prompt.chunks[0], r.priority) for r in alone]
+
+
+def test_template_drift_premium_share_sets_the_priorities() -> None:
+    # uniform popularity, many calls per template: nearly every template is used
+    cfg = TemplateDriftConfig(duration_s=120.0, rate=10.0, active=300, zipf_s=0.0, premium_share=0.3)
+    reqs = generate_template_drift(cfg, random.Random(1))
+    priority: dict[Chunk, set[int]] = {}
+    for r in reqs:
+        priority.setdefault(r.prompt.chunks[0], set()).add(r.priority)
+    assert len(priority) > 250
+    assert all(len(p) == 1 for p in priority.values())  # a template's calls all have its priority
+    premium = sum(1 for p in priority.values() if p == {cfg.important_priority})
+    assert premium / len(priority) == pytest.approx(cfg.premium_share, abs=0.08)
+    assert {r.priority for r in reqs} == {cfg.important_priority, cfg.other_priority}
+    for share, expected in ((0.0, {cfg.other_priority}), (1.0, {cfg.important_priority})):
+        some = generate_template_drift(dataclasses.replace(SMALL_TPL, premium_share=share), random.Random(1))
+        assert {r.priority for r in some} == expected
+
+
+@pytest.mark.parametrize(("share", "kept"), [(0.0, 5), (0.4, 3), (1.0, 0)])
+def test_template_drift_replaces_a_share_of_the_active_templates(share: float, kept: int) -> None:
+    # 5 active templates, uniform popularity, a drift every 30 s: ~60 calls a period use all 5
+    cfg = TemplateDriftConfig(
+        duration_s=120.0, rate=2.0, active=5, zipf_s=0.0, drift_s=30.0, drift_share=share
+    )
+    reqs = [r for r in generate_template_drift(cfg, random.Random(3)) if r.after is None]
+    periods = [_templates([r for r in reqs if k * 30.0 <= r.arrival_s < (k + 1) * 30.0]) for k in range(4)]
+    assert all(len(p) == 5 for p in periods)  # `active` templates in use in every period
+    for before, after in zip(periods, periods[1:], strict=False):
+        assert len(before & after) == kept  # a drift retires round(share * active) of them
+    assert len(_templates(reqs)) == 5 + 3 * (5 - kept)  # those that retire never come back
+    if share == 1.0:
+        assert not periods[0] & periods[2]
+
+
+def test_template_drift_follow_ups_extend_the_previous_turn() -> None:
+    cfg = TemplateDriftConfig(duration_s=300.0, rate=2.0, active=10, followup_prob=0.6, max_turns=3)
+    reqs = generate_template_drift(cfg, random.Random(2))
+    by_id = {r.request_id: r for r in reqs}
+    sessions: dict[str | None, list[WorkloadRequest]] = {}
+    for r in reqs:
+        sessions.setdefault(r.session_id, []).append(r)
+        if r.after is None:  # a first turn: its template and an input
+            assert r.think_s == 0.0 and len(r.prompt.chunks) == 2 and r.request_id == f"{r.session_id}-turn-0"
+            continue
+        prev = by_id[r.after]
+        assert prev.output is not None
+        ctx = prev.prompt + prev.output  # the previous prompt and its output, then a new input
+        assert (
+            r.prompt.chunks[: len(ctx.chunks)] == ctx.chunks and len(r.prompt.chunks) == len(ctx.chunks) + 1
+        )
+        lo, hi = cfg.input_tokens
+        assert lo <= len(r.prompt) - len(ctx) <= hi
+        assert r.session_id == prev.session_id and r.priority == prev.priority
+        j = int(prev.request_id.rsplit("-", 1)[1])
+        assert r.request_id == f"{r.session_id}-turn-{j + 1}"
+        assert cfg.followup_s[0] <= r.think_s <= cfg.followup_s[1]
+        est = prev.arrival_s + prev.output_len * cfg.est_s_per_output_token + r.think_s
+        assert r.arrival_s == pytest.approx(est)
+    some = next(r for r in reqs if r.after is not None)
+    prev = by_id[some.after or ""]
+    assert prev.output is not None  # the tokens themselves: the previous prompt's are a prefix
+    assert (
+        some.prompt.materialize()[: len(prev.prompt) + prev.output_len]
+        == (prev.prompt + prev.output).materialize()
+    )
+    # a session goes on with probability followup_prob after each turn, up to max_turns (few are cut)
+    turns = Counter(len(s) for s in sessions.values())
+    assert set(turns) == {1, 2, 3} and len(sessions) == sum(1 for r in reqs if r.after is None)
+    assert turns[1] / len(sessions) == pytest.approx(1 - cfg.followup_prob, abs=0.06)
+    assert turns[3] / len(sessions) == pytest.approx(cfg.followup_prob**2, abs=0.06)
+    assert all(sid is not None and sid.startswith("tpl-") for sid in sessions)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("drift_share", 1.5, "drift_share must be a probability in [0, 1], got 1.5"),
+        ("followup_prob", -0.1, "followup_prob must be a probability in [0, 1]"),
+        ("premium_share", 2, "premium_share must be a probability in [0, 1]"),
+        ("active", 0, "active must be >= 1, got 0"),
+        ("max_turns", 0, "max_turns must be >= 1, got 0"),
+        ("zipf_s", -1.0, "zipf_s must be >= 0"),
+        ("rate", -4.0, "rate must be >= 0"),
+        ("drift_s", 0.0, "drift_s must be > 0"),
+        ("template_tokens", (5_000, 1_000), "template_tokens must be a range lo <= hi"),
+        ("followup_s", (30.0, 2.0), "followup_s must be a range lo <= hi"),
+        ("active", 2.5, "active must be a whole number"),
+    ],
+)
+def test_template_drift_bad_option_names_the_field(option: str, value: object, message: str) -> None:
+    with pytest.raises(WorkloadError) as err:
+        WORKLOADS.create("template-drift", rng=random.Random(0), **{option: value})
+    assert f"template-drift config: {message}" in str(err.value)
+
+
+def test_template_drift_unknown_option_and_trace_are_refused() -> None:
+    with pytest.raises(WorkloadError, match=r"template-drift: unknown option 'drift_period' \(its options: "):
+        WORKLOADS.create("template-drift", rng=random.Random(0), drift_period=10.0)
+    with pytest.raises(WorkloadError, match="a first prompt needs at least one token"):
+        TemplateDriftConfig(template_tokens=(0, 10), input_tokens=(0, 10))
+    with pytest.raises(WorkloadError, match="is generated and reads no trace"):
+        WORKLOADS.create("template-drift", rng=random.Random(0), path="t.jsonl")
+
+
+def test_template_drift_is_registered_and_exported(tmp_path: Path) -> None:
+    from kvretain.cli import main
+
+    assert "template-drift" in WORKLOADS.names() and WORKLOADS.describe()["template-drift"]
+    reqs = WORKLOADS.create("template-drift", rng=random.Random(0), limit=50, time_scale=2.0, duration_s=60.0)
+    full = generate_template_drift(TemplateDriftConfig(duration_s=60.0), random.Random(0))
+    assert len(reqs) == 50 and [r.arrival_s for r in reqs] == [2.0 * r.arrival_s for r in full[:50]]
+    out = tmp_path / "tpl.jsonl"
+    argv = ["workload", "export", "template-drift", "--out", str(out), "--option", "duration_s=120"]
+    assert main(argv) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == len(generate_template_drift(TemplateDriftConfig(duration_s=120.0), random.Random(0)))
+    assert all(r["hash_ids"] and r["session_id"].startswith("tpl-") and "retention" not in r for r in recs)
+    # calls on one template share its full blocks: far fewer distinct blocks than lookups
+    ids = [h for r in recs for h in r["hash_ids"]]
+    assert len(set(ids)) < 0.5 * len(ids)
+    assert len({r["hash_ids"][0] for r in recs}) <= TemplateDriftConfig().active
 
 
 # --- working set --------------------------------------------------------------------------------------

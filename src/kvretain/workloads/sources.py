@@ -3,7 +3,8 @@
 ``WORKLOADS.create(name, rng=..., path=..., limit=..., time_scale=..., **options)`` returns the requests
 sorted by arrival. ``path`` is required by the trace loaders (:data:`TRACE_WORKLOADS`) and refused by the
 generators; ``options`` are the loader's own keywords (``block_size`` for Mooncake) or, for a generator, its
-config's fields (``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanConfig``).
+config's fields (``MultiTenantConfig``, ``AgentPausesConfig``, ``RetrievalScanConfig``,
+``TemplateDriftConfig``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvretain.workloads.mooncake import load_mooncake
 from kvretain.workloads.multi_tenant import MultiTenantConfig, generate_multi_tenant
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.retrieval_scan import RetrievalScanConfig, generate_retrieval_scan
+from kvretain.workloads.template_drift import TemplateDriftConfig, generate_template_drift
 
 Workload = list[WorkloadRequest]
 
@@ -183,6 +185,20 @@ def retrieval_scan(
     return generate_retrieval_scan(config, rng, limit=limit, time_scale=time_scale)
 
 
+@WORKLOADS.register("template-drift")
+def template_drift(
+    rng: random.Random,
+    path: str | Path | None = None,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    **options: Any,
+) -> Workload:
+    """API calls on Zipf-popular prompt templates whose popular set drifts (launches replace retirements)."""
+    _no_path(path, "template-drift")
+    config = _config(TemplateDriftConfig, "template-drift", options)
+    return generate_template_drift(config, rng, limit=limit, time_scale=time_scale)
+
+
 @WORKLOADS.register("mooncake")
 def mooncake(
     rng: random.Random,
@@ -213,5 +229,7 @@ _CONFIGS: dict[str, tuple[Any, str | None, Any]] = {
     "multi-tenant": (MultiTenantConfig, "batch_documents", generate_multi_tenant),
     "agent-pauses": (AgentPausesConfig, None, generate_agent_pauses),
     "retrieval-scan": (RetrievalScanConfig, "documents", generate_retrieval_scan),
+    # its documents are the templates, made as they enter, `active` at a time (and as many more each drift)
+    "template-drift": (TemplateDriftConfig, "active", generate_template_drift),
 }
 """The generators: config class, the field that counts their documents, generator (:func:`bytes_per_item`)."""
