@@ -14,7 +14,9 @@ Traces (default set):
   ``--trace FILE`` (repeatable) replaces the set with your files.
   ``--held-out`` replaces the set with generated traffic that no development step looked at (``HELD_OUT``:
   seeds the grid does not use, and one shape per generator with settings no run used), fixed before it was
-  first run (session 11): the check that the defaults were not fitted to the grid's own draws.
+  first run (session 11): the check that the defaults were not fitted to the grid's own draws. Session 24
+  added a shape no development step had used at all (``template-drift``, seeds 0 and 1), before any policy
+  ran on it.
 Priority rules (class 0 = important), one row each:
   * ``reference`` (``hash_ids[1] % 4 == 0``) on traces without priorities of their own; ``native`` (the
     trace's own priority field) on the generated workloads and on any trace that carries priorities (the
@@ -111,6 +113,10 @@ HELD_OUT: list[tuple[str, str, int, dict[str, Any]]] = [
         3,
         {"scan_rate": 2.0, "zipf_s": 0.8, "interactive_share": 0.5},
     ),
+    # a fourth generator, added in session 24 before any policy ran on it: API calls on prompt templates whose
+    # popular set drifts (stale frequency), premium tenants' templates important
+    ("template-drift", "template-drift", 0, {}),
+    ("template-drift", "template-drift", 1, {}),
 ]
 """The ``--held-out`` traces (module docstring)."""
 SPLIT = 6000  # the Mooncake halves: the first 6,000 requests and the rest
