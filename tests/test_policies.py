@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from _switching import SWITCH_AT, SwitchingController
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy, policy_names
 from kvretain.core.policies import UnifiedPolicy
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
@@ -730,3 +731,29 @@ def test_a_lapse_due_after_its_blocks_eviction_protects_nothing() -> None:
     sim.now = 5.0
     sim.start([7])  # (evicts, which runs the lapses due)
     assert sim.policy.stats()["protected_blocks"] == 0.0  # (before: 1, for content the pool no longer holds)
+
+
+def test_keys_set_under_other_tables_are_set_again_when_the_tables_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the frequency exponent falls from 4 to 1 at the 5th lookup. A's prefix, used 4 times before, was keyed at
+    # 4 ** 4 = 256; B's, used 6 times after, at 6. Left as set, A's keys outlive B's (and, at 64 uses, every block
+    # released since for ~16.7M turnovers: the pin that held retired prompt templates on the held-out
+    # template-drift traffic); keyed again from the L of their release with the new tables (4 < 6), A's go first
+    import kvretain.core.policies.unified as unified_module
+
+    monkeypatch.setattr(unified_module, "ProtectionController", SwitchingController)
+    sim = Sim("unified", 30, PolicyConfig(budget=1.0, isolation_goal=None, ghost_factor=0.0))
+    lookups = 0
+    for prefix, tails, times in (([1, 2], 100, 4), ([3, 4], 200, 6)):
+        for k in range(times):
+            hashes = [*prefix, tails + k]
+            sim.policy.on_lookup(
+                hashes, sum(1 for h in hashes if h in sim.pool.cached), DEFAULT_RETENTION_PRIORITY
+            )
+            lookups += 1
+            sim.run(hashes)
+    assert lookups > SWITCH_AT
+    order = sim.evict_all()
+    assert order[-4:] == [2, 1, 4, 3]
+    assert sim.policy.stats()["rekeys"] == 1.0

@@ -23,6 +23,7 @@ pytest.importorskip(
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from _switching import SwitchingController
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
 from kvretain.core.policies import rules
 from kvretain.core.policy import INF
@@ -635,4 +636,23 @@ def test_a_chain_that_lapses_together_leaves_the_protected_tier_together() -> No
     ]
     pool, runs = _victims_after(script)
     assert pool.index("a0") < pool.index("c1")
+    assert runs == pool
+
+
+def test_both_storages_key_again_when_the_tables_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the frequency exponent falls from 4 to 1 at the 5th lookup (tests/_switching.py): A's prefix, used 4 times
+    # before, was keyed at 256, B's, used 6 times after, at 6. Both storages key every block (every run) again
+    # from the L of its release with the new tables, so A's prefix goes first; before, both kept A's old keys and
+    # evicted B's prefix first
+    import kvretain.core.policies.unified as unified_module
+    import kvretain.integrations.vllm._runs as runs_module
+
+    monkeypatch.setattr(unified_module, "ProtectionController", SwitchingController)
+    monkeypatch.setattr(runs_module, "ProtectionController", SwitchingController)
+    script: list[tuple[Any, ...]] = [
+        *[("req", 0, None, ["a0", "a1", f"ta{k}"], 0) for k in range(4)],
+        *[("req", 0, None, ["b0", "b1", f"tb{k}"], 0) for k in range(6)],
+    ]
+    pool, runs = _victims_after(script, adapt_frequency=True)
+    assert pool[-4:] == ["a1", "a0", "b1", "b0"]
     assert runs == pool

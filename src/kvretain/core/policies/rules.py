@@ -128,6 +128,20 @@ def value(weight: float, frequency: float, depth: int, cost: float) -> float:
     return weight * frequency * (1.0 + depth * cost)
 
 
+def gd_key(since: float, weight: float, frequency: float, depth: int, cost: float) -> float:
+    """A block's GreedyDual key: the aging floor ``L`` when it was released (``since``) plus its :func:`value`.
+
+    NOTE: the key is set at a release from the tables of that moment (retention weights, the frequency term);
+    when the tables change (the protection level softens or restores the weights, the recency/frequency balance
+    moves the exponent) every cached block is keyed again from its ``since`` with the new tables. Keys set under
+    other tables are not comparable: a block released at exponent 4 with 64 uses is worth 64 ** 4 = 16.7M
+    one-off blocks, so after a fall to exponent 1 it would outlive every block released since for ~16.7M
+    turnovers (an accidental pin). Measured on the held-out ``template-drift`` traffic (session 24), whose
+    retired prompt templates were pinned that way: unified 0.959x lru overall at 906 blocks before, 1.03x with
+    the keys set again (docs/results.md)."""
+    return since + weight * frequency * (1.0 + depth * cost)
+
+
 def protected(level: int, threshold: int) -> bool:
     """Blocks at or above ``protect_threshold`` are in the protected tier."""
     return level >= threshold

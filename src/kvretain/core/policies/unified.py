@@ -66,6 +66,7 @@ class _Meta(BlockState):
         "prev",
         "protected",
         "r",
+        "since",
         "tier",
         "uses",
     )
@@ -83,6 +84,7 @@ class _Meta(BlockState):
         self.expiry = INF
         self.owner: str | None = None
         self.key = 0.0  # GreedyDual key fixed at the last release (a parent that becomes a leaf keeps it)
+        self.since = 0.0  # the aging floor L when the key was set: key = since + value (rules.gd_key)
         self.protected = 0
         # neighbours in its bucket of the evictable queue; ``prev is None``: not evictable
         self.prev: _Link | _Meta | None = None
@@ -164,6 +166,25 @@ class _Queue:
                 self._slots = sorted(self._buckets)
                 self._empty = 0
 
+    def drain(self) -> list[_Meta]:
+        """Take every block out, in queue order (bucket, then FIFO); the queue is empty after."""
+        out: list[_Meta] = []
+        for s in sorted(self._buckets):
+            h = self._buckets[s]
+            m = h.next
+            while m is not h:
+                b = cast(_Meta, m)
+                nx = b.next
+                assert nx is not None
+                b.prev = b.next = None
+                out.append(b)
+                m = nx
+        self._buckets = {}
+        self._slots = []
+        self._empty = 0
+        self.n = 0
+        return out
+
     def head(self) -> tuple[int, _Meta]:
         """``(bucket, meta)`` of the first block; the queue must not be empty."""
         buckets = self._buckets
@@ -230,6 +251,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
         self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
         self._cost_per_block = rules.cost_per_block(cfg)
+        self._rekeys = 0  # times the tables changed and every key was set again (stats)
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -297,6 +319,7 @@ class UnifiedPolicy(EvictionPolicy):
             if p != m.protected:
                 m.protected = p
                 self._num_protected += 1 if p else -1
+        m.since = self._L
         m.key = self._L + self._weight[cur] * self._F[uses] * (1.0 + m.depth * self._cost_per_block)
         if evictable:
             self._push(m)
@@ -334,6 +357,7 @@ class UnifiedPolicy(EvictionPolicy):
             if uses < cap:
                 uses += 1
                 m.uses = uses
+            m.since = L
             m.key = L + w * F[uses] * (1.0 + m.depth * cost)
         push = self._push
         for bid in evictable_ids:
@@ -365,6 +389,26 @@ class UnifiedPolicy(EvictionPolicy):
         ):
             self._weight = self._ctl.weights
             self._F = self._ctl.frequency
+            self._rekey()
+
+    def _rekey(self) -> None:
+        """The order's tables changed (the controller's level moved the retention weights, or its balance the
+        frequency exponent): every cached block's key becomes what the new tables give it at the ``L`` of its
+        release (:func:`rules.gd_key`), and the queues are rebuilt in their old order within each new bucket
+        (an exposed parent stays in front of its bucket-mates)."""
+        W = self._weight
+        F = self._F
+        cost = self._cost_per_block
+        queued: list[_Meta] = []
+        for q in self._queues:
+            queued += q.drain()
+        for m in self._meta:
+            if m.content is not None and m.r != _UNSET:
+                m.key = rules.gd_key(m.since, W[m.r], F[m.uses], m.depth, cost)
+        self._rekeys += 1
+        push = self._push
+        for m in queued:
+            push(m)
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:
@@ -411,6 +455,7 @@ class UnifiedPolicy(EvictionPolicy):
             m.expiry = INF
             m.r = m.base
             self._set_protected(m, now)
+            m.since = self._L
             m.key = self._L + self._value(m, now)
             if m.prev is not None:
                 self._push(m)
@@ -497,4 +542,8 @@ class UnifiedPolicy(EvictionPolicy):
         return {m.block_id for m in self._meta if m.prev is not None}
 
     def stats(self) -> dict[str, float]:
-        return {"protected_blocks": float(self._num_protected), **self._ctl.stats()}
+        return {
+            "protected_blocks": float(self._num_protected),
+            "rekeys": float(self._rekeys),
+            **self._ctl.stats(),
+        }

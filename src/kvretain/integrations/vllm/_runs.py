@@ -90,7 +90,7 @@ class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
     eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
 
-    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "own", "r", "tier", "up")
+    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "own", "r", "since", "tier", "u", "up")
 
     def __init__(
         self,
@@ -101,11 +101,17 @@ class _Run:
         cls: int,
         depth: int = 0,
         floor: float = 0.0,
+        since: float = 0.0,
+        u: int = 0,
     ) -> None:
         self.ids = ids
         self.i = 0
         self.live = len(ids)  # (a run built in place sets it when it is queued)
-        self.own = own  # its own key: ``L`` at its release + the value of its tail
+        self.own = own  # its own key: ``L`` at its release + the value of its tail (rules.gd_key)
+        self.since = since  # that ``L``
+        self.u = (
+            u  # its tail's use count then (the value's frequency term: keyed again when the tables change)
+        )
         self.key = own if own > floor else floor
         self.r = r
         # 0: protected, 1: not. A run whose deeper run (``floor``) is protected is queued with it, whatever its
@@ -282,6 +288,7 @@ class RunFreeQueue(HookedFreeQueue):
         "_pending",
         "_queues",
         "_r",
+        "_rekeys",
         "_run_of",
         "_sampled",
         "_seq",
@@ -356,6 +363,7 @@ class RunFreeQueue(HookedFreeQueue):
         self._ctl = ProtectionController(n, cfg)
         self._weight = self._ctl.weights
         self._F = self._ctl.frequency
+        self._rekeys = 0  # times the tables changed and every run was keyed again (stats)
         self._expect = -1  # blocks the fused release placed for the next append_n (-1: none)
         self._stripped = False  # evict_blocks took a hash from a block in use: num_cached is not trusted
 
@@ -369,7 +377,9 @@ class RunFreeQueue(HookedFreeQueue):
         """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``, at
         least at ``floor``, the key of a deeper run in tier ``below`` (see :meth:`_lifted`)."""
         tier, floor = self._lifted(r, floor, below)
-        run = _Run(ids, self._L + self._value(r, self._uses[ids[0]], depth), r, tier, cls, depth, floor)
+        u = self._uses[ids[0]]
+        L = self._L
+        run = _Run(ids, L + self._value(r, u, depth), r, tier, cls, depth, floor, L, u)
         run_of = self._run_of
         for bid in ids:
             run_of[bid] = run
@@ -404,7 +414,7 @@ class RunFreeQueue(HookedFreeQueue):
             q.n -= run.live
             run.live = 0
             q.died()
-            new = _Run(ids, run.own, run.r, tier, run.cls, run.depth, fl)
+            new = _Run(ids, run.own, run.r, tier, run.cls, run.depth, fl, run.since, run.u)
             new.up = run.up
             for bid in ids:
                 run_of[bid] = new
@@ -1010,7 +1020,7 @@ class RunFreeQueue(HookedFreeQueue):
                     su = segment_uses(blocks, seg) if ghost else 1
                     stag = mapped * 16 + ub[su]
                     if stag != run_tag:  # (a parent never before its child: at least the deeper run's key)
-                        cur = _Run(
+                        nxt = _Run(
                             [],
                             L + value(mapped, su, i),
                             mapped,
@@ -1018,7 +1028,12 @@ class RunFreeQueue(HookedFreeQueue):
                             prio,
                             i,
                             cur.key if cur is not None else 0.0,
+                            L,
+                            su,
                         )
+                        if cur is not None:
+                            cur.up = nxt  # (its floor: keyed again with cur when the tables change)
+                        cur = nxt
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = stag
@@ -1190,7 +1205,7 @@ class RunFreeQueue(HookedFreeQueue):
                         if w is not None and (w[0].tier < tier or (w[0].tier == tier and w[0].key > floor)):
                             tier = w[0].tier
                             floor = w[0].key
-                        nxt = _Run([], L + value(r, u, i), r, tier, prio, i, floor)
+                        nxt = _Run([], L + value(r, u, i), r, tier, prio, i, floor, L, u)
                         if cur is not None:
                             cur.up = nxt  # (ranked again when cur's blocks lapse or it leaves tier 0)
                         if w is not None:
@@ -1256,6 +1271,38 @@ class RunFreeQueue(HookedFreeQueue):
             ):
                 self._weight = self._ctl.weights
                 self._F = self._ctl.frequency
+                self._rekey()
+
+    def _rekey(self) -> None:
+        """The order's tables changed: every queued run is keyed again from the ``L`` of its release with the new
+        tables (:func:`rules.gd_key`, as the pool keys every block again), its floor and tier recomputed from
+        the deeper runs that lift it (children first; a floor whose child is gone lapses, as the pool then
+        exposes the parent at its own key), and the queues rebuilt in their old order within each new bucket."""
+        W = self._weight
+        F = self._F
+        cost = self._cost_per_block
+        thr = self._threshold
+        runs = [run for q in self._queues for run in q.ordered()]
+        for run in runs:
+            run.own = own = rules.gd_key(run.since, W[run.r], F[run.u], run.depth, cost)
+            run.floor = 0.0
+            run.tier = 0 if run.r >= thr else 1
+            run.key = own
+        lifted = self._lifted
+        for run in sorted(runs, key=lambda x: -x.depth):  # (stable: equal depths keep the queue order)
+            up = run.up
+            if up is not None and up.live:
+                tier, fl = lifted(up.r, run.key, run.tier)
+                if fl > 0.0 and (tier < up.tier or (tier == up.tier and fl > up.floor)):
+                    up.tier = tier
+                    up.floor = fl
+                    up.key = up.own if up.own > fl else fl
+        scale = self._queues[0].scale
+        queues = (_RunQueue(scale), _RunQueue(scale))
+        for run in runs:
+            queues[run.tier].push(run)
+        self._queues = queues
+        self._rekeys += 1
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of its run. Returns True
@@ -1269,7 +1316,11 @@ class RunFreeQueue(HookedFreeQueue):
         return queued
 
     def stats(self) -> dict[str, float]:
-        return {"protected_blocks": float(self._num_protected), **self._ctl.stats()}
+        return {
+            "protected_blocks": float(self._num_protected),
+            "rekeys": float(self._rekeys),
+            **self._ctl.stats(),
+        }
 
     def check(self) -> None:
         """Consistency check for tests: counts, run membership and retention bookkeeping agree. O(n)."""
