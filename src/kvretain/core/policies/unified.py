@@ -17,6 +17,9 @@ Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in 
           * (1 + depth_tokens / cost_scale_tokens)  # recompute cost: attention over the prefix
 
 and ``L`` rises to the key of each victim, so blocks that stop being used age out (GreedyDual-Size-Frequency).
+When the controller changes the weights or the frequency exponent, every cached block is keyed again from the
+``L`` of its release with the new tables (:func:`~kvretain.core.policies.rules.gd_key`: keys from other tables
+are not comparable).
 Unprotected blocks are evicted first while protected blocks hold at most ``target`` blocks; above it the two
 heaps compete on ``H``. ``target`` is the protection budget (``budget`` x pool), or, with ``isolation_goal``,
 it adapts inside that budget (:class:`~kvretain.core.policies.protection.ProtectionController`): it grows while
@@ -83,7 +86,8 @@ class _Meta(BlockState):
         self.base = _UNSET  # highest mapped request priority of the block's users (where a lapse falls back)
         self.expiry = INF
         self.owner: str | None = None
-        self.key = 0.0  # GreedyDual key fixed at the last release (a parent that becomes a leaf keeps it)
+        self.key = 0.0  # GreedyDual key set at the last release (a parent that becomes a leaf keeps it), set
+        # again from ``since`` when the order's tables change (_rekey)
         self.since = 0.0  # the aging floor L when the key was set: key = since + value (rules.gd_key)
         self.protected = 0
         # neighbours in its bucket of the evictable queue; ``prev is None``: not evictable

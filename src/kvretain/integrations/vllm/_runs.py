@@ -18,7 +18,8 @@ counts, placing), so freeing a request walks its blocks once, as stock vLLM does
 Rules kept from ``unified``: the highest retention any request asked for a block wins (its owner scope may
 lower it); a directive's duration lapses to the highest mapped request priority of its users; use counts are
 remembered across eviction for one block per 256 tokens (the ghost table), and the blocks of a 256-token
-segment cached together share its count. What differs: there are no per-block parent/child links. The pool
+segment cached together share its count; when the controller changes the tables, every run is keyed again from
+the ``L`` of its release (:meth:`RunFreeQueue._rekey`). What differs: there are no per-block parent/child links. The pool
 evicts leaves only (a parent waits for its cached child); here a run is evicted tail first, and within one
 release a run is ranked at least at its deeper run's key, in that run's tier when it is protected (``_Run.floor``
 and ``_Run.up``; ranked again when the deeper run lapses or is evicted from the protected tier). A parent freed
@@ -400,7 +401,7 @@ class RunFreeQueue(HookedFreeQueue):
     def _relift(self, run: _Run | None, floor: float, below: int) -> _Run | None:
         """Rank ``run`` (and the runs it lifted in turn) again now that its deeper run is keyed ``floor`` in tier
         ``below`` (``floor`` 0: gone): at its own key, at least at that floor where :meth:`_lifted` says so. Its
-        blocks move to a new run (a run's key is fixed while it is queued), which is returned (``run`` itself when
+        blocks move to a new run (a run's key is fixed while it is queued, but for :meth:`_rekey`, which rebuilds the queues), which is returned (``run`` itself when
         its rank stands; None when it has no blocks left)."""
         run_of = self._run_of
         first: _Run | None = None
