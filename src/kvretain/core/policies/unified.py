@@ -406,9 +406,15 @@ class UnifiedPolicy(EvictionPolicy):
         queued: list[_Meta] = []
         for q in self._queues:
             queued += q.drain()
-        for m in self._meta:
-            if m.content is not None and m.r != _UNSET:
-                m.key = rules.gd_key(m.since, W[m.r], F[m.uses], m.depth, cost)
+        # NOTE: rules.gd_key, inlined (once per cached block at every change of the tables)
+        if cost:
+            for m in self._meta:
+                if m.content is not None and m.r != _UNSET:
+                    m.key = m.since + W[m.r] * F[m.uses] * (1.0 + m.depth * cost)
+        else:
+            for m in self._meta:
+                if m.content is not None and m.r != _UNSET:
+                    m.key = m.since + W[m.r] * F[m.uses]
         self._rekeys += 1
         push = self._push
         for m in queued:
