@@ -18,10 +18,10 @@ counts, placing), so freeing a request walks its blocks once, as stock vLLM does
 Rules kept from ``unified``: the highest retention any request asked for a block wins (its owner scope may
 lower it); a directive's duration lapses to the highest mapped request priority of its users; use counts are
 remembered across eviction for one block per 256 tokens (the ghost table), and the blocks of a 256-token
-segment cached together share its count; when the controller changes the tables, every run is keyed again from
-the ``L`` of its release (:meth:`RunFreeQueue._rekey`). What differs: there are no per-block parent/child links. The pool
-evicts leaves only (a parent waits for its cached child); here a run is evicted tail first, and within one
-release a run is ranked at least at its deeper run's key, in that run's tier when it is protected (``_Run.floor``
+segment cached together share its count; when the controller changes the tables, every run is keyed again
+from the ``L`` of its release (:meth:`RunFreeQueue._rekey`). What differs: there are no per-block parent/child
+links. The pool evicts leaves only (a parent waits for its cached child); here a run is evicted tail first, and
+within one release a run is ranked at least at its deeper run's key, in that run's tier when it is protected (``_Run.floor``
 and ``_Run.up``; ranked again when the deeper run lapses or is evicted from the protected tier). A parent freed
 by another request than its child's (one still holding it) sits in a later run with a later key, so it normally
 outlives its children, but nothing forbids the opposite (stock vLLM's LRU has the same property).
@@ -110,9 +110,8 @@ class _Run:
         self.live = len(ids)  # (a run built in place sets it when it is queued)
         self.own = own  # its own key: ``L`` at its release + the value of its tail (rules.gd_key)
         self.since = since  # that ``L``
-        self.u = (
-            u  # its tail's use count then (the value's frequency term: keyed again when the tables change)
-        )
+        # its tail's use count then (the value's frequency term), for keying it again when the tables change
+        self.u = u
         self.key = own if own > floor else floor
         self.r = r
         # 0: protected, 1: not. A run whose deeper run (``floor``) is protected is queued with it, whatever its
@@ -401,8 +400,8 @@ class RunFreeQueue(HookedFreeQueue):
     def _relift(self, run: _Run | None, floor: float, below: int) -> _Run | None:
         """Rank ``run`` (and the runs it lifted in turn) again now that its deeper run is keyed ``floor`` in tier
         ``below`` (``floor`` 0: gone): at its own key, at least at that floor where :meth:`_lifted` says so. Its
-        blocks move to a new run (a run's key is fixed while it is queued, but for :meth:`_rekey`, which rebuilds the queues), which is returned (``run`` itself when
-        its rank stands; None when it has no blocks left)."""
+        blocks move to a new run (a run's key is fixed while it is queued, but for :meth:`_rekey`, which rebuilds
+        the queues), which is returned (``run`` itself when its rank stands; None when it has no blocks left)."""
         run_of = self._run_of
         first: _Run | None = None
         while run is not None and run.live:
