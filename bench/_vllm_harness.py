@@ -9,7 +9,10 @@ decoding, as vLLM's runner reports them). Imports vLLM lazily, so importing this
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,14 @@ def write_tiny_model(directory: str | Path, vocab_size: int = 65536, max_len: in
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(tiny_llama(vocab_size, max_len)))
     return str(d)
+
+
+def temp_tiny_model(prefix: str = "tiny-llama-", **kwargs: Any) -> str:
+    """:func:`write_tiny_model` into a new temporary directory that is removed when this process exits (a bench
+    run leaves nothing in the temporary folder)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, d, True)
+    return write_tiny_model(d, **kwargs)
 
 
 def build_scheduler(

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -374,7 +373,7 @@ def main() -> None:
         f"block size {args.block_size}, pool {args.pool_blocks} blocks, max_num_seqs {args.max_num_seqs}, "
         f"{args.max_batched_tokens} tokens/step, {args.step_ms:g} ms of trace per step"
     )
-    model_dir = harness.write_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-"), max_len=args.max_model_len)
+    model_dir = harness.temp_tiny_model(max_len=args.max_model_len)
     queues = ["fcfs", "priority"] if args.queue == "both" else [args.queue]
     results: dict[str, Any] = {}
     for q in queues:

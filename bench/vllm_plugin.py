@@ -481,7 +481,7 @@ def run_child(args: argparse.Namespace) -> None:
     from kvretain.integrations.vllm.config import PluginConfig, parse_options
 
     reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
-    model_dir = harness.write_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-"))
+    model_dir = harness.temp_tiny_model()
     build_scheduler(model_dir, args)  # warm-up: vLLM inspects the model architecture once per process
     counters: dict[Any, Any] = {}
     hooks: dict[str, int] = {}

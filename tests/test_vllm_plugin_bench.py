@@ -31,8 +31,10 @@ def _small_trace(tmp_path: Path) -> Path:
     return trace
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, tmpdir: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True,
@@ -44,7 +46,15 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _bench(trace: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return _run("--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra)
+    """The bench on ``trace`` with its own empty temporary folder, which it must leave empty (each child writes
+    its model's config there)."""
+    tmp = trace.parent / f"tmp-{len(list(trace.parent.glob('tmp-*')))}"
+    tmp.mkdir()
+    res = _run("--trace", str(trace), "--requests", "60", "--pool-blocks", "2048", *extra, tmpdir=tmp)
+    assert res.returncode != 0 or not any(tmp.iterdir()), (
+        f"left behind: {sorted(p.name for p in tmp.iterdir())}"
+    )
+    return res
 
 
 def test_hook_times_name_each_hook_and_the_controller_inside_its_hooks(tmp_path: Path) -> None:
