@@ -7,6 +7,7 @@ pool's integrity after every step.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -571,12 +572,70 @@ def _tie_across_tiers() -> Sim:
     return sim
 
 
-def test_unified_over_budget_ties_go_to_the_unprotected_block_also_for_an_exposed_parent() -> None:
-    # 2 (key 1) goes first and exposes 1 (key 2, protected), which ties with 9: the unprotected block goes
-    # first, as pop decides ties, whether the blocks are evicted in one allocation or one at a time
-    assert _tie_across_tiers().evict(3) == [2, 9, 1]
+def test_unified_over_budget_a_tie_across_tiers_goes_by_place_in_the_bucket_also_for_an_exposed_parent() -> (
+    None
+):
+    # 2 (key 1) goes first and exposes 1 (key 2, protected), which ties with 9 (key 2, unprotected): an exposed
+    # parent goes first in its bucket, in either tier (the order one queue of both tiers has: its chain leaves
+    # as a unit), whether the blocks are evicted in one allocation or one at a time
+    assert _tie_across_tiers().evict(3) == [2, 1, 9]
     one_by_one = _tie_across_tiers()
-    assert one_by_one.evict(1) + one_by_one.evict(1) + one_by_one.evict(1) == [2, 9, 1]
+    assert one_by_one.evict(1) + one_by_one.evict(1) + one_by_one.evict(1) == [2, 1, 9]
+
+
+RECENCY_END = {"budget": 0.0, "priority_weight": 1.0, "frequency_exponent": 0.0}
+"""``unified`` at the end of its range that the controller falls to where protection and frequency do not pay
+(its level -1: flat weights; its balance at recency; no protected share)."""
+
+
+def _mixed_traffic(seed: int, n: int = 400) -> list[tuple[float, list[int], int, int | None, float | None]]:
+    """Requests ``(time, hashes, class, directive level, duration)``: conversations on four shared system
+    prompts that come back with their history, three classes, a fifth of them with a short directive, some
+    prompts that end where another's block does (a parent released without a child)."""
+    rng = random.Random(seed)
+    systems = [[1000 * k + j for j in range(3)] for k in range(4)]
+    hist: dict[int, list[int]] = {}
+    nxt = 10_000
+    out = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(2.0)
+        conv = rng.randrange(30)
+        prompt = hist.get(conv) or list(systems[conv % 4])
+        if rng.random() < 0.1:
+            prompt = prompt[: rng.randrange(1, len(prompt) + 1)]  # a strict prefix: no new block
+        else:
+            prompt = prompt + list(range(nxt, nxt + rng.randrange(1, 6)))
+            nxt += 6
+            hist[conv] = prompt[:40]
+        directive = rng.random() < 0.2
+        out.append(
+            (t, prompt, conv % 3, 80 if directive else None, rng.uniform(0.5, 8.0) if directive else None)
+        )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unified_at_its_recency_end_evicts_what_lru_evicts(seed: int) -> None:
+    """With flat weights, recency and no protected share, ``unified`` is plain LRU: the same victims in the same
+    order, whatever the classes' retention and their directives do to the tiers (before session 25: the tiers
+    broke ties on raw keys instead of the queue's FIFO, and a lapse re-keyed its block as released at the lapse;
+    0.9912x lru's hits on a multi-tenant trace in this setting)."""
+    u = unified(48, **RECENCY_END)  # type: ignore[arg-type]
+    lru = Sim("lru", 48)
+    for t, prompt, cls, level, dur in _mixed_traffic(seed):
+        victims = []
+        for sim in (u, lru):
+            sim.now = t
+            evicted: list[int] = []
+            sim.pool.on_evict = lambda bid, h, ev=evicted: ev.append(int(h))  # type: ignore[misc]
+            ids = sim.start(prompt)
+            sim.pool.on_evict = None
+            mapped = DEFAULT_RETENTION_PRIORITY - 10 * cls
+            sim.finish(ids, mapped if level is None else level, dur, base=mapped)
+            victims.append(evicted)
+        assert victims[0] == victims[1], (t, prompt)
+    assert set(u.pool.cached) == set(lru.pool.cached)
 
 
 def test_lfu_exposed_parent_keeps_its_release_order() -> None:

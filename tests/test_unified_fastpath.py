@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy
-from kvretain.core.policies import UnifiedPolicy
+from kvretain.core.policies import UnifiedPolicy, rules
 from kvretain.core.policies.unified import _Meta, _Queue
 from kvretain.core.policy import EvictionPolicy
 
@@ -100,44 +100,57 @@ def test_fused_pop_exposed_evicts_exactly_what_expose_then_pop_would(
 
 QUEUE_OPS = st.lists(
     st.one_of(
-        # (op, block, key in 1/16 units, push in front)
-        st.tuples(st.just("push"), st.integers(0, 39), st.integers(0, 400), st.booleans()),
-        st.tuples(st.just("unlink"), st.integers(0, 39), st.just(0), st.just(False)),
-        st.tuples(st.just("pop"), st.just(0), st.just(0), st.just(False)),
+        # (op, block, key in 1/16 units (few values: buckets fill), an older release: its stamp back by this)
+        st.tuples(st.just("push"), st.integers(0, 39), st.integers(0, 12), st.integers(0, 60)),
+        st.tuples(st.just("unlink"), st.integers(0, 39), st.just(0), st.just(0)),
+        st.tuples(st.just("pop"), st.just(0), st.just(0), st.just(0)),
     ),
     max_size=300,
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(QUEUE_OPS)
-def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, bool]]) -> None:
-    """``unified``'s bucket queue pops by key bucket, FIFO inside a bucket, front pushes first, through any mix of
-    pushes, removals (which empty buckets and trigger compactions) and pops."""
-    q = _Queue(16.0)
-    metas = [_Meta(i) for i in range(40)]
-    model: dict[int, list[int]] = {}  # bucket -> block ids in pop order
-    where: dict[int, int] = {}  # queued block -> bucket
-    for op, b, key, front in ops:
-        if op == "push" and b not in where:
-            metas[b].key = key / 16.0 + 0.01
-            q.push(metas[b], front)
-            s = int(metas[b].key * 16.0)
-            bucket = model.setdefault(s, [])
-            bucket.insert(0 if front else len(bucket), b)
-            where[b] = s
-        elif op == "unlink" and b in where:
-            q.unlink(metas[b])
-            model[where.pop(b)].remove(b)
-        elif op == "pop" and where:
-            s = min(k for k, v in model.items() if v)
-            want = model[s].pop(0)
-            assert q.pop().block_id == want
-            del where[want]
-        assert q.n == len(where)
-        assert all(metas[i].prev is not None for i in where)
-    live = sorted(k for k, v in model.items() if v)
-    assert len(q._buckets) <= len(live) + 64 + len(q._buckets) // 2
+def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, int]]) -> None:
+    """``unified``'s bucket queue pops by key bucket, in release order (``stamp``) inside a bucket, through any mix
+    of pushes at the newest release and at older ones (an exposed parent, a lapse), removals (which empty buckets
+    and trigger compactions) and pops; a block whose place is more than ``WALK`` links from the back goes
+    ``WALK`` links from the back (``rules.release_order_place``, the run queue's rule; here ``WALK`` is 3, so
+    that the bound is reached)."""
+    saved = rules.RELEASE_ORDER_WALK
+    rules.RELEASE_ORDER_WALK = 3
+    try:
+        q = _Queue(16.0)
+        metas = [_Meta(i) for i in range(40)]
+        model: dict[int, list[int]] = {}  # bucket -> block ids in pop order
+        where: dict[int, int] = {}  # queued block -> bucket
+        clock = 1000
+        for op, b, key, older in ops:
+            if op == "push" and b not in where:
+                clock += 1
+                m = metas[b]
+                m.key = key / 16.0 + 0.01
+                m.stamp = clock - older
+                q.push(m)
+                s = int(m.key * 16.0)
+                bucket = model.setdefault(s, [])
+                at = rules.release_order_place(len(bucket), m.stamp, lambda i, bk=bucket: metas[bk[i]].stamp)
+                bucket.insert(at, b)
+                where[b] = s
+            elif op == "unlink" and b in where:
+                q.unlink(metas[b])
+                model[where.pop(b)].remove(b)
+            elif op == "pop" and where:
+                s = min(k for k, v in model.items() if v)
+                want = model[s].pop(0)
+                assert q.pop().block_id == want
+                del where[want]
+            assert q.n == len(where)
+            assert all(metas[i].prev is not None for i in where)
+        live = sorted(k for k, v in model.items() if v)
+        assert len(q._buckets) <= len(live) + 64 + len(q._buckets) // 2
+    finally:
+        rules.RELEASE_ORDER_WALK = saved
 
 
 def test_bucket_queue_compacts_buckets_emptied_by_removals() -> None:

@@ -70,6 +70,7 @@ class _Meta(BlockState):
         "protected",
         "r",
         "since",
+        "stamp",
         "tier",
         "uses",
     )
@@ -94,6 +95,19 @@ class _Meta(BlockState):
         self.prev: _Link | _Meta | None = None
         self.next: _Link | _Meta | None = None
         self.tier = 1
+        self.stamp = (
+            0  # its last release's place in the release order (a bucket keeps its blocks in this order)
+        )
+
+
+def _stamp(m: _Meta) -> int:
+    return m.stamp
+
+
+def _before(s: int, stamp: int, q: _Queue) -> bool:
+    """Whether a block in bucket ``s`` released at ``stamp`` goes before the head of the non-empty ``q``."""
+    s1, m1 = q.head()
+    return s < s1 or (s == s1 and stamp < m1.stamp)
 
 
 def sample_stride(block_size: int) -> int:
@@ -113,8 +127,9 @@ class _Link:
 
 class _Queue:
     """Evictable blocks of one tier by key: buckets ``1 / scale`` of a key unit wide (:func:`~kvretain.core.policies.rules.buckets_per_key`), each a circular doubly linked list
-    (FIFO; an exposed parent goes in front) through the blocks' own ``prev``/``next``, and the bucket indices in
-    a small heap. O(1) push, removal and pop (plus O(log buckets) when a bucket opens or closes).
+    in release order (``stamp``: FIFO, as LRU orders blocks of one key) through the blocks' own ``prev``/``next``,
+    and the bucket indices in a small heap. O(1) push, removal and pop (plus O(log buckets) when a bucket opens
+    or closes).
 
     NOTE: linked in place rather than lazy entries in per-bucket deques: removing a touched block and evicting a
     block then allocate and free nothing, which keeps the cost per operation flat as the pool outgrows the CPU
@@ -132,7 +147,11 @@ class _Queue:
         self._empty = 0  # buckets in the heap whose list is empty
         self.n = 0
 
-    def push(self, m: _Meta, front: bool = False) -> None:
+    def push(self, m: _Meta) -> None:
+        """Queue ``m`` at its place in its bucket's release order.
+
+        NOTE: O(1): at the back, at the front, or a walk of at most :data:`rules.RELEASE_ORDER_WALK` links
+        from the back (see there)."""
         s = int(m.key * self.scale)
         h = self._buckets.get(s)
         if h is None:
@@ -140,18 +159,21 @@ class _Queue:
             heapq.heappush(self._slots, s)
         elif h.next is h:
             self._empty -= 1
-        if front:
-            nx = h.next
-            m.prev = h
-            m.next = nx
-            h.next = m
-            nx.prev = m
-        else:
-            pv = h.prev
-            m.prev = pv
-            m.next = h
-            pv.next = m
-            h.prev = m
+        stamp = m.stamp
+        pv: _Link | _Meta = h.prev
+        if pv is not h and cast(_Meta, pv).stamp > stamp:
+            if cast(_Meta, h.next).stamp > stamp:
+                pv = h  # the first
+            else:
+                for _ in range(rules.RELEASE_ORDER_WALK):
+                    pv = cast("_Link | _Meta", cast(_Meta, pv).prev)
+                    if pv is h or cast(_Meta, pv).stamp < stamp:
+                        break
+        nx = cast("_Link | _Meta", pv.next)
+        m.prev = pv
+        m.next = nx
+        pv.next = m
+        nx.prev = m
         self.n += 1
 
     def unlink(self, m: _Meta) -> None:
@@ -255,6 +277,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
         self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
         self._cost_per_block = rules.cost_per_block(cfg)
+        self._released = 0  # releases so far (a block's ``stamp``: its last release's place)
         self._rekeys = 0  # times the tables changed and every key was set again (stats)
 
     # ----------------------------------------------------------------- metadata
@@ -324,6 +347,7 @@ class UnifiedPolicy(EvictionPolicy):
                 m.protected = p
                 self._num_protected += 1 if p else -1
         m.since = self._L
+        self._released = m.stamp = self._released + 1
         m.key = self._L + self._weight[cur] * self._F[uses] * (1.0 + m.depth * self._cost_per_block)
         if evictable:
             self._push(m)
@@ -362,6 +386,7 @@ class UnifiedPolicy(EvictionPolicy):
                 uses += 1
                 m.uses = uses
             m.since = L
+            self._released = m.stamp = self._released + 1
             m.key = L + w * F[uses] * (1.0 + m.depth * cost)
         push = self._push
         for bid in evictable_ids:
@@ -398,8 +423,7 @@ class UnifiedPolicy(EvictionPolicy):
     def _rekey(self) -> None:
         """The order's tables changed (the controller's level moved the retention weights, or its balance the
         frequency exponent): every cached block's key becomes what the new tables give it at the ``L`` of its
-        release (:func:`rules.gd_key`), and the queues are rebuilt in their old order within each new bucket
-        (an exposed parent stays in front of its bucket-mates)."""
+        release (:func:`rules.gd_key`), and the queues are rebuilt, each new bucket in release order."""
         W = self._weight
         F = self._F
         cost = self._cost_per_block
@@ -416,9 +440,9 @@ class UnifiedPolicy(EvictionPolicy):
                 if m.content is not None and m.r != _UNSET:
                     m.key = m.since + W[m.r] * F[m.uses]
         self._rekeys += 1
-        push = self._push
+        queued.sort(key=_stamp)
         for m in queued:
-            push(m)
+            self._queues[m.tier].push(m)
 
     # ----------------------------------------------------------------- order
     def _value(self, m: _Meta, now: float) -> float:
@@ -426,19 +450,19 @@ class UnifiedPolicy(EvictionPolicy):
             self._weight[self.retention_of(m.block_id, now)], self._F[m.uses], m.depth, self._cost_per_block
         )
 
-    def _push(self, m: _Meta, front: bool = False) -> None:
+    def _push(self, m: _Meta) -> None:
         if m.prev is not None:
             self._queues[m.tier].unlink(m)
         tier = m.tier = 1 - m.protected
-        self._queues[tier].push(m, front)
+        self._queues[tier].push(m)
 
     def push(self, block_id: int, now: float) -> None:
         self._push(self._meta[block_id])
 
     def expose(self, block_id: int, now: float) -> None:
-        # an exposed parent goes first among the blocks of its key bucket: a chain is evicted as a unit,
-        # tail first (as vLLM evicts a request's blocks back to back), not one layer of every chain at a time
-        self._push(self._meta[block_id], True)
+        # an exposed parent goes at its release's place in its key bucket: released with its child, right after
+        # it, so a chain is evicted as a unit, tail first (as vLLM evicts a request's blocks back to back)
+        self._push(self._meta[block_id])
 
     def remove(self, block_id: int) -> None:
         m = self._meta[block_id]
@@ -464,11 +488,15 @@ class UnifiedPolicy(EvictionPolicy):
                 continue
             m.expiry = INF
             m.r = m.base
+            tier = m.protected
             self._set_protected(m, now)
-            m.since = self._L
-            m.key = self._L + self._value(m, now)
-            if m.prev is not None:
+            key = m.since + self._value(m, now)
+            q = self._queues[m.tier]
+            if m.prev is not None and (tier != m.protected or int(key * q.scale) != int(m.key * q.scale)):
+                m.key = key
                 self._push(m)
+            else:
+                m.key = key
 
     def pop(self, now: float) -> int | None:
         if self._expiries and self._expiries[0][0] <= now:
@@ -480,7 +508,7 @@ class UnifiedPolicy(EvictionPolicy):
             # over the protected target: the two tiers compete on their keys
             s0, m0 = q0.head()
             s1, m1 = q1.head()
-            if s0 < s1 or (s0 == s1 and m0.key < m1.key):
+            if s0 < s1 or (s0 == s1 and m0.stamp < m1.stamp):
                 m = q0.pop_head(s0, m0)
             else:
                 m = q1.pop_head(s1, m1)
@@ -496,32 +524,33 @@ class UnifiedPolicy(EvictionPolicy):
     def pop_exposed(self, block_id: int, now: float) -> int | None:
         # NOTE: hot path (chains are evicted tail first, so most victims expose their parent): ``expose`` then
         # ``pop`` without queueing the parent when it would be the victim, i.e. when its tier is the one being
-        # evicted and its bucket is not above that queue's first bucket (where ``expose`` puts it in front).
-        # ``_slots[0]`` bounds a queue's first live bucket from below (its bucket may hold only dead entries).
+        # evicted and it would be that queue's head (by bucket, then release order; a parent released with the
+        # child just evicted is). ``_slots[0]`` bounds a queue's first live bucket from below (its bucket may
+        # hold only dead entries).
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             q0, q1 = self._queues
             s = int(m.key * q0.scale)
-            take = False
+            stamp = m.stamp
             if m.protected:
-                if (not q1.n or self._num_protected > self._ctl.target) and (not q0.n or s <= q0._slots[0]):
-                    if q1.n and s >= q1._slots[0]:
-                        s1, m1 = q1.head()
-                        take = s < s1 or (s == s1 and m.key < m1.key)
-                    else:
-                        take = True
-            elif not q1.n or s <= q1._slots[0]:
-                if q0.n and self._num_protected > self._ctl.target and s >= q0._slots[0]:
-                    s0, m0 = q0.head()
-                    take = not (s0 < s or (s0 == s and m0.key < m.key))
-                else:
-                    take = True
+                take = (
+                    (not q1.n or self._num_protected > self._ctl.target)
+                    and (not q0.n or s < q0._slots[0] or _before(s, stamp, q0))
+                    and (not q1.n or s < q1._slots[0] or _before(s, stamp, q1))
+                )
+            else:
+                take = (not q1.n or s < q1._slots[0] or _before(s, stamp, q1)) and (
+                    not q0.n
+                    or self._num_protected <= self._ctl.target
+                    or s < q0._slots[0]
+                    or _before(s, stamp, q0)
+                )
             if take:
                 if m.key > self._L:
                     self._L = m.key
                 self._forget(m)
                 return block_id
-        self._push(m, True)
+        self._push(m)
         return self.pop(now)
 
     def _forget(self, m: _Meta) -> None:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvretain.core.policies import rules
 from kvretain.core.policies._lazyheap import HeapOrderedPolicy
 from kvretain.core.policies.lru import LRUPolicy
 from kvretain.core.policies.unified import UnifiedPolicy
@@ -73,7 +74,7 @@ class _HeapView(_View):
 
 
 class _UnifiedView(_View):
-    """``UnifiedPolicy``: both tiers' buckets (FIFO, an exposed parent in front) and the protected count."""
+    """``UnifiedPolicy``: both tiers' buckets (in release order) and the protected count."""
 
     def __init__(self, policy: UnifiedPolicy) -> None:
         self._meta = policy._meta
@@ -106,10 +107,10 @@ class _UnifiedView(_View):
         h1 = self._head(1)
         if h1 is not None and (self._protected <= self._target or h0 is None):
             t = 1
-        elif h0 is not None and h1 is not None:  # over the protected target: the tiers compete on keys
+        elif h0 is not None and h1 is not None:  # over the protected target: by bucket, then release order
             s0, b0 = h0
             s1, b1 = h1
-            t = 0 if s0 < s1 or (s0 == s1 and self._meta[b0].key < self._meta[b1].key) else 1
+            t = 0 if s0 < s1 or (s0 == s1 and self._meta[b0].stamp < self._meta[b1].stamp) else 1
         elif h0 is not None:
             t = 0
         else:
@@ -128,7 +129,8 @@ class _UnifiedView(_View):
         if ids is None:
             ids = buckets[s] = deque()
             heapq.heappush(slots, s)
-        ids.appendleft(bid)
+        meta = self._meta
+        ids.insert(rules.release_order_place(len(ids), m.stamp, lambda i: meta[ids[i]].stamp), bid)
         return self.pop()
 
 

@@ -37,6 +37,7 @@ list + runs): cached blocks count as free, and eviction still happens in vLLM's 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -91,7 +92,22 @@ class _Run:
     """Blocks that became evictable together, deepest first. ``ids[i:]`` are the ones not yet passed by
     eviction; a block is still in the run while ``_run_of[id] is run`` (``live`` counts those)."""
 
-    __slots__ = ("cls", "depth", "floor", "i", "ids", "key", "live", "own", "r", "since", "tier", "u", "up")
+    __slots__ = (
+        "cls",
+        "depth",
+        "floor",
+        "i",
+        "ids",
+        "key",
+        "live",
+        "own",
+        "r",
+        "since",
+        "stamp",
+        "tier",
+        "u",
+        "up",
+    )
 
     def __init__(
         self,
@@ -104,6 +120,7 @@ class _Run:
         floor: float = 0.0,
         since: float = 0.0,
         u: int = 0,
+        stamp: int = 0,
     ) -> None:
         self.ids = ids
         self.i = 0
@@ -125,18 +142,27 @@ class _Run:
         # the shallower run whose key or tier this run lifted (None: none): when this run's blocks lapse or it
         # is evicted from the protected tier, that run is ranked again (:meth:`RunFreeQueue._relift`)
         self.up: _Run | None = None
+        # its release's place in the release order (0: not yet stamped; ``_RunQueue.push`` stamps it): a bucket
+        # keeps its runs in this order and the tiers compete on (bucket, stamp) (rules.RELEASE_ORDER_WALK); a
+        # run re-ranked (a lapse, a lift) keeps its release's stamp
+        self.stamp = stamp
+
+
+def _stamp(run: _Run) -> int:
+    return run.stamp
 
 
 class _RunQueue:
-    """Runs of one tier by key: buckets ``1 / scale`` of a key unit wide (:func:`rules.buckets_per_key`; FIFO
-    inside), non-empty bucket indices in a heap.
+    """Runs of one tier by key: buckets ``1 / scale`` of a key unit wide (:func:`rules.buckets_per_key`; in release
+    order inside: a run's ``stamp``, from a counter both tiers share), non-empty bucket indices in a heap.
     ``n`` counts live blocks; runs whose blocks all left are dropped lazily, and the buckets are rebuilt when
     dead runs outnumber live ones."""
 
-    __slots__ = ("_buckets", "_slots", "live_runs", "n", "runs", "scale")
+    __slots__ = ("_buckets", "_slots", "_stamps", "live_runs", "n", "runs", "scale")
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, stamps: Iterator[int]) -> None:
         self.scale = scale
+        self._stamps = stamps
         self._buckets: dict[int, deque[_Run]] = {}
         self._slots: list[int] = []
         self.n = 0
@@ -144,12 +170,21 @@ class _RunQueue:
         self.live_runs = 0
 
     def push(self, run: _Run) -> None:
+        """Queue ``run`` at its release's place in its bucket (a new run: stamped now, the back; O(1), see
+        :data:`rules.RELEASE_ORDER_WALK`)."""
+        stamp = run.stamp
+        if not stamp:
+            run.stamp = stamp = next(self._stamps)
         s = int(run.key * self.scale)
         q = self._buckets.get(s)
         if q is None:
             q = self._buckets[s] = deque()
             heapq.heappush(self._slots, s)
-        q.append(run)
+            q.append(run)
+        elif not q or q[-1].stamp < stamp:
+            q.append(run)
+        else:
+            q.insert(rules.release_order_place(len(q), stamp, lambda i: q[i].stamp), run)
         self.n += run.live
         self.runs += 1
         self.live_runs += 1
@@ -292,6 +327,7 @@ class RunFreeQueue(HookedFreeQueue):
         "_run_of",
         "_sampled",
         "_seq",
+        "_stamps",
         "_stride",
         "_stripped",
         "_threshold",
@@ -355,7 +391,8 @@ class RunFreeQueue(HookedFreeQueue):
         self._seq = 0
         self._due: dict[float, list[int]] = {}  # the lapses the release in progress set, by time (see _post)
         scale = rules.buckets_per_key(cfg)
-        self._queues = (_RunQueue(scale), _RunQueue(scale))  # 0: protected, 1: unprotected
+        self._stamps = stamps = itertools.count(1)
+        self._queues = (_RunQueue(scale, stamps), _RunQueue(scale, stamps))  # 0: protected, 1: unprotected
         self._held = 0  # blocks in runs (the rest of num_free_blocks is vLLM's list of unhashed blocks)
         self._num_protected = 0  # cached blocks whose retention is protected
         self._L = 0.0
@@ -372,14 +409,23 @@ class RunFreeQueue(HookedFreeQueue):
         return rules.value(self._weight[r], self._F[uses], depth, self._cost_per_block)
 
     def _push_run(
-        self, ids: list[int], r: int, depth: int, cls: int, floor: float = 0.0, below: int = 1
+        self,
+        ids: list[int],
+        r: int,
+        depth: int,
+        cls: int,
+        floor: float = 0.0,
+        below: int = 1,
+        since: float | None = None,
+        stamp: int = 0,
     ) -> _Run:
         """Queue ``ids`` (deepest first, all at retention ``r``) as one run keyed by its tail at ``depth``, at
-        least at ``floor``, the key of a deeper run in tier ``below`` (see :meth:`_lifted`)."""
+        least at ``floor``, the key of a deeper run in tier ``below`` (see :meth:`_lifted`), from the ``L`` of
+        their release (``since``; None: released now) and at its place in the release order (``stamp``; 0: now)."""
         tier, floor = self._lifted(r, floor, below)
         u = self._uses[ids[0]]
-        L = self._L
-        run = _Run(ids, L + self._value(r, u, depth), r, tier, cls, depth, floor, L, u)
+        L = self._L if since is None else since
+        run = _Run(ids, L + self._value(r, u, depth), r, tier, cls, depth, floor, L, u, stamp)
         run_of = self._run_of
         for bid in ids:
             run_of[bid] = run
@@ -414,7 +460,7 @@ class RunFreeQueue(HookedFreeQueue):
             q.n -= run.live
             run.live = 0
             q.died()
-            new = _Run(ids, run.own, run.r, tier, run.cls, run.depth, fl, run.since, run.u)
+            new = _Run(ids, run.own, run.r, tier, run.cls, run.depth, fl, run.since, run.u, run.stamp)
             new.up = run.up
             for bid in ids:
                 run_of[bid] = new
@@ -482,7 +528,9 @@ class RunFreeQueue(HookedFreeQueue):
                 # over the protected target: the two tiers compete on their keys
                 r0 = q0.head()
                 r1 = q1.head()
-                q, run = (q0, r0) if r0.key < r1.key else (q1, r1)
+                s0 = int(r0.key * q0.scale)
+                s1 = int(r1.key * q0.scale)
+                q, run = (q0, r0) if s0 < s1 or (s0 == s1 and r0.stamp < r1.stamp) else (q1, r1)
             else:
                 q = q0
                 run = q0.head()
@@ -612,7 +660,10 @@ class RunFreeQueue(HookedFreeQueue):
             if r1 is not None and (protected <= target or r0 is None):
                 t = 1
             elif r0 is not None and r1 is not None:
-                t = 0 if r0.key < r1.key else 1  # over the protected target: the tiers compete on keys
+                # over the protected target: the tiers compete on their keys' buckets, then their FIFO place
+                s0 = int(r0.key * self._queues[0].scale)
+                s1 = int(r1.key * self._queues[0].scale)
+                t = 0 if s0 < s1 or (s0 == s1 and r0.stamp < r1.stamp) else 1
             elif r0 is not None:
                 t = 0
             else:
@@ -788,7 +839,10 @@ class RunFreeQueue(HookedFreeQueue):
                     ids.sort(key=position.__getitem__)
                 ordered.sort(key=lambda g: position[g[0]])
             for ids in ordered:
-                new = self._push_run(ids, self._r[ids[0]], run.depth, run.cls, floor, below)
+                # keyed from its release's L, as if released at its fallen retention (rules.gd_key)
+                new = self._push_run(
+                    ids, self._r[ids[0]], run.depth, run.cls, floor, below, run.since, run.stamp
+                )
                 news.append(new)
                 floor, below = new.key, new.tier  # (the run's shallower blocks wait for its deeper ones)
             for child in ups_of.pop(run, ()):
@@ -1298,7 +1352,8 @@ class RunFreeQueue(HookedFreeQueue):
                     up.floor = fl
                     up.key = up.own if up.own > fl else fl
         scale = self._queues[0].scale
-        queues = (_RunQueue(scale), _RunQueue(scale))
+        queues = (_RunQueue(scale, self._stamps), _RunQueue(scale, self._stamps))
+        runs.sort(key=_stamp)  # (each new bucket in release order: each push goes to the back)
         for run in runs:
             queues[run.tier].push(run)
         self._queues = queues
