@@ -10,7 +10,8 @@ runs from the release; when it lapses ``r`` falls back to the highest *mapped* r
 block's users.
 
 Blocks with ``r >= protect_threshold`` are *protected*. Evictable blocks sit in two GreedyDual queues
-(protected, unprotected; buckets of key width 1/16, FIFO inside) keyed by ``H = L + value``, where::
+(protected, unprotected; key buckets (:func:`~kvretain.core.policies.rules.buckets_per_key`), in release order
+inside) keyed by ``H = L + value``, where::
 
     value = priority_weight ** ((r - 35) / 10)      # retention weight: +10 points doubles it by default
           * min(uses, frequency_cap) ** frequency_exponent   # reuse frequency (remembered across eviction)
@@ -21,16 +22,19 @@ When the controller changes the weights or the frequency exponent, every cached 
 ``L`` of its release with the new tables (:func:`~kvretain.core.policies.rules.gd_key`: keys from other tables
 are not comparable).
 Unprotected blocks are evicted first while protected blocks hold at most ``target`` blocks; above it the two
-heaps compete on ``H``. ``target`` is the protection budget (``budget`` x pool), or, with ``isolation_goal``,
-it adapts inside that budget (:class:`~kvretain.core.policies.protection.ProtectionController`): it grows while
+tiers compete on ``H``'s bucket, then on release order (the order one queue of both would have, so that with
+flat weights, recency and no protected share the policy is LRU:
+:data:`~kvretain.core.policies.rules.RELEASE_ORDER_WALK`). A lapsed directive re-keys its block from the ``L``
+of its release at the fallen retention (as if released at it, not at the lapse). ``target`` is the protection
+budget (``budget`` x pool), or, with ``isolation_goal``, it adapts inside that budget (:class:`~kvretain.core.policies.protection.ProtectionController`): it grows while
 protected traffic hits less than ``isolation_goal`` of what it would hit alone in the pool *and* overall reuse
 stays above ``1 - max_reuse_loss`` of what plain LRU would hit, both measured online on sampled shadows. Below
 a target of 0 the same controller softens the retention weights, down to none (its *protection level*), so the
 reuse floor holds as far as the base order holds it.
 
 Leaves only: a block never goes before its cached descendants. A chain is evicted as a unit, tail first: a
-parent exposed by its child's eviction goes first among the blocks of its key bucket (``expose``), and
-``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
+parent exposed by its child's eviction goes at its release's place in its key bucket (``expose``; released with
+that child, right after it: first), and ``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
 ghost table that keeps one block per 256 tokens (exact for blocks of
 256 tokens or more).
 """
@@ -505,7 +509,7 @@ class UnifiedPolicy(EvictionPolicy):
         if q1.n and (self._num_protected <= self._ctl.target or not q0.n):
             m = q1.pop()
         elif q0.n and q1.n:
-            # over the protected target: the two tiers compete on their keys
+            # over the protected target: the two tiers compete on their keys (bucket, then release order)
             s0, m0 = q0.head()
             s1, m1 = q1.head()
             if s0 < s1 or (s0 == s1 and m0.stamp < m1.stamp):
