@@ -123,6 +123,7 @@ class _Link:
     """A bucket's sentinel in :class:`_Queue` (blocks link to each other and to it through ``prev``/``next``)."""
 
     __slots__ = ("next", "prev")
+    stamp = -1  # before every release: a walk through the release order stops here
 
     def __init__(self) -> None:
         self.prev: _Link | _Meta = self
@@ -164,20 +165,25 @@ class _Queue:
         elif h.next is h:
             self._empty -= 1
         stamp = m.stamp
-        pv: _Link | _Meta = h.prev
-        if pv is not h and cast(_Meta, pv).stamp > stamp:
-            if cast(_Meta, h.next).stamp > stamp:
+        pv = h.prev
+        if pv.stamp < stamp:  # the newest release (or an empty bucket: the sentinel's -1): the back
+            m.prev = pv
+            m.next = h
+            pv.next = m
+            h.prev = m
+        else:
+            if h.next.stamp > stamp:
                 pv = h  # the first
             else:
                 for _ in range(rules.RELEASE_ORDER_WALK):
-                    pv = cast("_Link | _Meta", cast(_Meta, pv).prev)
-                    if pv is h or cast(_Meta, pv).stamp < stamp:
+                    pv = pv.prev  # type: ignore[assignment]
+                    if pv.stamp < stamp:  # (at the latest the sentinel)
                         break
-        nx = cast("_Link | _Meta", pv.next)
-        m.prev = pv
-        m.next = nx
-        pv.next = m
-        nx.prev = m
+            nx = pv.next
+            m.prev = pv
+            m.next = nx
+            pv.next = m
+            nx.prev = m  # type: ignore[union-attr]
         self.n += 1
 
     def unlink(self, m: _Meta) -> None:
@@ -281,6 +287,9 @@ class UnifiedPolicy(EvictionPolicy):
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
         self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
         self._cost_per_block = rules.cost_per_block(cfg)
+        self._victim = _Meta(
+            -1
+        )  # the last block evicted (pop_exposed's parent is often released right after it)
         self._released = 0  # releases so far (a block's ``stamp``: its last release's place)
         self._rekeys = 0  # times the tables changed and every key was set again (stats)
 
@@ -374,6 +383,7 @@ class UnifiedPolicy(EvictionPolicy):
         cost = self._cost_per_block
         w = self._weight[retention]
         protect = 1 if retention >= self._threshold else 0
+        c = self._released
         for bid in block_ids:
             m = meta[bid]
             if m.r == _UNSET and m.base == _UNSET and retention == base:
@@ -383,15 +393,19 @@ class UnifiedPolicy(EvictionPolicy):
                     m.protected = protect
                     self._num_protected += 1 if protect else -1
             elif m.r != retention or m.expiry != INF or base > m.base:
+                self._released = c
                 self.release(bid, retention, None, scope, now, base, False)
+                c = self._released
                 continue
             uses = m.uses
             if uses < cap:
                 uses += 1
                 m.uses = uses
             m.since = L
-            self._released = m.stamp = self._released + 1
-            m.key = L + w * F[uses] * (1.0 + m.depth * cost)
+            c += 1
+            m.stamp = c
+            m.key = L + w * F[uses] * (1.0 + m.depth * cost) if cost else L + w * F[uses]
+        self._released = c
         push = self._push
         for bid in evictable_ids:
             push(meta[bid])
@@ -523,6 +537,7 @@ class UnifiedPolicy(EvictionPolicy):
         if m.key > self._L:
             self._L = m.key
         self._forget(m)  # eviction bookkeeping here, so the pool skips on_evicted (forgets_on_pop)
+        self._victim = m
         return m.block_id
 
     def pop_exposed(self, block_id: int, now: float) -> int | None:
@@ -536,23 +551,34 @@ class UnifiedPolicy(EvictionPolicy):
             q0, q1 = self._queues
             s = int(m.key * q0.scale)
             stamp = m.stamp
-            if m.protected:
-                take = (
-                    (not q1.n or self._num_protected > self._ctl.target)
-                    and (not q0.n or s < q0._slots[0] or _before(s, stamp, q0))
-                    and (not q1.n or s < q1._slots[0] or _before(s, stamp, q1))
-                )
+            # first in its own queue: below its first bucket, or in it and released before its first block: at
+            # once when it was released right after the victim just evicted (its child), of the same key, from
+            # this queue (that victim was the bucket's first: the rest were released later); else by the
+            # bucket's first block (or the bucket holds only dead entries: its sentinel's ``next`` is itself)
+            own = q0 if m.protected else q1
+            if not own.n or s < own._slots[0]:
+                take = True
+            elif s == own._slots[0]:
+                v = self._victim
+                if v.stamp + 1 == stamp and v.key == m.key and v.tier != m.protected:
+                    take = True
+                else:
+                    b = own._buckets[s].next
+                    take = b.stamp > stamp or b.next is b
             else:
-                take = (not q1.n or s < q1._slots[0] or _before(s, stamp, q1)) and (
-                    not q0.n
-                    or self._num_protected <= self._ctl.target
-                    or s < q0._slots[0]
-                    or _before(s, stamp, q0)
+                take = False
+            if take and m.protected:
+                take = not q1.n or (
+                    self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, stamp, q1))
                 )
+            elif take and q0.n and self._num_protected > self._ctl.target:
+                take = s < q0._slots[0] or _before(s, stamp, q0)
             if take:
                 if m.key > self._L:
                     self._L = m.key
+                m.tier = 1 - m.protected  # (the queue it would have been in: the next exposure reads it)
                 self._forget(m)
+                self._victim = m
                 return block_id
         self._push(m)
         return self.pop(now)
