@@ -583,6 +583,20 @@ def test_unified_over_budget_a_tie_across_tiers_goes_by_place_in_the_bucket_also
     assert one_by_one.evict(1) + one_by_one.evict(1) + one_by_one.evict(1) == [2, 1, 9]
 
 
+def test_unified_blocks_made_evictable_from_outside_leave_in_the_order_they_came() -> None:
+    """``push`` without a release (vLLM's CPU offload pool frees blocks without a request, so the plugin's per-block
+    queue hears of no release): the blocks are the newest in the release order, in the order pushed (before: they
+    kept their unset release stamps and went in reverse, and vLLM's ``test_lru_eviction_order`` evicted the wrong
+    request's blocks)."""
+    pol = make_policy("unified", 6, PolicyConfig(budget=0.0, isolation_goal=None, adapt_frequency=False))
+    for b in range(6):
+        pol.on_cached(b, b.to_bytes(8, "little"), 0, 0.0)  # type: ignore[arg-type]
+    order = [0, 4, 1, 5, 2, 3]
+    for b in order:
+        pol.push(b, 0.0)
+    assert [pol.pop(0.0) for _ in order] == order
+
+
 RECENCY_END = {"budget": 0.0, "priority_weight": 1.0, "frequency_exponent": 0.0}
 """``unified`` at the end of its range that the controller falls to where protection and frequency do not pay
 (its level -1: flat weights; its balance at recency; no protected share)."""

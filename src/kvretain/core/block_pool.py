@@ -134,6 +134,7 @@ class BlockPool:
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
             batch_hook = self.on_evict_batch
+            hooked = on_evicted is not None or on_evict is not None or batch_hook is not None
             victim_hashes: list[BlockHash] = []
             pop = policy.pop
             pop_exposed = policy.pop_exposed
@@ -166,12 +167,13 @@ class BlockPool:
                             exposed = p  # the next pop_exposed hands it over (or evicts it at once)
                         else:
                             policy.expose(p, now)
-                if on_evicted is not None:
-                    on_evicted(bid, h)
-                if on_evict is not None:
-                    on_evict(bid, h)
-                if batch_hook is not None:
-                    victim_hashes.append(h)
+                if hooked:
+                    if on_evicted is not None:
+                        on_evicted(bid, h)
+                    if on_evict is not None:
+                        on_evict(bid, h)
+                    if batch_hook is not None:
+                        victim_hashes.append(h)
                 out.append(bid)
             self._num_cached_free -= n - k
             self.num_evictions += n - k

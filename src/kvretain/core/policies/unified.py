@@ -475,7 +475,11 @@ class UnifiedPolicy(EvictionPolicy):
         self._queues[tier].push(m)
 
     def push(self, block_id: int, now: float) -> None:
-        self._push(self._meta[block_id])
+        # a block made evictable from outside (the vLLM plugin's per-block queue, after its release hooks; a pool
+        # that frees blocks without a request: vLLM's CPU offload pool) is the newest in the release order
+        m = self._meta[block_id]
+        self._released = m.stamp = self._released + 1
+        self._push(m)
 
     def expose(self, block_id: int, now: float) -> None:
         # an exposed parent goes at its release's place in its key bucket: released with its child, right after
@@ -549,34 +553,34 @@ class UnifiedPolicy(EvictionPolicy):
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             q0, q1 = self._queues
-            s = int(m.key * q0.scale)
-            stamp = m.stamp
+            key = m.key
+            s = int(key * q0.scale)
+            p = m.protected
             # first in its own queue: below its first bucket, or in it and released before its first block: at
             # once when it was released right after the victim just evicted (its child), of the same key, from
             # this queue (that victim was the bucket's first: the rest were released later); else by the
             # bucket's first block (or the bucket holds only dead entries: its sentinel's ``next`` is itself)
-            own = q0 if m.protected else q1
-            if not own.n or s < own._slots[0]:
-                take = True
-            elif s == own._slots[0]:
-                v = self._victim
-                if v.stamp + 1 == stamp and v.key == m.key and v.tier != m.protected:
-                    take = True
-                else:
-                    b = own._buckets[s].next
-                    take = b.stamp > stamp or b.next is b
-            else:
-                take = False
-            if take and m.protected:
+            own = q0 if p else q1
+            take = True
+            if own.n:
+                first = own._slots[0]
+                if s > first:
+                    take = False
+                elif s == first:
+                    v = self._victim
+                    if v.key != key or v.stamp + 1 != m.stamp or v.tier == p:
+                        b = own._buckets[s].next
+                        take = b.stamp > m.stamp or b.next is b
+            if take and p:
                 take = not q1.n or (
-                    self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, stamp, q1))
+                    self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, m.stamp, q1))
                 )
             elif take and q0.n and self._num_protected > self._ctl.target:
-                take = s < q0._slots[0] or _before(s, stamp, q0)
+                take = s < q0._slots[0] or _before(s, m.stamp, q0)
             if take:
-                if m.key > self._L:
-                    self._L = m.key
-                m.tier = 1 - m.protected  # (the queue it would have been in: the next exposure reads it)
+                if key > self._L:
+                    self._L = key
+                m.tier = 1 - p  # (the queue it would have been in: the next exposure reads it)
                 self._forget(m)
                 self._victim = m
                 return block_id
