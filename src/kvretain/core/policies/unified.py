@@ -123,7 +123,6 @@ class _Link:
     """A bucket's sentinel in :class:`_Queue` (blocks link to each other and to it through ``prev``/``next``)."""
 
     __slots__ = ("next", "prev")
-    stamp = -1  # before every release: a walk through the release order stops here
 
     def __init__(self) -> None:
         self.prev: _Link | _Meta = self
@@ -165,19 +164,22 @@ class _Queue:
         elif h.next is h:
             self._empty -= 1
         stamp = m.stamp
+        # NOTE: ``pv is h`` before reading ``stamp``: the attribute is read from blocks only (one type at each
+        # site keeps CPython's specialized attribute access)
         pv = h.prev
-        if pv.stamp < stamp:  # the newest release (or an empty bucket: the sentinel's -1): the back
+        # an empty bucket, or the newest release: the back
+        if pv is h or pv.stamp < stamp:  # type: ignore[union-attr]
             m.prev = pv
             m.next = h
             pv.next = m
             h.prev = m
         else:
-            if h.next.stamp > stamp:
+            if h.next.stamp > stamp:  # type: ignore[union-attr]
                 pv = h  # the first
             else:
                 for _ in range(rules.RELEASE_ORDER_WALK):
                     pv = pv.prev  # type: ignore[assignment]
-                    if pv.stamp < stamp:  # (at the latest the sentinel)
+                    if pv is h or pv.stamp < stamp:  # type: ignore[union-attr]
                         break
             nx = pv.next
             m.prev = pv
@@ -569,8 +571,9 @@ class UnifiedPolicy(EvictionPolicy):
                 elif s == first:
                     v = self._victim
                     if v.key != key or v.stamp + 1 != m.stamp or v.tier == p:
-                        b = own._buckets[s].next
-                        take = b.stamp > m.stamp or b.next is b
+                        h = own._buckets[s]
+                        b = h.next
+                        take = b is h or b.stamp > m.stamp  # type: ignore[union-attr]
             if take and p:
                 take = not q1.n or (
                     self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, m.stamp, q1))
