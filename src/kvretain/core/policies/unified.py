@@ -44,6 +44,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import cast
 
 from kvretain.core.hashing import BlockHash
@@ -102,10 +103,6 @@ class _Meta(BlockState):
         self.stamp = (
             0  # its last release's place in the release order (a bucket keeps its blocks in this order)
         )
-
-
-def _stamp(m: _Meta) -> int:
-    return m.stamp
 
 
 def _before(s: int, stamp: int, q: _Queue) -> bool:
@@ -460,7 +457,7 @@ class UnifiedPolicy(EvictionPolicy):
                 if m.content is not None and m.r != _UNSET:
                     m.key = m.since + W[m.r] * F[m.uses]
         self._rekeys += 1
-        queued.sort(key=_stamp)
+        queued.sort(key=attrgetter("stamp"))
         for m in queued:
             self._queues[m.tier].push(m)
 
@@ -512,15 +509,13 @@ class UnifiedPolicy(EvictionPolicy):
                 continue
             m.expiry = INF
             m.r = m.base
-            tier = m.protected
+            was = m.protected
             self._set_protected(m, now)
-            key = m.since + self._value(m, now)
-            q = self._queues[m.tier]
-            if m.prev is not None and (tier != m.protected or int(key * q.scale) != int(m.key * q.scale)):
-                m.key = key
-                self._push(m)
-            else:
-                m.key = key
+            old = m.key
+            m.key = m.since + self._value(m, now)
+            scale = self._queues[0].scale
+            if m.prev is not None and (was != m.protected or int(m.key * scale) != int(old * scale)):
+                self._push(m)  # (same tier and bucket: it keeps its place)
 
     def pop(self, now: float) -> int | None:
         if self._expiries and self._expiries[0][0] <= now:

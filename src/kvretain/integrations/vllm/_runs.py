@@ -41,6 +41,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -146,10 +147,6 @@ class _Run:
         # keeps its runs in this order and the tiers compete on (bucket, stamp) (rules.RELEASE_ORDER_WALK); a
         # run re-ranked (a lapse, a lift) keeps its release's stamp
         self.stamp = stamp
-
-
-def _stamp(run: _Run) -> int:
-    return run.stamp
 
 
 class _RunQueue:
@@ -1353,7 +1350,7 @@ class RunFreeQueue(HookedFreeQueue):
                     up.key = up.own if up.own > fl else fl
         scale = self._queues[0].scale
         queues = (_RunQueue(scale, self._stamps), _RunQueue(scale, self._stamps))
-        runs.sort(key=_stamp)  # (each new bucket in release order: each push goes to the back)
+        runs.sort(key=attrgetter("stamp"))  # (each new bucket in release order: each push goes to the back)
         for run in runs:
             queues[run.tier].push(run)
         self._queues = queues
