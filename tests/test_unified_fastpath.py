@@ -6,6 +6,7 @@ order, with the same cache afterwards.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,6 +97,56 @@ def test_fused_pop_exposed_evicts_exactly_what_expose_then_pop_would(
     fused = make_policy("unified", 12, config)
     assert type(fused) is UnifiedPolicy
     assert _run(fused, program) == _run(_Unfused(12, config), program)
+
+
+# Programs where the exposed parent must wait although a child was just evicted, each against the one check of
+# the fused path that makes it wait (the random programs above rarely build them). Hashes, as _run chains them:
+# [0] -> 1, [0, 1] -> 9, [5] -> 6, [7] -> 8. _FILL needs 11 new blocks in a pool of 12 with 3 cached: two
+# evictions, the second one right after the child's.
+_FLAT = {"isolation_goal": None, "priority_weight": 1.0, "adapt_frequency": False}
+_FILL = ("start", list(range(10, 21)), 35, None)
+_END = ("finish", [], 0, None)
+_WAITS = {
+    # used twice, released last: the parent's bucket is above an older unprotected block's (the full check:
+    # its own tier's first bucket)
+    "released again later, own tier": (
+        PolicyConfig(budget=0.0, **_FLAT),
+        [("start", [0, 1], 15, None), _END, ("start", [7], 15, None), _END, ("start", [0], 15, None), _END],
+        [9, 8],
+    ),
+    # ... above an older block of the other tier, which competes with it (no protected share)
+    "released again later, protected parent": (
+        PolicyConfig(budget=0.0, **_FLAT),
+        [("start", [0, 1], 15, None), _END, ("start", [7], 15, None), _END, ("start", [0], 80, None), _END],
+        [9, 8],
+    ),
+    "released again later, unprotected parent": (
+        PolicyConfig(budget=0.0, **_FLAT),
+        [("start", [0, 1], 15, None), _END, ("start", [7], 80, None), _END, ("start", [0], 15, None), _END],
+        [9, 8],
+    ),
+    # released right after the child but with a higher key (a second use): not the child's successor in the queue
+    "right after the child, another key": (
+        PolicyConfig(budget=0.0, **_FLAT),
+        [("start", [0], 15, None), _END, ("start", [0, 1], 15, None), _END, ("start", [7], 15, None), _END],
+        [9, 8],
+    ),
+    # released right after the child with the same key, but protected (an earlier release at 80; highest wins)
+    # while the child went on the unprotected tier's turn: the protected tier's older block goes first
+    "right after the child, another tier": (
+        PolicyConfig(budget=1.0, frequency_exponent=0.0, **_FLAT),
+        [("start", [5], 80, None), _END, ("start", [0], 80, None), _END, ("start", [0, 1], 15, None), _END],
+        [9, 6],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_WAITS))
+def test_an_exposed_parent_that_is_not_next_waits(case: str) -> None:
+    config, program, want = _WAITS[case]
+    evicted, _ = _run(make_policy("unified", 12, config), [*program, _FILL])
+    assert evicted == want
+    assert _run(_Unfused(12, config), [*program, _FILL])[0] == want
 
 
 QUEUE_OPS = st.lists(

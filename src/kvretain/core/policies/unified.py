@@ -544,37 +544,21 @@ class UnifiedPolicy(EvictionPolicy):
     def pop_exposed(self, block_id: int, now: float) -> int | None:
         # NOTE: hot path (chains are evicted tail first, so most victims expose their parent): ``expose`` then
         # ``pop`` without queueing the parent when it would be the victim, i.e. when its tier is the one being
-        # evicted and it would be that queue's head (by bucket, then release order; a parent released with the
-        # child just evicted is). ``_slots[0]`` bounds a queue's first live bucket from below (its bucket may
-        # hold only dead entries).
+        # evicted and it would be that queue's head (by bucket, then release order).
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
-            q0, q1 = self._queues
+            v = self._victim
             key = m.key
-            s = int(key * q0.scale)
             p = m.protected
-            # first in its own queue: below its first bucket, or in it and released before its first block: at
-            # once when it was released right after the victim just evicted (its child), of the same key, from
-            # this queue (that victim was the bucket's first: the rest were released later); else by the
-            # bucket's first block (or the bucket holds only dead entries: its sentinel's ``next`` is itself)
-            own = q0 if p else q1
-            take = True
-            if own.n:
-                first = own._slots[0]
-                if s > first:
-                    take = False
-                elif s == first:
-                    v = self._victim
-                    if v.key != key or v.stamp + 1 != m.stamp or v.tier == p:
-                        h = own._buckets[s]
-                        b = h.next
-                        take = b is h or b.stamp > m.stamp  # type: ignore[union-attr]
-            if take and p:
-                take = not q1.n or (
-                    self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, m.stamp, q1))
-                )
-            elif take and q0.n and self._num_protected > self._ctl.target:
-                take = s < q0._slots[0] or _before(s, m.stamp, q0)
+            if m.stamp == v.stamp + 1 and key == v.key and v.tier != p:
+                # released right after the child just evicted (the head of this tier's queue), with the same key,
+                # into the same tier: nothing can come between them in the queue (the rest of the bucket was
+                # released later, nothing was queued since), nor in the other tier (its head came after the
+                # child); only the tier's turn can change: an evicted protected child leaves the protected tier
+                # one block smaller
+                take = not p or not self._queues[1].n or self._num_protected > self._ctl.target
+            else:
+                take = self._first_in_line(m, key, p)
             if take:
                 if key > self._L:
                     self._L = key
@@ -584,6 +568,34 @@ class UnifiedPolicy(EvictionPolicy):
                 return block_id
         self._push(m)
         return self.pop(now)
+
+    def _first_in_line(self, m: _Meta, key: float, p: int) -> bool:
+        """Whether the exposed, unqueued ``m`` (of key ``key``, protected ``p``) would be the next victim.
+
+        ``_slots[0]`` bounds a queue's first live bucket from below (its bucket may hold only dead entries)."""
+        q0, q1 = self._queues
+        s = int(key * q0.scale)
+        own = q0 if p else q1
+        if own.n:
+            # first in its own queue: below its first bucket, or in it and released before its first block (or
+            # the bucket holds only dead entries: its sentinel's ``next`` is itself)
+            first = own._slots[0]
+            if s > first:
+                return False
+            if s == first:
+                h = own._buckets[s]
+                b = h.next
+                if b is not h and b.stamp < m.stamp:  # type: ignore[union-attr]
+                    return False
+        if p:
+            return not q1.n or (
+                self._num_protected > self._ctl.target and (s < q1._slots[0] or _before(s, m.stamp, q1))
+            )
+        return (
+            not (q0.n and self._num_protected > self._ctl.target)
+            or s < q0._slots[0]
+            or _before(s, m.stamp, q0)
+        )
 
     def _forget(self, m: _Meta) -> None:
         h = m.content
