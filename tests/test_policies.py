@@ -597,6 +597,22 @@ def test_unified_blocks_made_evictable_from_outside_leave_in_the_order_they_came
     assert [pol.pop(0.0) for _ in order] == order
 
 
+def test_unified_keys_a_block_made_evictable_without_a_release_as_released_now() -> None:
+    """A block whose content no release keyed (the offload pool frees blocks without a request) is released at
+    the default retention when it is pushed: it goes after a block released before it at that retention (before:
+    it kept its previous content's key, or 0, and went first)."""
+    pol = make_policy("unified", 4, PolicyConfig(budget=0.0, isolation_goal=None, adapt_frequency=False))
+    for b in range(3):
+        pol.on_cached(b, b.to_bytes(8, "little"), 0, 0.0)  # type: ignore[arg-type]
+    pol.on_release(1, 35, None, None, 0.0, 35)
+    pol.push(1, 0.0)
+    pol.push(0, 1.0)  # no release
+    pol.on_release(2, 35, None, None, 2.0, 35)
+    pol.push(2, 2.0)
+    assert [pol.pop(3.0) for _ in range(3)] == [1, 0, 2]
+    assert pol.retention_of(0, 3.0) == 35
+
+
 RECENCY_END = {"budget": 0.0, "priority_weight": 1.0, "frequency_exponent": 0.0}
 """``unified`` at the end of its range that the controller falls to where protection and frequency do not pay
 (its level -1: flat weights; its balance at recency; no protected share)."""

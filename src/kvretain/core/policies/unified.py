@@ -52,6 +52,7 @@ from kvretain.core.policies import rules
 from kvretain.core.policies.lfu import GhostTable
 from kvretain.core.policies.protection import ProtectionController, Sighting
 from kvretain.core.policy import INF, POLICIES, BlockState, EvictionPolicy, PolicyConfig
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 
 _UNSET = rules.UNSET
 SAMPLE_TOKENS = 256
@@ -477,6 +478,12 @@ class UnifiedPolicy(EvictionPolicy):
         # a block made evictable from outside (the vLLM plugin's per-block queue, after its release hooks; a pool
         # that frees blocks without a request: vLLM's CPU offload pool) is the newest in the release order
         m = self._meta[block_id]
+        if m.r == _UNSET:
+            # content that no release keyed (the offload pool's): released now, at the default retention, as a
+            # pool's release without a plan is (else its key is its previous content's, or 0: first to go)
+            d = DEFAULT_RETENTION_PRIORITY
+            self.release(block_id, d, None, None, now, d, True)
+            return
         self._released = m.stamp = self._released + 1
         self._push(m)
 
