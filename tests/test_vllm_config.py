@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +183,44 @@ def test_a_retention_config_round_trips_through_vllm_xargs(retention: RetentionC
 def test_no_retention_asks_nothing() -> None:
     assert extra_args_for(None) is None
     assert extra_args_for(RetentionConfig()) is None
+
+
+def _started_and_seen(server: object, seen: Path) -> str:
+    """Start ``server`` and return the folder its stand-in interpreter reported."""
+    server.start()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while not (seen.exists() and seen.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen.read_text().strip()
+
+
+def test_a_server_gets_a_private_ipc_folder_that_stop_removes(tmp_path: Path) -> None:
+    """vLLM leaves its ZeroMQ IPC sockets in ``VLLM_RPC_BASE_PATH`` (default: the system's temporary folder)
+    when its processes are killed: 20 per CI run piled up in /tmp. The launcher gives each server a private
+    folder and removes it on stop; a folder the caller names is used and left alone. A stand-in for the
+    interpreter records the folder and leaves a file in it."""
+    from kvretain.integrations.vllm.launch import VLLMServer
+
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(
+        f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {seen}\ntouch "$VLLM_RPC_BASE_PATH/left"\nexec sleep 60\n'
+    )
+    fake.chmod(0o755)
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    rpc = Path(_started_and_seen(server, seen))
+    assert rpc == server.rpc_dir and rpc.is_dir() and rpc.parent == Path(tempfile.gettempdir())
+    server.stop(grace_s=5)
+    assert not rpc.exists() and server.rpc_dir is None and server.proc is None
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    seen.unlink()
+    server = VLLMServer(
+        "model", python=str(fake), env={"VLLM_RPC_BASE_PATH": str(mine)}, log_path=tmp_path / "l"
+    )
+    try:
+        assert _started_and_seen(server, seen) == str(mine) and server.rpc_dir is None
+    finally:
+        server.stop(grace_s=5)
+    assert (mine / "left").exists()

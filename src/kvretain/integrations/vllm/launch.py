@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -49,6 +51,10 @@ class VLLMServer:
 
     ``env`` adds to the current environment and :data:`BASE_ENV` (e.g. ``{"KVRETAIN_POLICY": "unified"}``);
     ``args`` are extra server options after the model's.
+
+    NOTE: vLLM's processes talk over ZeroMQ IPC sockets it creates in ``VLLM_RPC_BASE_PATH`` (default: the
+    system's temporary folder) and leaves there when they are killed; unless the environment names that folder,
+    each server gets a private one, removed by :meth:`stop`.
     """
 
     model: str
@@ -59,6 +65,7 @@ class VLLMServer:
     port: int = 0
     start_timeout_s: float = 300.0
     proc: subprocess.Popen[bytes] | None = None
+    rpc_dir: Path | None = None  # the private VLLM_RPC_BASE_PATH while running (None: the environment's)
 
     @property
     def base_url(self) -> str:
@@ -82,6 +89,9 @@ class VLLMServer:
         if self.port == 0:
             self.port = free_port()
         env = {**os.environ, **BASE_ENV, **self.env}
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvretain-vllm-rpc-"))
+            env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         if self.log_path is None:
             self.log_path = Path(f"/tmp/kvretain-vllm-{self.port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +136,17 @@ class VLLMServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``."""
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; remove its private IPC folder."""
         proc, self.proc = self.proc, None
+        try:
+            self._end(proc, grace_s)
+        finally:
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
+                self.rpc_dir = None
+
+    @staticmethod
+    def _end(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
         if proc is None or proc.poll() is not None:
             return
         try:
