@@ -6,6 +6,8 @@ order, with the same cache afterwards.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -125,6 +127,12 @@ _WAITS = {
         [("start", [0, 1], 15, None), _END, ("start", [7], 80, None), _END, ("start", [0], 15, None), _END],
         [9, 8],
     ),
+    # ... in the same bucket (flat weights, recency): the parent's later release puts it behind the other block
+    "released again later, same key": (
+        PolicyConfig(budget=0.0, frequency_exponent=0.0, **_FLAT),
+        [("start", [0, 1], 15, None), _END, ("start", [7], 15, None), _END, ("start", [0], 15, None), _END],
+        [9, 8],
+    ),
     # released right after the child but with a higher key (a second use): not the child's successor in the queue
     "right after the child, another key": (
         PolicyConfig(budget=0.0, **_FLAT),
@@ -147,6 +155,53 @@ def test_an_exposed_parent_that_is_not_next_waits(case: str) -> None:
     evicted, _ = _run(make_policy("unified", 12, config), [*program, _FILL])
     assert evicted == want
     assert _run(_Unfused(12, config), [*program, _FILL])[0] == want
+
+
+def test_an_exposed_parent_waits_where_a_walk_left_its_bucket_out_of_release_order(monkeypatch) -> None:
+    """A push whose walk runs out (``RELEASE_ORDER_WALK`` links, here 3) leaves its block behind later releases:
+    that bucket is out of release order, and a parent exposed there goes where ``push``'s walk puts it, not first.
+    Here x, released before the chain m <- v, is pushed back (its child xc evicted) behind v and three later
+    blocks; the fused path took m, released right after v, before x (found by review; before the fix the fused
+    run evicted [xc, a, v, m, x])."""
+    monkeypatch.setattr(rules, "RELEASE_ORDER_WALK", 3)
+    config = PolicyConfig(budget=0.0, isolation_goal=None, priority_weight=1.0, adapt_frequency=False)
+    a, x, xc, m, v, ys = [1000], [2000], [2000, 1], [3000], [3000, 2], [[4000 + i] for i in range(3)]
+    program: list[tuple[str, list[int], int, float | None]] = []
+    for chains in ([a, x, m + v[1:], *ys], [a, xc, m + v[1:], *ys]):  # second uses: all but xc at two uses
+        for chain in chains:
+            program += [("start", chain, 15, None), _END]
+    program.append(("start", [5000, 1, 2, 3, 4], 15, None))  # five evictions in one allocation
+    hashes = {"a": 1001, "x": 2001, "xc": 2001 * 7 + 2, "m": 3001, "v": 3001 * 7 + 3}
+    want = [hashes[k] for k in ("xc", "a", "v", "x", "m")]
+    assert _run(make_policy("unified", 8, config), program)[0] == want
+    assert _run(_Unfused(8, config), program)[0] == want
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_parent_exposed_into_an_out_of_order_bucket_goes_where_push_puts_it(
+    monkeypatch, fused: bool
+) -> None:
+    """The full check (a parent that is not the victim's successor) in a bucket a walk left out of order: its
+    first block y1 is a later release than the parent m, but its last, x, an earlier one, so ``push`` puts m at
+    the back and y1 goes first (without the ``late`` check the fused path took m)."""
+    monkeypatch.setattr(rules, "RELEASE_ORDER_WALK", 3)
+    config = PolicyConfig(budget=0.0, isolation_goal=None, priority_weight=1.0, adapt_frequency=False)
+    config = dataclasses.replace(config, frequency_exponent=0.0)  # one bucket: every key L + 1
+    pol = make_policy("unified", 8, config) if fused else _Unfused(8, config)
+    h0, x, m, y1, y2, y3, y4 = range(7)
+    for b in range(7):
+        pol.on_cached(b, b.to_bytes(8, "little"), 0, 0.0)  # type: ignore[arg-type]
+    for b in (h0, x, m, y1, y2, y3, y4):  # released in this order; m stays in use (a cached child)
+        pol.on_release(b, 35, None, None, 0.0, 35)
+        if b != m:
+            pol.push(b, 0.0)
+    pol.remove(x)
+    pol.expose(x, 0.0)  # back at its release's place: the walk (3 links) runs out behind y1
+    for b in (y2, y3, y4):
+        pol.remove(b)
+    assert pol.pop(0.0) == h0  # the bucket: y1, x
+    assert pol.pop_exposed(m, 0.0) == y1
+    assert [pol.pop(0.0), pol.pop(0.0), pol.pop(0.0)] == [x, m, None]
 
 
 QUEUE_OPS = st.lists(

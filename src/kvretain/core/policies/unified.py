@@ -140,7 +140,7 @@ class _Queue:
     that is rarely popped while keys keep rising), a compaction drops them all: amortized O(1).
     """
 
-    __slots__ = ("_buckets", "_empty", "_slots", "n", "scale")
+    __slots__ = ("_buckets", "_empty", "_slots", "late", "n", "scale")
 
     def __init__(self, scale: float) -> None:
         self.scale = scale  # buckets per key unit (rules.buckets_per_key)
@@ -148,6 +148,10 @@ class _Queue:
         self._slots: list[int] = []
         self._empty = 0  # buckets in the heap whose list is empty
         self.n = 0
+        # buckets out of release order: a push's walk ran out and left a block behind a later release (until the
+        # bucket is dropped); where ``push`` puts a block there depends on the walk, so ``pop_exposed`` asks it.
+        # (Changed in place only: the policy keeps a reference.)
+        self.late: set[int] = set()
 
     def push(self, m: _Meta) -> None:
         """Queue ``m`` at its place in its bucket's release order.
@@ -179,6 +183,8 @@ class _Queue:
                     pv = pv.prev  # type: ignore[assignment]
                     if pv is h or pv.stamp < stamp:  # type: ignore[union-attr]
                         break
+                else:
+                    self.late.add(s)
             nx = pv.next
             m.prev = pv
             m.next = nx
@@ -201,6 +207,8 @@ class _Queue:
                 self._buckets = {s: h for s, h in self._buckets.items() if h.next is not h}
                 self._slots = sorted(self._buckets)
                 self._empty = 0
+                if self.late:
+                    self.late.intersection_update(self._buckets)
 
     def drain(self) -> list[_Meta]:
         """Take every block out, in queue order (bucket, then FIFO); the queue is empty after."""
@@ -219,6 +227,7 @@ class _Queue:
         self._slots = []
         self._empty = 0
         self.n = 0
+        self.late.clear()
         return out
 
     def head(self) -> tuple[int, _Meta]:
@@ -234,6 +243,8 @@ class _Queue:
             del buckets[s]
             heapq.heappop(slots)
             self._empty -= 1
+            if self.late:
+                self.late.discard(s)
 
     def pop(self) -> _Meta:
         """Remove and return the first block; the queue must not be empty."""
@@ -253,6 +264,8 @@ class _Queue:
         if nx is h:
             del self._buckets[s]
             heapq.heappop(self._slots)
+            if self.late:
+                self.late.discard(s)
         return m
 
 
@@ -269,6 +282,10 @@ class UnifiedPolicy(EvictionPolicy):
         self._meta = [_Meta(b) for b in range(num_blocks)]
         scale = rules.buckets_per_key(cfg)
         self._queues = (_Queue(scale), _Queue(scale))  # 0: protected, 1: unprotected
+        self._late = (
+            self._queues[1].late,
+            self._queues[0].late,
+        )  # by ``protected``: its queue's late buckets
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
         self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many entries
@@ -560,10 +577,14 @@ class UnifiedPolicy(EvictionPolicy):
             if m.stamp == v.stamp + 1 and key == v.key and v.tier != p:
                 # released right after the child just evicted (the head of this tier's queue), with the same key,
                 # into the same tier: nothing can come between them in the queue (the rest of the bucket was
-                # released later, nothing was queued since), nor in the other tier (its head came after the
-                # child); only the tier's turn can change: an evicted protected child leaves the protected tier
-                # one block smaller
-                take = not p or not self._queues[1].n or self._num_protected > self._ctl.target
+                # released later, unless a walk ran out there: ``late``; nothing was queued since), nor in the
+                # other tier (its head came after the child); only the tier's turn can change: an evicted
+                # protected child leaves the protected tier one block smaller
+                late = self._late[p]
+                if late and int(key * self._queues[0].scale) in late:
+                    take = False
+                else:
+                    take = not p or not self._queues[1].n or self._num_protected > self._ctl.target
             else:
                 take = self._first_in_line(m, key, p)
             if take:
@@ -583,6 +604,8 @@ class UnifiedPolicy(EvictionPolicy):
         q0, q1 = self._queues
         s = int(key * q0.scale)
         own = q0 if p else q1
+        if s in own.late:
+            return False  # (where ``push`` would put it depends on the walk)
         if own.n:
             # first in its own queue: below its first bucket, or in it and released before its first block (or
             # the bucket holds only dead entries: its sentinel's ``next`` is itself)
