@@ -224,3 +224,48 @@ def test_a_server_gets_a_private_ipc_folder_that_stop_removes(tmp_path: Path) ->
     finally:
         server.stop(grace_s=5)
     assert (mine / "left").exists()
+
+
+def test_a_server_that_cannot_start_leaves_no_ipc_folder_and_cannot_start_twice(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A start that fails (no such interpreter) removes the folder it made; a second start of a running server
+    is refused with a clear error instead of leaking the first process."""
+    from kvretain.integrations.vllm.launch import ServerError, VLLMServer
+
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    server = VLLMServer("model", python=str(tmp_path / "no-such-python"), log_path=tmp_path / "log")
+    with pytest.raises(FileNotFoundError):
+        server.start()
+    assert server.rpc_dir is None and not any(tmp.iterdir())
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    server.start()
+    try:
+        with pytest.raises(ServerError, match="started already"):
+            server.start()
+    finally:
+        server.stop(grace_s=5)
+    assert server.rpc_dir is None
+
+
+def test_a_temporary_folder_too_long_for_a_socket_path_falls_back_to_tmp(monkeypatch, tmp_path: Path) -> None:
+    """vLLM names each socket with a uuid (37 characters with its slash) and a unix socket path has at most 107:
+    under a long temporary folder (macOS's is ~48 characters) the private folder goes to /tmp."""
+    from kvretain.integrations.vllm import launch
+
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = launch._private_ipc_dir()
+    assert made is not None
+    try:
+        assert made.parent == Path("/tmp")
+        assert len(str(made / "12345678-1234-1234-1234-123456789012")) <= launch.UNIX_SOCKET_PATH_MAX
+    finally:
+        made.rmdir()

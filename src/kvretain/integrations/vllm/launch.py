@@ -39,6 +39,20 @@ class ServerError(RuntimeError):
     """The server did not come up (its log's tail is in the message)."""
 
 
+UNIX_SOCKET_PATH_MAX = 107
+"""The longest path of a unix socket Linux accepts (``sun_path`` is 108 bytes with its terminating NUL)."""
+_IPC_NAME = 1 + 36  # "/" + the uuid4 vLLM names each socket with
+
+
+def _private_ipc_dir() -> Path | None:
+    """A fresh folder for one server's IPC sockets: in the temporary folder, or in /tmp where that folder's path
+    is too long for a socket path (macOS's is ~48 characters); None where neither fits (vLLM's default then)."""
+    for base in (tempfile.gettempdir(), "/tmp"):
+        if len(base) + len("/kvr-12345678") + _IPC_NAME <= UNIX_SOCKET_PATH_MAX and os.path.isdir(base):
+            return Path(tempfile.mkdtemp(prefix="kvr-", dir=base))
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
@@ -86,24 +100,31 @@ class VLLMServer:
         ]
 
     def start(self) -> VLLMServer:
+        if self.proc is not None:
+            raise ServerError(f"this server was started already (pid {self.proc.pid}); stop() it first")
         if self.port == 0:
             self.port = free_port()
         env = {**os.environ, **BASE_ENV, **self.env}
         if "VLLM_RPC_BASE_PATH" not in env:
-            self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvretain-vllm-rpc-"))
-            env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
-        if self.log_path is None:
-            self.log_path = Path(f"/tmp/kvretain-vllm-{self.port}.log")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+            self.rpc_dir = _private_ipc_dir()
+            if self.rpc_dir is not None:
+                env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
+        try:
+            if self.log_path is None:
+                self.log_path = Path(f"/tmp/kvretain-vllm-{self.port}.log")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+        except BaseException:
+            self._drop_ipc_dir()
+            raise
         return self
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
@@ -141,9 +162,12 @@ class VLLMServer:
         try:
             self._end(proc, grace_s)
         finally:
-            if self.rpc_dir is not None:
-                shutil.rmtree(self.rpc_dir, ignore_errors=True)
-                self.rpc_dir = None
+            self._drop_ipc_dir()
+
+    def _drop_ipc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     @staticmethod
     def _end(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
