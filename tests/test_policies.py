@@ -613,6 +613,27 @@ def test_unified_keys_a_block_made_evictable_without_a_release_as_released_now()
     assert pol.retention_of(0, 3.0) == 35
 
 
+def test_unified_queues_a_block_freed_again_without_a_release_as_of_now() -> None:
+    """Pushed, hit (removed) and pushed again with no release in between (the offload pool): the block is keyed
+    from ``L`` now, as the run queue keys it, not from its first push (before: only its place moved, its key
+    stayed below ``L`` and it went before a block pushed earlier). A parent no release keyed, exposed when its
+    child goes, is released then at the default retention (before: key 0, first to go)."""
+    pol = make_policy("unified", 5, PolicyConfig(budget=0.0, isolation_goal=None, adapt_frequency=False))
+    for b in range(5):
+        pol.on_cached(b, b.to_bytes(8, "little"), 0, 0.0)  # type: ignore[arg-type]
+    pol.push(0, 0.0)
+    pol.push(1, 0.0)
+    assert pol.pop(1.0) == 0  # L rises to 0's key
+    pol.push(2, 2.0)
+    pol.remove(1)
+    pol.push(1, 3.0)
+    assert pol.pop(4.0) == 2  # (before: 1)
+    pol.push(3, 5.0)
+    pol.expose(4, 6.0)  # never released: its child went, it is queued now
+    assert [pol.pop(7.0), pol.pop(7.0), pol.pop(7.0)] == [1, 3, 4]  # (before: 4 first)
+    assert pol.retention_of(4, 7.0) == 35
+
+
 RECENCY_END = {"budget": 0.0, "priority_weight": 1.0, "frequency_exponent": 0.0}
 """``unified`` at the end of its range that the controller falls to where protection and frequency do not pay
 (its level -1: flat weights; its balance at recency; no protected share)."""

@@ -328,6 +328,7 @@ class UnifiedPolicy(EvictionPolicy):
         m.base = _UNSET
         m.expiry = INF
         m.owner = None
+        m.stamp = 0  # (no release yet: its previous content's place must not look like one)
 
     def on_release(
         self,
@@ -493,21 +494,42 @@ class UnifiedPolicy(EvictionPolicy):
 
     def push(self, block_id: int, now: float) -> None:
         # a block made evictable from outside (the vLLM plugin's per-block queue, after its release hooks; a pool
-        # that frees blocks without a request: vLLM's CPU offload pool) is the newest in the release order
+        # that frees blocks without a request: vLLM's CPU offload pool) is queued as of now: the newest in the
+        # release order, keyed from ``L`` now at its retention (after a release hook: what that release set; a
+        # block freed again without one: not its last release's key, which ``L`` has passed since; the run
+        # queue's ``_enqueue`` keys such blocks the same way)
         m = self._meta[block_id]
         if m.r == _UNSET:
-            # content that no release keyed (the offload pool's): released now, at the default retention, as a
-            # pool's release without a plan is (else its key is its previous content's, or 0: first to go)
-            d = DEFAULT_RETENTION_PRIORITY
-            self.release(block_id, d, None, None, now, d, True)
+            self._default_release(m, now)
             return
+        m.since = self._L
+        m.key = self._L + self._value(m, now)
         self._released = m.stamp = self._released + 1
         self._push(m)
+
+    def _default_release(self, m: _Meta, now: float) -> None:
+        """Content that no release keyed (the offload pool's) is released now, at the default retention, as a
+        pool's release without a plan is (else its key is its previous content's, or 0: first to go)."""
+        d = DEFAULT_RETENTION_PRIORITY
+        self.release(m.block_id, d, None, None, now, d, True)
+
+    def default_release_place(self, block_id: int) -> tuple[float, int]:
+        """``(key, tier)`` that :meth:`_default_release` would give the block now (it goes at the back of its
+        bucket: the newest release); for the plugin's read-only view of the order."""
+        m = self._meta[block_id]
+        d = DEFAULT_RETENTION_PRIORITY
+        uses = m.uses + 1 if m.uses < self._cap else m.uses
+        key = rules.gd_key(self._L, self._weight[d], self._F[uses], m.depth, self._cost_per_block)
+        return key, 0 if rules.protected(d, self._threshold) else 1
 
     def expose(self, block_id: int, now: float) -> None:
         # an exposed parent goes at its release's place in its key bucket: released with its child, right after
         # it, so a chain is evicted as a unit, tail first (as vLLM evicts a request's blocks back to back)
-        self._push(self._meta[block_id])
+        m = self._meta[block_id]
+        if m.r == _UNSET:  # (a parent no release keyed: see push)
+            self._default_release(m, now)
+        else:
+            self._push(m)
 
     def remove(self, block_id: int) -> None:
         m = self._meta[block_id]
@@ -586,7 +608,7 @@ class UnifiedPolicy(EvictionPolicy):
                 else:
                     take = not p or not self._queues[1].n or self._num_protected > self._ctl.target
             else:
-                take = self._first_in_line(m, key, p)
+                take = m.r != _UNSET and self._first_in_line(m, key, p)
             if take:
                 if key > self._L:
                     self._L = key
@@ -594,7 +616,7 @@ class UnifiedPolicy(EvictionPolicy):
                 self._forget(m)
                 self._victim = m
                 return block_id
-        self._push(m)
+        self.expose(block_id, now)
         return self.pop(now)
 
     def _first_in_line(self, m: _Meta, key: float, p: int) -> bool:

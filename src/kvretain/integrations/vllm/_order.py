@@ -77,6 +77,7 @@ class _UnifiedView(_View):
     """``UnifiedPolicy``: both tiers' buckets (in release order) and the protected count."""
 
     def __init__(self, policy: UnifiedPolicy) -> None:
+        self._policy = policy
         self._meta = policy._meta
         self._scale = policy._queues[0].scale
         self._tiers: list[tuple[dict[int, deque[int]], list[int]]] = []
@@ -123,14 +124,21 @@ class _UnifiedView(_View):
 
     def pop_exposed(self, bid: int) -> int | None:
         m = self._meta[bid]
-        buckets, slots = self._tiers[1 - m.protected]
-        s = int(m.key * self._scale)
+        if m.r == rules.UNSET:  # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
+            key, tier = self._policy.default_release_place(bid)
+        else:
+            key, tier = m.key, 1 - m.protected
+        buckets, slots = self._tiers[tier]
+        s = int(key * self._scale)
         ids = buckets.get(s)
         if ids is None:
             ids = buckets[s] = deque()
             heapq.heappush(slots, s)
-        meta = self._meta
-        ids.insert(rules.release_order_place(len(ids), m.stamp, lambda i: meta[ids[i]].stamp), bid)
+        if m.r == rules.UNSET:
+            ids.append(bid)  # (the newest release)
+        else:
+            meta = self._meta
+            ids.insert(rules.release_order_place(len(ids), m.stamp, lambda i: meta[ids[i]].stamp), bid)
         return self.pop()
 
 
