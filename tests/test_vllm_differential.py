@@ -663,3 +663,29 @@ def test_both_storages_key_again_when_the_tables_change(monkeypatch: pytest.Monk
     pool, runs = _victims_after(script, adapt_frequency=True)
     assert pool[-4:] == ["a1", "a0", "b1", "b0"]
     assert runs == pool
+
+
+def test_a_blocked_block_evicted_anyway_is_forgotten_by_the_policy() -> None:
+    """When the policy has nothing left to offer, the per-block queue evicts a blocked parent (a free block with
+    a cached child) anyway; ``unified`` forgets its victims in ``pop``, which that block never went through, so
+    the queue tells it (before: the block stayed counted as protected and its use count never reached the ghost
+    table, a drift that grew with every such eviction on a long-running server)."""
+    n = 4
+    side = VllmSide(n, PolicyConfig(protect_threshold=0, isolation_goal=None), "block")
+    policy = side.q.policy
+    req = _Request("a", 0, None, [b"p" * 32, b"c" * 32])
+    got = side.admit(req)
+    assert got is not None
+    _, blocks = got
+    side.free(req, blocks)
+    parent, child = blocks
+    assert policy._num_protected == 2 and side.q._where[parent.block_id] != side.q._where[child.block_id]
+    side.q.remove(
+        child
+    )  # a hit on the child alone: the parent stays blocked, the policy has nothing to offer
+    child.ref_cnt = 1
+    taken = side.q.popleft_n(side.q.num_free_blocks)
+    assert parent in taken
+    assert policy._num_protected == 1  # the child only (before: 2)
+    assert policy._meta[parent.block_id].content is None
+    side.q.check()

@@ -99,6 +99,8 @@ class RetentionFreeQueue(HookedFreeQueue):
             if bid is None:  # only blocked blocks are left (duplicates, see the module docstring)
                 bid = next(iter(blocked))
                 del blocked[bid]
+                if on_evicted is None:  # (a policy that forgets its victims in pop never popped this one)
+                    policy.on_evicted(bid, known[bid])
             where[bid] = IN_LIST
             if on_evicted is not None:
                 on_evicted(bid, known[bid])
