@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,7 +137,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     # NOTE: at most 8 running requests: the load test's 64 clients then queue, and the waiting queue is where
     # vLLM's priority scheduling acts (running requests are not preempted for waiting ones)
     args = tiny_server_args(NUM_BLOCKS, MAX_MODEL_LEN, ["--dtype", "float32", "--max-num-seqs", "8"])
-    dev = {"VLLM_SERVER_DEV_MODE": "1", "KVRETAIN_METRICS_DIR": ""}
+    # the servers' own temporary files (vLLM's torch.distributed init file, vllm_dist_*, is left behind: one per
+    # server) go to a folder removed with the session's others below
+    scratch = Path(tempfile.mkdtemp(prefix="kvr-srv-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    dev = {"VLLM_SERVER_DEV_MODE": "1", "KVRETAIN_METRICS_DIR": "", "TMPDIR": str(scratch)}
     specs = {
         "stock": (VLLMServer(MODEL, args, {**dev, "KVRETAIN_POLICY": ""}, logs / "stock.log"), "none"),
         "plugin": (
@@ -169,6 +174,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     finally:
         for p in procs:
             p.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
