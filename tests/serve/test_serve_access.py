@@ -8,6 +8,7 @@ import time
 import openai
 import pytest
 from _client import chat, flood, user
+
 from conftest import ADMIN
 
 ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"

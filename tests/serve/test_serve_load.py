@@ -8,8 +8,8 @@ import time
 
 import openai
 from _client import metric_first, metric_samples, user
-from conftest import BLOCK, MAX_MODEL_LEN, NUM_BLOCKS
 
+from conftest import BLOCK, MAX_MODEL_LEN, NUM_BLOCKS
 from kvretain.integrations.vllm.launch import stream_chat
 
 CLIENTS = 64
