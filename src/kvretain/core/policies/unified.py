@@ -149,8 +149,7 @@ class _Queue:
         self._empty = 0  # buckets in the heap whose list is empty
         self.n = 0
         # buckets out of release order: a push's walk ran out and left a block behind a later release (until the
-        # bucket is dropped); where ``push`` puts a block there depends on the walk, so ``pop_exposed`` asks it.
-        # (Changed in place only: the policy keeps a reference.)
+        # bucket is dropped); where ``push`` puts a block there depends on the walk, so ``pop_exposed`` asks it
         self.late: set[int] = set()
 
     def push(self, m: _Meta) -> None:
@@ -282,10 +281,6 @@ class UnifiedPolicy(EvictionPolicy):
         self._meta = [_Meta(b) for b in range(num_blocks)]
         scale = rules.buckets_per_key(cfg)
         self._queues = (_Queue(scale), _Queue(scale))  # 0: protected, 1: unprotected
-        self._late = (
-            self._queues[1].late,
-            self._queues[0].late,
-        )  # by ``protected``: its queue's late buckets
         self._num_protected = 0
         self._expiries: list[tuple[float, int]] = []
         self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many entries
@@ -502,8 +497,9 @@ class UnifiedPolicy(EvictionPolicy):
         if m.r == _UNSET:
             self._default_release(m, now)
             return
-        m.since = self._L
-        m.key = self._L + self._value(m, now)
+        if m.since != self._L:  # (released at this L: its release hook just set the key)
+            m.since = self._L
+            m.key = self._L + self._value(m, now)
         self._released = m.stamp = self._released + 1
         self._push(m)
 
@@ -602,7 +598,7 @@ class UnifiedPolicy(EvictionPolicy):
                 # released later, unless a walk ran out there: ``late``; nothing was queued since), nor in the
                 # other tier (its head came after the child); only the tier's turn can change: an evicted
                 # protected child leaves the protected tier one block smaller
-                late = self._late[p]
+                late = self._queues[1 - p].late
                 if late and int(key * self._queues[0].scale) in late:
                     take = False
                 else:

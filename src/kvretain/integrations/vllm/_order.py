@@ -124,17 +124,17 @@ class _UnifiedView(_View):
 
     def pop_exposed(self, bid: int) -> int | None:
         m = self._meta[bid]
-        if m.r == rules.UNSET:  # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
-            key, tier = self._policy.default_release_place(bid)
-        else:
-            key, tier = m.key, 1 - m.protected
+        unkeyed = (
+            m.r == rules.UNSET
+        )  # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
+        key, tier = self._policy.default_release_place(bid) if unkeyed else (m.key, 1 - m.protected)
         buckets, slots = self._tiers[tier]
         s = int(key * self._scale)
         ids = buckets.get(s)
         if ids is None:
             ids = buckets[s] = deque()
             heapq.heappush(slots, s)
-        if m.r == rules.UNSET:
+        if unkeyed:
             ids.append(bid)  # (the newest release)
         else:
             meta = self._meta
