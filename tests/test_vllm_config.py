@@ -204,7 +204,10 @@ def test_a_server_gets_a_private_ipc_folder_that_stop_removes(tmp_path: Path) ->
     seen = tmp_path / "seen"
     fake = tmp_path / "python"
     fake.write_text(
-        f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {seen}\ntouch "$VLLM_RPC_BASE_PATH/left"\nexec sleep 60\n'
+        # The file goes in first, and the report lands whole (rename), so a test that reads the report finds
+        # the file: reporting first raced the stop in CI.
+        f'#!/bin/sh\ntouch "$VLLM_RPC_BASE_PATH/left"\necho "$VLLM_RPC_BASE_PATH" > {seen}.part\n'
+        f"mv {seen}.part {seen}\nexec sleep 60\n"
     )
     fake.chmod(0o755)
     server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
