@@ -329,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(c < 1 for c in caps):
             raise ValueError("--capacities must be positive")
         settings = make_settings(list(dict.fromkeys(args.knobs)))
+        if args.json:  # (before the grid runs: a folder that cannot be made fails now, not after it)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         traces = grid.prepare_traces(args, Path(args.out))
         if args.traces:
             names = [t.name for t in traces]
@@ -393,7 +395,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wall_s": round(wall, 1),
             "summary": last,
         }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(last))
     return 0

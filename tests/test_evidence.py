@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs
+from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs, paired_difference
 
 
 def test_needed_window_is_refs_times_paired_noise_over_the_squared_tolerance() -> None:
@@ -34,3 +34,36 @@ def test_confidence_is_the_share_of_the_needed_window_held_capped_at_one() -> No
     # noise sqrt(50) / 101 = 7% of the count against a 2% tolerance: the sums hold (0.02 * 101)**2 / 50 of it
     assert confidence(50.0, 100.0, 101.0, 0.02) == pytest.approx((0.02 * 101) ** 2 / 50)
     assert confidence(0.5, 100.0, 101.0, 0.02) == 1.0
+
+
+def test_a_paired_difference_is_the_sum_of_per_request_differences_with_its_standard_error() -> None:
+    # differences 0, -2, +4: sum 2, mean 2/3, sample variance ((2/3)^2 + (8/3)^2 + (10/3)^2) / 2 = 28/3,
+    # standard error of the sum sqrt(3 * 28/3) = sqrt(28)
+    p = paired_difference([3, 0, 5], [3, 2, 1])
+    assert (p.requests, p.differ, p.base, p.diff) == (3, 2, 6, 2)
+    assert p.se == pytest.approx(28**0.5) and p.z == pytest.approx(2 / 28**0.5)
+    assert p.relative == pytest.approx(2 / 6)
+    assert p.to_json() == {
+        "requests": 3,
+        "differ": 2,
+        "base_hits": 6,
+        "diff_hits": 2,
+        "se_hits": round(28**0.5, 3),
+        "z": round(2 / 28**0.5, 3),
+    }
+
+
+def test_a_shortfall_on_one_request_of_many_is_not_resolved_and_one_on_every_request_is() -> None:
+    # 500 requests: one loses 40 hit blocks (z -1: all of it on one request), or every request loses 1 or 2
+    one = paired_difference([10] * 499 + [0], [10] * 499 + [40])
+    assert one.diff == -40 and one.differ == 1 and -1.01 < one.z < -0.99
+    every = paired_difference([9, 8] * 250, [10] * 500)
+    assert every.diff == -750 and every.differ == 500 and every.z < -10
+
+
+def test_identical_runs_differ_by_nothing_and_unequal_runs_are_refused() -> None:
+    p = paired_difference([1, 2, 3], [1, 2, 3])
+    assert (p.diff, p.differ, p.se, p.z) == (0, 0, 0.0, 0.0)
+    assert paired_difference([], []).z == 0.0
+    with pytest.raises(ValueError, match="same requests: 2 against 3"):
+        paired_difference([1, 2], [1, 2, 3])

@@ -284,3 +284,13 @@ def test_evictions_go_to_the_last_releaser_class(events: list[tuple[bool, list[i
             stats.evicted(ids)
             want.update(c for c in (releaser[b] for b in ids) if c is not None)
     assert {c: st_.evicted_blocks for c, st_ in stats.by_class.items() if st_.evicted_blocks} == dict(want)
+
+
+def test_recorded_hits_are_each_requests_hit_blocks_in_replay_order(trace: list[ReplayRequest]) -> None:
+    res = replay(trace, 16, "unified", record_hits=True)
+    assert res.request_hits is not None and len(res.request_hits) == len(trace)
+    for cls, stats in res.classes.items():
+        mine = sum(k for k, r in zip(res.request_hits, trace, strict=True) if r.priority == cls)
+        assert mine * MOONCAKE_BLOCK_TOKENS == stats.hit_tokens
+    assert all(0 <= k <= len(r.hashes) for k, r in zip(res.request_hits, trace, strict=True))
+    assert replay(trace, 16, "unified").request_hits is None  # only when asked

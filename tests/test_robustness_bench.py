@@ -55,6 +55,22 @@ def test_quick_grid_prints_the_summary_last(tmp_path: Path) -> None:
         cell
     )
     assert doc["config"]["skipped"] == [] and "skipped" not in res.stderr
+    # unified against lru request by request: class 0's requests in a cell, every request in a one-class run;
+    # the difference has the sign of the hit ratios' (same requests, same blocks)
+    assert any(c["class0_requests"] for c in doc["cells"])
+    for c in doc["cells"]:
+        if not c["class0_requests"]:
+            assert "class0_paired" not in c and c["lru"]["class0"] is None
+            continue
+        p = c["class0_paired"]
+        u, lr = c["unified"]["class0"], c["lru"]["class0"]
+        assert p["requests"] == c["class0_requests"] > 0 and 0 <= p["differ"] <= p["requests"]
+        assert (p["diff_hits"] > 0) - (p["diff_hits"] < 0) == (u > lr) - (u < lr), c
+    for c in doc["one_class"]:
+        p = c["paired"]
+        u, lr = c["unified"]["overall"], c["lru"]["overall"]
+        assert p["requests"] >= doc["cells"][0]["class0_requests"]
+        assert (p["diff_hits"] > 0) - (p["diff_hits"] < 0) == (u > lr) - (u < lr), c
     assert all({"lru", "s3fifo", "arc", "unified"} <= set(c) for c in doc["one_class"])
     assert all(len(f["points"]) == 4 for f in doc["frontiers"])
     assert doc["frontiers_default_dominated"] == sum(1 for f in doc["frontiers"] if f["dominated_by"])
@@ -183,3 +199,32 @@ def test_dominating_shares_are_those_at_least_as_good_on_both_axes_and_better_on
     }
     assert robustness.dominating_shares(frontier, cell) == [0.8, 0.95]
     assert robustness.dominating_shares(frontier, {"unified": {"overall": 0.6, "class0": 0.5}}) == []
+
+
+def test_a_shortfall_against_lru_is_called_resolved_only_beyond_the_test_level() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+
+    p = {"diff_hits": -175, "base_hits": 71450, "z": -1.52, "differ": 12, "requests": 2652}
+    assert grid.shortfall(p) == (
+        "-175 of 71,450 hit blocks, z -1.52, 12 of 2,652 requests differ: inside the noise"
+    )
+    assert grid.shortfall({**p, "z": -grid.RESOLVED_Z}).endswith(": resolved")
+    assert grid.shortfall(None) == "not compared request by request"
+
+
+@pytest.mark.bench
+def test_the_json_folder_is_made_before_the_grid_runs(tmp_path: Path) -> None:
+    """Without plots nothing made the output folder: a grid with ``--json new/folder/grid.json --no-plots``
+    ran to the end and then died in a traceback, its figures lost; a folder that cannot be made is one line and
+    status 2, before the grid runs."""
+    trace = _tiny(tmp_path)
+    out = tmp_path / "new" / "folder" / "grid.json"
+    res = _run("--quick", "--trace", str(trace), "--json", str(out), "--no-progress", "--no-plots")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(out.read_text())["summary"] == json.loads(res.stdout.strip().splitlines()[-1])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res = _run("--quick", "--trace", str(trace), "--json", str(blocker / "grid.json"), "--no-progress")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().startswith("robustness: error:") and "grid:" not in res.stdout

@@ -99,6 +99,8 @@ class ReplayResult:
     classes: dict[int, ClassStats] = field(default_factory=dict)
     policy_stats: dict[str, float] = field(default_factory=dict)
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    request_hits: list[int] | None = None
+    """Hit blocks of each request, in replay order (``replay(..., record_hits=True)``; else None)."""
 
     @property
     def hit_rate(self) -> float:
@@ -159,10 +161,12 @@ def replay(
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
     check_every: int = 0,
+    record_hits: bool = False,
 ) -> ReplayResult:
     """Replay ``requests`` through a pool of ``capacity_blocks`` blocks under ``policy``.
 
-    ``check_every > 0`` runs the pool's integrity check every that many requests (tests).
+    ``check_every > 0`` runs the pool's integrity check every that many requests (tests); ``record_hits`` keeps
+    each request's hit blocks in :attr:`ReplayResult.request_hits` (to compare two policies request by request).
     """
     if capacity_blocks <= 0:
         raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
@@ -188,6 +192,7 @@ def replay(
     if progress is not None:
         indices = progress(indices)
     plans: dict[tuple[int, int, int], BlockRetention] = {}
+    hits_of = result.request_hits = [] if record_hits else None
     for idx in indices:
         req = requests[idx]
         now[0] = req.timestamp_s
@@ -199,6 +204,8 @@ def replay(
         while k < n and hashes[k] in cached:
             k += 1
         of_class(req.priority).record_lookup(n * block_tokens, k * block_tokens, False)
+        if hits_of is not None:
+            hits_of.append(k)
         base = mapping.retention_for(req.priority)
         pol.on_lookup(hashes, k, base)
         if n > capacity_blocks:

@@ -17,10 +17,18 @@ below ``MIN_TOLERANCE``.
   ``refs`` the sums now hold: ``refs * d2 / (max(a, b) ** 2 * tol ** 2)`` (the noise falls as the square root
   of the window);
 - :func:`confidence`: the share of that window the sums already hold, capped at 1: a step taken on less
-  evidence is scaled down by it (a cold start moves slowly instead of acting on noise).
+  evidence is scaled down by it (a cold start moves slowly instead of acting on noise);
+- :func:`paired_difference`: the same pairing over a whole run, for a report: two policies' hit blocks per
+  request on the same requests, the difference of their sums and its standard error with requests as the
+  independent units (``bench/robustness.py`` states with it whether a cell's class-0 shortfall against LRU is
+  resolved or inside the noise).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 MIN_TOLERANCE = 0.01
 """The smallest relative difference a window is asked to resolve (1%: a margin set below it is not resolved
@@ -51,3 +59,55 @@ def confidence(d2: float, a: float, b: float, margin: float) -> float:
     m = a if a > b else b
     c = m * m * _tolerance_sq(a, b, margin) / d2
     return 1.0 if c > 1.0 else c
+
+
+@dataclass(frozen=True, slots=True)
+class PairedDifference:
+    """Two runs' hits on the same requests, compared request by request (:func:`paired_difference`)."""
+
+    requests: int
+    """Requests compared."""
+    differ: int
+    """Requests whose hits differ."""
+    base: int
+    """Hits of the second run (the reference: LRU's)."""
+    diff: int
+    """Hits of the first run minus the second's."""
+    se: float
+    """Standard error of ``diff`` (requests independent: ``sqrt(n * sample variance of the differences)``)."""
+
+    @property
+    def z(self) -> float:
+        """``diff / se`` (0 when no request differs): beyond about 2 in size, the difference is resolved."""
+        return self.diff / self.se if self.se > 0.0 else 0.0
+
+    @property
+    def relative(self) -> float:
+        """``diff / base`` (0 without hits)."""
+        return self.diff / self.base if self.base else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "requests": self.requests,
+            "differ": self.differ,
+            "base_hits": self.base,
+            "diff_hits": self.diff,
+            "se_hits": round(self.se, 3),
+            "z": round(self.z, 3),
+        }
+
+
+def paired_difference(a: Sequence[int], b: Sequence[int]) -> PairedDifference:
+    """``a`` against ``b``: hit blocks per request of two runs over the same requests, in the same order (a
+    request's blocks hit or miss together, so requests, not blocks, are the independent units)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired runs must cover the same requests: {len(a)} against {len(b)}")
+    n = len(a)
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    total = sum(d)
+    se = 0.0
+    if n > 1:
+        mean = total / n
+        var = sum((x - mean) * (x - mean) for x in d) / (n - 1)
+        se = math.sqrt(n * var)
+    return PairedDifference(n, sum(1 for x in d if x), sum(b), total, se)
