@@ -207,19 +207,19 @@ PAIRED = ("unified", "lru")
 """The two policies compared request by request (``unified`` against ``lru``)."""
 
 
-def _paired(reqs: Sequence[ReplayRequest], runs: dict[str, ReplayResult], one_class: bool) -> dict[str, Any]:
-    """``unified`` against ``lru`` request by request: ``paired`` over every request of a one-class run,
-    ``class0_paired`` over class 0's requests of a cell; empty when either policy did not run."""
+def _paired(runs: dict[str, ReplayResult], class0: list[int] | None) -> dict[str, Any]:
+    """``unified`` against ``lru`` request by request: ``paired`` over every request (``class0`` None: a
+    one-class run), ``class0_paired`` over the requests at indices ``class0``; empty when either policy did not
+    run or class 0 has no request."""
     hits = [runs[p].request_hits for p in PAIRED if p in runs]
     if len(hits) < 2 or hits[0] is None or hits[1] is None:
         return {}
     u, lr = hits
-    if one_class:
+    if class0 is None:
         return {"paired": paired_difference(u, lr).to_json()}
-    idx = [i for i, r in enumerate(reqs) if r.priority == 0]
-    if not idx:
+    if not class0:
         return {}
-    return {"class0_paired": paired_difference([u[i] for i in idx], [lr[i] for i in idx]).to_json()}
+    return {"class0_paired": paired_difference([u[i] for i in class0], [lr[i] for i in class0]).to_json()}
 
 
 @dataclass(frozen=True)
@@ -267,9 +267,10 @@ def run_job(job: Job, loaded: Loaded | None = None) -> dict[str, Any]:
     }
     for p, res in runs.items():
         out[p] = _figures_of(res)
-    out.update(_paired(reqs, runs, job.kind == "one-class"))
+    class0 = [i for i, r in enumerate(reqs) if r.priority == 0]
+    out.update(_paired(runs, None if job.kind == "one-class" else class0))
     if job.kind == "cell":
-        c0 = [r for r in reqs if r.priority == 0]
+        c0 = [reqs[i] for i in class0]
         out["class0_requests"] = len(c0)
         out["class0_block_share"] = round(sum(len(r.hashes) for r in c0) / max(1, _blocks(reqs)), 4)
         out[ISO] = replay(c0, job.capacity, "lru", base, block_tokens=BLOCK_TOKENS).hit_rate if c0 else None

@@ -124,9 +124,8 @@ class _UnifiedView(_View):
 
     def pop_exposed(self, bid: int) -> int | None:
         m = self._meta[bid]
-        unkeyed = (
-            m.r == rules.UNSET
-        )  # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
+        # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
+        unkeyed = m.r == rules.UNSET
         key, tier = self._policy.default_release_place(bid) if unkeyed else (m.key, 1 - m.protected)
         buckets, slots = self._tiers[tier]
         s = int(key * self._scale)
