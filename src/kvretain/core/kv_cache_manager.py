@@ -18,13 +18,19 @@ derive hashes from a prompt's structure instead of hashing millions of token ids
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, cast
 
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.hashing import BlockHash, BlockHasher, ExtraKeys
-from kvretain.core.policy import EvictionPolicy, PolicyConfig, make_policy
-from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig
+from kvretain.core.policy import DEFAULT_BLOCK_SIZE, EvictionPolicy, PolicyConfig, make_policy
+from kvretain.core.retention import (
+    BlockRetention,
+    PriorityMapping,
+    RetentionConfig,
+    check_request_priority,
+    show_value,
+)
 from kvretain.core.stats import CacheStats, ClassStats
 
 
@@ -63,12 +69,42 @@ class HashingRequest(CacheRequest, Protocol):
 
 @dataclass(slots=True)
 class _ReqState:
+    req: object  # the request object it belongs to (another object under its id is another request)
     blocks: list[int] = field(default_factory=list)
     hashes: Sequence[BlockHash] = field(default_factory=list)
     num_cached: int = 0
     looked_up: bool = False  # admitted: its lookup is counted (a later lookup is not, until a resume)
     hit_blocks: int = -1  # the hits of its latest lookup before admission (-1: none yet)
     seen: object | None = None  # the policy's work at arrival, for the first lookup (on_arrival)
+
+
+def _check_request(req: CacheRequest) -> None:
+    """Refuse a request whose priority is not an int or whose retention is not a RetentionConfig or None."""
+    check_request_priority(req.priority, f"request {req.request_id!r}: priority")
+    ret = req.retention
+    if ret is not None and not isinstance(ret, RetentionConfig):
+        raise TypeError(
+            f"request {req.request_id!r}: retention must be a RetentionConfig or None, got {show_value(ret)}"
+        )
+
+
+def _refuse_duplicate(request_id: str) -> None:
+    raise ValueError(
+        f"request id {request_id!r} belongs to another live request (another request object); give each "
+        "request its own id, or free the first before reusing it"
+    )
+
+
+def _check_token_counts(req: CacheRequest, *counts: object) -> None:
+    """Raise naming the first of ``allocate_slots``' token counts that is not an int >= 0 (a bool is not)."""
+    names = ("num_new_tokens", "num_computed_tokens", "reserve_tokens")
+    for name, value in zip(names, counts, strict=True):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"request {req.request_id!r}: {name} must be an integer number of tokens, got {show_value(value)}"
+            )
+        if value < 0:
+            raise ValueError(f"request {req.request_id!r}: {name} must be >= 0, got {value}")
 
 
 class KVCacheManager:
@@ -85,6 +121,15 @@ class KVCacheManager:
         clock: Callable[[], float] | None = None,
         enable_caching: bool = True,
     ) -> None:
+        if isinstance(policy, str) and config is not None and config.block_size != block_size:
+            # the default block size stands for "the pool's" (SimConfig's default policy_config, for one): it is
+            # adopted; any other value that differs is a contradiction
+            if config.block_size != DEFAULT_BLOCK_SIZE:
+                raise ValueError(
+                    f"config.block_size ({show_value(config.block_size)}) differs from the manager's block_size "
+                    f"({show_value(block_size)}); leave it at its default or pass the manager's"
+                )
+            config = replace(config, block_size=block_size)
         if isinstance(policy, str):
             cfg = config or PolicyConfig(block_size=block_size)
             policy = make_policy(policy, num_blocks, cfg)
@@ -108,9 +153,15 @@ class KVCacheManager:
         return self.cache_stats.by_class
 
     def _state(self, req: CacheRequest) -> _ReqState:
-        st = self._reqs.get(req.request_id)
+        """The request's state; a request's first call checks its priority and retention (once per request),
+        and a request under the id of another live request (another object) is refused."""
+        rid = req.request_id
+        st = self._reqs.get(rid)
         if st is None:
-            st = self._reqs[req.request_id] = _ReqState()
+            _check_request(req)
+            st = self._reqs[rid] = _ReqState(req)
+        elif st.req is not req:
+            _refuse_duplicate(rid)
         return st
 
     def _update_hashes(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
@@ -205,24 +256,38 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens`` (which include prefix hits).
 
-        ``new_computed_blocks`` are the hits from :meth:`get_computed_blocks`, passed on the first allocation
-        only; they are touched. Returns the newly allocated block ids, or ``None`` when the pool cannot supply
+        ``new_computed_blocks`` are the hits from :meth:`get_computed_blocks` (or a prefix of them), passed on
+        the first allocation only, while still cached (anything else is a ``ValueError``, before anything is
+        counted); they are touched. Returns the newly allocated block ids, or ``None`` when the pool cannot supply
         them (nothing changes then). Blocks that are full once the new tokens are computed are registered in
         the prefix cache (their token ids must be known: prompt tokens, or generated tokens already appended).
         ``reserve_tokens``: succeed only if the free blocks could also hold the request's first
         ``reserve_tokens`` tokens (vLLM's ``full_sequence_must_fit`` admission gate); only the blocks for
         ``num_new_tokens`` are allocated.
         """
-        if num_new_tokens < 0 or num_computed_tokens < 0:
-            raise ValueError(
-                f"request {req.request_id!r}: token counts must be >= 0 "
-                f"(num_new_tokens={num_new_tokens}, num_computed_tokens={num_computed_tokens})"
-            )
+        if (
+            type(num_new_tokens) is not int
+            or type(num_computed_tokens) is not int
+            or type(reserve_tokens) is not int
+            or num_new_tokens < 0
+            or num_computed_tokens < 0
+            or reserve_tokens < 0
+        ):
+            _check_token_counts(req, num_new_tokens, num_computed_tokens, reserve_tokens)
         st = self._state(req)
-        if new_computed_blocks and st.blocks:
-            raise ValueError(
-                f"request {req.request_id!r}: prefix hits can only be added on the first allocation"
-            )
+        if new_computed_blocks:
+            # checked before anything is counted or touched: the hits must be what this request's lookup found
+            if st.blocks:
+                raise ValueError(
+                    f"request {req.request_id!r}: prefix hits can only be added on the first allocation"
+                )
+            k = len(new_computed_blocks)
+            hashes = st.hashes
+            if k > len(hashes) or list(map(self.pool.cached.get, hashes[:k])) != list(new_computed_blocks):
+                raise ValueError(
+                    f"request {req.request_id!r}: new_computed_blocks must be a prefix of the blocks its "
+                    f"get_computed_blocks returned, still cached, got {show_value(new_computed_blocks)}"
+                )
         total_tokens = num_computed_tokens + num_new_tokens
         held = len(st.blocks) + len(new_computed_blocks)
         n_new = max(0, -(-total_tokens // self.block_size) - held)
@@ -255,10 +320,20 @@ class KVCacheManager:
             st.num_cached = n_full
 
     def free(self, req: CacheRequest) -> None:
-        """Release the request's blocks (deepest first) with its retention; idempotent."""
-        st = self._reqs.pop(req.request_id, None)
-        if st is None or not st.blocks:
+        """Release the request's blocks (deepest first) with its retention; idempotent. A call that raises
+        (bad priority or retention, another request under its id) keeps the request and its blocks: a
+        corrected call can free them."""
+        rid = req.request_id
+        st = self._reqs.get(rid)
+        if st is None:
             return
+        if st.req is not req:
+            _refuse_duplicate(rid)
+        if not st.blocks:
+            del self._reqs[rid]
+            return
+        # (checked at its first call; again here, where a value changed since would leak its blocks)
+        _check_request(req)
         base = self.mapping.retention_for(req.priority)
         n = len(st.blocks)
         ret = req.retention
@@ -267,8 +342,9 @@ class KVCacheManager:
         else:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
-        self.cache_stats.released(st.blocks, req.priority)
         self.pool.free_blocks(st.blocks, plan)
+        self.cache_stats.released(st.blocks, req.priority)
+        del self._reqs[rid]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

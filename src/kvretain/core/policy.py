@@ -31,10 +31,13 @@ from kvretain.core.retention import (
     DEFAULT_RETENTION_PRIORITY,
     MAX_RETENTION_PRIORITY,
     MIN_RETENTION_PRIORITY,
+    show_value,
 )
 from kvretain.registry import Registry
 
 INF = float("inf")
+DEFAULT_BLOCK_SIZE = 16
+"""``PolicyConfig.block_size``'s default: vLLM's default KV block of 16 tokens."""
 NO_PARENT = -1
 
 
@@ -81,7 +84,10 @@ class PolicyConfig:
             disables it: on the Mooncake trace the depth term lowered the block hit ratio (deep blocks are
             reused less often than their recompute cost suggests).
         ghost_factor: unified/lfu: evicted hashes whose use counts are remembered, as a multiple of the pool.
-        block_size: tokens per block (for the cost term).
+        block_size: tokens per block (for the cost term and unified's sampling stride). A
+            :class:`~kvretain.core.kv_cache_manager.KVCacheManager` building its policy by name adopts its own
+            block size when this is the default (``DEFAULT_BLOCK_SIZE``, 16) and refuses any other value that
+            differs from it.
         next_use: belady only: ``next_use(block_hash) -> time of the next request that uses it`` (inf: never).
     """
 
@@ -95,7 +101,7 @@ class PolicyConfig:
     adapt_frequency: bool = True
     cost_scale_tokens: float = 0.0
     ghost_factor: float = 4.0
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     next_use: Callable[[BlockHash], float] | None = None
 
     def __post_init__(self) -> None:
@@ -344,9 +350,12 @@ POLICIES: Registry[EvictionPolicy] = Registry("eviction policy")
 
 
 def make_policy(name: str, num_blocks: int, config: PolicyConfig | None = None) -> EvictionPolicy:
-    """Build a registered policy by name."""
+    """Build a registered policy by name, for a pool of ``num_blocks`` blocks (a positive ``int``; anything else
+    is a ``ValueError``, checked here once for every policy)."""
     import kvretain.core.policies  # noqa: F401  (registers the built-in policies)
 
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive integer, got {show_value(num_blocks)}")
     return POLICIES.create(name, num_blocks, config)
 
 

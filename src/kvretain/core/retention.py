@@ -55,6 +55,16 @@ def _check_int(value: object, where: str, name: str, what: str) -> int:
     return value
 
 
+def check_request_priority(value: object, where: str = "request priority") -> int:
+    """``value`` as a request priority (an integer, lower = more important; a bool is refused): a
+    ``TypeError`` that starts with ``where`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{where} must be an integer (lower = more important, default 0), got {show_value(value)}"
+        )
+    return value
+
+
 def check_priority(value: object, where: str, name: str = "priority") -> int:
     """``value`` as a retention priority (an integer in [0, 100]); errors start with ``where``, and their
     example names the field ``name``."""
@@ -230,6 +240,10 @@ class PriorityMapping:
         object.__setattr__(self, "table", tuple(table))
 
     def retention_for(self, request_priority: int) -> int:
+        """The retention priority of requests of ``request_priority`` (an ``int``; a bool or anything else is a
+        ``TypeError``)."""
+        if type(request_priority) is not int:
+            check_request_priority(request_priority)
         for prio, ret in self.table:
             if prio == request_priority:
                 return ret
@@ -428,7 +442,10 @@ class BlockRetention:
         prios = self.priorities
         if prios:
             try:
-                ok = not bytes(prios).translate(None, _PRIORITY_BYTES)  # ints in [0, 100]
+                raw = bytes(prios)
+                ok = not raw.translate(None, _PRIORITY_BYTES)  # ints in [0, 100]
+                if ok and (b"\x00" in raw or b"\x01" in raw):  # bytes() takes False and True as 0 and 1
+                    ok = bool not in set(map(type, prios))
             except (TypeError, ValueError):
                 ok = False
             if not ok:
@@ -457,10 +474,11 @@ def _duration_ok(d: object) -> bool:
 
 
 def _refuse_priorities(prios: Sequence[Any]) -> None:
-    """Raise naming the first entry of ``prios`` that is not an integer in [0, 100]."""
+    """Raise naming the first entry of ``prios`` that is not an integer in [0, 100] (a bool is not one, as for
+    ``base_priority``)."""
     for i, p in enumerate(prios):
         try:
-            ok = not bytes((p,)).translate(None, _PRIORITY_BYTES)
+            ok = not isinstance(p, bool) and not bytes((p,)).translate(None, _PRIORITY_BYTES)
         except (TypeError, ValueError):
             ok = False
         if not ok:

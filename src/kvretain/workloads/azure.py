@@ -12,8 +12,7 @@ import random
 from datetime import datetime
 from pathlib import Path
 
-from kvretain.workloads.mooncake import MAX_TOKENS
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_scale_and_limit
+from kvretain.workloads.request import MAX_TOKENS, WorkloadError, WorkloadRequest, check_scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
 _HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
@@ -32,7 +31,11 @@ def load_azure(
     check_scale_and_limit(time_scale, limit)
     p = Path(path)
     if not p.is_file():
-        raise WorkloadError(f"Azure trace not found: {p}")
+        raise WorkloadError(
+            f"Azure trace {p} is a folder (pass the CSV file)"
+            if p.is_dir()
+            else f"Azure trace not found: {p}"
+        )
     rows: list[tuple[datetime, int, int]] = []
     zoned: tuple[bool, int] | None = None  # whether the first row's time has a zone, and its line
     with p.open(encoding="utf-8", newline="") as f:

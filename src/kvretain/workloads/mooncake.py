@@ -41,7 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig
-from kvretain.workloads.request import WorkloadError, WorkloadRequest, check_scale_and_limit
+from kvretain.workloads.request import (
+    MAX_TOKENS,
+    PRIORITY_BOUND,
+    WorkloadError,
+    WorkloadRequest,
+    check_scale_and_limit,
+)
 from kvretain.workloads.tokens import Chunk, SeededChunk, TokenSeq
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -49,8 +55,6 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 # Caps on one line. Generous bounds, not fitted to a figure: each is far above what a real request carries
 # and low enough that one line cannot take the process's memory or minutes to parse.
-MAX_TOKENS = 1 << 24
-"""``input_length`` / ``output_length`` bound: 16.8M tokens, above the longest context served (10M)."""
 MAX_HASH_IDS = 1 << 16
 """Hash ids per line: a 1M-token prompt at 16-token blocks (32M tokens at Mooncake's 512)."""
 HASH_ID_BOUND = 1 << 64
@@ -61,8 +65,6 @@ MAX_STRING_BYTES = 4096
 """``session_id`` / ``cache_salt`` / scope in UTF-8 bytes (ids and tenant names are tens of bytes)."""
 MAX_TIMESTAMP_MS = 1 << 53
 """Timestamps beyond 2**53 ms (285,000 years) are no longer exact as floats."""
-PRIORITY_BOUND = 1 << 63
-"""Request priorities are int64: ``-2**63 <= priority < 2**63``."""
 
 REQUIRED_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 OPTIONAL_FIELDS = (
@@ -230,7 +232,7 @@ def _loads(text: str, decoder: json.JSONDecoder = _DECODER) -> Any:
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as e:
-        raise _LineError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise _LineError(f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     except RecursionError:
         raise _LineError("JSON nested too deeply (a trace line is an object of plain fields)") from None
     except _LineError:

@@ -14,6 +14,13 @@ from typing import Any
 from kvretain.core.retention import RetentionConfig, RetentionDirective, RetentionError
 from kvretain.workloads.tokens import TokenSeq
 
+MAX_TOKENS = 1 << 24
+"""A request's prompt (``input_length``) and output bound: 16.8M tokens, above the longest context served (10M);
+the trace format's bound (:mod:`kvretain.workloads.mooncake`), so that what a generator makes can be written and
+read back, and one setting cannot take the process's memory."""
+PRIORITY_BOUND = 1 << 63
+"""Request priorities are int64: ``-2**63 <= priority < 2**63``."""
+
 Range = tuple[int, int]
 """An inclusive uniform range of a generator's setting (``(lo, hi)``)."""
 
@@ -59,6 +66,13 @@ class WorkloadRequest:
             raise WorkloadError(
                 f"request {self.request_id}: arrival_s and think_s must be finite and >= 0, output_len >= 0"
             )
+        if len(self.prompt) > MAX_TOKENS or self.output_len > MAX_TOKENS:
+            raise WorkloadError(
+                f"request {self.request_id}: {len(self.prompt):,} prompt and {self.output_len:,} output tokens; "
+                f"each must be at most {MAX_TOKENS:,}"
+            )
+        if not -PRIORITY_BOUND <= self.priority < PRIORITY_BOUND:
+            raise WorkloadError(f"request {self.request_id}: priority {self.priority} is not an int64")
         if self.output is not None and len(self.output) != self.output_len:
             raise WorkloadError(
                 f"request {self.request_id}: output has {len(self.output)} tokens, not output_len"
@@ -119,8 +133,18 @@ def check_config(
                 number(f.name, v, isinstance(d, int), value)
             if not 0 <= value[0] <= value[1]:
                 raise bad(f.name, "a range lo <= hi of numbers >= 0", value)
+            top = value[1]
         elif isinstance(default, (int, float)) and not isinstance(default, bool):
             number(f.name, value, isinstance(default, int), value)
+            top = value
+        else:
+            continue
+        # token counts and request priorities: the bounds every request has (checked before generating)
+        if f.name.endswith("_tokens") and top > MAX_TOKENS:
+            raise bad(f.name, f"at most {MAX_TOKENS:,} tokens", value)
+        request_priority = f.name.endswith("_priority") and not f.name.endswith("retention_priority")
+        if request_priority and not -PRIORITY_BOUND <= value < PRIORITY_BOUND:
+            raise bad(f.name, "an int64 request priority", value)
     for name in non_negative:
         if getattr(config, name) < 0:
             raise bad(name, ">= 0", getattr(config, name))

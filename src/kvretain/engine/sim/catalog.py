@@ -24,6 +24,7 @@ the entry and the field.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -150,6 +151,8 @@ def _check_fields(
             want = " or ".join(t.__name__ for t in types)
             raise CatalogError(f"{where}: field {key!r} must be {want}, got {value!r}")
         if bool not in types:
+            if not math.isfinite(value):
+                raise CatalogError(f"{where}: field {key!r} must be a finite number, got {value!r}")
             if key in _FRACTIONS and not 0 < value <= 1:
                 raise CatalogError(f"{where}: field {key!r} must be in (0, 1], got {value!r}")
             if key in _NON_NEGATIVE and value < 0:
@@ -165,6 +168,12 @@ def parse_catalog(data: Mapping[str, Any], source: str) -> Catalog:
     unknown = sorted(set(data) - {"models", "gpus"})
     if unknown:
         raise CatalogError(f"{source}: unknown top-level table {unknown[0]!r}; expected 'models' or 'gpus'")
+    for table in ("models", "gpus"):
+        if not isinstance(data.get(table, {}), dict):
+            raise CatalogError(
+                f"{source}: {table!r} must be a table of named entries ([{table}.NAME]), "
+                f"got {type(data[table]).__name__}"
+            )
     models: dict[str, ModelSpec] = {}
     for name, raw in data.get("models", {}).items():
         values = _check_fields(f"{source}: model {name!r}", raw, _MODEL_FIELDS)

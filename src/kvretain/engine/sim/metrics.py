@@ -35,9 +35,12 @@ def parse_slos(spec: str) -> dict[int, SLO]:
         try:
             cls, _, rest = part.partition("=")
             ttft, _, tpot = rest.partition(":")
-            out[int(cls)] = SLO(float(ttft), float(tpot))
+            key, slo = int(cls), SLO(float(ttft), float(tpot))
         except ValueError:
             raise ValueError(f"SLO entry {part!r}: expected 'class=ttft_s:tpot_s', e.g. '0=2:0.1'") from None
+        if key in out:
+            raise ValueError(f"SLO entry {part!r}: class {key} is given twice")
+        out[key] = slo
     return out
 
 

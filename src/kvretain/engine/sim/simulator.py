@@ -204,6 +204,12 @@ class Simulation:
     def _push_step(self, t: float, rep: Replica, payload: Any) -> None:
         """A step (or run) of ``rep`` completing at ``t`` (ties: replica index, so the order does not
         depend on how many steps were pushed before)."""
+        if t - t != 0.0:  # (inf or NaN: x - x is NaN for both) a cost model that prices a step out of range
+            raise ValueError(
+                f"the simulated clock left the finite numbers at {self.now:.6g} s (a step ends at {t}): the cost "
+                f"model prices steps out of range; check the GPU entry {self.config.gpu!r} (peak_flops, "
+                "mem_bandwidth) and the model's sizes"
+            )
         self._seq += 1
         heapq.heappush(self._events, (t, _STEP, rep.index, self._seq, (rep, payload)))
 

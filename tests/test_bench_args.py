@@ -1,0 +1,220 @@
+"""The bench/ scripts refuse a user's mistake (a path that is not there, a number out of range, an unknown name,
+an output that cannot be written, flags that exclude each other) with ONE line on stderr and exit status 2, no
+traceback, before any long work: an output is checked before a grid runs, so that its results are not lost at
+the end. Each case runs the script as a process on the smallest inputs (seconds)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
+from kvretain.workloads.export import write_mooncake
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _run(script: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _refused(res: subprocess.CompletedProcess[str], prefix: str, says: str) -> None:
+    """Exit status 2, nothing on stdout, one line on stderr that starts ``PREFIX:`` and holds ``says``."""
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr)
+    assert lines[0].startswith(f"{prefix}: ") and says in lines[0], lines[0]
+    assert res.stdout == "", res.stdout
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    """A small generated trace in the Mooncake format, with priorities (the grid's quick runs take seconds)."""
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    return trace
+
+
+def _lines(path: Path, rows: list[list[int]]) -> Path:
+    """A Mooncake-format trace of one request per row of hash ids, a second apart."""
+    with path.open("w") as f:
+        for i, ids in enumerate(rows):
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": 1000 * i,
+                        "input_length": 512 * len(ids),
+                        "output_length": 8,
+                        "hash_ids": ids,
+                    }
+                )
+            )
+            f.write("\n")
+    return path
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    """A file that is not there, an empty one, a binary one, a folder, and a file to put a path under."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "binary.jsonl").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    names = ("missing.jsonl", "empty.jsonl", "binary.jsonl", "folder", "a-file")
+    return {n.split(".")[0]: tmp_path / n for n in names}
+
+
+# -------------------------------------------------------------------------------------------- robustness.py
+GRID = ["--quick", "--capacities", "16", "--jobs", "1", "--no-progress"]
+
+
+def test_robustness_refuses_an_out_folder_it_cannot_make_before_the_grid(tmp_path: Path, tiny: Path) -> None:
+    """``--out`` under a file, plots on: a traceback after the whole grid (where the PNGs are written)."""
+    blocker = _files(tmp_path)["a-file"]
+    res = _run("robustness.py", *GRID, "--trace", str(tiny), "--out", str(blocker / "report"))
+    _refused(res, "robustness: error", "argument --out: cannot make the folder")
+
+
+def test_robustness_refuses_a_json_folder_before_the_grid(tmp_path: Path, tiny: Path) -> None:
+    """``--json`` naming a folder: an IsADirectoryError after the whole grid; a folder it makes is made only
+    when the results are written (a refused run leaves none behind)."""
+    f = _files(tmp_path)
+    res = _run("robustness.py", *GRID, "--trace", str(tiny), "--no-plots", "--json", str(f["folder"]))
+    _refused(res, "robustness: error", "argument --json: cannot write")
+    new = tmp_path / "new" / "grid.json"
+    res = _run("robustness.py", *GRID, "--trace", str(tiny), "--out", str(f["a-file"]), "--json", str(new))
+    _refused(res, "robustness: error", "argument --out: cannot make the folder")
+    assert not new.parent.exists()
+
+
+def test_robustness_refuses_a_mooncake_file_that_is_not_there(tmp_path: Path) -> None:
+    """A ``--mooncake`` named on the command line and missing is a mistake (only the default may be absent)."""
+    missing = tmp_path / "missing.jsonl"
+    res = _run(
+        "robustness.py", *GRID, "--no-plots", "--mooncake", str(missing), "--out", str(tmp_path / "out")
+    )
+    _refused(res, "robustness: error", f"argument --mooncake: {missing} not found")
+    assert not (tmp_path / "out").exists()  # (refused before the generated traces were written)
+
+
+# ------------------------------------------------------------------------------------------- sensitivity.py
+def test_sensitivity_refuses_a_json_folder_before_the_grid(tmp_path: Path, tiny: Path) -> None:
+    argv = [
+        *GRID,
+        "--trace",
+        str(tiny),
+        "--knobs",
+        "budget",
+        "--no-one-class",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    res = _run("sensitivity.py", *argv, "--json", str(_files(tmp_path)["folder"]))
+    _refused(res, "sensitivity: error", "argument --json: cannot write")
+
+
+def test_sensitivity_refuses_no_one_class_with_one_class_all(tmp_path: Path, tiny: Path) -> None:
+    argv = [*GRID, "--trace", str(tiny), "--knobs", "budget", "--out", str(tmp_path / "out")]
+    res = _run("sensitivity.py", *argv, "--no-one-class", "--one-class-all")
+    _refused(res, "sensitivity: error", "argument --one-class-all: not allowed with argument --no-one-class")
+
+
+# ------------------------------------------------------------------------------------------ replay_table.py
+def test_replay_table_says_na_for_a_class_without_requests_or_hits(tmp_path: Path) -> None:
+    """The reference rule makes class 0 of ``hash_ids[1] % 4 == 0``: a trace with no such request, and one whose
+    class-0 requests never hit (its isolation reference is 0), were ZeroDivisionErrors."""
+    none = _lines(tmp_path / "no-class0.jsonl", [[100, 101 + 4 * (i % 2)] for i in range(6)])
+    cold = _lines(tmp_path / "cold-class0.jsonl", [[200 + 2 * i, 4 * i] for i in range(3)] + [[1, 2]] * 3)
+    for trace, iso in ((cold, 0.0), (none, None)):
+        res = _run("replay_table.py", "--trace", str(trace), "--capacities", "4", "--no-frontier")
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        row, checks = out["capacities"]["4"], out["checks"]["4"]
+        assert row["iso_class0"] == iso and checks["unified_class0_vs_iso"] is None
+        assert checks["unified_overall_vs_lru"] == 1.0
+        assert (row["lru"]["class0"] is None) == (iso is None)
+        assert ("n/a" in res.stdout) == (iso is None)  # the table: no class 0, no figure
+    res = _run("replay_table.py", "--trace", str(none), "--capacities", "4")  # the frontier too
+    assert (
+        res.returncode == 0
+        and json.loads(res.stdout.strip().splitlines()[-1])["frontier"]["4"][0]["class0"] is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--trace", "{missing}"], "argument --trace: trace file not found"),
+        (["--trace", "{empty}"], "argument --trace: {empty}: no requests in the trace"),
+        (["--capacities", "0"], "argument --capacities: must be an integer >= 1"),
+        (["--capacities", "-5"], "argument --capacities: must be an integer >= 1"),
+    ],
+    ids=["missing-trace", "empty-trace", "capacity-0", "capacity-negative"],
+)
+def test_replay_table_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
+    f = {k: str(v) for k, v in _files(tmp_path).items()}
+    trace = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
+    argv = [a.format(**f) for a in argv]
+    res = _run("replay_table.py", *([] if "--trace" in argv else ["--trace", trace]), *argv, "--no-frontier")
+    _refused(res, "replay_table: error", says.format(**f))
+
+
+# -------------------------------------------------------------------------------------------------- pool_ops.py
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+        (["--sizes", "0"], "argument --sizes: must be an integer >= 1"),
+        (["--ops", "0"], "argument --ops: must be an integer >= 1"),
+        (["--trace", "{missing}"], "argument --trace: {missing} not found"),
+        (["--command-repeats", "0"], "argument --command-repeats: must be an integer >= 1"),
+    ],
+    ids=["repeats-0", "sizes-0", "ops-0", "missing-trace", "command-repeats-0"],
+)
+def test_pool_ops_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
+    """Refused as the command line is read (the small sizes keep the unfixed script's run short)."""
+    f = {k: str(v) for k, v in _files(tmp_path).items()}
+    small = ["--sizes", "100", "--ops", "100", "--repeats", "1", "--pools", "lru"]
+    res = _run("pool_ops.py", *small, *[a.format(**f) for a in argv])
+    _refused(res, "pool_ops: error", says.format(**f))
+
+
+# ------------------------------------------------------------------------------------------------- sim_speed.py
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["{missing}"], "argument trace: trace file not found"),
+        (["{empty}"], "argument trace: {empty}: no requests in the trace"),
+        (["{binary}"], "argument trace: {binary}:1: not UTF-8 text"),
+        (["{trace}", "--limit", "0"], "argument --limit: must be an integer >= 1"),
+        (["{trace}", "--policy", "nope"], "argument --policy: invalid choice: 'nope'"),
+        (["{trace}", "--router", "nope"], "argument --router: invalid choice: 'nope'"),
+        (["{trace}", "--replicas", "0"], "argument --replicas: must be an integer >= 1"),
+        (["{trace}", "--policy", "belady"], "argument --policy: policy 'belady' is an offline oracle"),
+    ],
+    ids=["missing", "empty", "binary", "limit-0", "policy", "router", "replicas-0", "offline-policy"],
+)
+def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
+    f = {k: str(v) for k, v in _files(tmp_path).items()}
+    f["trace"] = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
+    res = _run("sim_speed.py", *[a.format(**f) for a in argv])
+    _refused(res, "sim_speed: error", says.format(**f))
+
+
+# ---------------------------------------------------------------------------------------------- sim_fidelity.py
+def test_sim_fidelity_refuses_a_cost_model_file_that_is_not_there(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    res = _run("sim_fidelity.py", "--sim-only", "--cost-model", str(missing), "--out", str(tmp_path / "out"))
+    _refused(res, "bench/sim_fidelity.py", f"argument --cost-model: cost model file '{missing}'")
+    assert not (tmp_path / "out").exists()

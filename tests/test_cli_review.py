@@ -1,0 +1,113 @@
+"""Mistakes a review of the command line found (session 28): each is one line on stderr, exit status 2, no
+traceback; a setting that would make a file the readers refuse, or run out of memory, is refused up front."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.cli import main
+
+
+def one_line(capsys: pytest.CaptureFixture[str], *words: str) -> str:
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+SIM = ["simulate", "--workload", "multi-tenant", "--limit", "20", "--no-progress"]
+
+
+@pytest.mark.parametrize("body", ["models = 1", "gpus = [1, 2]"])
+def test_a_catalog_whose_tables_are_not_tables_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str
+) -> None:
+    cat = tmp_path / "c.toml"
+    cat.write_text(body + "\n")
+    assert main([*SIM, "--catalog", str(cat)]) == 2
+    one_line(capsys, "--catalog", "must be a table of named entries")
+
+
+@pytest.mark.parametrize("field", ["peak_flops = inf", "mem_bandwidth = nan"])
+def test_a_gpu_entry_that_is_not_finite_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    cat = tmp_path / "c.toml"
+    rest = {"peak_flops": "1e15", "mem_bandwidth": "3e12"}
+    rest.pop(field.split(" ")[0])
+    lines = ["[gpus.g]", field, *(f"{k} = {v}" for k, v in rest.items()), "mem_bytes = 68719476736"]
+    cat.write_text("\n".join(lines) + "\n")
+    assert main([*SIM, "--catalog", str(cat), "--gpu", "g"]) == 2
+    one_line(capsys, "must be a finite number")
+
+
+def test_a_gpu_so_slow_that_the_clock_overflows_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # finite, positive and absurd: the steps were priced at inf, the table printed nan and inf
+    cat = tmp_path / "c.toml"
+    cat.write_text("[gpus.g]\npeak_flops = 1e-300\nmem_bandwidth = 1e-300\nmem_bytes = 68719476736\n")
+    assert main([*SIM, "--catalog", str(cat), "--gpu", "g"]) == 2
+    one_line(capsys, "simulated clock", "'g'")
+
+
+def test_standard_output_that_cannot_be_written_is_one_line() -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvretain", "policies"], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "cannot write to standard output" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        ("chat_system_tokens=20000000", "at most 16,777,216 tokens"),
+        ("chat_system_tokens=99999999999", "at most 16,777,216 tokens"),  # (generating it ran out of memory)
+        ("batch_priority=99999999999999999999999", "int64 request priority"),
+        (
+            "chat_system_tokens=16777000",
+            "each must be at most 16,777,216",
+        ),  # each setting fits, the request not
+    ],
+)
+def test_export_refuses_settings_whose_requests_the_readers_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, words: str
+) -> None:
+    out = tmp_path / "w.jsonl"
+    argv = ["workload", "export", "multi-tenant", "--out", str(out), "--limit", "2", "--option", option]
+    argv += ["--option", "batch_job_rate=0", "--option", "agent_rate=0"]
+    assert main(argv) == 2
+    one_line(capsys, words)
+    assert not out.exists()
+
+
+def test_a_setting_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SIM, "--slo=0=0.001:0.001,0=100:100"]) == 2
+    one_line(capsys, "class 0 is given twice")
+    out = tmp_path / "w.jsonl"
+    argv = ["workload", "export", "multi-tenant", "--out", str(out), "--option", "duration_s=1"]
+    assert main([*argv, "--option", "duration_s=2"]) == 2
+    one_line(capsys, "'duration_s' is given twice")
+
+
+def test_trace_messages_name_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1], "session_id": "a'
+    )  # (cut off)
+    assert main(["replay", str(bad), "--capacity-blocks", "10"]) == 2
+    assert " at at " not in one_line(capsys, "not valid JSON")
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    out = tmp_path / "w.jsonl"
+    assert main(["workload", "export", "azure", "--trace", str(folder), "--out", str(out)]) == 2
+    one_line(capsys, "is a folder")

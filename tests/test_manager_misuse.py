@@ -1,0 +1,190 @@
+"""KVCacheManager, PriorityMapping, BlockRetention and make_policy under misuse: bad input is a clear
+exception, and a call that raises changes nothing (no leaked blocks, no counted statistics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvretain.core.kv_cache_manager import KVCacheManager
+from kvretain.core.policy import PolicyConfig, make_policy, policy_names
+from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, RetentionDirective
+
+BS = 2
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    priority: object = 0
+    retention: object = None
+    extra_keys: object = None
+    num_preemptions: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def admit(m: KVCacheManager, r: Req) -> list[int]:
+    hits, n = m.get_computed_blocks(r)  # type: ignore[arg-type]
+    out = m.allocate_slots(r, len(r.all_token_ids) - n, n, hits)  # type: ignore[arg-type]
+    assert out is not None
+    return out
+
+
+def counted(m: KVCacheManager) -> dict[int, tuple[int, int, int]]:
+    return {c: (s.requests, s.query_tokens, s.hit_tokens) for c, s in m.stats.items() if s.requests}
+
+
+# ---------------------------------------------------------------- 1: free keeps what it cannot release
+
+
+@pytest.mark.parametrize("priority", [1.5, "x", None, True])
+def test_a_bad_priority_is_refused_at_the_request_s_first_call(priority: object) -> None:
+    for first in ("on_arrival", "get_computed_blocks", "allocate_slots"):
+        m = KVCacheManager(8, block_size=BS, policy="unified")
+        r = Req("a", list(range(6)), priority=priority)
+        with pytest.raises(TypeError, match=r"request 'a': priority must be an integer"):
+            if first == "allocate_slots":
+                m.allocate_slots(r, 6, 0)  # type: ignore[arg-type]
+            else:
+                getattr(m, first)(r)
+        assert m.get_num_free_blocks() == 8 and not m._reqs and not counted(m)
+        m.check_integrity()
+
+
+def test_a_retention_that_is_not_a_retention_config_is_refused() -> None:
+    m = KVCacheManager(8, block_size=BS)
+    r = Req("b", list(range(6)), retention={"scope": "x"})
+    with pytest.raises(TypeError, match=r"request 'b': retention must be a RetentionConfig or None, got \{"):
+        m.get_computed_blocks(r)  # type: ignore[arg-type]
+    assert not m._reqs
+
+
+@pytest.mark.parametrize(("attr", "bad"), [("priority", 1.5), ("retention", {"scope": "x"})])
+def test_a_free_that_raises_keeps_the_request_and_its_blocks(attr: str, bad: object) -> None:
+    m = KVCacheManager(8, block_size=BS, policy="unified")
+    ret = RetentionConfig((RetentionDirective(0, None, 80),))
+    r = Req("a", list(range(6)), retention=ret)
+    admit(m, r)
+    good = getattr(r, attr)
+    setattr(r, attr, bad)  # changed after its first call
+    with pytest.raises(TypeError, match=f"request 'a': {attr}"):
+        m.free(r)  # type: ignore[arg-type]
+    assert m.num_blocks_of(r) == 3 and m.get_num_free_blocks() == 5  # type: ignore[arg-type]
+    released = sum(s.released_blocks for s in m.stats.values())
+    assert released == 0
+    m.check_integrity()
+    setattr(r, attr, good)
+    m.free(r)  # type: ignore[arg-type]
+    assert m.get_num_free_blocks() == 8 and not m._reqs
+    m.check_integrity()
+
+
+# ---------------------------------------------------------------- 2: one live request per id
+
+
+def test_another_request_under_a_live_id_is_refused() -> None:
+    m = KVCacheManager(8, block_size=BS)
+    a = Req("x", [1, 2, 3, 4, 5])
+    admit(m, a)
+    b = Req("x", [7, 7, 7, 7, 7])  # another request object reusing the id
+    for call in (m.on_arrival, m.get_computed_blocks, m.free):
+        with pytest.raises(ValueError, match=r"request id 'x' belongs to another live request"):
+            call(b)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"request id 'x' belongs to another live request"):
+        m.allocate_slots(b, 5, 0)  # type: ignore[arg-type]
+    assert m.num_blocks_of(a) == 3 and m.get_num_free_blocks() == 5  # type: ignore[arg-type]
+    m.check_integrity()
+    # the same object again is the same request; once freed, the id is free for another
+    assert m.get_computed_blocks(a) == ([0, 1], 4)  # type: ignore[arg-type]
+    m.free(a)  # type: ignore[arg-type]
+    assert m.get_computed_blocks(b) == ([], 0)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- 3: allocate_slots checks before counting
+
+
+def test_refused_hits_count_nothing() -> None:
+    m = KVCacheManager(8, block_size=BS)
+    r = Req("a", list(range(6)))
+    m.get_computed_blocks(r)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"request 'a': new_computed_blocks must be a prefix"):
+        m.allocate_slots(r, 2, 4, [5, 6])  # type: ignore[arg-type]
+    assert not counted(m) and m.get_num_free_blocks() == 8
+    assert admit(m, r) == [0, 1, 2]
+    assert counted(m) == {0: (1, 6, 0)}
+    m.free(r)  # type: ignore[arg-type]
+    m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((2.5, 0, 0), TypeError, r"num_new_tokens must be an integer number of tokens, got 2\.5"),
+        ((True, 0, 0), TypeError, r"num_new_tokens must be an integer number of tokens, got True"),
+        ((3, 0.0, 0), TypeError, r"num_computed_tokens must be an integer number of tokens, got 0\.0"),
+        ((3, 0, 1.5), TypeError, r"reserve_tokens must be an integer number of tokens, got 1\.5"),
+        ((-1, 0, 0), ValueError, r"num_new_tokens must be >= 0, got -1"),
+        ((3, 0, -4), ValueError, r"reserve_tokens must be >= 0, got -4"),
+    ],
+)
+def test_bad_token_counts_are_refused_before_counting(
+    args: tuple[object, object, object], error: type[Exception], match: str
+) -> None:
+    m = KVCacheManager(8, block_size=BS, policy="unified")
+    r = Req("a", [1, 2, 3])
+    hits, _ = m.get_computed_blocks(r)  # type: ignore[arg-type]
+    new, computed, reserve = args
+    with pytest.raises(error, match=match):
+        m.allocate_slots(r, new, computed, hits, reserve)  # type: ignore[arg-type]
+    assert not counted(m) and m.get_num_free_blocks() == 8 and m.num_blocks_of(r) == 0  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- 4: PriorityMapping and BlockRetention
+
+
+@pytest.mark.parametrize("priority", [1.5, "x", None, True])
+def test_retention_for_takes_an_int_request_priority(priority: object) -> None:
+    with pytest.raises(TypeError, match="request priority must be an integer"):
+        PriorityMapping().retention_for(priority)  # type: ignore[arg-type]
+    assert PriorityMapping().retention_for(1) == 25
+
+
+def test_block_retention_refuses_bool_priorities_as_it_refuses_a_bool_base() -> None:
+    for prios in ([True], [35, False], [0, 1, True]):
+        with pytest.raises(ValueError, match=r"priorities\[\d\]: priority must be an integer in \[0, 100\]"):
+            BlockRetention(prios, [None] * len(prios))
+    with pytest.raises(ValueError, match="base_priority"):
+        BlockRetention([], [], base_priority=True)
+    assert BlockRetention([0, 1, 100], [None] * 3).priorities == [0, 1, 100]
+
+
+# ---------------------------------------------------------------- 5: make_policy's num_blocks
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, 1.5, True, "4", None])
+def test_make_policy_refuses_a_num_blocks_that_is_not_a_positive_int(num_blocks: object) -> None:
+    for name in policy_names():
+        cfg = PolicyConfig(next_use=lambda h: 1.0) if name == "belady" else None
+        with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
+            make_policy(name, num_blocks, cfg)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- 6: one block size
+
+
+def test_a_config_block_size_that_contradicts_the_manager_s_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"config\.block_size \(32\) differs from the manager's block_size \(4\)"
+    ):
+        KVCacheManager(4, block_size=4, policy="unified", config=PolicyConfig(block_size=32))
+    # the default (16) stands for "the pool's": the manager's block size is adopted
+    m = KVCacheManager(4, block_size=4, policy="unified", config=PolicyConfig())
+    assert m.pool.policy.config.block_size == 4
+    m = KVCacheManager(4, block_size=4, policy="unified", config=PolicyConfig(block_size=4, budget=0.5))
+    assert (m.pool.policy.config.block_size, m.pool.policy.config.budget) == (4, 0.5)
