@@ -539,3 +539,45 @@ def test_a_reset_counts_the_dropped_blocks_as_evictions() -> None:
     run(pool, [1, 2, 3])
     assert pool.reset_prefix_cache()
     assert pool.num_evictions == len(seen) == 3
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "unified"])
+def test_a_cached_block_between_new_ones_is_not_announced_again_nor_undone(policy: str) -> None:
+    # a request may hold an already cached block after a new one (hits that are not a prefix): the registrations
+    # around it are two runs. The pool used to treat them as one range [first, last]: it announced the cached
+    # block to the policy as new content (resetting its metadata) and, when the call was refused, undid it too.
+    pool = new_pool(policy, 8)
+    y = run(pool, [20])[0]  # a cached root
+    announced: list[tuple[int, object, int]] = []
+    on_cached = pool.policy.on_cached
+    pool.policy.on_cached = lambda b, h, d, now: (announced.append((b, h, d)), on_cached(b, h, d, now))[1]  # type: ignore[method-assign]
+    new = pool.get_new_blocks(2)
+    assert new is not None
+    pool.touch([y])
+    ids = [new[0], y, new[1]]
+    pool.cache_blocks(ids, [10, 20, 30], 0, 3)
+    pool.check_integrity()
+    if policy == "unified":  # (announces runs through its own fused loop: its metadata shows it)
+        meta = pool.policy._meta  # type: ignore[attr-defined]
+        assert (meta[y].depth, meta[y].stamp != 0) == (0, True)  # still as its own request left it
+        assert (meta[new[0]].depth, meta[new[1]].depth) == (0, 2)
+    else:
+        assert announced == [(new[0], 10, 0), (new[1], 30, 2)]
+    assert pool.cached == {20: y, 10: new[0], 30: new[1]}
+    finish(pool, ids)
+
+    # refused on a later block: the cached one stays cached
+    announced.clear()
+    pool2 = new_pool(policy, 8)
+    y = run(pool2, [20])[0]
+    new = pool2.get_new_blocks(2)
+    assert new is not None
+    spare = pool2.get_new_blocks(1)
+    assert spare is not None
+    pool2.free_blocks(spare)  # (empty again: not in use)
+    pool2.touch([y])
+    before = snapshot(pool2)
+    with pytest.raises(ValueError, match="not in use"):
+        pool2.cache_blocks([new[0], y, new[1], spare[0]], [10, 20, 30, 40], 0, 4)
+    assert snapshot(pool2) == before
+    pool2.check_integrity()

@@ -101,6 +101,28 @@ def test_fused_pop_exposed_evicts_exactly_what_expose_then_pop_would(
     assert _run(fused, program) == _run(_Unfused(12, config), program)
 
 
+class _Unbatched(UnifiedPolicy):
+    """``unified`` told of each registration alone (as the vLLM plugin tells it), not of a request's run."""
+
+    def on_cached_run(self, block_ids, hashes, start, end, now):  # type: ignore[no-untyped-def]
+        for i in range(start, end):
+            UnifiedPolicy.on_cached_run(self, {i: block_ids[i]}, {i: hashes[i]}, i, i + 1, now)
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(program=st.lists(STEP, min_size=1, max_size=80), config=CONFIGS)
+def test_a_run_of_registrations_sets_what_one_by_one_would(
+    program: list[tuple[str, list[int], int, float | None]], config: PolicyConfig
+) -> None:
+    # the pool announces a request's registrations in one on_cached_run (a fused loop that carries a segment's
+    # restored use count from block to block); one by one, the policy must end in the same state
+    batched = make_policy("unified", 12, config)
+    single = _Unbatched(12, config)
+    assert _run(batched, program) == _run(single, program)
+    meta = [(m.uses, m.depth, m.content, m.stamp) for m in batched._meta]  # type: ignore[attr-defined]
+    assert meta == [(m.uses, m.depth, m.content, m.stamp) for m in single._meta]
+
+
 # Programs where the exposed parent must wait although a child was just evicted, each against the one check of
 # the fused path that makes it wait (the random programs above rarely build them). Hashes, as _run chains them:
 # [0] -> 1, [0, 1] -> 9, [5] -> 6, [7] -> 8. _FILL needs 11 new blocks in a pool of 12 with 3 cached: two

@@ -40,6 +40,19 @@ def _position(block_ids: Sequence[int], bid: object) -> int:
     return len(block_ids)  # pragma: no cover - bid comes from block_ids
 
 
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Increasing ``indices`` as runs ``[a, b)`` of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    a = b = indices[0]
+    for i in indices:
+        if i != b:
+            out.append((a, b))
+            a = i
+        b = i + 1
+    out.append((a, b))
+    return out
+
+
 def _clock_error(now: float) -> ValueError:
     """The error for a clock reading that is not a finite number (a NaN would make every expiry comparison false:
     directives would never lapse). The callers test ``now - now != 0.0``: NaN for both NaN and +-inf, no call on
@@ -230,13 +243,13 @@ class BlockPool:
         blocks (each the parent of the next, the first a root): otherwise ``ValueError`` names the first that is
         not, and nothing changes."""
         blocks = self._blocks
-        if block_ids and min(block_ids) < 0:
-            raise _out_of_range("touch", block_ids, self.num_blocks)
         # evictable blocks taken out of the policy's order once the whole call is valid
         leaving: list[int] = []
         taken_free = 0
         try:
             for bid in block_ids:
+                if bid < 0:  # (a negative index would wrap around to another block)
+                    raise IndexError
                 blk = blocks[bid]
                 c = blk.ref_cnt
                 if c == 0:
@@ -283,22 +296,22 @@ class BlockPool:
             )
         if start >= end:
             return  # (nothing newly full: vLLM's cache_full_blocks returns too)
-        if min(block_ids) < 0:
-            raise _out_of_range("cache_blocks", block_ids, self.num_blocks)
         now = self.clock()
         if now - now != 0.0:  # (NaN and +-inf)
             raise _clock_error(now)
         cached = self.cached
         blocks = self._blocks
         leaf_only = self._leaf_only
-        # the registered indices, a range [a, b) (a block registers only under its predecessor in the request, so
-        # none registers after one that does not); the free parents a registered child takes out of the order
-        a = b = -1
+        # the indices this call registers (one run of them, unless the request holds an already cached block
+        # after a new one) and the free parents a registered child takes out of the order
+        reg: list[int] = []
         taken: list[int] = []
         prev_registered = False  # block i-1 was registered by this call (so it is the cached parent)
         try:
             for i in range(start, end):
                 bid = block_ids[i]
+                if bid < 0:  # (a negative index would wrap around to another block)
+                    raise IndexError
                 blk = blocks[bid]
                 if blk.ref_cnt <= 0:
                     raise ValueError(f"cache_blocks: block {bid} is not in use")
@@ -322,9 +335,7 @@ class BlockPool:
                 prev_registered = True
                 cached[h] = bid
                 blk.block_hash = h
-                if a < 0:
-                    a = i
-                b = i + 1
+                reg.append(i)
                 if leaf_only and parent != NO_PARENT:
                     blk.parent = parent
                     pb = blocks[parent]
@@ -334,7 +345,7 @@ class BlockPool:
                         taken.append(parent)
         except (ValueError, IndexError, TypeError) as e:
             # undo the registrations (nothing else changed; the policy has heard of none of them)
-            for i in range(b - 1, a - 1, -1) if a >= 0 else ():
+            for i in reversed(reg):
                 blk = blocks[block_ids[i]]
                 del cached[hashes[i]]
                 blk.block_hash = None
@@ -349,10 +360,14 @@ class BlockPool:
             raise _out_of_range("cache_blocks", block_ids[start:end], self.num_blocks) from None
         for p in taken:
             self.policy.remove(p)
-        if a >= 0:
-            on_cached = self.policy.on_cached
-            for i, bid, h in zip(range(a, b), block_ids[a:b], hashes[a:b], strict=True):
-                on_cached(bid, h, i, now)
+        if reg:
+            on_cached_run = self.policy.on_cached_run
+            a = reg[0]
+            if reg[-1] - a + 1 == len(reg):  # (the usual case: one run of the request's blocks)
+                on_cached_run(block_ids, hashes, a, a + len(reg), now)
+            else:
+                for a, b in _runs(reg):
+                    on_cached_run(block_ids, hashes, a, b, now)
 
     def free_blocks(self, block_ids: Sequence[int], retention: BlockRetention | None = None) -> None:
         """Release one reference on each block of a request, deepest first (``block_ids`` in request order).
@@ -364,8 +379,6 @@ class BlockPool:
         ``ValueError``, and nothing changes. The loop below changes only the pool's own counts, and undoes them
         when it meets a refused block; the policy hears of the release after it (in release order).
         """
-        if block_ids and min(block_ids) < 0:
-            raise _out_of_range("free_blocks", block_ids, self.num_blocks)
         now = self.clock()
         if now - now != 0.0:  # (NaN and +-inf)
             raise _clock_error(now)
@@ -389,6 +402,8 @@ class BlockPool:
         try:
             for i in range(len(block_ids) - 1, -1, -1):
                 bid = block_ids[i]
+                if bid < 0:  # (a negative index would wrap around to another block)
+                    raise IndexError
                 blk = blocks[bid]
                 c = blk.ref_cnt
                 if c <= 0:

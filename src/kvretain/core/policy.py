@@ -8,7 +8,8 @@ e.g. vLLM's, by id).
 
 Life of a hashed block, as the policy sees it::
 
-    on_cached(id, hash, depth)      new content registered under a hash (metadata starts fresh)
+    on_cached(id, hash, depth)      new content registered under a hash (metadata starts fresh; a pool
+                                    announces a request's registrations in one on_cached_run)
     on_release(id, retention...)    a request stopped using it (one "use"; may still be in use by others)
     push(id) / remove(id)           it became evictable / stopped being evictable (hit, or gained a child)
     pop(now) -> id | None           choose and remove a victim; the pool then calls on_evicted(id, hash)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -225,6 +226,21 @@ class EvictionPolicy(ABC):
 
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:  # noqa: B027
         """``block_id`` now holds new content identified by ``block_hash`` at block depth ``depth``."""
+
+    def on_cached_run(
+        self,
+        block_ids: Sequence[int] | Mapping[int, int],
+        hashes: Sequence[BlockHash] | Mapping[int, BlockHash],
+        start: int,
+        end: int,
+        now: float,
+    ) -> None:
+        """``on_cached(block_ids[i], hashes[i], i, now)`` for ``start <= i < end``, in that order (a run of a
+        request's newly registered blocks, parents first). One call per request on the hot path, after the pool
+        has checked the whole call; policies may override it with a fused loop."""
+        on_cached = self.on_cached
+        for i in range(start, end):
+            on_cached(block_ids[i], hashes[i], i, now)
 
     def on_release(  # noqa: B027
         self,

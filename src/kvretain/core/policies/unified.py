@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import cast
 
@@ -307,23 +307,40 @@ class UnifiedPolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- metadata
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
-        m = self._meta[block_id]
-        if depth % self._stride == 0:
-            uses = self._ghost.take_or(block_hash, 0)
-        elif depth == self._last_depth + 1:
-            uses = self._last_uses  # the previous block of its segment, cached just before
-        else:
-            uses = 0
-        self._last_depth = depth
+        self.on_cached_run({depth: block_id}, {depth: block_hash}, depth, depth + 1, now)
+
+    def on_cached_run(
+        self,
+        block_ids: Sequence[int] | Mapping[int, int],
+        hashes: Sequence[BlockHash] | Mapping[int, BlockHash],
+        start: int,
+        end: int,
+        now: float,
+    ) -> None:
+        # NOTE: hot path (one iteration per newly cached block): locals only
+        meta = self._meta
+        stride = self._stride
+        take_or = self._ghost.take_or
+        last_depth = self._last_depth
+        uses = self._last_uses
+        for depth in range(start, end):
+            h = hashes[depth]
+            if depth % stride == 0:
+                uses = take_or(h, 0)
+            elif depth != last_depth + 1:
+                uses = 0  # (otherwise the previous block of its segment, cached just before: its count)
+            last_depth = depth
+            m = meta[block_ids[depth]]
+            m.uses = uses
+            m.content = h
+            m.depth = depth
+            m.r = _UNSET
+            m.base = _UNSET
+            m.expiry = INF
+            m.owner = None
+            m.stamp = 0  # (no release yet: its previous content's place must not look like one)
+        self._last_depth = last_depth  # depth and restored use count of the block cached last
         self._last_uses = uses
-        m.uses = uses
-        m.content = block_hash
-        m.depth = depth
-        m.r = _UNSET
-        m.base = _UNSET
-        m.expiry = INF
-        m.owner = None
-        m.stamp = 0  # (no release yet: its previous content's place must not look like one)
 
     def on_release(
         self,
