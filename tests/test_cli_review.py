@@ -111,3 +111,36 @@ def test_trace_messages_name_what_is_wrong(tmp_path: Path, capsys: pytest.Captur
     out = tmp_path / "w.jsonl"
     assert main(["workload", "export", "azure", "--trace", str(folder), "--out", str(out)]) == 2
     one_line(capsys, "is a folder")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["replay", "--policy", "lru", "--budget", "0.3"], ["--budget", "unified", "--policy lru"]),
+        (["replay", "--policy", "s3fifo", "--ghost-factor", "2"], ["--ghost-factor", "unified and lfu"]),
+        ([*SIM, "--policy", "lru", "--no-adapt-frequency"], ["--no-adapt-frequency", "--policy lru"]),
+        ([*SIM, "--policy", "lfu", "--frequency-exponent", "1"], ["--frequency-exponent", "--policy lfu"]),
+        (
+            ["compare", "--workload", "multi-tenant", "--policies", "lru,arc", "--isolation-goal", "0.5"],
+            ["--isolation-goal", "--policies lru,arc", "--budgets runs set their own"],
+        ),
+    ],
+)
+def test_a_policy_setting_that_no_policy_run_reads_is_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    # it was ignored silently: `replay --policy lru --budget 0.3` ran plain lru as if the budget mattered
+    assert main([*argv, "--capacity-blocks", "50"] if argv[0] == "replay" else argv) == 2
+    one_line(capsys, *words)
+
+
+def test_a_policy_setting_that_a_run_reads_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["replay", "--policy", "lfu", "--ghost-factor", "2", "--capacity-blocks", "50", "--json"]) == 0
+    )
+    assert (
+        main(["replay", "--policy", "unified", "--budget", "0.3", "--capacity-blocks", "50", "--json"]) == 0
+    )
+    assert main(["replay", "--policy", "all", "--budget", "0.3", "--capacity-blocks", "50", "--json"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.count('"policy": "unified"') == 2 and '"policy": "lfu"' in out

@@ -22,6 +22,7 @@ from kvretain.cli_args import (
     Parser,
     add_block_tokens_option,
     add_policy_options,
+    check_policy_options_used,
     fail,
     integer,
     json_text,
@@ -76,6 +77,7 @@ def check_replay(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise policy_config_error(exc) from None
     policies = policy_names() if args.policy == "all" else [args.policy]
+    check_policy_options_used(args, policies, "--policy")
     check_pool_fits(args.capacity_blocks, policies, cfg, what="argument --capacity-blocks")
     if args.trace is not None:
         if args.sessions is not None:

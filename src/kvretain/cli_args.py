@@ -225,18 +225,62 @@ def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, 
     )
 
 
+POLICY_OPTION_USERS = {"frequency_cap": ("unified", "lfu"), "ghost_factor": ("unified", "lfu")}
+"""The policies other than ``unified`` that read one of :func:`add_policy_options`' settings (the rest: ``unified``
+only)."""
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the option was given (:func:`check_policy_options_used`)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        given = dict(getattr(namespace, "policy_options_given", None) or {})
+        given[self.dest] = option_string
+        namespace.policy_options_given = given
+
+
+def check_policy_options_used(
+    args: argparse.Namespace,
+    policies: Iterable[str],
+    flag: str,
+    only: Iterable[str] | None = None,
+    why: str = "",
+) -> None:
+    """A ``ValueError`` naming the first of :func:`add_policy_options`' options given on the command line that
+    none of ``policies`` reads (it would be ignored silently); ``only``: check these settings (dests) alone, the
+    others being read anyway (``why`` says by what)."""
+    names = list(policies)
+    for dest, option in (getattr(args, "policy_options_given", None) or {}).items():
+        if only is not None and dest not in only:
+            continue
+        users = POLICY_OPTION_USERS.get(dest, ("unified",))
+        if not any(p in users for p in names):
+            raise ValueError(
+                f"argument {option}: a setting of {' and '.join(users)}, not read by {flag} {','.join(names)}{why}"
+            )
+
+
 def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> None:
     """``unified``'s settings as options, one set for ``replay``, ``simulate`` and ``compare`` (defaults from
     ``d``, the core's :class:`~kvretain.core.policy.PolicyConfig`, as the vLLM plugin's
     ``KVRETAIN_POLICY_OPTIONS``); :func:`policy_config` reads them back."""
     group.add_argument(
         "--budget",
+        action=_Given,
         type=share,
         default=d.budget,
         help=f"unified: largest protected share of the pool, 0..1 (default {d.budget:g})",
     )
     group.add_argument(
         "--isolation-goal",
+        action=_Given,
         type=share,
         default=d.isolation_goal or 0.0,
         help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
@@ -244,6 +288,7 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     )
     group.add_argument(
         "--max-reuse-loss",
+        action=_Given,
         type=share,
         default=d.max_reuse_loss,
         help="unified: the adaptive share keeps overall reuse at least 1 - this of what plain LRU would hit "
@@ -251,6 +296,7 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     )
     group.add_argument(
         "--protect-threshold",
+        action=_Given,
         type=integer(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, " (a retention priority)"),
         default=d.protect_threshold,
         help="unified: retention priority from which blocks are protected, 0..100 "
@@ -258,18 +304,21 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     )
     group.add_argument(
         "--priority-weight",
+        action=_Given,
         type=number(1.0, what=" (1: no bias)"),
         default=d.priority_weight,
         help=f"unified: a block's value x this per +10 retention points, >= 1 (default {d.priority_weight:g})",
     )
     group.add_argument(
         "--frequency-exponent",
+        action=_Given,
         type=number(0.0, what=" (0: frequency off)"),
         default=d.frequency_exponent,
         help=f"unified: value grows as uses ** this, >= 0 (default {d.frequency_exponent:g})",
     )
     group.add_argument(
         "--frequency-cap",
+        action=_Given,
         type=integer(1, MAX_FREQUENCY_CAP, " (a count of uses; MAX_FREQUENCY_CAP)"),
         default=d.frequency_cap,
         help=f"unified, lfu: uses counted up to this many, 1..{MAX_FREQUENCY_CAP} (default {d.frequency_cap})",
@@ -277,19 +326,23 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     group.add_argument(
         "--no-adapt-frequency",
         dest="adapt_frequency",
-        action="store_false",
+        action=_Given,
+        nargs=0,
+        const=False,
         default=d.adapt_frequency,
         help="unified: keep the frequency exponent fixed (default: it moves between recency and frequency by "
         "which would hit more)",
     )
     group.add_argument(
         "--cost-scale-tokens",
+        action=_Given,
         type=number(0.0),
         default=d.cost_scale_tokens,
         help=f"unified: recompute-cost depth scale in tokens, 0 (off) or >= 1 (default {d.cost_scale_tokens:g})",
     )
     group.add_argument(
         "--ghost-factor",
+        action=_Given,
         type=number(0.0, MAX_GHOST_FACTOR),
         default=d.ghost_factor,
         help="unified, lfu: evicted blocks whose use counts are remembered, x the pool "

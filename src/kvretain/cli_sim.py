@@ -19,6 +19,7 @@ from typing import Any
 from kvretain.cli_args import (
     add_block_tokens_option,
     add_policy_options,
+    check_policy_options_used,
     integer,
     json_text,
     names_of,
@@ -262,6 +263,10 @@ def _catalog(path: str | None) -> Catalog | None:
         raise ValueError(f"argument --catalog: {e}") from None
 
 
+FRONTIER_SETS = ("budget", "isolation_goal", "priority_weight")
+"""The unified settings that ``compare``'s fixed-budget runs set themselves."""
+
+
 def check_sim(args: argparse.Namespace) -> None:
     """Checks that need several options, before anything runs (``simulate`` and ``compare``): the policy
     settings together, every policy usable online, and pools that fit in memory."""
@@ -269,6 +274,12 @@ def check_sim(args: argparse.Namespace) -> None:
 
     policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
     flag = "--policy" if args.command == "simulate" else "--policies"
+    if args.command == "simulate":
+        check_policy_options_used(args, policies, flag)
+    else:  # (the --budgets runs read every unified setting but these, which they set themselves)
+        check_policy_options_used(
+            args, args.policies, flag, FRONTIER_SETS, " (the --budgets runs set their own)"
+        )
     try:
         cfgs = [sim_config(args, p) for p in policies]
     except ValueError as exc:
