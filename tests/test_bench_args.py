@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,36 @@ def test_sim_fidelity_refuses_a_cost_model_file_that_is_not_there(tmp_path: Path
     res = _run("sim_fidelity.py", "--sim-only", "--cost-model", str(missing), "--out", str(tmp_path / "out"))
     _refused(res, "bench/sim_fidelity.py", f"argument --cost-model: cost model file '{missing}'")
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------- pool_instructions.py
+def _pool_instructions():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pool_instructions", BENCH / "pool_instructions.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pool_instructions_reads_callgrinds_total() -> None:
+    total = _pool_instructions().callgrind_total
+    assert total("version: 1\ncmd: python\nevents: Ir\nsummary: 1000749744\n") == 1000749744
+    assert total("events: Ir\nfl=x\n0 5\ntotals: 42\n") == 42
+    with pytest.raises(ValueError, match="no summary line"):
+        total("events: Ir\n")
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_pool_instructions_refuses_a_revision_that_is_not_there() -> None:
+    res = _run("pool_instructions.py", "--against", "no-such-revision-xyz")
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        "pool_instructions: error: argument --against: 'no-such-revision-xyz' is not a revision of this repository"
+    )
+
+
+def test_pool_instructions_refuses_bad_numbers() -> None:
+    _refused(_run("pool_instructions.py", "--span", "10"), "pool_instructions: error", "argument --span")
