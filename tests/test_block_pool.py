@@ -581,3 +581,53 @@ def test_a_cached_block_between_new_ones_is_not_announced_again_nor_undone(polic
         pool2.cache_blocks([new[0], y, new[1], spare[0]], [10, 20, 30, 40], 0, 4)
     assert snapshot(pool2) == before
     pool2.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lru", "unified"])
+def test_a_refused_id_equal_to_an_earlier_one_of_another_type_undoes_everything(policy: str) -> None:
+    # touch([0, 0.0]) takes block 0, then refuses 0.0; the undo looked for the refused id by equality, found
+    # 0 == 0.0 at index 0 and undid nothing: block 0 kept a reference and the free count was wrong
+    pool = new_pool(policy, 4)
+    ids = run(pool, [1])
+    before = snapshot(pool)
+    for call in (lambda: pool.touch([ids[0], float(ids[0])]), lambda: pool.touch([ids[0], None])):
+        with pytest.raises(ValueError, match="is not a block of this pool"):
+            call()
+        assert snapshot(pool) == before
+        pool.check_integrity()
+
+
+class _Index:
+    """An integer-like id that is not an ``int`` (as numpy's integers are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __lt__(self, other: int) -> bool:
+        return self.value < other
+
+
+def test_the_refused_id_is_the_one_named() -> None:
+    # an id that is an integer but not an int (numpy's) was named as the bad one, not the id refused
+    pool = new_pool("lru", 4)
+    ids = run(pool, [1])
+    with pytest.raises(ValueError, match=r"block id -1 is not"):
+        pool.touch([_Index(ids[0]), -1])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"block id -1 is not"):
+        pool.free_blocks([_Index(ids[0]), -1])  # type: ignore[list-item]
+    pool.check_integrity()
+
+
+def test_cache_blocks_refuses_ids_that_are_not_integers_and_a_bad_parent_id_in_one_message() -> None:
+    pool = new_pool("lru", 4)
+    got = pool.get_new_blocks(2)
+    assert got is not None
+    before = snapshot(pool)
+    for ids, s in (([got[0], None], 0), ([got[0], 1.0], 0), ([-1, got[1]], 1), ([9, got[1]], 1)):
+        with pytest.raises(ValueError, match="is not a block of this pool"):
+            pool.cache_blocks(ids, [10, 20], s, 2)  # type: ignore[arg-type]
+        assert snapshot(pool) == before
+    pool.check_integrity()

@@ -24,6 +24,7 @@ evictions; nothing is allocated).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 from kvretain.core.hashing import BlockHash
@@ -33,9 +34,11 @@ from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
 
 def _position(block_ids: Sequence[int], bid: object) -> int:
     """Where ``touch`` stopped: the first occurrence of the refused id (an earlier occurrence would have been
-    refused there: a block taken once is in use, and only a block taken from the free ones is checked)."""
+    refused there: a block taken once is in use, and only a block taken from the free ones is checked). Equal
+    values of another type are other ids (``0.0 == 0``, but ``0.0`` is refused where ``0`` is taken)."""
+    kind = type(bid)
     for j, b in enumerate(block_ids):
-        if b is bid or b == bid:
+        if b is bid or (type(b) is kind and b == bid):
             return j
     return len(block_ids)  # pragma: no cover - bid comes from block_ids
 
@@ -60,11 +63,18 @@ def _clock_error(now: float) -> ValueError:
     return ValueError(f"the pool's clock returned {now!r}; it must return a finite number of seconds")
 
 
+def _not_an_id(b: object, n: int) -> bool:
+    """``b`` cannot stand for a block of a pool of ``n`` (not an integer index, or outside ``0..n-1``)."""
+    try:
+        i = operator.index(b)  # type: ignore[arg-type]  # (an int, a bool, a numpy integer...)
+    except TypeError:
+        return True
+    return not 0 <= i < n
+
+
 def _out_of_range(op: str, block_ids: Sequence[int], n: int) -> ValueError:
-    """The error for ``block_ids`` that hold an id outside ``0..n-1`` (or one that is not an int)."""
-    bad = next(
-        (b for b in block_ids if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n), None
-    )
+    """The error for ``block_ids`` that hold an id outside ``0..n-1`` (or one that is not an integer)."""
+    bad = next((b for b in block_ids if _not_an_id(b, n)), None)
     return ValueError(f"{op}: block id {bad!r} is not a block of this pool (ids are 0..{n - 1})")
 
 
@@ -296,6 +306,10 @@ class BlockPool:
             )
         if start >= end:
             return  # (nothing newly full: vLLM's cache_full_blocks returns too)
+        if start > 0:  # (the id before start is read as the first one's parent)
+            p = block_ids[start - 1]
+            if (p.__class__ is not int or not 0 <= p < self.num_blocks) and _not_an_id(p, self.num_blocks):
+                raise _out_of_range("cache_blocks", block_ids[start - 1 : start], self.num_blocks)
         now = self.clock()
         if now - now != 0.0:  # (NaN and +-inf)
             raise _clock_error(now)
@@ -355,9 +369,10 @@ class BlockPool:
                     blocks[p].num_children -= 1
             for p in taken:
                 blocks[p].evictable = True
-            if isinstance(e, ValueError) or not isinstance(e, IndexError):
-                raise
-            raise _out_of_range("cache_blocks", block_ids[start:end], self.num_blocks) from None
+            ids = block_ids[start:end]
+            if isinstance(e, ValueError) or not any(_not_an_id(b, self.num_blocks) for b in ids):
+                raise  # (a TypeError of a hash that cannot be a dict key, for one)
+            raise _out_of_range("cache_blocks", ids, self.num_blocks) from None
         for p in taken:
             self.policy.remove(p)
         if reg:
