@@ -67,17 +67,34 @@ def instructions(tree: Path, pool: str, size: int, ops: int) -> int:
 
 
 def export_revision(rev: str, into: Path) -> Path:
-    """``rev`` of this repository's ``src`` and ``bench`` as plain files under ``into`` (``git archive``)."""
-    dest = into / rev.replace("/", "_")
-    dest.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "src", "bench"],
+    """``rev`` of this repository's ``src`` and ``bench`` as plain files in a new folder under ``into`` (``git
+    archive`` of the commit ``rev`` names, resolved first: a ``rev`` that starts with ``-`` is not an option)."""
+    if rev.startswith("-"):
+        raise ValueError(f"argument --against: {rev!r} is not a revision (it starts with '-')")
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
         capture_output=True,
+        text=True,
         check=False,
     )
-    if archive.returncode != 0:
+    sha = found.stdout.strip()
+    if found.returncode != 0 or not sha:
         raise ValueError(f"argument --against: {rev!r} is not a revision of this repository")
+    dest = Path(tempfile.mkdtemp(prefix=sha[:12] + "-", dir=into))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", sha], capture_output=True, check=True
+    )
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    script = dest / "bench" / "pool_ops.py"
+    if not script.is_file():
+        raise ValueError(f"argument --against: {rev} has no bench/pool_ops.py")
+    usage = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, check=False
+    )
+    if "--command-capacities" not in usage.stdout:
+        raise ValueError(
+            f"argument --against: {rev}'s bench/pool_ops.py is too old (no --command-capacities)"
+        )
     return dest
 
 
@@ -111,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this checkout": ROOT}
         try:
-            for rev in args.against:
+            for rev in dict.fromkeys(args.against):  # (each once)
                 trees[rev] = export_revision(rev, Path(tmp))
         except ValueError as e:
             return fail(PROG, str(e))
@@ -122,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  counting {pool} in {name} (two runs under valgrind) ...", file=sys.stderr, flush=True
                 )
-                base = instructions(tree, pool, args.size, args.ops)
-                more = instructions(tree, pool, args.size, args.ops + args.span)
+                try:
+                    base = instructions(tree, pool, args.size, args.ops)
+                    more = instructions(tree, pool, args.size, args.ops + args.span)
+                except RuntimeError as e:  # (a revision's pool_ops.py that does not know this pool...)
+                    return fail(PROG, str(e))
                 per_op[name][pool] = round((more - base) / args.span, 1)
             print(f"{name:>16} " + " ".join(f"{per_op[name][p]:>10.1f}" for p in args.pools), flush=True)
     first = per_op["this checkout"]

@@ -252,3 +252,12 @@ def test_pool_instructions_refuses_a_revision_that_is_not_there() -> None:
 
 def test_pool_instructions_refuses_bad_numbers() -> None:
     _refused(_run("pool_instructions.py", "--span", "10"), "pool_instructions: error", "argument --span")
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_pool_instructions_takes_no_option_as_a_revision(tmp_path: Path) -> None:
+    # `--against=--output=FILE` reached `git archive` as an option: it wrote (truncated) FILE
+    target = tmp_path / "out.tar"
+    res = _run("pool_instructions.py", f"--against=--output={target}")
+    assert res.returncode == 2 and "starts with '-'" in res.stderr.strip().splitlines()[-1], res.stderr
+    assert not target.exists()
