@@ -319,7 +319,7 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     group.add_argument(
         "--frequency-cap",
         action=_Given,
-        type=integer(1, MAX_FREQUENCY_CAP, " (a count of uses; MAX_FREQUENCY_CAP)"),
+        type=integer(1, MAX_FREQUENCY_CAP, " (a count of uses)"),
         default=d.frequency_cap,
         help=f"unified, lfu: uses counted up to this many, 1..{MAX_FREQUENCY_CAP} (default {d.frequency_cap})",
     )
