@@ -262,7 +262,11 @@ def _toml_value(v: Any) -> str:
 
 def dumps(profile: Profile) -> str:
     """The TOML text of ``profile`` (``[profile]`` info, ``[coefficients]``, one ``[[point]]`` per step)."""
-    lines = ["# kvretain cost model: step times fitted by `kvretain profile`", "", "[profile]"]
+    lines = [
+        "# kvretain cost model: measured step times and their fit (`kvretain simulate --cost-model FILE`)",
+        "",
+        "[profile]",
+    ]
     lines.append(f"format = {FORMAT}")
     err = profile.median_relative_error()
     info = dict(profile.info)

@@ -1,0 +1,428 @@
+"""A catalog model's forward steps timed on a real GPU, beside the roofline cost model that prices them.
+
+    PYTHONPATH=src python bench/gpu_roofline.py [--model llama-3-8b] [--gpu h200] [--out h200.toml]
+
+The simulator prices a step with the roofline of :mod:`kvretain.engine.sim.costmodel`, derated by the GPU
+entry's ``compute_efficiency`` and ``bandwidth_efficiency`` (0.6 and 0.7 in the catalog, picked inside the field
+notes' "real engines reach 40-70% of these peaks"). This bench measures what they are on the GPU it runs on: a
+dense decoder of the catalog model's shape (random weights in bf16; cuBLAS matmuls; PyTorch's fused attention
+with grouped KV heads over a contiguous KV cache; RMSNorm and SwiGLU; the LM head on the sampled rows only;
+decode steps captured and replayed as CUDA graphs, as vLLM runs them) is timed per step, alone on the GPU:
+
+- prefill steps of one sequence, ``n`` new tokens after ``p`` cached (``p`` > 0: a prefix-cache hit whose KV
+  is read, the case kvretain is about), and
+- decode steps of ``B`` sequences at context ``C``.
+
+Per point it prints the measured forward time, the catalog roofline's (without its fixed step overhead, which
+covers the engine's scheduling and input preparation that this forward does not have), their ratio, the side
+that bounds the step, and the fraction of that side's peak the step reached (the ideal roofline's time over
+the measured one). The medians of that fraction over compute-bound and memory-bound points are this GPU's
+measured efficiencies, to set beside the catalog's. It also fits the profiled cost model
+(:mod:`kvretain.engine.sim.profiled`) to the points and writes its TOML with ``--out``: ``kvretain simulate
+--gpu GPU --cost-model FILE`` then prices steps from these measurements (engine overhead not included).
+
+What this is not: vLLM. It has no paged attention, no fused RoPE or activation kernels and no sampler; RoPE is
+left out (an element-wise pass per layer). It is the hardware's answer for the model's shapes, which is what the
+catalog's efficiencies stand for. ``--device cpu`` runs the same steps on the CPU, with small shapes from a
+``--catalog`` file, to try the script where there is no GPU. Last line JSON: ``{"gpu": ..., "points": n,
+"compute_efficiency": x, "bandwidth_efficiency": y, "catalog_compute_efficiency": .., ...}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg
+from kvretain.cli_profile import int_list
+from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
+from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
+from kvretain.engine.sim.profiled import Profile, StepPoint, fit, median_relative_error, write_profile
+
+PROG = "gpu_roofline"
+MAX_KV_TOKENS = 1 << 18
+"""Most KV tokens one decode point allocates (``B*C``): 34 GB on Llama-3-8B, under half an H200 beside the
+weights; larger batches are left out rather than run out of memory."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured step: ``batch`` sequences, each computing ``new`` tokens after ``cached`` ones."""
+
+    kind: str  # "prefill" or "decode"
+    batch: int
+    new: int
+    cached: int
+
+    def chunks(self) -> list[tuple[int, int, bool]]:
+        return [(self.new, self.cached, True)] * self.batch
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.batch * (self.new + self.cached)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A step's measured time beside the roofline's."""
+
+    step: Step
+    seconds: float
+    roofline_s: float  # the catalog's efficiencies, without the fixed step overhead
+    ideal_s: float  # 100% of peak on both sides
+    bound: str  # "compute" or "memory": the side the ideal roofline says bounds the step
+    reached: float  # ideal_s / seconds: the fraction of the bounding side's peak the step reached
+
+
+def plan(
+    prefill: Sequence[int], cached: Sequence[int], batches: Sequence[int], contexts: Sequence[int]
+) -> list[Step]:
+    """The steps to time: prefills of each ``n`` after no cache, ``n`` = the middle prefill size after each
+    cached length, and decodes of each batch at each context (those over :data:`MAX_KV_TOKENS` left out)."""
+    steps = [Step("prefill", 1, n, 0) for n in prefill]
+    mid = sorted(prefill)[len(prefill) // 2] if prefill else 0
+    steps += [Step("prefill", 1, mid, p) for p in cached if p > 0 and mid]
+    steps += [Step("decode", b, 1, c - 1) for b in batches for c in contexts if b * c <= MAX_KV_TOKENS]
+    return steps
+
+
+def analyse(steps: Sequence[Step], seconds: Sequence[float], model: ModelSpec, gpu: GPUSpec) -> list[Row]:
+    """Each step's measured ``seconds`` beside the catalog roofline of ``model`` on ``gpu`` (pure Python)."""
+    cm = CostModel(model, gpu, tp=1)
+    rows = []
+    for st, s in zip(steps, seconds, strict=True):
+        tokens = st.batch * st.new
+        pairs = st.batch * chunk_pairs(st.new, st.cached)
+        flops, nbytes = cm.step_work(tokens, pairs, st.kv_tokens, st.batch)
+        t_c, t_m = flops / gpu.peak_flops, nbytes / gpu.mem_bandwidth
+        roof = max(t_c / gpu.compute_efficiency, t_m / gpu.bandwidth_efficiency)
+        ideal = max(t_c, t_m)
+        rows.append(Row(st, s, roof, ideal, "compute" if t_c >= t_m else "memory", ideal / s))
+    return rows
+
+
+def summary(rows: Sequence[Row], gpu: GPUSpec) -> dict[str, Any]:
+    """The measured efficiencies (medians of ``reached`` per bounding side) and the roofline's error."""
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 4) if xs else None
+
+    points = [_point(r) for r in rows]
+    coef = fit(points) if len(points) >= 4 else None
+    return {
+        "gpu": gpu.name,
+        "points": len(rows),
+        "compute_efficiency": med([r.reached for r in rows if r.bound == "compute"]),
+        "bandwidth_efficiency": med([r.reached for r in rows if r.bound == "memory"]),
+        "catalog_compute_efficiency": gpu.compute_efficiency,
+        "catalog_bandwidth_efficiency": gpu.bandwidth_efficiency,
+        "roofline_median_abs_rel_error": med([abs(r.roofline_s - r.seconds) / r.seconds for r in rows]),
+        "roofline_over_measured_min": round(min(r.roofline_s / r.seconds for r in rows), 4) if rows else None,
+        "roofline_over_measured_max": round(max(r.roofline_s / r.seconds for r in rows), 4) if rows else None,
+        "fit_median_abs_rel_error": round(median_relative_error(coef, points), 4) if coef else None,
+    }
+
+
+def _point(r: Row) -> StepPoint:
+    st = r.step
+    return StepPoint(
+        st.batch * st.new, st.batch * chunk_pairs(st.new, st.cached), st.batch, r.seconds, st.kind
+    )
+
+
+def table(rows: Sequence[Row]) -> str:
+    head = f"{'step':<26}{'measured ms':>13}{'roofline ms':>13}{'roof/meas':>11}{'bound':>9}{'of peak':>9}"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        st = r.step
+        what = (
+            f"prefill {st.new} after {st.cached}"
+            if st.kind == "prefill"
+            else f"decode {st.batch} x ctx {st.cached + 1}"
+        )
+        out.append(
+            f"{what:<26}{r.seconds * 1e3:>13.3f}{r.roofline_s * 1e3:>13.3f}{r.roofline_s / r.seconds:>11.3f}"
+            f"{r.bound:>9}{r.reached:>9.1%}"
+        )
+    return "\n".join(out)
+
+
+# --- measuring (PyTorch) ------------------------------------------------------------------------------------
+
+
+class Decoder:
+    """A dense decoder of ``model``'s shape with random weights, on ``device``: the forward of one step."""
+
+    def __init__(self, model: ModelSpec, torch: Any, device: str, dtype: Any, seed: int) -> None:
+        self.m, self.torch, self.device, self.dtype = model, torch, device, dtype
+        gen = torch.Generator(device=device).manual_seed(seed)
+        d, h, nq, nkv, f = model.d_model, model.head_dim, model.n_q_heads, model.n_kv_heads, model.ffn_dim
+
+        def w(*shape: int) -> Any:
+            t = torch.empty(*shape, device=device, dtype=dtype)
+            return t.normal_(0.0, 0.02, generator=gen)
+
+        self.layers = [
+            (torch.ones(d, device=device, dtype=dtype), w(d, (nq + 2 * nkv) * h), w(nq * h, d),
+             torch.ones(d, device=device, dtype=dtype), w(d, 2 * f), w(f, d))
+            for _ in range(model.n_layers)
+        ]  # fmt: skip
+        self.embed = w(model.vocab_size, d)
+        self.head = self.embed.t() if model.tied_embeddings else w(d, model.vocab_size)
+        self.final_norm = torch.ones(d, device=device, dtype=dtype)
+        self.attention: dict[tuple[str, bool], str] = {}
+        """How each kind of attention call ran: ``grouped-kv`` (fused, KV heads in place) or ``repeated-kv``."""
+
+    def kv_cache(self, batch: int, length: int) -> list[tuple[Any, Any]]:
+        m, t = self.m, self.torch
+        shape = (batch, m.n_kv_heads, length, m.head_dim)
+        return [
+            (
+                t.zeros(shape, device=self.device, dtype=self.dtype),
+                t.zeros(shape, device=self.device, dtype=self.dtype),
+            )
+            for _ in range(m.n_layers)
+        ]
+
+    def _attend(self, q: Any, k: Any, v: Any, mask: Any, causal: bool) -> Any:
+        """Attention with grouped KV heads read in place where a fused kernel takes them; else (the first call of
+        each kind tells, before any graph is captured) the KV heads repeated to the query heads' count."""
+        t = self.torch
+        F = t.nn.functional
+        kind = ("prefix" if mask is not None else "causal" if causal else "decode", q.shape[2] > 1)
+        way = self.attention.get(kind)
+        if way != "repeated-kv":
+            try:
+                with self._fused():
+                    o = F.scaled_dot_product_attention(
+                        q,
+                        k,
+                        v,
+                        attn_mask=mask,
+                        is_causal=causal,
+                        enable_gqa=self.m.n_q_heads != self.m.n_kv_heads,
+                    )
+                self.attention[kind] = "grouped-kv"
+                return o
+            except RuntimeError:
+                if way is not None:
+                    raise
+                self.attention[kind] = "repeated-kv"
+        rep = self.m.n_q_heads // self.m.n_kv_heads
+        with self._fused():
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, is_causal=causal
+            )
+
+    def _fused(self) -> Any:
+        """On CUDA only the fused attention kernels (flash, memory-efficient, cuDNN): never the one that writes
+        the whole score matrix to memory; on the CPU whatever PyTorch picks."""
+        if not self.device.startswith("cuda"):
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        )
+
+    def forward(self, ids: Any, cache: list[tuple[Any, Any]], batch: int, new: int, cached: int) -> Any:
+        """Logits of each sequence's last token after computing ``new`` tokens per sequence (``ids``: ``batch*new``)
+        whose KV goes into ``cache`` after ``cached`` tokens already there."""
+        t, m = self.torch, self.m
+        F = t.nn.functional
+        d, h, nq, nkv = m.d_model, m.head_dim, m.n_q_heads, m.n_kv_heads
+        end = cached + new
+        mask = None
+        causal = False
+        if new > 1:  # a prefill chunk: causal over the new tokens, every cached one visible (lower right)
+            if cached:
+                from torch.nn.attention.bias import causal_lower_right
+
+                mask = causal_lower_right(new, end)
+            else:
+                causal = True
+        x = self.embed[ids]  # (batch*new, d)
+        for (n1, wqkv, wo, n2, wgu, wd), (kc, vc) in zip(self.layers, cache, strict=True):
+            a = F.rms_norm(x, (d,), n1)
+            qkv = a @ wqkv
+            q, k, v = qkv.split((nq * h, nkv * h, nkv * h), dim=-1)
+            q = q.view(batch, new, nq, h).transpose(1, 2)
+            kc[:, :, cached:end] = k.view(batch, new, nkv, h).transpose(1, 2)
+            vc[:, :, cached:end] = v.view(batch, new, nkv, h).transpose(1, 2)
+            o = self._attend(q, kc[:, :, :end], vc[:, :, :end], mask, causal)
+            x = x + o.transpose(1, 2).reshape(batch * new, nq * h) @ wo
+            a = F.rms_norm(x, (d,), n2)
+            g, u = (a @ wgu).chunk(2, dim=-1)
+            x = x + (F.silu(g) * u) @ wd
+        last = x.view(batch, new, d)[:, -1]
+        return F.rms_norm(last, (d,), self.final_norm) @ self.head
+
+
+def measure(
+    dec: Decoder, steps: Sequence[Step], repeats: int, graphs: bool, progress: Callable[[str], None]
+) -> list[float | None]:
+    """Median seconds of each step's forward over ``repeats`` timed runs after two warm-ups; on CUDA decode
+    steps run as CUDA graph replays (``graphs``) and times come from CUDA events. A step that fails (out of
+    memory, a kernel PyTorch does not have) is None, said on stderr, and the others still run."""
+    out: list[float | None] = []
+    for st in steps:
+        progress(f"{st.kind} batch {st.batch} new {st.new} cached {st.cached}")
+        try:
+            out.append(_time_step(dec, st, repeats, graphs))
+        except (RuntimeError, MemoryError) as exc:  # (torch.cuda.OutOfMemoryError is a RuntimeError)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"  failed: {first[:200]}", file=sys.stderr, flush=True)
+            out.append(None)
+        if dec.device.startswith("cuda"):
+            dec.torch.cuda.empty_cache()
+    return out
+
+
+def _time_step(dec: Decoder, st: Step, repeats: int, graphs: bool) -> float:
+    t = dec.torch
+    cuda = dec.device.startswith("cuda")
+    cache = dec.kv_cache(st.batch, st.cached + st.new)
+    ids = t.randint(0, dec.m.vocab_size, (st.batch * st.new,), device=dec.device)
+    with t.inference_mode():
+
+        def run() -> Any:
+            return dec.forward(ids, cache, st.batch, st.new, st.cached)
+
+        call: Callable[[], Any] = run
+        if cuda and graphs and st.kind == "decode":
+            side = t.cuda.Stream()
+            side.wait_stream(t.cuda.current_stream())
+            with t.cuda.stream(side):  # (warm-up before capture, on a side stream, as PyTorch asks)
+                for _ in range(2):
+                    run()
+            t.cuda.current_stream().wait_stream(side)
+            g = t.cuda.CUDAGraph()
+            with t.cuda.graph(g):
+                run()
+            call = g.replay
+        for _ in range(2):
+            call()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+                e0.record()
+                call()
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1) / 1e3)
+            else:
+                c0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - c0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap.add_argument(
+        "--model", default="llama-3-8b", help="catalog model whose shapes are run (default llama-3-8b)"
+    )
+    ap.add_argument(
+        "--gpu", default="h200", help="catalog GPU entry the measurement is set beside (default h200)"
+    )
+    ap.add_argument("--catalog", type=path_arg("a catalog TOML file"), help="extra models and GPUs (TOML)")
+    ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu to try the script)")
+    ap.add_argument("--prefill", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument(
+        "--cached", type=int_list, default=[2048, 8192, 32768], help="cached lengths before a prefill"
+    )
+    ap.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 128, 256])
+    ap.add_argument("--contexts", type=int_list, default=[1024, 4096])
+    ap.add_argument("--repeats", type=integer(1), default=10)
+    ap.add_argument("--no-graphs", action="store_true", help="decode steps run eagerly, not as CUDA graphs")
+    ap.add_argument("--seed", type=integer(0), default=0)
+    ap.add_argument(
+        "--out", help="write the fitted profile (TOML) here, for `kvretain simulate --cost-model`"
+    )
+    ap.add_argument("--json", dest="json_out", help="write the rows and the summary as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        cat = load_catalog(args.catalog) if args.catalog else builtin_catalog()
+        model, gpu = cat.model(args.model), cat.gpu(args.gpu)
+    except (CatalogError, KeyError) as exc:
+        return fail(PROG, str(exc).strip("'\""))
+    for opt, path in (("--out", args.out), ("--json", args.json_out)):
+        if path is not None:
+            try:
+                check_output_file(path, opt)
+            except ValueError as exc:
+                return fail(PROG, str(exc))
+    if model.tp != 1:
+        return fail(
+            PROG, f"argument --model: {model.name} runs at tp={model.tp}; this bench times one GPU (tp=1)"
+        )
+    steps = plan(args.prefill, args.cached, args.batches, args.contexts)
+    if not steps:
+        return fail(PROG, "no step to time: give --prefill or --batches and --contexts")
+    try:
+        import torch
+    except ImportError:
+        return fail(PROG, "PyTorch is not importable here (run it with the Python that has torch)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return fail(PROG, "argument --device: CUDA is not available here (--device cpu to try the script)")
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    print(f"building {model.name} with random bf16 weights on {args.device} ...", file=sys.stderr, flush=True)
+    dec = Decoder(model, torch, args.device, dtype, args.seed)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+
+    def progress(what: str) -> None:
+        print(f"  timing {what}", file=sys.stderr, flush=True)
+
+    measured = measure(dec, steps, args.repeats, not args.no_graphs, progress)
+    failed = [st for st, s in zip(steps, measured, strict=True) if s is None]
+    done = [(st, s) for st, s in zip(steps, measured, strict=True) if s is not None]
+    if not done:
+        print(f"{PROG}: every step failed on {args.device}", file=sys.stderr)
+        return 1
+    rows = analyse([st for st, _ in done], [s for _, s in done], model, gpu)
+    print(f"{model.name} on {name} (catalog entry {gpu.name}), torch {torch.__version__}, "
+          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    print(table(rows))
+    summ = summary(rows, gpu)
+    summ["device_name"] = name
+    summ["torch"] = torch.__version__
+    summ["attention"] = sorted({f"{k[0]}:{v}" for k, v in dec.attention.items()})
+    summ["failed"] = [f"{st.kind} batch {st.batch} new {st.new} cached {st.cached}" for st in failed]
+    if args.out is not None:
+        points = tuple(_point(r) for r in rows)
+        info = {"engine": f"PyTorch {torch.__version__} forward (bench/gpu_roofline.py)", "model": model.name,
+                "device": name, "what": "forward"}  # fmt: skip
+        write_profile(args.out, Profile(fit(points), points, info))
+    if args.json_out is not None:
+        with open(args.json_out, "w", encoding="utf-8") as fh:
+            json.dump({"rows": [_row_json(r) for r in rows], "summary": summ}, fh, indent=1)
+    print(json.dumps(summ))
+    return 0
+
+
+def _row_json(r: Row) -> dict[str, Any]:
+    st = r.step
+    return {
+        "kind": st.kind,
+        "batch": st.batch,
+        "new": st.new,
+        "cached": st.cached,
+        "seconds": r.seconds,
+        "roofline_s": r.roofline_s,
+        "ideal_s": r.ideal_s,
+        "bound": r.bound,
+        "reached": r.reached if math.isfinite(r.reached) else None,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""bench/gpu_roofline.py: the steps it plans, how it sets a measurement beside the roofline, its refusals, and
+(where PyTorch is importable) that its decoder computes what a decoder with a KV cache computes: one prefill, a
+prefill after a cached prefix and a decode step give the same last-token logits, batched or not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvretain.engine.sim.catalog import GPUSpec, builtin_catalog, load_catalog
+from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import gpu_roofline as gr  # noqa: E402
+
+TINY = """
+[models.tiny]
+n_layers = 2
+d_model = 64
+n_q_heads = 4
+n_kv_heads = 2
+head_dim = 16
+ffn_dim = 96
+vocab_size = 128
+"""
+
+
+def test_plan_times_prefills_prefix_hits_and_decodes_within_the_memory_bound() -> None:
+    steps = gr.plan([256, 1024, 4096], [0, 2048], [1, 64, 1024], [1024, 4096])
+    assert steps[:3] == [gr.Step("prefill", 1, n, 0) for n in (256, 1024, 4096)]
+    assert steps[3] == gr.Step("prefill", 1, 1024, 2048)  # the middle size after each cached length > 0
+    decodes = [(s.batch, s.cached + 1) for s in steps if s.kind == "decode"]
+    assert decodes == [(1, 1024), (1, 4096), (64, 1024), (64, 4096)]  # 1024 x 1024 > MAX_KV_TOKENS: left out
+    assert all(s.batch * (s.cached + s.new) <= gr.MAX_KV_TOKENS for s in steps)
+
+
+def _at_catalog_rates(step: gr.Step, cm: CostModel, gpu: GPUSpec) -> float:
+    tokens, pairs = step.batch * step.new, step.batch * chunk_pairs(step.new, step.cached)
+    flops, nbytes = cm.step_work(tokens, pairs, step.kv_tokens, step.batch)
+    return max(
+        flops / gpu.peak_flops / gpu.compute_efficiency, nbytes / gpu.mem_bandwidth / gpu.bandwidth_efficiency
+    )
+
+
+def test_a_step_at_the_catalogs_rates_reads_the_catalogs_efficiencies() -> None:
+    cat = builtin_catalog()
+    model, gpu = cat.model("llama-3-8b"), cat.gpu("h200")
+    cm = CostModel(model, gpu, tp=1)
+    steps = [gr.Step("prefill", 1, 8192, 0), gr.Step("prefill", 1, 4096, 4096), gr.Step("decode", 1, 1, 1023)]
+    seconds = [_at_catalog_rates(s, cm, gpu) for s in steps]
+    rows = gr.analyse(steps, seconds, model, gpu)
+    assert [r.bound for r in rows] == ["compute", "compute", "memory"]
+    for r in rows:
+        assert r.roofline_s == pytest.approx(r.seconds)
+    assert rows[0].reached == pytest.approx(gpu.compute_efficiency)
+    assert rows[2].reached == pytest.approx(gpu.bandwidth_efficiency)
+    # twice as slow: half the peak, and the roofline reads half the measured time
+    slow = gr.analyse(steps, [2 * s for s in seconds], model, gpu)
+    assert slow[0].reached == pytest.approx(gpu.compute_efficiency / 2)
+    assert slow[2].roofline_s / slow[2].seconds == pytest.approx(0.5)
+    summ = gr.summary(rows + slow[2:], gpu)
+    assert summ["points"] == 4
+    assert summ["compute_efficiency"] == pytest.approx(gpu.compute_efficiency, abs=1e-4)
+    assert summ["bandwidth_efficiency"] == pytest.approx(0.75 * gpu.bandwidth_efficiency, abs=1e-4)
+    assert summ["roofline_over_measured_min"] == pytest.approx(0.5, abs=1e-4)
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "gpu_roofline.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--gpu", "no-such-gpu"], "unknown GPU"),
+        (["--model", "llama-3-70b"], "tp=4"),
+        (["--prefill", "x"], "comma-separated integers"),
+        (["--out", "/no/such/folder/p.toml"], "--out"),
+    ],
+)
+def test_a_users_mistake_is_one_line_and_status_2_before_any_work(argv: list[str], says: str) -> None:
+    res = _run(*argv)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("gpu_roofline: ") and says in lines[0], lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_the_decoder_computes_what_a_kv_cache_decoder_computes(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    cat = tmp_path / "tiny.toml"
+    cat.write_text(TINY, encoding="utf-8")
+    model = load_catalog(cat).model("tiny")
+    dec = gr.Decoder(model, torch, "cpu", torch.float32, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.vocab_size, (2, 12), generator=gen)
+    whole = dec.forward(ids[0], dec.kv_cache(1, 12), 1, 12, 0)
+    cache = dec.kv_cache(1, 12)
+    dec.forward(ids[0, :5], cache, 1, 5, 0)
+    after_prefix = dec.forward(ids[0, 5:], cache, 1, 7, 5)  # 7 new tokens after 5 cached (lower-right causal)
+    cache = dec.kv_cache(2, 12)
+    dec.forward(ids[:, :11].reshape(-1), cache, 2, 11, 0)
+    decoded = dec.forward(ids[:, 11:].reshape(-1), cache, 2, 1, 11)  # one token each for two sequences
+    other = dec.forward(ids[1], dec.kv_cache(1, 12), 1, 12, 0)
+    torch.testing.assert_close(after_prefix, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decoded[:1], whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decoded[1:], other, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(
+        whole, other
+    )  # (the two sequences differ: the check above could tell them apart)
