@@ -298,6 +298,82 @@ class _Building:
         self.cur: _Run | None = None
 
 
+class _Directed:
+    """The full retention rules (:func:`_retention`) per block of a release with directives or a scope, writing
+    the run queue's arrays: retention, lapse entries (and the lapses to schedule), owner scopes; counts the
+    blocks it makes protected or unprotected (``new_protected``, placed with the release). The blocks of one
+    directive's range mostly share their state (their lapse entry is one object, set by one earlier release),
+    so the rules' outcome for the block before is reused when the inputs are the same."""
+
+    __slots__ = (
+        "_asks",
+        "_due_at",
+        "_durs",
+        "_lapse",
+        "_mapped",
+        "_memo",
+        "_now",
+        "_out",
+        "_owners",
+        "_rr",
+        "_scope",
+        "_thr",
+        "new_protected",
+    )
+
+    def __init__(
+        self, queue: RunFreeQueue, rel: _Release, plan: tuple[list[int], list[float | None]] | None
+    ) -> None:
+        self._rr, self._lapse, self._owners, self._due_at = (
+            queue._r,
+            queue._lapse,
+            queue._owner,
+            queue._due_at,
+        )
+        self._thr = queue._threshold
+        self._asks: list[int] | None = plan[0] if plan is not None else None
+        self._durs: list[float | None] | None = plan[1] if plan is not None else None
+        self._mapped, self._scope, self._now = rel.mapped, rel.scope, rel.now
+        # the last inputs (retention, lapse entry, ask, duration, owner) and their outcome (retention, lapse
+        # entry, owner, the protected count's change, the list its lapse is due in)
+        self._memo: tuple[int, _Lapse | None, int, float | None, str | None] = (NEW - 1, None, -1, None, None)
+        self._out: tuple[int, _Lapse | None, str | None, int, list[int] | None] = (NEW, None, None, 0, None)
+        self.new_protected = 0
+
+    def __call__(self, bid: int, i: int, r: int) -> int:
+        """Block ``bid`` (``i``: its position in the group, for the plan's ask) at retention ``r`` released:
+        its retention after."""
+        asks, durs = self._asks, self._durs
+        ask, dur = (self._mapped, None) if asks is None or durs is None else (asks[i], durs[i])
+        lapse, owners = self._lapse, self._owners
+        ent = lapse.get(bid)
+        own = owners.get(bid) if owners else None
+        m_r, m_ent, m_ask, m_dur, m_own = self._memo
+        if (
+            r != m_r or ent is not m_ent or ask != m_ask or dur != m_dur or own != m_own
+        ):  # (the entry: by identity)
+            self._memo = (r, ent, ask, dur, own)
+            nr, nent, nown, due = _retention(r, ent, own, ask, dur, self._scope, self._now, self._mapped)
+            thr = self._thr
+            dp = 0 if (r >= thr) == (nr >= thr) else 1 if nr >= thr else -1
+            self._out = (nr, nent, nown, dp, self._due_at(nent[0]) if due and nent is not None else None)
+        nr, nent, nown, dp, due_list = self._out
+        if nown is not None:
+            owners[bid] = nown
+        elif own is not None:  # an unscoped request set the level: no owner any more
+            del owners[bid]
+        if nent is not None:
+            if nent is not ent:
+                lapse[bid] = nent
+                if due_list is not None:
+                    due_list.append(bid)
+        elif ent is not None:
+            del lapse[bid]
+        self.new_protected += dp
+        self._rr[bid] = nr
+        return nr
+
+
 class RunFreeQueue(HookedFreeQueue):
     """A drop-in ``FreeKVCacheBlockQueue`` whose hashed blocks are ordered by ``unified`` over runs."""
 
@@ -467,6 +543,27 @@ class RunFreeQueue(HookedFreeQueue):
             floor, below, run = new.key, tier, run.up
         return first
 
+    def _open_run(
+        self, r: int, u: int, depth: int, cls: int, deeper: _Run | None, waiting: _Run | None
+    ) -> _Run:
+        """The run a release opens at retention ``r`` for its block at ``depth`` with use count ``u``, above the
+        run it just built (``deeper``; None: none), or above ``waiting``, the run of a child an earlier release
+        queued behind this block. A parent never goes before the deeper blocks it leads to (the pool evicts
+        leaves only: their chain goes at the deepest one's key), nor after its own lapse: the deeper run's key is
+        its floor, in its tier (:meth:`_lifted`); each of those runs ranks it again when it is re-ranked."""
+        tier, floor = (
+            self._lifted(r, deeper.key, deeper.tier) if deeper is not None else self._lifted(r, 0.0, 1)
+        )
+        if waiting is not None and (waiting.tier < tier or (waiting.tier == tier and waiting.key > floor)):
+            tier, floor = waiting.tier, waiting.key
+        L = self._L
+        run = _Run([], L + self._value(r, u, depth), r, tier, cls, depth, floor, L, u)
+        if deeper is not None:
+            deeper.up = run  # (ranked again when its blocks lapse or it leaves tier 0)
+        if waiting is not None:
+            waiting.up = run
+        return run
+
     def _enqueue(self, ids: list[int]) -> None:
         """Queue blocks (deepest first) from their per-block state: one run per stretch of equal retention,
         use-count power of two and releasing class. (The slow path: ``append_n`` without a fused release,
@@ -498,7 +595,24 @@ class RunFreeQueue(HookedFreeQueue):
             q.died()
 
     # ------------------------------------------------------------ queue interface
+    def _next_run(self) -> tuple[_RunQueue, _Run]:
+        """The run eviction takes from next, and its queue: the unprotected tier's head while the protected tier
+        holds at most its target (or nothing else is queued); over the target the two tiers compete on their
+        heads' key buckets, then on release order (:data:`rules.RELEASE_ORDER_WALK`)."""
+        q0, q1 = self._queues
+        if q1.n and (self._num_protected <= self._ctl.target or not q0.n):
+            return q1, q1.head()
+        if q0.n and q1.n:
+            r0 = q0.head()
+            r1 = q1.head()
+            s0 = int(r0.key * q0.scale)
+            s1 = int(r1.key * q0.scale)
+            return (q0, r0) if s0 < s1 or (s0 == s1 and r0.stamp < r1.stamp) else (q1, r1)
+        return q0, q0.head()
+
     def _evict(self, k: int, now: float) -> list[int]:
+        """Take ``k`` blocks from the heads of the run queues (their ids, in eviction order), after lapsing the
+        directives due by ``now``: each block's state is cleared, its use count kept in the ghost table."""
         if self._expiries and self._expiries[0][0] <= now:
             self._expire(now)
         ids: list[int] = []
@@ -513,24 +627,11 @@ class RunFreeQueue(HookedFreeQueue):
         blocks = self.pool_blocks
         lapse = self._lapse
         owner = self._owner
-        q0, q1 = self._queues
-        ctl = self._ctl
         get = self.counters.get
         thr = self._threshold
+        next_run = self._next_run
         while k:
-            if q1.n and (self._num_protected <= ctl.target or not q0.n):
-                q = q1
-                run = q1.head()
-            elif q0.n and q1.n:
-                # over the protected target: the two tiers compete on their keys
-                r0 = q0.head()
-                r1 = q1.head()
-                s0 = int(r0.key * q0.scale)
-                s1 = int(r1.key * q0.scale)
-                q, run = (q0, r0) if s0 < s1 or (s0 == s1 and r0.stamp < r1.stamp) else (q1, r1)
-            else:
-                q = q0
-                run = q0.head()
+            q, run = next_run()
             # NOTE: hot path (one iteration per evicted block): locals only
             rids = run.ids
             i = run.i
@@ -771,6 +872,8 @@ class RunFreeQueue(HookedFreeQueue):
         self._lapse_limit = rules.lapse_limit(n)
 
     def _expire(self, now: float) -> None:
+        """Lapse the directives whose duration ran out by ``now``: each block falls back to the highest mapped
+        priority of its users and, where that moves it, leaves its run for one at its new retention."""
         exp = self._expiries
         lapse = self._lapse
         # queued blocks that fell, by run, new retention and use-count bucket (what a run's blocks share)
@@ -814,8 +917,12 @@ class RunFreeQueue(HookedFreeQueue):
                         group.append(bid)
         finally:
             self._num_protected += protected
-        if not moved:
-            return
+        if moved:
+            self._requeue_lapsed(moved)
+
+    def _requeue_lapsed(self, moved: dict[tuple[_Run, int, int], list[int]]) -> None:
+        """Queue the blocks that just lapsed out of their runs (by run, new retention and use-count bucket) as new
+        runs at their fallen retention, children before parents, and rank again the runs they lifted."""
         # per run, its lapsed blocks by new retention and use bucket
         groups: dict[_Run, list[list[int]]] = {}
         for (run, _, _), ids in moved.items():
@@ -1041,12 +1148,10 @@ class RunFreeQueue(HookedFreeQueue):
         stride = self._stride
         segment_uses = self._segment_uses
         ghost = self._ghost.capacity > 0
-        value = self._value
-        L = self._L
         mapped = rel.mapped
         prio = rel.prio
         runs = rel.runs
-        tier = 0 if mapped >= self._threshold else 1
+        open_run = self._open_run
         fused = rel.fused
         first = rel.first.append
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
@@ -1070,21 +1175,8 @@ class RunFreeQueue(HookedFreeQueue):
                     seg = i - i % stride
                     su = segment_uses(blocks, seg) if ghost else 1
                     stag = mapped * 16 + ub[su]
-                    if stag != run_tag:  # (a parent never before its child: at least the deeper run's key)
-                        nxt = _Run(
-                            [],
-                            L + value(mapped, su, i),
-                            mapped,
-                            tier,
-                            prio,
-                            i,
-                            cur.key if cur is not None else 0.0,
-                            L,
-                            su,
-                        )
-                        if cur is not None:
-                            cur.up = nxt  # (its floor: keyed again with cur when the tables change)
-                        cur = nxt
+                    if stag != run_tag:
+                        cur = open_run(mapped, su, i, prio, cur, None)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = stag
@@ -1127,29 +1219,19 @@ class RunFreeQueue(HookedFreeQueue):
         thr = self._threshold
         segment_uses = self._segment_uses
         ghost = self._ghost.capacity > 0
-        value = self._value
-        L = self._L
-        mapped, prio, scope, now = rel.mapped, rel.prio, rel.scope, rel.now
+        mapped, prio, now = rel.mapped, rel.prio, rel.now
         slow = rel.slow
+        directed = _Directed(self, rel, plan) if slow else None
         freeing_now = rel.freeing_now
         fused = rel.fused
         first = rel.first.append
         runs = rel.runs
-        prios, durs = plan if plan is not None else (None, None)
-        lapse_get = lapse.get
         owners = self._owner
-        owners_get = owners.get
-        due_at = self._due_at
-        # the last inputs of the rules on the slow path and their outcome (see there)
-        m_r, m_ent, m_ask, m_dur, m_own = NEW - 1, None, -1, None, None
-        # (the outcome: retention, lapse entry, owner, the protected count's change, where the lapses go)
-        nr, nent, nown, m_dp = NEW, None, None, 0
-        m_due: list[int] | None = None
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
         add = cur.ids.append if cur is not None else None
         skipped = other = new_protected = 0
         wait = self._wait
-        lifted = self._lifted
+        open_run = self._open_run
         # the block below (one deeper) joined ``cur`` in this release
         below = cur is not None and start + 1 < len(blocks) and run_of[blocks[start + 1].block_id] is cur
         i = start + 1
@@ -1192,36 +1274,9 @@ class RunFreeQueue(HookedFreeQueue):
                     u = uses[bid] + 1
                     if u > cap:
                         u = cap
-                if slow:  # directives or a scope: the full rules (_retain), per block
+                if directed is not None:  # directives or a scope: the full rules, per block
                     other += 1
-                    if prios is None or durs is None:
-                        ask = mapped
-                        dur = None
-                    else:
-                        ask = prios[i]
-                        dur = durs[i]
-                    ent = lapse_get(bid)
-                    own = owners_get(bid) if owners else None
-                    # NOTE: the blocks of one directive's range mostly share their state (their lapse entry is
-                    # one object, set by one earlier release): the rules' outcome for the block before is theirs
-                    if r != m_r or ent is not m_ent or ask != m_ask or dur != m_dur or own != m_own:
-                        m_r, m_ent, m_ask, m_dur, m_own = r, ent, ask, dur, own
-                        nr, nent, nown, due = _retention(r, ent, own, ask, dur, scope, now, mapped)
-                        m_due = due_at(nent[0]) if due and nent is not None else None
-                        m_dp = 0 if (r >= thr) == (nr >= thr) else 1 if nr >= thr else -1
-                    if nown is not None:
-                        owners[bid] = nown
-                    elif own is not None:  # an unscoped request set the level: no owner any more
-                        del owners[bid]
-                    if nent is not None:
-                        if nent is not ent:
-                            lapse[bid] = nent
-                            if m_due is not None:
-                                m_due.append(bid)
-                    elif ent is not None:
-                        del lapse[bid]
-                    new_protected += m_dp
-                    rr[bid] = r = nr
+                    r = directed(bid, i, r)
                     tag = r * 16 + ub[u]
                 elif r == NEW:
                     rr[bid] = r = mapped
@@ -1248,20 +1303,8 @@ class RunFreeQueue(HookedFreeQueue):
                             run_tag = -1  # (a run starts here, behind that child)
                         else:
                             w = None
-                    if tag != run_tag:
-                        # a parent never goes before the deeper blocks it leads to (the pool evicts leaves only:
-                        # their chain goes at the deepest one's key), nor after its own lapse: the deeper run's
-                        # key is its floor, in its tier (once per run, not per block)
-                        tier, floor = lifted(r, cur.key, cur.tier) if cur is not None else lifted(r, 0.0, 1)
-                        if w is not None and (w[0].tier < tier or (w[0].tier == tier and w[0].key > floor)):
-                            tier = w[0].tier
-                            floor = w[0].key
-                        nxt = _Run([], L + value(r, u, i), r, tier, prio, i, floor, L, u)
-                        if cur is not None:
-                            cur.up = nxt  # (ranked again when cur's blocks lapse or it leaves tier 0)
-                        if w is not None:
-                            w[0].up = nxt
-                        cur = nxt
+                    if tag != run_tag:  # (once per run, not per block)
+                        cur = open_run(r, u, i, prio, cur, w[0] if w is not None else None)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
@@ -1280,7 +1323,7 @@ class RunFreeQueue(HookedFreeQueue):
         finally:
             rel.skipped += skipped
             rel.other += other
-            rel.new_protected += new_protected
+            rel.new_protected += new_protected + (directed.new_protected if directed is not None else 0)
             st.seg, st.su, st.stag, st.tag, st.cur = seg, su, stag, run_tag, cur
 
     def _place(self, rel: _Release, completed: bool) -> int:
