@@ -47,6 +47,9 @@ from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
 from kvretain.engine.sim.profiled import Profile, StepPoint, fit, median_relative_error, write_profile
 
 PROG = "gpu_roofline"
+GRAPH_TOKENS = 512
+"""Steps of at most this many tokens run as CUDA graph replays: vLLM captures graphs up to a largest batch size
+(``max_cudagraph_capture_size``, 512 by default) and runs larger steps without them."""
 MAX_KV_TOKENS = 1 << 18
 """Most KV tokens one decode point allocates (``B*C``): 34 GB on Llama-3-8B, under half an H200 beside the
 weights; larger batches are left out rather than run out of memory."""
@@ -54,19 +57,38 @@ weights; larger batches are left out rather than run out of memory."""
 
 @dataclass(frozen=True)
 class Step:
-    """One measured step: ``batch`` sequences, each computing ``new`` tokens after ``cached`` ones."""
+    """One measured step: a prefill chunk of ``new`` tokens after ``cached`` ones whose KV is there (``new`` 0:
+    none), and ``decodes`` sequences generating one token each at ``context`` (the new token included)."""
 
-    kind: str  # "prefill" or "decode"
-    batch: int
-    new: int
-    cached: int
-
-    def chunks(self) -> list[tuple[int, int, bool]]:
-        return [(self.new, self.cached, True)] * self.batch
+    new: int = 0
+    cached: int = 0
+    decodes: int = 0
+    context: int = 0
 
     @property
-    def kv_tokens(self) -> int:
-        return self.batch * (self.new + self.cached)
+    def kind(self) -> str:
+        return "mixed" if self.new and self.decodes else "prefill" if self.new else "decode"
+
+    def chunks(self) -> list[tuple[int, int, bool]]:
+        """``(n, p, sampled)`` per sequence, as the simulator's steps count them (a decode: ``(1, C - 1, True)``)."""
+        head = [(self.new, self.cached, True)] if self.new else []
+        return head + [(1, self.context - 1, True)] * self.decodes
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """``(tokens, attention pairs, KV tokens read or written, sampled)``, as :class:`CostModel` counts them."""
+        tokens = pairs = kv = sampled = 0
+        for n, p, s in self.chunks():
+            tokens += n
+            pairs += chunk_pairs(n, p)
+            kv += n + p
+            sampled += int(s)
+        return tokens, pairs, kv, sampled
+
+    def label(self) -> str:
+        parts = [f"prefill {self.new} after {self.cached}"] if self.new else []
+        if self.decodes:
+            parts.append(f"decode {self.decodes} x ctx {self.context}")
+        return " + ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -79,33 +101,61 @@ class Row:
     ideal_s: float  # 100% of peak on both sides
     bound: str  # "compute" or "memory": the side the ideal roofline says bounds the step
     reached: float  # ideal_s / seconds: the fraction of the bounding side's peak the step reached
+    graphed: bool = False  # timed as CUDA graph replays
 
 
 def plan(
-    prefill: Sequence[int], cached: Sequence[int], batches: Sequence[int], contexts: Sequence[int]
+    prefill: Sequence[int],
+    cached: Sequence[int],
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    mixed: Sequence[int] = (),
 ) -> list[Step]:
-    """The steps to time: prefills of each ``n`` after no cache, ``n`` = the middle prefill size after each
-    cached length, and decodes of each batch at each context (those over :data:`MAX_KV_TOKENS` left out)."""
-    steps = [Step("prefill", 1, n, 0) for n in prefill]
+    """The steps to time: prefills of each ``n`` after no cache; ``n`` = the middle prefill size after each cached
+    length; decodes of each batch at each context; and, for each batch in ``mixed``, the smallest and the middle
+    prefill chunk in one step with that many decodes at the first context (chunked prefill, as vLLM batches it).
+    Steps over :data:`MAX_KV_TOKENS` are left out."""
+    steps = [Step(n, 0) for n in prefill]
     mid = sorted(prefill)[len(prefill) // 2] if prefill else 0
-    steps += [Step("prefill", 1, mid, p) for p in cached if p > 0 and mid]
-    steps += [Step("decode", b, 1, c - 1) for b in batches for c in contexts if b * c <= MAX_KV_TOKENS]
-    return steps
+    steps += [Step(mid, p) for p in cached if p > 0 and mid]
+    steps += [Step(0, 0, b, c) for b in batches for c in contexts]
+    if prefill and contexts:
+        steps += [Step(n, 0, b, contexts[0]) for b in mixed for n in sorted({min(prefill), mid})]
+    return [s for s in steps if s.counts()[2] <= MAX_KV_TOKENS]
 
 
-def analyse(steps: Sequence[Step], seconds: Sequence[float], model: ModelSpec, gpu: GPUSpec) -> list[Row]:
+def analyse(
+    steps: Sequence[Step],
+    seconds: Sequence[float],
+    model: ModelSpec,
+    gpu: GPUSpec,
+    graphed: Sequence[bool] | None = None,
+) -> list[Row]:
     """Each step's measured ``seconds`` beside the catalog roofline of ``model`` on ``gpu`` (pure Python)."""
     cm = CostModel(model, gpu, tp=1)
     rows = []
-    for st, s in zip(steps, seconds, strict=True):
-        tokens = st.batch * st.new
-        pairs = st.batch * chunk_pairs(st.new, st.cached)
-        flops, nbytes = cm.step_work(tokens, pairs, st.kv_tokens, st.batch)
+    for k, (st, s) in enumerate(zip(steps, seconds, strict=True)):
+        flops, nbytes = cm.step_work(*st.counts())
         t_c, t_m = flops / gpu.peak_flops, nbytes / gpu.mem_bandwidth
         roof = max(t_c / gpu.compute_efficiency, t_m / gpu.bandwidth_efficiency)
         ideal = max(t_c, t_m)
-        rows.append(Row(st, s, roof, ideal, "compute" if t_c >= t_m else "memory", ideal / s))
+        g = bool(graphed[k]) if graphed is not None else False
+        rows.append(Row(st, s, roof, ideal, "compute" if t_c >= t_m else "memory", ideal / s, g))
     return rows
+
+
+def batching_gains(rows: Sequence[Row]) -> list[tuple[Step, float]]:
+    """Each mixed step's time over the sum of its parts timed alone (its prefill chunk; its decodes): below 1,
+    the one forward that runs both saves what the roofline's one ``max(compute, memory)`` says it does."""
+    alone = {r.step: r.seconds for r in rows if r.step.kind != "mixed"}
+    out = []
+    for r in rows:
+        st = r.step
+        if st.kind == "mixed":
+            p, d = alone.get(Step(st.new, st.cached)), alone.get(Step(0, 0, st.decodes, st.context))
+            if p is not None and d is not None:
+                out.append((st, r.seconds / (p + d)))
+    return out
 
 
 def summary(rows: Sequence[Row], gpu: GPUSpec) -> dict[str, Any]:
@@ -116,6 +166,7 @@ def summary(rows: Sequence[Row], gpu: GPUSpec) -> dict[str, Any]:
 
     points = [_point(r) for r in rows]
     coef = fit(points) if len(points) >= 4 else None
+    ratios = [r.roofline_s / r.seconds for r in rows]
     return {
         "gpu": gpu.name,
         "points": len(rows),
@@ -123,34 +174,33 @@ def summary(rows: Sequence[Row], gpu: GPUSpec) -> dict[str, Any]:
         "bandwidth_efficiency": med([r.reached for r in rows if r.bound == "memory"]),
         "catalog_compute_efficiency": gpu.compute_efficiency,
         "catalog_bandwidth_efficiency": gpu.bandwidth_efficiency,
-        "roofline_median_abs_rel_error": med([abs(r.roofline_s - r.seconds) / r.seconds for r in rows]),
-        "roofline_over_measured_min": round(min(r.roofline_s / r.seconds for r in rows), 4) if rows else None,
-        "roofline_over_measured_max": round(max(r.roofline_s / r.seconds for r in rows), 4) if rows else None,
+        "roofline_median_abs_rel_error": med([abs(x - 1.0) for x in ratios]),
+        "roofline_over_measured_min": round(min(ratios), 4) if rows else None,
+        "roofline_over_measured_max": round(max(ratios), 4) if rows else None,
+        "mixed_over_parts": [round(g, 4) for _, g in batching_gains(rows)],
         "fit_median_abs_rel_error": round(median_relative_error(coef, points), 4) if coef else None,
     }
 
 
 def _point(r: Row) -> StepPoint:
-    st = r.step
-    return StepPoint(
-        st.batch * st.new, st.batch * chunk_pairs(st.new, st.cached), st.batch, r.seconds, st.kind
-    )
+    tokens, pairs, _, sampled = r.step.counts()
+    return StepPoint(tokens, pairs, sampled, r.seconds, r.step.kind)
 
 
 def table(rows: Sequence[Row]) -> str:
-    head = f"{'step':<26}{'measured ms':>13}{'roofline ms':>13}{'roof/meas':>11}{'bound':>9}{'of peak':>9}"
+    w = max([38] + [len(r.step.label()) + 2 for r in rows])
+    head = f"{'step':<{w}}{'measured ms':>12}{'roofline ms':>12}{'roof/meas':>10}{'bound':>9}{'of peak':>9}{'graph':>7}"
     out = [head, "-" * len(head)]
     for r in rows:
-        st = r.step
-        what = (
-            f"prefill {st.new} after {st.cached}"
-            if st.kind == "prefill"
-            else f"decode {st.batch} x ctx {st.cached + 1}"
-        )
         out.append(
-            f"{what:<26}{r.seconds * 1e3:>13.3f}{r.roofline_s * 1e3:>13.3f}{r.roofline_s / r.seconds:>11.3f}"
-            f"{r.bound:>9}{r.reached:>9.1%}"
+            f"{r.step.label():<{w}}{r.seconds * 1e3:>12.3f}{r.roofline_s * 1e3:>12.3f}{r.roofline_s / r.seconds:>10.3f}"
+            f"{r.bound:>9}{r.reached:>9.1%}{'yes' if r.graphed else 'no':>7}"
         )
+    gains = batching_gains(rows)
+    if gains:
+        out.append("")
+        out.append("mixed step / (its prefill alone + its decodes alone):")
+        out += [f"  {st.label():<{w}}{g:>8.3f}" for st, g in gains]
     return "\n".join(out)
 
 
@@ -232,50 +282,85 @@ class Decoder:
             [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         )
 
-    def forward(self, ids: Any, cache: list[tuple[Any, Any]], batch: int, new: int, cached: int) -> Any:
-        """Logits of each sequence's last token after computing ``new`` tokens per sequence (``ids``: ``batch*new``)
-        whose KV goes into ``cache`` after ``cached`` tokens already there."""
+    def forward(self, ids: Any, groups: Sequence[Group]) -> Any:
+        """Logits of each sequence's last token after one step: ``groups`` of sequences, each computing ``new``
+        tokens after ``cached`` whose KV is in its ``cache`` (``ids``: the groups' tokens in order). The linear
+        layers run over every token of the step at once; attention runs per group."""
         t, m = self.torch, self.m
         F = t.nn.functional
         d, h, nq, nkv = m.d_model, m.head_dim, m.n_q_heads, m.n_kv_heads
-        end = cached + new
-        mask = None
-        causal = False
-        if new > 1:  # a prefill chunk: causal over the new tokens, every cached one visible (lower right)
-            if cached:
-                from torch.nn.attention.bias import causal_lower_right
-
-                mask = causal_lower_right(new, end)
-            else:
-                causal = True
-        x = self.embed[ids]  # (batch*new, d)
-        for (n1, wqkv, wo, n2, wgu, wd), (kc, vc) in zip(self.layers, cache, strict=True):
-            a = F.rms_norm(x, (d,), n1)
-            qkv = a @ wqkv
-            q, k, v = qkv.split((nq * h, nkv * h, nkv * h), dim=-1)
-            q = q.view(batch, new, nq, h).transpose(1, 2)
-            kc[:, :, cached:end] = k.view(batch, new, nkv, h).transpose(1, 2)
-            vc[:, :, cached:end] = v.view(batch, new, nkv, h).transpose(1, 2)
-            o = self._attend(q, kc[:, :, :end], vc[:, :, :end], mask, causal)
-            x = x + o.transpose(1, 2).reshape(batch * new, nq * h) @ wo
-            a = F.rms_norm(x, (d,), n2)
-            g, u = (a @ wgu).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ wd
-        last = x.view(batch, new, d)[:, -1]
+        x = self.embed[ids]  # (tokens, d)
+        for li, (n1, wqkv, wo, n2, wgu, wd) in enumerate(self.layers):
+            qkv = F.rms_norm(x, (d,), n1) @ wqkv
+            outs = []
+            off = 0
+            for g in groups:
+                rows = qkv[off : off + g.batch * g.new]
+                off += g.batch * g.new
+                q, k, v = rows.split((nq * h, nkv * h, nkv * h), dim=-1)
+                kc, vc = g.cache[li]
+                end = g.cached + g.new
+                kc[:, :, g.cached : end] = k.view(g.batch, g.new, nkv, h).transpose(1, 2)
+                vc[:, :, g.cached : end] = v.view(g.batch, g.new, nkv, h).transpose(1, 2)
+                q = q.view(g.batch, g.new, nq, h).transpose(1, 2)
+                o = self._attend(q, kc[:, :, :end], vc[:, :, :end], g.mask, g.new > 1 and not g.cached)
+                outs.append(o.transpose(1, 2).reshape(g.batch * g.new, nq * h))
+            x = x + (outs[0] if len(outs) == 1 else t.cat(outs)) @ wo
+            gu = F.rms_norm(x, (d,), n2) @ wgu
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ wd
+        lasts = []
+        off = 0
+        for g in groups:
+            lasts.append(x[off : off + g.batch * g.new].view(g.batch, g.new, d)[:, -1])
+            off += g.batch * g.new
+        last = lasts[0] if len(lasts) == 1 else t.cat(lasts)
         return F.rms_norm(last, (d,), self.final_norm) @ self.head
+
+    def group(self, batch: int, new: int, cached: int) -> Group:
+        """``batch`` sequences computing ``new`` tokens each after ``cached``, with a KV cache of their own."""
+        mask = None
+        if (
+            new > 1 and cached
+        ):  # a chunk after a cached prefix: causal over the new tokens, the prefix visible
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(new, cached + new)
+        return Group(batch, new, cached, self.kv_cache(batch, cached + new), mask)
+
+
+@dataclass
+class Group:
+    """Sequences of one step that share a shape: ``batch`` of them, ``new`` tokens each after ``cached``."""
+
+    batch: int
+    new: int
+    cached: int
+    cache: list[tuple[Any, Any]]
+    mask: Any = None
 
 
 def measure(
-    dec: Decoder, steps: Sequence[Step], repeats: int, graphs: bool, progress: Callable[[str], None]
-) -> list[float | None]:
-    """Median seconds of each step's forward over ``repeats`` timed runs after two warm-ups; on CUDA decode
-    steps run as CUDA graph replays (``graphs``) and times come from CUDA events. A step that fails (out of
-    memory, a kernel PyTorch does not have) is None, said on stderr, and the others still run."""
-    out: list[float | None] = []
+    dec: Decoder,
+    steps: Sequence[Step],
+    repeats: int,
+    graph_tokens: int,
+    progress: Callable[[str], None],
+) -> list[tuple[float, bool] | None]:
+    """Median seconds of each step's forward over ``repeats`` timed runs after two warm-ups, and whether it ran
+    as CUDA graph replays: on CUDA a step of at most ``graph_tokens`` tokens is captured once and replayed (as
+    vLLM runs steps up to its largest captured size, 512 tokens by default), a larger one runs eagerly; times
+    come from CUDA events. A step that fails (out of memory, a kernel PyTorch does not have) is None, said on
+    stderr, and the others still run."""
+    out: list[tuple[float, bool] | None] = []
+    # one untimed step first: the libraries' one-time set-up (handles, workspaces) is no step's time
+    if steps:
+        with contextlib.suppress(RuntimeError, MemoryError):
+            _time_step(dec, steps[0], 1, graph_tokens)
     for st in steps:
-        progress(f"{st.kind} batch {st.batch} new {st.new} cached {st.cached}")
+        progress(st.label())
         try:
-            out.append(_time_step(dec, st, repeats, graphs))
+            out.append(_time_step(dec, st, repeats, graph_tokens))
         except (RuntimeError, MemoryError) as exc:  # (torch.cuda.OutOfMemoryError is a RuntimeError)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             print(f"  failed: {first[:200]}", file=sys.stderr, flush=True)
@@ -285,18 +370,24 @@ def measure(
     return out
 
 
-def _time_step(dec: Decoder, st: Step, repeats: int, graphs: bool) -> float:
+def _time_step(dec: Decoder, st: Step, repeats: int, graph_tokens: int) -> tuple[float, bool]:
     t = dec.torch
     cuda = dec.device.startswith("cuda")
-    cache = dec.kv_cache(st.batch, st.cached + st.new)
-    ids = t.randint(0, dec.m.vocab_size, (st.batch * st.new,), device=dec.device)
+    groups = []
+    if st.new:
+        groups.append(dec.group(1, st.new, st.cached))
+    if st.decodes:
+        groups.append(dec.group(st.decodes, 1, st.context - 1))
+    tokens = st.counts()[0]
+    ids = t.randint(0, dec.m.vocab_size, (tokens,), device=dec.device)
+    graphed = cuda and tokens <= graph_tokens
     with t.inference_mode():
 
         def run() -> Any:
-            return dec.forward(ids, cache, st.batch, st.new, st.cached)
+            return dec.forward(ids, groups)
 
         call: Callable[[], Any] = run
-        if cuda and graphs and st.kind == "decode":
+        if graphed:
             side = t.cuda.Stream()
             side.wait_stream(t.cuda.current_stream())
             with t.cuda.stream(side):  # (warm-up before capture, on a side stream, as PyTorch asks)
@@ -322,7 +413,7 @@ def _time_step(dec: Decoder, st: Step, repeats: int, graphs: bool) -> float:
                 c0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - c0)
-    return statistics.median(times)
+    return statistics.median(times), graphed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,8 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 128, 256])
     ap.add_argument("--contexts", type=int_list, default=[1024, 4096])
+    ap.add_argument(
+        "--mixed", type=int_list, default=[16, 64], help="decode batches run in one step with a prefill chunk"
+    )
     ap.add_argument("--repeats", type=integer(1), default=10)
-    ap.add_argument("--no-graphs", action="store_true", help="decode steps run eagerly, not as CUDA graphs")
+    ap.add_argument(
+        "--graph-tokens",
+        type=integer(0),
+        default=GRAPH_TOKENS,
+        help=f"steps of at most this many tokens run as CUDA graph replays (default {GRAPH_TOKENS}; 0: none)",
+    )
     ap.add_argument("--seed", type=integer(0), default=0)
     ap.add_argument(
         "--out", help="write the fitted profile (TOML) here, for `kvretain simulate --cost-model`"
@@ -364,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(
             PROG, f"argument --model: {model.name} runs at tp={model.tp}; this bench times one GPU (tp=1)"
         )
-    steps = plan(args.prefill, args.cached, args.batches, args.contexts)
+    steps = plan(args.prefill, args.cached, args.batches, args.contexts, args.mixed)
     if not steps:
         return fail(PROG, "no step to time: give --prefill or --batches and --contexts")
     try:
@@ -382,13 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     def progress(what: str) -> None:
         print(f"  timing {what}", file=sys.stderr, flush=True)
 
-    measured = measure(dec, steps, args.repeats, not args.no_graphs, progress)
-    failed = [st for st, s in zip(steps, measured, strict=True) if s is None]
-    done = [(st, s) for st, s in zip(steps, measured, strict=True) if s is not None]
+    measured = measure(dec, steps, args.repeats, args.graph_tokens, progress)
+    failed = [st for st, m in zip(steps, measured, strict=True) if m is None]
+    done = [(st, m) for st, m in zip(steps, measured, strict=True) if m is not None]
     if not done:
         print(f"{PROG}: every step failed on {args.device}", file=sys.stderr)
         return 1
-    rows = analyse([st for st, _ in done], [s for _, s in done], model, gpu)
+    rows = analyse([st for st, _ in done], [m[0] for _, m in done], model, gpu, [m[1] for _, m in done])
     print(f"{model.name} on {name} (catalog entry {gpu.name}), torch {torch.__version__}, "
           f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     print(table(rows))
@@ -396,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     summ["device_name"] = name
     summ["torch"] = torch.__version__
     summ["attention"] = sorted({f"{k[0]}:{v}" for k, v in dec.attention.items()})
-    summ["failed"] = [f"{st.kind} batch {st.batch} new {st.new} cached {st.cached}" for st in failed]
+    summ["graph_tokens"] = args.graph_tokens
+    summ["failed"] = [st.label() for st in failed]
     if args.out is not None:
         points = tuple(_point(r) for r in rows)
         info = {"engine": f"PyTorch {torch.__version__} forward (bench/gpu_roofline.py)", "model": model.name,
@@ -413,9 +513,11 @@ def _row_json(r: Row) -> dict[str, Any]:
     st = r.step
     return {
         "kind": st.kind,
-        "batch": st.batch,
         "new": st.new,
         "cached": st.cached,
+        "decodes": st.decodes,
+        "context": st.context,
+        "graphed": r.graphed,
         "seconds": r.seconds,
         "roofline_s": r.roofline_s,
         "ideal_s": r.ideal_s,

@@ -30,18 +30,32 @@ vocab_size = 128
 """
 
 
-def test_plan_times_prefills_prefix_hits_and_decodes_within_the_memory_bound() -> None:
-    steps = gr.plan([256, 1024, 4096], [0, 2048], [1, 64, 1024], [1024, 4096])
-    assert steps[:3] == [gr.Step("prefill", 1, n, 0) for n in (256, 1024, 4096)]
-    assert steps[3] == gr.Step("prefill", 1, 1024, 2048)  # the middle size after each cached length > 0
-    decodes = [(s.batch, s.cached + 1) for s in steps if s.kind == "decode"]
+def test_plan_times_prefills_prefix_hits_decodes_and_mixed_steps_within_the_memory_bound() -> None:
+    steps = gr.plan([256, 1024, 4096], [0, 2048], [1, 64, 1024], [1024, 4096], mixed=[16])
+    assert steps[:3] == [gr.Step(n, 0) for n in (256, 1024, 4096)]
+    assert steps[3] == gr.Step(1024, 2048)  # the middle size after each cached length > 0
+    decodes = [(s.decodes, s.context) for s in steps if s.kind == "decode"]
     assert decodes == [(1, 1024), (1, 4096), (64, 1024), (64, 4096)]  # 1024 x 1024 > MAX_KV_TOKENS: left out
-    assert all(s.batch * (s.cached + s.new) <= gr.MAX_KV_TOKENS for s in steps)
+    mixed = [s for s in steps if s.kind == "mixed"]
+    assert mixed == [gr.Step(256, 0, 16, 1024), gr.Step(1024, 0, 16, 1024)]  # smallest and middle chunk
+    assert all(s.counts()[2] <= gr.MAX_KV_TOKENS for s in steps)
+
+
+def test_a_step_counts_as_the_cost_model_counts() -> None:
+    cat = builtin_catalog()
+    cm = CostModel(cat.model("llama-3-8b"), cat.gpu("h200"), tp=1)
+    step = gr.Step(512, 1024, 8, 2048)
+    tokens, pairs, kv, sampled = step.counts()
+    assert (tokens, sampled) == (512 + 8, 9)
+    assert pairs == chunk_pairs(512, 1024) + 8 * 2048 and kv == 512 + 1024 + 8 * 2048
+    # the same work as the simulator's step of that prefill chunk and those decode contexts
+    flops, nbytes = cm.step_work(tokens, pairs, kv, sampled)
+    t = max(flops * cm._sec_per_flop, nbytes * cm._sec_per_byte) + cm.gpu.step_overhead_s
+    assert cm.step_time([(512, 1024, True)], [2048] * 8) == pytest.approx(t)
 
 
 def _at_catalog_rates(step: gr.Step, cm: CostModel, gpu: GPUSpec) -> float:
-    tokens, pairs = step.batch * step.new, step.batch * chunk_pairs(step.new, step.cached)
-    flops, nbytes = cm.step_work(tokens, pairs, step.kv_tokens, step.batch)
+    flops, nbytes = cm.step_work(*step.counts())
     return max(
         flops / gpu.peak_flops / gpu.compute_efficiency, nbytes / gpu.mem_bandwidth / gpu.bandwidth_efficiency
     )
@@ -51,7 +65,7 @@ def test_a_step_at_the_catalogs_rates_reads_the_catalogs_efficiencies() -> None:
     cat = builtin_catalog()
     model, gpu = cat.model("llama-3-8b"), cat.gpu("h200")
     cm = CostModel(model, gpu, tp=1)
-    steps = [gr.Step("prefill", 1, 8192, 0), gr.Step("prefill", 1, 4096, 4096), gr.Step("decode", 1, 1, 1023)]
+    steps = [gr.Step(8192, 0), gr.Step(4096, 4096), gr.Step(0, 0, 1, 1024)]
     seconds = [_at_catalog_rates(s, cm, gpu) for s in steps]
     rows = gr.analyse(steps, seconds, model, gpu)
     assert [r.bound for r in rows] == ["compute", "compute", "memory"]
@@ -68,6 +82,16 @@ def test_a_step_at_the_catalogs_rates_reads_the_catalogs_efficiencies() -> None:
     assert summ["compute_efficiency"] == pytest.approx(gpu.compute_efficiency, abs=1e-4)
     assert summ["bandwidth_efficiency"] == pytest.approx(0.75 * gpu.bandwidth_efficiency, abs=1e-4)
     assert summ["roofline_over_measured_min"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_a_mixed_step_is_set_beside_its_parts_timed_alone() -> None:
+    cat = builtin_catalog()
+    model, gpu = cat.model("llama-3-8b"), cat.gpu("h200")
+    steps = [gr.Step(512, 0), gr.Step(0, 0, 16, 1024), gr.Step(512, 0, 16, 1024), gr.Step(256, 0, 16, 1024)]
+    rows = gr.analyse(steps, [0.010, 0.005, 0.012, 0.009], model, gpu)
+    gains = gr.batching_gains(rows)
+    assert gains == [(gr.Step(512, 0, 16, 1024), pytest.approx(0.012 / 0.015))]  # (256 alone was not timed)
+    assert gr.summary(rows, gpu)["mixed_over_parts"] == [round(0.012 / 0.015, 4)]
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -105,18 +129,24 @@ def test_the_decoder_computes_what_a_kv_cache_decoder_computes(tmp_path: Path) -
     model = load_catalog(cat).model("tiny")
     dec = gr.Decoder(model, torch, "cpu", torch.float32, seed=0)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.vocab_size, (2, 12), generator=gen)
-    whole = dec.forward(ids[0], dec.kv_cache(1, 12), 1, 12, 0)
-    cache = dec.kv_cache(1, 12)
-    dec.forward(ids[0, :5], cache, 1, 5, 0)
-    after_prefix = dec.forward(ids[0, 5:], cache, 1, 7, 5)  # 7 new tokens after 5 cached (lower-right causal)
-    cache = dec.kv_cache(2, 12)
-    dec.forward(ids[:, :11].reshape(-1), cache, 2, 11, 0)
-    decoded = dec.forward(ids[:, 11:].reshape(-1), cache, 2, 1, 11)  # one token each for two sequences
-    other = dec.forward(ids[1], dec.kv_cache(1, 12), 1, 12, 0)
-    torch.testing.assert_close(after_prefix, whole, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(decoded[:1], whole, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(decoded[1:], other, atol=1e-5, rtol=1e-5)
+    ids = torch.randint(0, model.vocab_size, (3, 12), generator=gen)
+
+    def whole(row: int) -> object:
+        return dec.forward(ids[row], [dec.group(1, 12, 0)])
+
+    cache = dec.kv_cache(1, 12)  # (room for the whole sequence; the chunks fill it)
+    dec.forward(ids[0, :5], [gr.Group(1, 5, 0, cache)])
+    after_prefix = dec.forward(ids[0, 5:], [gr.Group(1, 7, 5, cache, dec.group(1, 7, 5).mask)])
+    # one step of a prefill chunk (row 2 after 6 cached) and two decodes (rows 0 and 1 at their 12th token)
+    pre, dcd = dec.kv_cache(1, 12), dec.kv_cache(2, 12)
+    dec.forward(ids[2, :6], [gr.Group(1, 6, 0, pre)])
+    dec.forward(ids[:2, :11].reshape(-1), [gr.Group(2, 11, 0, dcd)])
+    step_ids = torch.cat([ids[2, 6:], ids[:2, 11]])
+    mixed = dec.forward(step_ids, [gr.Group(1, 6, 6, pre, dec.group(1, 6, 6).mask), gr.Group(2, 1, 11, dcd)])
+    torch.testing.assert_close(after_prefix, whole(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[0:1], whole(2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1:2], whole(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[2:3], whole(1), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(
-        whole, other
-    )  # (the two sequences differ: the check above could tell them apart)
+        whole(0), whole(1)
+    )  # (the sequences differ: the checks above could tell them apart)
