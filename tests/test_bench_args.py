@@ -261,3 +261,17 @@ def test_pool_instructions_takes_no_option_as_a_revision(tmp_path: Path) -> None
     res = _run("pool_instructions.py", f"--against=--output={target}")
     assert res.returncode == 2 and "starts with '-'" in res.stderr.strip().splitlines()[-1], res.stderr
     assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--gpu", "no-such-gpu"], "unknown GPU"),
+        (["--model", "llama-3-70b"], "tp=4"),
+        (["--prefill", "x"], "comma-separated integers"),
+        (["--out", "/no/such/folder/p.toml"], "--out"),
+    ],
+)
+def test_gpu_roofline_refuses_a_mistake_before_it_needs_torch_or_a_gpu(argv: list[str], says: str) -> None:
+    _refused(_run("gpu_roofline.py", *argv), "gpu_roofline", says)
