@@ -113,14 +113,15 @@ def plan(
 ) -> list[Step]:
     """The steps to time: prefills of each ``n`` after no cache; ``n`` = the middle prefill size after each cached
     length; decodes of each batch at each context; and, for each batch in ``mixed``, the smallest and the middle
-    prefill chunk in one step with that many decodes at the first context (chunked prefill, as vLLM batches it).
+    prefill chunk in one step with that many decodes at the first context (chunked prefill, as vLLM batches it;
+    0: none).
     Steps over :data:`MAX_KV_TOKENS` are left out."""
     steps = [Step(n, 0) for n in prefill]
     mid = sorted(prefill)[len(prefill) // 2] if prefill else 0
     steps += [Step(mid, p) for p in cached if p > 0 and mid]
     steps += [Step(0, 0, b, c) for b in batches for c in contexts]
     if prefill and contexts:
-        steps += [Step(n, 0, b, contexts[0]) for b in mixed for n in sorted({min(prefill), mid})]
+        steps += [Step(n, 0, b, contexts[0]) for b in mixed if b > 0 for n in sorted({min(prefill), mid})]
     return [s for s in steps if s.counts()[2] <= MAX_KV_TOKENS]
 
 
