@@ -44,7 +44,16 @@ from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg
 from kvretain.cli_profile import int_list
 from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
-from kvretain.engine.sim.profiled import Profile, StepPoint, fit, median_relative_error, write_profile
+from kvretain.engine.sim.profiled import (
+    COEFFICIENTS,
+    Profile,
+    StepCoefficients,
+    StepPoint,
+    fit,
+    median_relative_error,
+    write_profile,
+)
+from kvretain.fileio import replaced
 
 PROG = "gpu_roofline"
 GRAPH_TOKENS = 512
@@ -159,14 +168,25 @@ def batching_gains(rows: Sequence[Row]) -> list[tuple[Step, float]]:
     return out
 
 
-def summary(rows: Sequence[Row], gpu: GPUSpec) -> dict[str, Any]:
-    """The measured efficiencies (medians of ``reached`` per bounding side) and the roofline's error."""
+def fitted(rows: Sequence[Row]) -> tuple[tuple[StepPoint, ...], StepCoefficients | None]:
+    """The rows as a profile's points and the profiled model fitted to them (None: fewer points than the
+    model has coefficients)."""
+    points = tuple(_point(r) for r in rows)
+    return points, fit(points) if len(points) >= len(COEFFICIENTS) else None
+
+
+def summary(
+    rows: Sequence[Row],
+    gpu: GPUSpec,
+    fit_: tuple[tuple[StepPoint, ...], StepCoefficients | None] | None = None,
+) -> dict[str, Any]:
+    """The measured efficiencies (medians of ``reached`` per bounding side), the roofline's error and the fit's
+    (``fit_``: :func:`fitted` of ``rows``, when the caller has it)."""
 
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 4) if xs else None
 
-    points = [_point(r) for r in rows]
-    coef = fit(points) if len(points) >= 4 else None
+    points, coef = fit_ if fit_ is not None else fitted(rows)
     ratios = [r.roofline_s / r.seconds for r in rows]
     return {
         "gpu": gpu.name,
@@ -228,7 +248,7 @@ class Decoder:
         self.embed = w(model.vocab_size, d)
         self.head = self.embed.t() if model.tied_embeddings else w(d, model.vocab_size)
         self.final_norm = torch.ones(d, device=device, dtype=dtype)
-        self.attention: dict[tuple[str, bool], str] = {}
+        self.attention: dict[str, str] = {}
         """How each kind of attention call ran: ``grouped-kv`` (fused, KV heads in place) or ``repeated-kv``."""
 
     def kv_cache(self, batch: int, length: int) -> list[tuple[Any, Any]]:
@@ -247,7 +267,7 @@ class Decoder:
         each kind tells, before any graph is captured) the KV heads repeated to the query heads' count."""
         t = self.torch
         F = t.nn.functional
-        kind = ("prefix" if mask is not None else "causal" if causal else "decode", q.shape[2] > 1)
+        kind = "prefix" if mask is not None else "causal" if causal else "decode"
         way = self.attention.get(kind)
         if way != "repeated-kv":
             try:
@@ -467,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = plan(args.prefill, args.cached, args.batches, args.contexts, args.mixed)
     if not steps:
         return fail(PROG, "no step to time: give --prefill or --batches and --contexts")
+    if args.out is not None and len(steps) < len(COEFFICIENTS):
+        return fail(
+            PROG,
+            f"argument --out: a profile fits {len(COEFFICIENTS)} coefficients; {len(steps)} steps are too few",
+        )
     try:
         import torch
     except ImportError:
@@ -492,21 +517,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model.name} on {name} (catalog entry {gpu.name}), torch {torch.__version__}, "
           f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     print(table(rows))
-    summ = summary(rows, gpu)
+    points, coef = fitted(rows)
+    summ = summary(rows, gpu, (points, coef))
     summ["device_name"] = name
     summ["torch"] = torch.__version__
-    summ["attention"] = sorted({f"{k[0]}:{v}" for k, v in dec.attention.items()})
+    summ["attention"] = sorted(f"{k}:{v}" for k, v in dec.attention.items())
     summ["graph_tokens"] = args.graph_tokens
     summ["failed"] = [st.label() for st in failed]
+    if args.json_out is not None:
+        with replaced(args.json_out) as tmp:  # whole or not at all
+            tmp.write_text(json.dumps({"rows": [_row_json(r) for r in rows], "summary": summ}, indent=1))
+    print(json.dumps(summ))
     if args.out is not None:
-        points = tuple(_point(r) for r in rows)
+        if coef is None:
+            print(
+                f"{PROG}: {len(points)} steps timed: too few to fit a profile, --out not written",
+                file=sys.stderr,
+            )
+            return 1
         info = {"engine": f"PyTorch {torch.__version__} forward (bench/gpu_roofline.py)", "model": model.name,
                 "device": name, "what": "forward"}  # fmt: skip
-        write_profile(args.out, Profile(fit(points), points, info))
-    if args.json_out is not None:
-        with open(args.json_out, "w", encoding="utf-8") as fh:
-            json.dump({"rows": [_row_json(r) for r in rows], "summary": summ}, fh, indent=1)
-    print(json.dumps(summ))
+        write_profile(args.out, Profile(coef, points, info))
     return 0
 
 

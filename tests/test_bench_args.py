@@ -275,3 +275,15 @@ def test_pool_instructions_takes_no_option_as_a_revision(tmp_path: Path) -> None
 )
 def test_gpu_roofline_refuses_a_mistake_before_it_needs_torch_or_a_gpu(argv: list[str], says: str) -> None:
     _refused(_run("gpu_roofline.py", *argv), "gpu_roofline", says)
+
+
+def test_gpu_roofline_refuses_a_profile_from_fewer_steps_than_its_coefficients(tmp_path: Path) -> None:
+    # two steps cannot fit four coefficients: refused before timing (it ended in a traceback after timing)
+    out = tmp_path / "p.toml"
+    res = _run(
+        "gpu_roofline.py",
+        *("--prefill", "256", "--cached", "0", "--batches", "1", "--contexts", "1024", "--mixed", "0"),
+        *("--out", str(out)),
+    )
+    _refused(res, "gpu_roofline", "argument --out: a profile fits 4 coefficients; 2 steps are too few")
+    assert not out.exists()
