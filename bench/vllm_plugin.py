@@ -26,7 +26,7 @@ scheduler steps a turn (each waits for the parent's go; the two alternate which 
 through the same seconds of the shared host, and ``step_time_vs_stock`` is the median over the ``--repeats``
 pairs of the plugin's mean step over stock's. Why: separate runs a few seconds apart (``--sequential``: stock,
 plugin, plugin, stock, ..., the fastest run of each compared) moved the ratio of the same code from 1.06x to
-1.58x as the host's speed changed between runs (docs/results.md); in lockstep the pairs of one invocation
+1.58x as the host's speed changed between runs (docs/history.md); in lockstep the pairs of one invocation
 agree to a few percent. A turn of 64 steps (~40-80 ms) is short against the host's changes of speed (seconds)
 and long enough that the one step of each turn that starts on caches the other process used is ~2% of the
 steps; ``--turn-steps 1`` times every step on such caches (as on a CPU backend, where the model's forward pass

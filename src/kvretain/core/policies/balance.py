@@ -17,7 +17,7 @@ on the same references, so a small sample resolves their difference), each as la
   conversation trace at small pools) only a strong frequency term keeps the reused content, as S3-FIFO's small
   queue and ARC's recency list do; where reuse comes in bursts, a weak one or none. With the configured exponent
   as the only candidate, ``unified`` with one class stayed at recency on the Mooncake traces at 500-1,641 blocks
-  where S3-FIFO and ARC hit 1.1-1.5x LRU (docs/results.md, session 22).
+  where S3-FIFO and ARC hit 1.1-1.5x LRU (docs/history.md, session 22).
 
 Their hits ``E`` (LRU) and ``G`` (the best rung's) are summed over the controller's window, and the recency
 share ``p`` in [0, 1] (``alpha = exponent of the rung * (1 - p)``) integrates ``(E - G) / max(E, G)``, at a rate that
@@ -30,7 +30,7 @@ and back towards recency as soon as either would hit more with recency. Frequenc
 taking protected traffic's hits works against the protection the controller pays for, and the controller
 cannot undo it: lowering protection then costs protected traffic more (the grid measured it: on the
 multi-tenant cells where LRU already gives class 0 its isolated hits, class 0 ended up to 0.4% below LRU's
-with the all-traffic comparison alone; 13 cells against 7 with this rule, docs/results.md). ``p`` starts at
+with the all-traffic comparison alone; 13 cells against 7 with this rule, docs/history.md). ``p`` starts at
 ``START_SHARE`` (0.5); ``alpha`` is quantized to ``1 / ALPHA_STEPS`` of it so the value table is rebuilt only
 when it moves a step.
 
@@ -81,7 +81,7 @@ used twice outlives one-off content by ``2 ** a``: 2 at the configured exponent 
 is the first doubling of it at which twice-used content outlives one-off content by at least what S3-FIFO's
 small queue gives it (a 10% probation queue: 9x), ``2 ** 4 = 16``; the rungs double the exponent (each squares
 the ratio of two use counts' values). Without the middle rung (one shadow cheaper) mixed traffic jumped from 1
-to 4 and missed the reuse floor on two grid cells (docs/results.md, session 22)."""
+to 4 and missed the reuse floor on two grid cells (docs/history.md, session 22)."""
 START_SHARE = 0.5
 """The recency share before any evidence: halfway between the two candidates (with nothing known about the
 traffic, the midpoint bounds the early loss against whichever of the two turns out better)."""

@@ -37,7 +37,7 @@ and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
   L_p)``. The rise assumes more protection means more protected hits; where protected traffic's hits come
   partly from blocks other traffic brings in (the multi-tenant grid's longest-conversations rule) it means
   fewer, and the rise held the pool where LRU dominated it: class 0 below lru's by 2.4-3.2 standard errors on
-  three grid and held-out cells, none beyond 2 with this rule (docs/results.md, session 23);
+  three grid and held-out cells, none beyond 2 with this rule (docs/history.md, session 23);
 - beyond the goal (``g <= 0``): while the pool hits less than the LRU shadow (protection costs reuse), the
   larger of the excess and that cost, ``min(g, (A - E) / max(A, E))``, so protection nobody needs is given
   back; while the pool hits at least as much as LRU, nothing (protection that costs no reuse is kept: giving it
@@ -56,7 +56,7 @@ acts on the next eviction instead of after crossing that dead range (anti-windup
 integrator is held in control practice). The count is the most protected blocks held at a lookup, decayed over
 the window (a dip, blocks in use released and evicted in between, is not taken for the level), told by the pool
 once it has evicted (before that it still grows towards the target), and the jump is scaled by the confidence
-as every step is. Measured (docs/results.md): Mooncake's second half at 32,000 blocks, where the level spent
+as every step is. Measured (docs/history.md, session 15): Mooncake's second half at 32,000 blocks, where the level spent
 half the trace crossing 1 -> 0.4 with no effect, 0.978x -> 0.984x lru. Which term is the smaller is reported as
 the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
 measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).

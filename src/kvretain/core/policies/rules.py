@@ -140,7 +140,7 @@ def gd_key(since: float, weight: float, frequency: float, depth: int, cost: floa
     one-off blocks, so after a fall to exponent 1 it would outlive every block released since for ~16.7M
     turnovers (an accidental pin). Measured on the held-out ``template-drift`` traffic (session 24), whose
     retired prompt templates were pinned that way: unified 0.959x lru overall at 906 blocks before, 1.03x with
-    the keys set again (docs/results.md)."""
+    the keys set again (docs/history.md)."""
     return since + weight * frequency * (1.0 + depth * cost)
 
 
