@@ -24,7 +24,7 @@ from kvretain.core.policies.protection import (
     spatial_mask,
     spatial_sample,
 )
-from kvretain.core.policies.shadow import GDShadow, LRUShadow
+from kvretain.core.policies.shadow import GDShadow, LRUShadow, _remember
 from kvretain.core.policy import PolicyConfig
 
 
@@ -173,30 +173,112 @@ def test_lru_shadow_equals_one_loop_per_block(lookups: list[list[int]], capacity
     capacity=st.integers(1, 30),
     exponent=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
     cap=st.integers(1, 8),
-    ghost=st.sampled_from([0, 5, 100]),
+    ghost=st.sampled_from([0, 1, 2, 3, 5, 100]),
 )
 def test_gd_shadow_equals_one_loop_per_block(
     lookups: list[list[int]], capacity: int, exponent: float, cap: int, ghost: int
 ) -> None:
+    # (small ghost tables: the ring wraps inside one eviction's batch, and victims are among the hashes it
+    # overwrites, the bulk ghost writes' exceptions)
     fast, ref = GDShadow(capacity, exponent, cap, ghost), _ReferenceGD(capacity, exponent, cap, ghost)
     for blocks in lookups:
         assert fast.reference(blocks) == ref.reference(blocks)
-        assert fast.entries == _uses_and_serials(ref) and fast.L == ref.L
+        assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
+        assert (fast._ghost.table, fast._ghost.ring, fast._ghost.pos) == (
+            ref.ghost.table,
+            ref.ghost.ring,
+            ref.ghost.pos,
+        )
 
 
-def _uses_and_serials(ref: _ReferenceGD) -> dict[BlockHash, tuple[int, int]]:
-    """The reference's entries as the shadow keeps them: (uses, serial) (the key is its bucket's)."""
-    return {h: (uses, serial) for h, (_, uses, serial) in ref.entries.items()}
+@settings(max_examples=200, deadline=None)
+@given(
+    lookups=st.lists(
+        st.lists(st.integers(0, 400), min_size=1, max_size=40, unique=True)
+        | st.lists(st.integers(0, 40), min_size=1, max_size=6),
+        min_size=1,
+        max_size=80,
+    ),
+    capacity=st.integers(1, 40),
+    exponent=st.sampled_from([1.0, 2.0, 4.0]),
+    ghost=st.sampled_from([0, 4, 40, 160]),
+)
+def test_gd_shadow_equals_one_loop_per_block_under_churn(
+    lookups: list[list[int]], capacity: int, exponent: float, ghost: int
+) -> None:
+    """Mostly new blocks (a small pool's traffic, the fresh-block path) with some coming back from the ghost."""
+    fast, ref = GDShadow(capacity, exponent, 64, ghost), _ReferenceGD(capacity, exponent, 64, ghost)
+    for blocks in lookups:
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
+    assert (fast._ghost.table, fast._ghost.ring, fast._ghost.pos) == (
+        ref.ghost.table,
+        ref.ghost.ring,
+        ref.ghost.pos,
+    )
 
 
-def test_gd_shadow_drops_its_stale_queue_entries() -> None:
-    # a working set that fits, used over and over: no evictions, every use leaves a stale queue entry behind
+def _uses(fast: GDShadow) -> dict[BlockHash, int]:
+    """The shadow's entries as use counts (each entry's bucket holds its count)."""
+    return {h: q[h] for h, q in fast.entries.items()}
+
+
+def _ref_uses(ref: _ReferenceGD) -> dict[BlockHash, int]:
+    return {h: uses for h, (_, uses, _) in ref.entries.items()}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    gcap=st.integers(1, 16),
+    puts=st.lists(st.integers(0, 30), max_size=40),
+    taken=st.lists(st.integers(0, 30), max_size=10),
+    others=st.lists(st.integers(0, 130), max_size=10),
+    data=st.data(),
+)
+def test_remember_equals_puts_one_by_one(
+    gcap: int, puts: list[int], taken: list[int], others: list[int], data: st.DataObject
+) -> None:
+    """The bulk ghost writes of one eviction leave the table and ring the puts one by one would, victims among
+    the hashes the ring overwrites included (a victim is resident: it may have been taken back since its
+    earlier put)."""
+    fast, ref = GhostTable(gcap), GhostTable(gcap)
+    for t in (fast, ref):
+        for i, h in enumerate(puts):
+            t.put(h, i % 5 + 1)
+        for h in taken:
+            t.take(h)
+    in_ring = sorted({h for h in fast.ring if h is not None})
+    some = st.integers(100, 130) if not in_ring else st.sampled_from(in_ring) | st.integers(100, 130)
+    victims: list[BlockHash] = data.draw(st.lists(some, min_size=1, max_size=gcap + 2, unique=True))
+    uses = [i % 3 + 1 for i in range(len(victims))]
+    resident: dict[BlockHash, dict[BlockHash, int]] = {h: {} for h in [*victims, *others]}
+    _remember(fast, resident, victims, uses)
+    for h, u in zip(victims, uses, strict=True):
+        ref.put(h, u)
+    assert (fast.table, fast.ring, fast.pos) == (ref.table, ref.ring, ref.pos)
+
+
+def test_gd_shadow_keeps_no_stale_queue_entries() -> None:
+    # a working set that fits, used over and over, now and then a scan: the buckets hold the resident entries
     fast, ref = GDShadow(20, 1.0, 64, 10), _ReferenceGD(20, 1.0, 64, 10)
     for i in range(400):
         blocks = list(range(10)) if i % 50 else list(range(100 + i, 130 + i))
         assert fast.reference(blocks) == ref.reference(blocks)
-        assert fast.entries == _uses_and_serials(ref) and fast.L == ref.L
-    assert sum(len(q) for q in fast._buckets.values()) <= 4 * 20 + 64 + 30 + len(fast.entries)
+        assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
+        assert sum(len(q) for q in fast._buckets.values()) == len(fast.entries)
+        assert all(h in fast.entries[h] for h in fast.entries)
+
+
+def test_gd_shadow_buckets_stay_bounded_by_the_resident_entries() -> None:
+    """A block at its capped use count, used while ``L`` climbs, gets a new key every time and leaves its old
+    bucket empty far above ``L``; a long-running server must not keep every such bucket (and its heap key)."""
+    fast, ref = GDShadow(8, 4.0, 4, 16), _ReferenceGD(8, 4.0, 4, 16)
+    for i in range(3000):
+        blocks = [0, 1, 1000 + i]  # two hot blocks, one new block a lookup: each lookup evicts and moves L
+        assert fast.reference(blocks) == ref.reference(blocks)
+        assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
+        assert len(fast._buckets) <= 2 * len(fast.entries) + 64
+        assert len(fast._keys) == len(fast._buckets)
 
 
 def _controller_state(ctl: ProtectionController) -> tuple[object, ...]:

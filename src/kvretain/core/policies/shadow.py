@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import filterfalse, repeat
+from itertools import filterfalse, islice, repeat
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
@@ -81,21 +81,26 @@ class GDShadow:
     of the last victim; ``capacity`` entries, use counts of evicted ones remembered (``ghost`` entries). The
     victim is the entry of least key, the least recently used among equal keys.
 
-    NOTE: the queue is a bucket per distinct key (FIFO, so in use order) and a heap of the keys, not one heap
-    entry per use: the live keys lie in ``[L, L + cap ** exponent]``, a few dozen distinct values at integer
-    exponents, so a use costs a deque append instead of a push through a heap of every entry. A use of a
-    resident block leaves its earlier queue entry behind (skipped when it comes up; dropped in bulk when such
-    entries outnumber the live ones).
+    ``entries`` maps each resident block to its bucket (the queue of its key), and the bucket to its use count:
+    ``entries[h][h]``.
+
+    NOTE: the queue is a bucket per distinct key and a heap of the keys, not one heap entry per use: the live
+    keys lie in ``[L, L + cap ** exponent]``, a few dozen distinct values per value of ``L`` at integer exponents
+    (a few hundred buckets live), so a use costs a dict insertion instead of a push through a heap of every
+    entry. A bucket is an insertion-ordered dict (``hash -> uses``), so in use order, and a use of a resident
+    block moves it out of its bucket (``pop``) into the new one: no stale queue entries, and the victims of one
+    eviction are the first ones of the least bucket, taken with C-level iterators (``islice``, ``map``), with
+    their ghost entries written in bulk (:func:`_remember`). Blocks used for the first time (most of a small
+    pool's traffic) all go to the one bucket of ``L + 1``, looked up once per lookup.
     """
 
     __slots__ = (
         "L",
         "_buckets",
+        "_fresh",
         "_ghost",
         "_keys",
         "_next",
-        "_serial",
-        "_stale",
         "_terms",
         "cap",
         "capacity",
@@ -107,12 +112,13 @@ class GDShadow:
         self.cap = cap
         self._terms = [float(u) ** exponent for u in range(cap + 1)]  # uses -> uses ** exponent
         self._next = [u + 1 if u < cap else cap for u in range(cap + 1)]  # uses -> after one more, capped
-        self.entries: dict[BlockHash, tuple[int, int]] = {}  # hash -> (uses, serial)
-        self._buckets: dict[float, deque[tuple[int, BlockHash]]] = {}  # key -> (serial, hash), oldest first
+        self.entries: dict[BlockHash, dict[BlockHash, int]] = {}  # hash -> its bucket (hash -> uses)
+        self._buckets: dict[float, dict[BlockHash, int]] = {}  # key -> (hash -> uses), oldest use first
         self._keys: list[float] = []  # heap of the buckets' keys
-        self._serial = 0
-        self._stale = 0  # queue entries of blocks used again since
         self._ghost = GhostTable(ghost)
+        # the uses of a block the ghost table does not remember (``_next[0]`` but for a table that remembers
+        # nothing, whose first use is 1 even at ``cap`` 0)
+        self._fresh = self._next[0] if self._ghost.capacity else 1
         self.L = 0.0
 
     def reference(self, sampled: Sequence[BlockHash]) -> int:
@@ -121,95 +127,112 @@ class GDShadow:
         hits = sum(map(entries.__contains__, sampled))
         buckets = self._buckets
         bucket = buckets.get
-        keys = self._keys
         get = entries.get
         nxt = self._next
         terms = self._terms
         L = self.L
-        serial = self._serial
         take = self._ghost.take_or if self._ghost.capacity else None  # (an empty table remembers nothing)
-        before = len(entries)
+        fresh = self._fresh
+        fresh_q: dict[BlockHash, int] | None = None  # the bucket of ``fresh`` uses, once one is used
         for h in reversed(sampled):
-            got = get(h)
-            if got is not None:
-                uses = nxt[got[0]]
-            elif take is not None:
-                uses = nxt[take(h, 0)]
+            q = get(h)
+            if q is not None:
+                uses = nxt[q.pop(h)]
+            elif take is not None and (uses := take(h, 0)):
+                uses = nxt[uses]
             else:
-                uses = 1
+                # NOTE: a block neither resident nor remembered (most of them in a small pool): its bucket is
+                # the same for the whole lookup (``L`` moves only at evictions, after the loop)
+                if fresh_q is None:
+                    fresh_q = self._bucket(L + terms[fresh])
+                fresh_q[h] = fresh
+                entries[h] = fresh_q
+                continue
             key = L + terms[uses]
-            serial += 1
-            entries[h] = (uses, serial)
             q = bucket(key)
             if q is None:
-                buckets[key] = q = deque()
-                heapq.heappush(keys, key)
-            q.append((serial, h))
-        # a use of a resident block leaves its earlier queue entry behind: every use that inserted nothing
-        self._stale += len(sampled) - (len(entries) - before)
-        self._serial = serial
+                q = self._bucket(key)
+            q[h] = uses
+            entries[h] = q
         if len(entries) > self.capacity:
             self._evict()
-        if self._stale > 4 * self.capacity + 64:
-            self._compact()
+        if len(self._keys) > 2 * len(entries) + 64:
+            self._drop_empty()
         return hits
+
+    def _drop_empty(self) -> None:
+        """Forget the buckets every block has left (and their heap keys).
+
+        NOTE: a bucket emptied by uses stays until its key reaches the top of the heap, which for a key far
+        above ``L`` (a block at its capped use count, used again as ``L`` climbs: a new key each time) can take
+        as many lookups as ``cap ** exponent`` is large; a long-running server would keep them all. Dropped
+        once the keys outnumber twice the entries (at most one non-empty bucket per entry), so the work is
+        amortized over at least as many bucket creations as there are entries."""
+        self._buckets = {key: q for key, q in self._buckets.items() if q}
+        self._keys = sorted(self._buckets)  # (a sorted list is a heap)
+
+    def _bucket(self, key: float) -> dict[BlockHash, int]:
+        """The bucket of ``key``, made (and its key pushed on the heap) if there is none."""
+        q = self._buckets.get(key)
+        if q is None:
+            self._buckets[key] = q = {}
+            heapq.heappush(self._keys, key)
+        return q
 
     def _evict(self) -> None:
         entries = self.entries
-        capacity = self.capacity
+        extra = len(entries) - self.capacity
         buckets = self._buckets
         keys = self._keys
         ghost = self._ghost
-        gcap = ghost.capacity
-        if gcap:
-            ring = ghost.ring
-            table = ghost.table
-            drop = table.pop
-            pos = ghost.pos
         L = self.L
-        stale = self._stale
-        key = keys[0]
-        q = buckets[key]
-        pop = q.popleft
-        while len(entries) > capacity:
-            while not q:
+        while extra > 0:
+            key = keys[0]
+            q = buckets[key]
+            if len(q) <= extra:  # the whole bucket goes (or it was emptied by uses since)
                 del buckets[key]
                 heapq.heappop(keys)
-                key = keys[0]
-                q = buckets[key]
-                pop = q.popleft
-            serial, h = pop()
-            got = entries.get(h)
-            if got is None or got[1] != serial:
-                stale -= 1  # (the block was used again since)
-                continue
-            del entries[h]
-            if gcap:  # (GhostTable.put, inlined: once per eviction)
-                old = ring[pos]
-                if old is not None:
-                    drop(old, None)
-                ring[pos] = h
-                table[h] = got[0]
-                pos += 1
-                if pos == gcap:
-                    pos = 0
+                if not q:
+                    continue
+                victims = list(q)
+                uses = list(q.values())
+            else:  # its oldest ``extra``
+                victims = list(islice(q, extra))
+                uses = list(map(q.pop, victims))
+            extra -= len(victims)
+            if ghost.capacity:
+                _remember(ghost, entries, victims, uses)  # (before they leave ``entries``: see there)
+            _consume(map(entries.__delitem__, victims))
             if key > L:
                 L = key
-        if gcap:
-            ghost.pos = pos
-        if not q:
-            del buckets[key]
-            heapq.heappop(keys)
         self.L = L
-        self._stale = stale
 
-    def _compact(self) -> None:
-        entries = self.entries
-        kept: dict[float, deque[tuple[int, BlockHash]]] = {}
-        for key, q in self._buckets.items():
-            live = deque(e for e in q if (got := entries.get(e[1])) is not None and got[1] == e[0])
-            if live:
-                kept[key] = live
-        self._buckets = kept
-        self._keys = sorted(kept)
-        self._stale = 0
+
+def _remember(
+    ghost: GhostTable,
+    entries: dict[BlockHash, dict[BlockHash, int]],
+    victims: list[BlockHash],
+    uses: list[int],
+) -> None:
+    """``ghost.put(h, u)`` for each victim in turn (``victims`` still in ``entries``).
+
+    NOTE: done in bulk (drop the ring's old hashes from the table, overwrite them, add the victims) when that
+    leaves what the puts one by one would: unless a victim is one of the old hashes overwritten after its own
+    put (it would then be dropped again). An old hash can be a victim only if it is resident: that check first
+    (one lookup each), the exact one only when it fails; the rare rest (the ring wrapping inside the batch, a
+    victim among the old hashes) goes one by one.
+    """
+    pos = ghost.pos
+    end = pos + len(victims)
+    if end <= ghost.capacity:
+        ring = ghost.ring
+        olds = ring[pos:end]
+        if not any(map(entries.__contains__, olds)) or set(olds).isdisjoint(victims):
+            table = ghost.table
+            # (the ring's empty slots hold None, never a key: nothing to drop)
+            _consume(map(table.pop, olds, repeat(None)))  # type: ignore[arg-type]
+            ring[pos:end] = victims
+            table.update(zip(victims, uses, strict=True))
+            ghost.pos = 0 if end == ghost.capacity else end
+            return
+    _consume(map(ghost.put, victims, uses))
