@@ -180,15 +180,7 @@ def test_gd_shadow_equals_one_loop_per_block(
 ) -> None:
     # (small ghost tables: the ring wraps inside one eviction's batch, and victims are among the hashes it
     # overwrites, the bulk ghost writes' exceptions)
-    fast, ref = GDShadow(capacity, exponent, cap, ghost), _ReferenceGD(capacity, exponent, cap, ghost)
-    for blocks in lookups:
-        assert fast.reference(blocks) == ref.reference(blocks)
-        assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
-        assert (fast._ghost.table, fast._ghost.ring, fast._ghost.pos) == (
-            ref.ghost.table,
-            ref.ghost.ring,
-            ref.ghost.pos,
-        )
+    _replay_both(lookups, capacity, exponent, cap, ghost)
 
 
 @settings(max_examples=200, deadline=None)
@@ -207,15 +199,21 @@ def test_gd_shadow_equals_one_loop_per_block_under_churn(
     lookups: list[list[int]], capacity: int, exponent: float, ghost: int
 ) -> None:
     """Mostly new blocks (a small pool's traffic, the fresh-block path) with some coming back from the ghost."""
-    fast, ref = GDShadow(capacity, exponent, 64, ghost), _ReferenceGD(capacity, exponent, 64, ghost)
+    _replay_both(lookups, capacity, exponent, 64, ghost)
+
+
+def _replay_both(lookups: list[list[int]], capacity: int, exponent: float, cap: int, ghost: int) -> None:
+    """The shadow and the reference take the same lookups: the same hits, use counts, ``L`` and ghost table
+    (ring and position included) after every one."""
+    fast, ref = GDShadow(capacity, exponent, cap, ghost), _ReferenceGD(capacity, exponent, cap, ghost)
     for blocks in lookups:
         assert fast.reference(blocks) == ref.reference(blocks)
         assert _uses(fast) == _ref_uses(ref) and fast.L == ref.L
-    assert (fast._ghost.table, fast._ghost.ring, fast._ghost.pos) == (
-        ref.ghost.table,
-        ref.ghost.ring,
-        ref.ghost.pos,
-    )
+        assert (fast._ghost.table, fast._ghost.ring, fast._ghost.pos) == (
+            ref.ghost.table,
+            ref.ghost.ring,
+            ref.ghost.pos,
+        )
 
 
 def _uses(fast: GDShadow) -> dict[BlockHash, int]:
