@@ -43,7 +43,7 @@ from typing import Any
 from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg
 from kvretain.cli_profile import int_list
 from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
-from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
+from kvretain.engine.sim.costmodel import CostModel, chunk_counts
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -85,13 +85,7 @@ class Step:
 
     def counts(self) -> tuple[int, int, int, int]:
         """``(tokens, attention pairs, KV tokens read or written, sampled)``, as :class:`CostModel` counts them."""
-        tokens = pairs = kv = sampled = 0
-        for n, p, s in self.chunks():
-            tokens += n
-            pairs += chunk_pairs(n, p)
-            kv += n + p
-            sampled += int(s)
-        return tokens, pairs, kv, sampled
+        return chunk_counts(self.chunks())
 
     def label(self) -> str:
         parts = [f"prefill {self.new} after {self.cached}"] if self.new else []

@@ -37,7 +37,7 @@ all-reduces per layer of the step's activations (``tokens*d*bytes``), each costi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.registry import Registry
@@ -48,6 +48,19 @@ def chunk_pairs(n_new: int, n_cached: int) -> int:
     each new token attends to the cached ones, the new ones before it and itself); a decode token with
     context ``C`` so far is ``chunk_pairs(1, C)`` = ``C + 1``."""
     return n_new * n_cached + n_new * (n_new + 1) // 2
+
+
+def chunk_counts(chunks: Iterable[tuple[int, int, bool]]) -> tuple[int, int, int, int]:
+    """``(tokens, attention pairs, KV tokens read or written, sampled)`` of a step's chunks ``(n_new, n_cached,
+    samples)``: what :meth:`CostModel.step_work` prices (a decode with context ``C``, the token being generated
+    included, is the chunk ``(1, C - 1, True)``)."""
+    tokens = pairs = kv_tokens = sampled = 0
+    for n, p, s in chunks:
+        tokens += n
+        pairs += chunk_pairs(n, p)
+        kv_tokens += n + p
+        sampled += s
+    return tokens, pairs, kv_tokens, sampled
 
 
 class CostModel:
@@ -161,16 +174,10 @@ class CostModel:
         tokens (its last token is sampled). A decode context counts the token being generated. An empty step
         takes 0 seconds.
         """
-        tokens = sampled = len(decode_contexts)
-        ctx = sum(decode_contexts)
-        pairs = ctx  # attention (query, key) pairs
-        kv_tokens = ctx  # KV tokens read or written
-        for n, p, s in prefill_chunks:
-            tokens += n
-            pairs += chunk_pairs(n, p)
-            kv_tokens += n + p
-            sampled += s
-        return self._roofline(tokens, pairs, kv_tokens, sampled)
+        tokens, pairs, kv_tokens, sampled = chunk_counts(prefill_chunks)
+        ctx = sum(decode_contexts)  # a decode's pairs and KV tokens are both its context (chunk_counts' rule)
+        n = len(decode_contexts)
+        return self._roofline(tokens + n, pairs + ctx, kv_tokens + ctx, sampled + n)
 
     def decode_step_time(self, n: int, ctx_sum: int) -> float:
         """``step_time((), contexts)`` for ``n`` decode contexts summing to ``ctx_sum``, in O(1) (the same
