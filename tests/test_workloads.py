@@ -258,6 +258,17 @@ def test_reference_rule() -> None:
         rule(req("e"))
 
 
+def test_by_session_keeps_a_trace_conversation_without_session_id_in_one_class() -> None:
+    # a Mooncake conversation names no session: its turns share hash_ids[1] (session_key), and each turn is
+    # its own request id, so a rule keyed by request id split it across classes
+    rule = PRIORITY_RULES.create("by-session", fraction=0.5)
+    for conv in range(40):
+        turns = [req(f"c{conv}-t{t}", (0, 1000 + conv, *range(5000 + t, 5000 + t + t + 1))) for t in range(8)]
+        assert len({rule(r) for r in turns}) == 1
+    classes = {rule(req(f"c{conv}", (0, 1000 + conv))) for conv in range(40)}
+    assert classes == {0, 1}
+
+
 def test_other_rules() -> None:
     reqs = [req(f"r{i}", session=f"s{i % 40}") for i in range(400)]
     by_session = tag_priorities(reqs, PRIORITY_RULES.create("by-session", fraction=0.25))

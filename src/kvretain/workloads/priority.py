@@ -110,12 +110,12 @@ def random_rule(
 
 @PRIORITY_RULES.register("by-session")
 def by_session_rule(fraction: float = 0.25, important: int = 0, other: int = 1) -> PriorityRule:
-    """Important for a stable ``fraction`` of sessions: CRC-32 of ``session_id`` (else ``request_id``)."""
+    """Important for a stable ``fraction`` of conversations: CRC-32 of ``session_key`` (a trace's conversation
+    without a ``session_id`` is named by its block ids, as every session rule names it)."""
     _check_fraction(fraction)
 
     def rule(r: WorkloadRequest) -> int:
-        key = r.session_id if r.session_id is not None else r.request_id
-        return important if zlib.crc32(key.encode()) < fraction * 2**32 else other
+        return important if zlib.crc32(str(session_key(r)).encode()) < fraction * 2**32 else other
 
     return rule
 
