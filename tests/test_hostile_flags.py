@@ -314,6 +314,11 @@ API_CASES: list[tuple[str, Callable[[], object], str]] = [
         r"request priority 0 appears twice",
     ),
     (
+        "PriorityMapping.parse key twice",
+        lambda: PriorityMapping.parse("step=0,step=10"),
+        r"priority mapping key 'step' appears twice",
+    ),
+    (
         "PriorityMapping.parse(None)",
         lambda: PriorityMapping.parse(None),
         r"priority mapping must be a string",

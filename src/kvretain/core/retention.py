@@ -277,6 +277,8 @@ class PriorityMapping:
             k, _, v = part.partition("=")
             if k.strip() not in ("normal", "step", "base"):
                 raise RetentionError(f"priority mapping key {k!r}: use normal=, step= or base=")
+            if k.strip() in kwargs:
+                raise RetentionError(f"priority mapping key {k.strip()!r} appears twice")
             try:
                 kwargs[k.strip()] = int(v)
             except ValueError:
