@@ -3,6 +3,7 @@ traceback; a setting that would make a file the readers refuse, or run out of me
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,14 @@ def test_trace_messages_name_what_is_wrong(tmp_path: Path, capsys: pytest.Captur
         ([*SIM, "--policy", "lru", "--no-adapt-frequency"], ["--no-adapt-frequency", "--policy lru"]),
         ([*SIM, "--policy", "lfu", "--frequency-exponent", "1"], ["--frequency-exponent", "--policy lfu"]),
         (
+            ["replay", "--policy", "arc", "--priority-mapping", "0:0,1:100"],
+            ["--priority-mapping", "unified and priority", "--policy arc"],
+        ),
+        (
+            [*SIM, "--policy", "lru", "--priority-mapping", "step=20"],
+            ["--priority-mapping", "unified and priority", "--policy lru"],
+        ),
+        (
             ["compare", "--workload", "multi-tenant", "--policies", "lru,arc", "--isolation-goal", "0.5"],
             ["--isolation-goal", "--policies lru,arc", "--budgets runs set their own"],
         ),
@@ -144,3 +153,9 @@ def test_a_policy_setting_that_a_run_reads_is_taken(capsys: pytest.CaptureFixtur
     assert main(["replay", "--policy", "all", "--budget", "0.3", "--capacity-blocks", "50", "--json"]) == 0
     out, _ = capsys.readouterr()
     assert out.count('"policy": "unified"') == 2 and '"policy": "lfu"' in out
+    mapped = ["--priority-mapping", "0:0,1:100", "--capacity-blocks", "50", "--json"]
+    assert main(["replay", "--policy", "priority", *mapped]) == 0
+    out, _ = capsys.readouterr()
+    assert main(["replay", "--policy", "priority", "--capacity-blocks", "50", "--json"]) == 0
+    plain, _ = capsys.readouterr()
+    assert json.loads(out)["classes"] != json.loads(plain)["classes"]  # (read: it reverses the classes)

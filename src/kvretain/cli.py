@@ -22,6 +22,7 @@ from kvretain.cli_args import (
     Parser,
     add_block_tokens_option,
     add_policy_options,
+    add_priority_mapping_option,
     check_policy_options_used,
     fail,
     integer,
@@ -29,7 +30,6 @@ from kvretain.cli_args import (
     option_error,
     path_arg,
     policy_config,
-    priority_mapping,
 )
 from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
@@ -246,12 +246,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="how trace requests get a priority (keep: the trace's own field, default 0; the built-in "
         "workload sets its own)",
     )
-    r.add_argument(
-        "--priority-mapping",
-        type=priority_mapping,
-        default="",
-        help="request priority -> retention priority: 'normal=0,step=10,base=35' (default) or a table '0:60,1:35'",
-    )
+    add_priority_mapping_option(r)
     add_block_tokens_option(r, MOONCAKE_BLOCK_TOKENS, "; the built-in workload: tokens per block")
     r.add_argument(
         "--sessions",

@@ -225,9 +225,27 @@ def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, 
     )
 
 
-POLICY_OPTION_USERS = {"frequency_cap": ("unified", "lfu"), "ghost_factor": ("unified", "lfu")}
-"""The policies other than ``unified`` that read one of :func:`add_policy_options`' settings (the rest: ``unified``
-only)."""
+POLICY_OPTION_USERS = {
+    "frequency_cap": ("unified", "lfu"),
+    "ghost_factor": ("unified", "lfu"),
+    "priority_mapping": ("unified", "priority"),
+}
+"""The policies other than ``unified`` that read one of :func:`add_policy_options`' settings or
+``--priority-mapping`` (the rest: ``unified`` only; the others order blocks without retention priorities)."""
+
+
+def add_priority_mapping_option(p: argparse._ActionsContainer) -> None:
+    """``--priority-mapping``, one option for ``replay``, ``simulate`` and ``compare``: read by the policies that
+    order by retention priority (:data:`POLICY_OPTION_USERS`; refused for the others by
+    :func:`check_policy_options_used`)."""
+    p.add_argument(
+        "--priority-mapping",
+        action=_Given,
+        type=priority_mapping,
+        default="",
+        help="unified and priority: request priority -> retention priority, 'normal=0,step=10,base=35' "
+        "(default: 0 -> 35, 1 -> 25, 2 -> 15) or a table '0:60,1:35'",
+    )
 
 
 class _Given(argparse.Action):

@@ -19,6 +19,7 @@ from typing import Any
 from kvretain.cli_args import (
     add_block_tokens_option,
     add_policy_options,
+    add_priority_mapping_option,
     check_policy_options_used,
     integer,
     json_text,
@@ -26,7 +27,6 @@ from kvretain.cli_args import (
     number,
     path_arg,
     policy_config,
-    priority_mapping,
     shares,
     slo_spec,
 )
@@ -183,13 +183,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin)"
     )
     add_policy_options(c, d)
-    c.add_argument(
-        "--priority-mapping",
-        type=priority_mapping,
-        default="",
-        help="request -> retention priority: 'normal=0,step=10,base=35' (default: 0 -> 35, 1 -> 25, 2 -> 15) "
-        "or a table '0:60,1:35'",
-    )
+    add_priority_mapping_option(c)
     c.add_argument(
         "--slo",
         type=slo_spec,
