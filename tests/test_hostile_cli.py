@@ -635,3 +635,25 @@ def test_a_closed_stdout_ends_quietly_with_the_shells_sigpipe_status(argv: list[
     proc.stdout.close()  # before the command writes anything: every write finds no reader
     _, err = proc.communicate(timeout=120)
     assert (proc.returncode, err.decode()) == (141, "")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(json_flag: list[str]) -> None:
+    # `kvretain workload export ... --out /dev/stdout | gzip`: refused with "more than the 0.0 GiB free there"
+    # (the free space of /proc/PID/fd), then "cannot write /dev/stdout" (its resolved name is no file's), and the
+    # summary line went into the trace
+    import json
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvretain", "workload", "export", "multi-tenant", "--limit", "3"]
+    proc = subprocess.run(
+        [*cmd, "--out", "/dev/stdout", *json_flag], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and all("hash_ids" in json.loads(line) for line in lines)
+    assert "3 requests" in proc.stderr or json.loads(proc.stderr)["requests"] == 3

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,16 +74,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise WorkloadError(f"cannot write {args.out}: {exc.strerror}") from None
     summary = {"workload": args.name, "seed": args.seed, "requests": n, "out": args.out}
+    # the trace went to standard output (``--out /dev/stdout``): the summary goes beside it, not into it
+    where = sys.stderr if _is_stdout(args.out) else sys.stdout
     if args.json:
-        print(json_text(summary))
+        print(json_text(summary), file=where)
     else:
-        print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}")
+        print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}", file=where)
     return 0
+
+
+def _is_stdout(out: str) -> bool:
+    """Whether ``out`` names this process's standard output (``/dev/stdout``, ``/dev/fd/1``, its pipe)."""
+    try:
+        return os.path.samestat(os.stat(out), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # (no such file; stdout closed or not a real file)
+        return False
 
 
 def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None:
     """Raise a ``ValueError`` naming ``--out`` when the trace cannot fit on its disk: each of its hash ids (one
-    per ``block_tokens`` of a prompt, known before writing) takes at least 3 bytes (``", 0"``)."""
+    per ``block_tokens`` of a prompt, known before writing) takes at least 3 bytes (``", 0"``). A target that
+    exists and is not a regular file (``/dev/stdout``, a pipe: written in place) has no disk to check."""
+    if os.path.exists(out) and not os.path.isfile(out):  # (the link itself: a pipe's has no path to resolve)
+        return
     ids = sum(-(-r.prompt_len // block_tokens) for r in reqs)
     free = shutil.disk_usage(Path(os.path.realpath(out)).parent).free
     if 3 * ids > free:

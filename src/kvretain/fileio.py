@@ -26,10 +26,12 @@ def replaced(path: str | Path) -> Iterator[Path]:
     ends without an error and removed when it does not. ``path`` itself is replaced in one step (a reader sees
     the old file or the new one); a symbolic link keeps pointing at the new file. A ``path`` that exists and is
     not a regular file (``/dev/stdout``, a pipe) is written in place."""
-    target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file():
-        yield target
+    if os.path.exists(path) and not os.path.isfile(path):
+        # NOTE: tested on ``path`` itself, not its resolved name: ``/dev/stdout`` on a pipe resolves to
+        # ``/proc/PID/fd/pipe:[N]``, a name no file has (the link is followed by stat, not by realpath)
+        yield Path(path)
         return
+    target = Path(os.path.realpath(path))
     while True:
         tmp = _partial_name(target.parent, target.name)
         try:  # the permissions a plain open() would give (0o666 less the umask), not mkstemp's 0o600
