@@ -178,6 +178,28 @@ def test_azure_loader(tmp_path: Path) -> None:
     assert [r.arrival_s for r in half] == pytest.approx([0.0, 8.629158])
 
 
+def test_azure_csv_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    # a spreadsheet's "CSV UTF-8" starts with a BOM: its header read '\ufeffTIMESTAMP' and was refused
+    plain, marked = tmp_path / "az.csv", tmp_path / "bom.csv"
+    plain.write_text(AZURE)
+    marked.write_bytes(b"\xef\xbb\xbf" + AZURE.encode())
+    a, b = load_azure(plain, random.Random(0)), load_azure(marked, random.Random(0))
+    assert [(r.arrival_s, r.prompt_len, r.output_len, r.prompt) for r in a] == [
+        (r.arrival_s, r.prompt_len, r.output_len, r.prompt) for r in b
+    ]
+
+
+def test_azure_path_that_is_not_a_regular_file_is_named_so(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "az.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(WorkloadError, match="is not a regular file"):  # (it said "not found")
+        load_azure(fifo, random.Random(0))
+    with pytest.raises(WorkloadError, match="not found"):
+        load_azure(tmp_path / "missing.csv", random.Random(0))
+
+
 def test_azure_errors(tmp_path: Path) -> None:
     path = tmp_path / "az.csv"
     path.write_text(AZURE.replace(",396,", ",many,"))

@@ -30,15 +30,15 @@ def load_azure(
     """
     check_scale_and_limit(time_scale, limit)
     p = Path(path)
+    if p.is_dir():
+        raise WorkloadError(f"Azure trace {p} is a folder (pass the CSV file)")
+    if not p.exists():
+        raise WorkloadError(f"Azure trace not found: {p}")
     if not p.is_file():
-        raise WorkloadError(
-            f"Azure trace {p} is a folder (pass the CSV file)"
-            if p.is_dir()
-            else f"Azure trace not found: {p}"
-        )
+        raise WorkloadError(f"Azure trace {p} is not a regular file (pass the CSV file)")
     rows: list[tuple[datetime, int, int]] = []
     zoned: tuple[bool, int] | None = None  # whether the first row's time has a zone, and its line
-    with p.open(encoding="utf-8", newline="") as f:
+    with p.open(encoding="utf-8-sig", newline="") as f:  # (a byte-order mark, as spreadsheets write, skipped)
         reader = csv.reader(f)
         try:
             header = next(reader, None)
