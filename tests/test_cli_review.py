@@ -159,3 +159,27 @@ def test_a_policy_setting_that_a_run_reads_is_taken(capsys: pytest.CaptureFixtur
     assert main(["replay", "--policy", "priority", "--capacity-blocks", "50", "--json"]) == 0
     plain, _ = capsys.readouterr()
     assert json.loads(out)["classes"] != json.loads(plain)["classes"]  # (read: it reverses the classes)
+
+
+def test_gpu_mem_util_where_it_sizes_nothing_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # --kv-blocks fixes the pool: --gpu-mem-util changed nothing (the JSON was byte-identical at 0.01 and 0.5)
+    assert main([*SIM, "--kv-blocks", "3000", "--gpu-mem-util", "0.5"]) == 2
+    one_line(capsys, "--gpu-mem-util", "--kv-blocks")
+    # compare sizes its pool on the protected requests' peak working set unless --kv-blocks is given
+    argv = ["compare", "--workload", "multi-tenant", "--limit", "200", "--no-progress", "--out", str(tmp_path)]
+    assert main([*argv, "--gpu-mem-util", "0.5"]) == 2
+    one_line(capsys, "--gpu-mem-util", "peak working set")
+    assert list(tmp_path.iterdir()) == []
+    # where it sizes the pool it is read
+    assert main([*SIM, "--json", "--gpu-mem-util", "0.5"]) == 0
+    half = json.loads(capsys.readouterr().out)
+    assert main([*SIM, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_blocks_per_replica"] > half["kv_blocks_per_replica"]
+
+
+def test_compare_help_names_its_own_kv_blocks_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "KV blocks per replica (default: the peak working set" in text

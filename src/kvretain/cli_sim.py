@@ -36,7 +36,7 @@ from kvretain.engine.sim.catalog import Catalog, load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
-from kvretain.engine.sim.simulator import MAX_FRONTEND_S, SimConfig, Simulation
+from kvretain.engine.sim.simulator import DEFAULT_GPU_MEM_UTIL, MAX_FRONTEND_S, SimConfig, Simulation
 from kvretain.fileio import StagedFolder
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
@@ -81,7 +81,7 @@ def _choices_help(docs: dict[str, str]) -> str:
 _FRONTEND_WHY = " seconds (a front end takes milliseconds; MAX_FRONTEND_S)"
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     p.add_argument(
         "trace",
         nargs="?",
@@ -169,13 +169,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--kv-blocks",
         type=integer(1),
         default=None,
-        help="KV blocks per replica (default: what the cost model leaves after the weights)",
+        help="KV blocks per replica (default: "
+        + (
+            "the peak working set of the requests at protected retention priority, or, with none, "
+            if compare
+            else ""
+        )
+        + "what the cost model leaves after the weights)",
     )
     h.add_argument(
         "--gpu-mem-util",
         type=number(0.0, 1.0, lo_open=True),
-        default=0.9,
-        help="GPU memory share for weights + KV, (0, 1] (default 0.9)",
+        default=None,
+        help=f"GPU memory share for weights + KV, (0, 1] (default {DEFAULT_GPU_MEM_UTIL:g}); sizes the KV cache "
+        "from the cost model, so not with --kv-blocks",
     )
     h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
     d = SIM_POLICY_DEFAULTS
@@ -227,7 +234,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         replicas=args.replicas,
         router=args.router,
         kv_blocks=args.kv_blocks,
-        gpu_mem_utilization=args.gpu_mem_util,
+        gpu_mem_utilization=DEFAULT_GPU_MEM_UTIL if args.gpu_mem_util is None else args.gpu_mem_util,
         block_size=args.block_size,
         policy=policy,
         policy_config=policy_config(args, SIM_POLICY_DEFAULTS, args.block_size),
@@ -266,6 +273,10 @@ def check_sim(args: argparse.Namespace) -> None:
     settings together, every policy usable online, and pools that fit in memory."""
     from kvretain.cli import policy_config_error
 
+    if args.gpu_mem_util is not None and args.kv_blocks is not None:
+        raise ValueError(
+            "argument --gpu-mem-util: sizes the KV cache from the cost model, which --kv-blocks sets; give one"
+        )
     policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
     flag = "--policy" if args.command == "simulate" else "--policies"
     if args.command == "simulate":
@@ -383,6 +394,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         # so no budget would matter. A pool of exactly the protected class's peak working set makes the
         # budget the share of that peak it may keep: each budget then buys class 0 hits with the others'.
         blocks = protected_peak_blocks(reqs, base)
+        if blocks > 0 and args.gpu_mem_util is not None:
+            raise ValueError(
+                "argument --gpu-mem-util: compare sizes the pool on the protected requests' peak working set "
+                f"({blocks:,} blocks), not from the cost model; pass --kv-blocks to choose it"
+            )
         if blocks > 0:
             check_pool_fits(blocks, [*policies, "unified"], base.policy_config, what="compare's KV capacity")
             base = replace(base, kv_blocks=blocks)
@@ -665,7 +681,7 @@ def add_subcommands(sub: Any) -> None:
         "--kv-blocks the pool holds the peak reuse working set of the requests at protected retention "
         "priority (class 0 by default), so that each budget trades class 0's hits against the others'.",
     )
-    _add_common(c)
+    _add_common(c, compare=True)
     c.add_argument(
         "--policies",
         type=names_of(policy_names, "eviction policy"),

@@ -51,6 +51,10 @@ bound keeps every virtual time, and the sums and means of the summary, finite (`
 them to ``inf``)."""
 
 
+DEFAULT_GPU_MEM_UTIL = 0.9
+"""The share of GPU memory for weights and KV cache (vLLM's ``gpu_memory_utilization`` default)."""
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs besides the workload.
@@ -74,7 +78,7 @@ class SimConfig:
     replicas: int = 1
     router: str = "least-loaded"
     kv_blocks: int | None = None
-    gpu_mem_utilization: float = 0.9
+    gpu_mem_utilization: float = DEFAULT_GPU_MEM_UTIL
     block_size: int = 16
     policy: str = "lru"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
