@@ -154,6 +154,15 @@ def test_the_front_end_delays_the_engine_and_the_client() -> None:
             SimConfig(frontend_in_s=bad)
 
 
+def test_queueing_time_behind_a_front_end_is_never_below_zero() -> None:
+    # scheduled the moment it reached the engine: (scheduled - sent) - frontend_in_s rounded to -5.2e-18, and the
+    # summary printed "queue_mean_s": -0.0
+    wl = [wr("a", TokenSeq.seeded(1, 32), 4, t=0.1)]
+    sim = Simulation(SimConfig(kv_blocks=100, frontend_in_s=0.01), wl).run()
+    assert sim.finished[0].queueing_time == 0.0
+    assert "-0.0" not in json.dumps(sim.summary())
+
+
 @pytest.mark.parametrize(
     ("links", "cycle"),
     [

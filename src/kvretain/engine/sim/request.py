@@ -150,8 +150,10 @@ class SimRequest(Request):
 
     @property
     def queueing_time(self) -> float | None:
-        t = super().queueing_time
-        return None if t is None else t - self.engine_delay_s
+        # from the engine's receipt, the same sum the simulator scheduled it at (``(s - a) - d`` rounds to -5e-18
+        # where ``s == a + d``)
+        s = self.first_scheduled_time
+        return None if s is None else s - (self.arrival_time + self.engine_delay_s)
 
     def output_token(self, index: int) -> int:
         """The ``index``-th generated token (the executor samples these)."""
