@@ -168,7 +168,8 @@ def test_gpu_mem_util_where_it_sizes_nothing_is_refused(
     assert main([*SIM, "--kv-blocks", "3000", "--gpu-mem-util", "0.5"]) == 2
     one_line(capsys, "--gpu-mem-util", "--kv-blocks")
     # compare sizes its pool on the protected requests' peak working set unless --kv-blocks is given
-    argv = ["compare", "--workload", "multi-tenant", "--limit", "200", "--no-progress", "--out", str(tmp_path)]
+    argv = ["compare", "--workload", "multi-tenant", "--limit", "200", "--no-progress"]
+    argv += ["--out", str(tmp_path)]
     assert main([*argv, "--gpu-mem-util", "0.5"]) == 2
     one_line(capsys, "--gpu-mem-util", "peak working set")
     assert list(tmp_path.iterdir()) == []
