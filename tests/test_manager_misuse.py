@@ -188,3 +188,31 @@ def test_a_config_block_size_that_contradicts_the_manager_s_is_refused() -> None
     assert m.pool.policy.config.block_size == 4
     m = KVCacheManager(4, block_size=4, policy="unified", config=PolicyConfig(block_size=4, budget=0.5))
     assert (m.pool.policy.config.block_size, m.pool.policy.config.budget) == (4, 0.5)
+
+
+# ---------------------------------------------------------------- room made by freeing other requests
+
+
+def test_fits_after_freeing_counts_a_block_once_every_holder_is_freed_and_a_freed_hit_as_taken_back() -> None:
+    m = KVCacheManager(8, block_size=BS, policy="lru")
+    a = Req("a", [1, 2, 3, 4, 5, 6, 7, 8])  # 4 blocks
+    b = Req("b", [1, 2, 3, 4, 20, 21])  # shares a's first 2, 1 of its own
+    admit(m, a)
+    admit(m, b)
+    assert m.get_num_free_blocks() == 3
+    w = Req("w", [1, 2, 3, 4, 5, 6, *range(30, 40)])  # 8 blocks: hits a's first 3, needs 5 more
+    hits, n = m.get_computed_blocks(w)  # type: ignore[arg-type]
+    assert len(hits) == 3
+    args = (w, len(w.all_token_ids) - n, n, hits, 0)
+    assert m.fits_after_freeing(*args, []) is None  # type: ignore[arg-type]
+    # b alone frees its own block (the shared two are a's too): 4 < 5; a alone frees its last block (its third
+    # is a hit of w: free again, and taken back): 4 < 5; both: the shared two are hits, b's own block: 5
+    assert m.fits_after_freeing(*args, [b]) is None  # type: ignore[arg-type]
+    assert m.fits_after_freeing(*args, [a]) is None  # type: ignore[arg-type]
+    assert m.fits_after_freeing(*args, [a, b]) == 2  # type: ignore[arg-type]
+    assert m.fits_after_freeing(*args, [b, a, Req("gone", [9])]) == 2  # type: ignore[arg-type]
+    m.free(b)  # type: ignore[arg-type]
+    assert m.allocate_slots(*args) is None  # type: ignore[arg-type]
+    m.free(a)  # type: ignore[arg-type]
+    assert m.allocate_slots(*args) is not None  # type: ignore[arg-type]
+    m.check_integrity()

@@ -267,6 +267,73 @@ def test_the_policy_sees_a_request_at_arrival_and_its_first_lookup_gets_what_it_
     assert s.num_preemptions == 1 and looked == arrived  # one lookup each, with its own arrival's work
 
 
+def test_fcfs_waiting_request_never_preempts_one_admitted_in_the_same_step() -> None:
+    # fcfs admits a less important request ahead of a more important one; that one then preempted it in the same
+    # step: counted as preempted without having run, and its first lookup filed as a resume hitting 8 tokens of
+    # blocks no step computed
+    s = make(6, policy="fcfs", waiting_preempts_running=True)
+    lo, hi = req("lo", 9, out=1, prio=2), req("hi", 13, out=1, prio=0)
+    s.add_request(lo)
+    s.add_request(hi)
+    out = step(s)
+    assert ids(out) == [("lo", 9)] and out.preempted == ()
+    assert lo.num_preemptions == 0
+    while s.has_unfinished():
+        step(s)
+    stats = s.kv.stats[2]
+    assert (stats.requests, stats.resumes, stats.resume_hit_tokens) == (1, 0, 0)
+
+
+def test_waiting_request_preempts_only_when_that_makes_room() -> None:
+    # 8 blocks: "a" (5 blocks) and "v" (1) run, 1 free; "w" needs 4: preempting v frees 1, not enough. It was
+    # preempted anyway and "w" kept waiting (v lost its progress for nothing)
+    s = make(8, policy="priority", waiting_preempts_running=True)
+    a, v = req("a", 20, out=8, prio=0), req("v", 3, out=8, prio=2)
+    s.add_request(a)
+    s.add_request(v)
+    step(s)
+    step(s)
+    w = req("w", 16, out=2, prio=1, t=1.0)
+    s.add_request(w)
+    out = step(s)
+    assert out.preempted == () and v.status is RequestStatus.RUNNING and w.status is RequestStatus.WAITING
+    assert v.num_preemptions == 0
+
+
+def test_waiting_request_preempts_the_fewest_least_important_first() -> None:
+    # three possible victims (priorities 1, 2, 3; 2 blocks each), 2 blocks free, "w" needs 3: preempting the
+    # least important one makes room, so it alone goes
+    s = make(8, policy="priority", waiting_preempts_running=True)
+    runs = [req(f"r{p}", 6, out=4, prio=p) for p in (1, 2, 3)]
+    for r in runs:
+        s.add_request(r)
+    step(s)
+    w = req("w", 12, out=2, prio=0, t=1.0)
+    s.add_request(w)
+    out = step(s)
+    assert out.preempted == ("r3",) and w.status is RequestStatus.RUNNING
+    assert [r.status for r in runs[:2]] == [RequestStatus.RUNNING] * 2
+
+
+def test_waiting_request_never_preempts_one_whose_chunk_of_this_step_completes_a_block() -> None:
+    # allocate_slots registers a block in the prefix cache when it is allocated: "lo"'s decode chunk of step 2
+    # completes its second block, so preempting lo in that step left a cached block whose KV no step computed,
+    # and lo's resume hit it
+    s = make(4, policy="priority", waiting_preempts_running=True)
+    lo = req("lo", 7, out=6, prio=1)
+    s.add_request(lo)
+    step(s)  # the prompt's 7 tokens (2 blocks), samples token 8
+    hi = req("hi", 12, out=2, prio=0, t=1.0)  # 3 blocks, 2 free
+    s.add_request(hi)
+    out = step(s)  # lo computes token 8: its chunk completes block 2
+    assert out.preempted == () and ids(out) == [("lo", 1)] and hi.status is RequestStatus.WAITING
+    out = step(s)  # token 9 completes nothing: lo may go now
+    assert out.preempted == ("lo",) and ids(out) == [("hi", 12)]
+    while s.has_unfinished():
+        step(s)
+    assert s.kv.stats[1].resume_hit_tokens <= 8  # what lo had computed when it was preempted
+
+
 def test_waiting_request_never_preempts_equal_or_more_important_running() -> None:
     s = make(6, policy="priority", waiting_preempts_running=True)
     s.add_request(req("first", 16, out=4, prio=0))

@@ -288,10 +288,9 @@ class KVCacheManager:
                     f"request {req.request_id!r}: new_computed_blocks must be a prefix of the blocks its "
                     f"get_computed_blocks returned, still cached, got {show_value(new_computed_blocks)}"
                 )
-        total_tokens = num_computed_tokens + num_new_tokens
-        held = len(st.blocks) + len(new_computed_blocks)
-        n_new = max(0, -(-total_tokens // self.block_size) - held)
-        n_check = max(n_new, -(-reserve_tokens // self.block_size) - held)
+        n_new, n_check = self._blocks_needed(
+            st, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
+        )
         # touching free hits takes them out of the allocatable set: check both together
         ref_count = self.pool.ref_count
         free_hits = sum(1 for b in new_computed_blocks if ref_count(b) == 0)
@@ -308,8 +307,55 @@ class KVCacheManager:
             return None
         st.blocks.extend(new)
         if self.enable_caching:
-            self._cache_full_blocks(req, st, total_tokens)
+            self._cache_full_blocks(req, st, num_computed_tokens + num_new_tokens)
         return new
+
+    def _blocks_needed(
+        self,
+        st: _ReqState,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        new_computed_blocks: Sequence[int],
+        reserve_tokens: int,
+    ) -> tuple[int, int]:
+        """The blocks :meth:`allocate_slots` allocates, and the free blocks it asks for (``reserve_tokens``)."""
+        total_tokens = num_computed_tokens + num_new_tokens
+        held = len(st.blocks) + len(new_computed_blocks)
+        n_new = max(0, -(-total_tokens // self.block_size) - held)
+        return n_new, max(n_new, -(-reserve_tokens // self.block_size) - held)
+
+    def fits_after_freeing(
+        self,
+        req: CacheRequest,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        new_computed_blocks: Sequence[int],
+        reserve_tokens: int,
+        candidates: Sequence[CacheRequest],
+    ) -> int | None:
+        """How many of ``candidates`` (live requests, in the order they would be freed) must be freed before
+        :meth:`allocate_slots` with these arguments succeeds: the fewest, 0 when it succeeds now; ``None`` when
+        freeing all of them is not enough (a scheduler then frees none). A block counts as freed once every
+        reference to it is among the freed requests'; a hit held only by them is free again, and taken back."""
+        st = self._state(req)
+        _, n_check = self._blocks_needed(
+            st, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
+        )
+        ref_count = self.pool.ref_count
+        dropped: dict[int, int] = {}  # block -> references the freed requests hold
+        hits = set(new_computed_blocks)
+        free = self.pool.get_num_free_blocks() - sum(1 for b in hits if ref_count(b) == 0)
+        for k in range(len(candidates) + 1):
+            if n_check <= free:
+                return k
+            if k == len(candidates):
+                return None
+            held = self._reqs.get(candidates[k].request_id)
+            for b in held.blocks if held is not None else ():
+                d = dropped[b] = dropped.get(b, 0) + 1
+                if d == ref_count(b) and b not in hits:  # (a hit freed is touched again at once)
+                    free += 1
+        return None  # pragma: no cover - the loop returns
 
     def _cache_full_blocks(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
         known = min(num_tokens, len(req.all_token_ids))

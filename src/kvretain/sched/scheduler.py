@@ -10,8 +10,10 @@ One step (``schedule``), in vLLM v1's order but split by concern:
    this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
    ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run out the
    queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
-   running requests; the request is then the last one admitted this step (as in 1., a step that preempts
-   admits no one else, so a victim never runs again in the step that preempted it).
+   running requests: the fewest that make room, least important first, none when all of them would not
+   (``KVCacheManager.fits_after_freeing``), and never one admitted in this step or whose chunk of this step
+   completes a block (``_waiting_victims``); the request is then the last one admitted this step (as in 1., a
+   step that preempts admits no one else, so a victim never runs again in the step that preempted it).
 
 Admission (``add_request``) rejects, as vLLM does, a request that could never be scheduled: one whose prompt
 and output need more KV blocks than the replica has (vLLM refuses ``prompt + max_tokens > max_model_len``,
@@ -174,16 +176,16 @@ class Scheduler:
                 continue
             if not cfg.waiting_preempts_running:
                 return
+            victims = self._waiting_victims(req, st)
+            k = kv.fits_after_freeing(req, n, n_cached, hits, reserve, victims)
+            if not k:  # (None: preempting every candidate would not make room; preempt none)
+                return
             # out of the queue before its victims go in (under fcfs they go to the front)
             waiting.pop()
-            while True:
-                victim = self._waiting_victim(req)
-                if victim is None:
-                    waiting.add_preempted(req)  # back at the head: it is ahead of its victims in both orders
-                    return
+            for victim in victims[:k]:
                 self._preempt(victim, st)
-                if kv.allocate_slots(req, n, n_cached, hits, reserve) is not None:
-                    break
+            if kv.allocate_slots(req, n, n_cached, hits, reserve) is None:  # pragma: no cover - checked above
+                raise RuntimeError(f"request {req.request_id!r}: no room after preempting {k} request(s)")
             self._admit(req, n, n_cached, need, st)
             return  # a step that preempted admits no one else
 
@@ -195,6 +197,7 @@ class Scheduler:
             req.num_cached_tokens = n_cached
         self.running.append(req)
         st.add(req, n, need)
+        st.admitted.add(req.request_id)
 
     # ------------------------------------------------------------------ preemption
     def _victim(self, candidates: list[Request]) -> Request:
@@ -207,11 +210,27 @@ class Scheduler:
             return max(candidates, key=_preemption_key)
         return candidates[-1]
 
-    def _waiting_victim(self, req: Request) -> Request | None:
-        """The least important running request strictly less important than ``req`` (by priority alone under
-        both queue policies), or None."""
-        lower = [r for r in self.running if r.priority > req.priority]
-        return max(lower) if lower else None
+    def _waiting_victims(self, req: Request, st: _Step) -> list[Request]:
+        """The running requests strictly less important than ``req`` (by priority alone under both queue
+        policies), least important first: the order ``req`` may preempt them in. Not one admitted in this step
+        (under ``fcfs`` the queue admits less important requests before ``req``: it would be counted as preempted
+        without having run), nor one whose chunk of this step completes a block: ``allocate_slots`` registers a
+        block in the prefix cache when it is allocated, before the step computes it, so preempting the request
+        would leave a cached block whose KV no step computed (a later lookup would hit it)."""
+        bs = self.kv.block_size
+        chunks = st.chunks
+        out = []
+        for r in self.running:
+            if r.priority <= req.priority or r.request_id in st.admitted:
+                continue
+            c = chunks.get(r.request_id)
+            if (
+                c is not None
+                and (c.num_computed_tokens + c.num_new_tokens) // bs > c.num_computed_tokens // bs
+            ):
+                continue
+            out.append(r)
+        return sorted(out, reverse=True)
 
     def _preempt(self, victim: Request, st: _Step) -> None:
         self.running.remove(victim)
@@ -259,11 +278,12 @@ def _preemption_key(r: Request) -> tuple[int, float]:
 class _Step:
     """Book-keeping of one ``schedule()`` call."""
 
-    __slots__ = ("budget", "chunks", "order", "preempted", "used")
+    __slots__ = ("admitted", "budget", "chunks", "order", "preempted", "used")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.used = 0
+        self.admitted: set[str] = set()  # taken from the waiting queue in this step
         self.chunks: dict[str, ScheduledChunk] = {}
         self.order: list[Request] = []
         self.preempted: list[str] = []
