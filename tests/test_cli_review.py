@@ -184,3 +184,20 @@ def test_compare_help_names_its_own_kv_blocks_default(capsys: pytest.CaptureFixt
     assert main(["compare", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "KV blocks per replica (default: the peak working set" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "--sessions", "5", "--capacity-blocks", "50", "--policy", "lru", "--json"],
+        ["simulate", "--workload", "multi-tenant", "--no-progress", "--json"],
+    ],
+    ids=["replay", "simulate"],
+)
+def test_limit_reads_1e1_as_workload_export_does(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    # `--limit 1e1` was "invalid int value" here and 10 requests in `workload export`
+    assert main([*argv, "--limit", "1e1"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--limit", "10"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a["requests"] == b["requests"] == 10

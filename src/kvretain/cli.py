@@ -21,6 +21,7 @@ from kvretain import __version__
 from kvretain.cli_args import (
     Parser,
     add_block_tokens_option,
+    add_limit_option,
     add_policy_options,
     add_priority_mapping_option,
     check_policy_options_used,
@@ -238,7 +239,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON object per policy, one a line (JSON Lines; one object with one --policy)",
     )
-    r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    add_limit_option(r, "replay only the first N requests")
     r.add_argument(
         "--priority-rule",
         default="keep",

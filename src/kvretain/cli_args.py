@@ -213,6 +213,12 @@ def option_error(exc: ValueError, fields: Iterable[str]) -> str:
     return f"argument {'/'.join(named)}: {msg}" if named else msg
 
 
+def add_limit_option(p: argparse._ActionsContainer, what: str = "only the first N requests") -> None:
+    """``--limit``: one option for ``replay``, ``simulate``, ``compare`` and ``workload export`` (a positive
+    integer; ``1e3`` reads as 1000 everywhere)."""
+    p.add_argument("--limit", type=integer(1), default=None, help=what)
+
+
 def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, what: str) -> None:
     """``--block-tokens``: tokens per hash id of a Mooncake-format trace (:data:`MOONCAKE_BLOCK_TOKENS` in the
     published traces), one option for ``replay``, ``simulate``, ``compare`` (reading) and ``workload export``

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvretain.cli_args import (
     add_block_tokens_option,
+    add_limit_option,
     add_policy_options,
     add_priority_mapping_option,
     check_policy_options_used,
@@ -100,7 +101,7 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         choices=rule_choices(),
         help="how trace requests get a priority (keep: the trace's own field, default 0)",
     )
-    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    add_limit_option(p)
     add_block_tokens_option(
         p,
         None,

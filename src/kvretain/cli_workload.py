@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import add_block_tokens_option, check_output_file, integer, json_text, number, path_arg
+from kvretain.cli_args import (
+    add_block_tokens_option,
+    add_limit_option,
+    check_output_file,
+    json_text,
+    number,
+    path_arg,
+)
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
@@ -131,7 +138,7 @@ def add_subcommands(sub: Any) -> None:
         default=None,
         help="input trace (for the mooncake / azure loaders)",
     )
-    e.add_argument("--limit", type=integer(1), default=None, help="only the first N requests")
+    add_limit_option(e)
     e.add_argument(
         "--time-scale",
         type=number(0.0, lo_open=True),
