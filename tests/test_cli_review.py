@@ -201,3 +201,19 @@ def test_limit_reads_1e1_as_workload_export_does(capsys: pytest.CaptureFixture[s
     assert main([*argv, "--limit", "10"]) == 0
     b = json.loads(capsys.readouterr().out)
     assert a["requests"] == b["requests"] == 10
+
+
+def test_compare_report_counts_rejected_requests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # every request rejected at admission (one KV block): the report said nothing of them but in summary.json
+    import csv
+
+    argv = ["compare", "--workload", "multi-tenant", "--limit", "20", "--no-progress", "--kv-blocks", "1"]
+    assert main([*argv, "--policies", "lru", "--budgets", "0.5", "--out", str(tmp_path / "r")]) == 0
+    rows = list(csv.DictReader((tmp_path / "r" / "runs.csv").open()))
+    assert [(r["label"], r["requests"], r["rejected"]) for r in rows] == [
+        ("lru", "0", "20"),
+        ("unified-b0.5", "0", "20"),
+    ]
+    table = (tmp_path / "r" / "summary.md").read_text()
+    assert "| preempt | rejected |" in table
+    assert "| lru | 0 | 0.0000 | 0 | 0 | 20 |" in table

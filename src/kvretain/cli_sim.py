@@ -476,9 +476,26 @@ def _report_folder(path: str) -> StagedFolder:
         raise ValueError(f"--out {path}: cannot create the report folder ({e.strerror or e})") from None
 
 
-_CSV_COLS = ["label", "policy", "budget", "requests", "simulated_s", "output_tokens_per_s", "hit_rate"]
+_CSV_COLS = [
+    "label",
+    "policy",
+    "budget",
+    "requests",
+    "rejected",
+    "simulated_s",
+    "output_tokens_per_s",
+    "hit_rate",
+]
 _CSV_COLS += ["recomputed_tokens", "preemptions", "slo_attainment", "goodput_rps", "ttft_p99_s"]
-_CLASS_COLS = ["requests", "ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "hit_rate", "recomputed_tokens"]
+_CLASS_COLS = [
+    "requests",
+    "rejected",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "e2e_mean_s",
+    "hit_rate",
+    "recomputed_tokens",
+]
 
 
 def _classes(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -499,7 +516,7 @@ def _write_csv(path: Path, results: Sequence[dict[str, Any]]) -> None:
 
 def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, frontier_weight: float) -> str:
     classes = _classes(results)
-    head = ["run", "out tok/s", "hit", "recomputed", "preempt"]
+    head = ["run", "out tok/s", "hit", "recomputed", "preempt", "rejected"]
     head += [f"c{c} {k}" for c in classes for k in ("ttft mean", "ttft p99", "hit", "SLO")]
     lines = [
         f"# kvretain compare: {source}",
@@ -513,7 +530,7 @@ def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, fro
     ]
     for r in results:
         cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", f"{r['hit_rate']:.4f}"]
-        cells += [str(r["recomputed_tokens"]), str(r["preemptions"])]
+        cells += [str(r["recomputed_tokens"]), str(r["preemptions"]), str(r["rejected"])]
         for c in classes:
             st = r["classes"].get(c, {})
             cells += [_fmt(st.get(k)) for k in ("ttft_mean_s", "ttft_p99_s", "hit_rate", "slo_attainment")]
