@@ -217,3 +217,17 @@ def test_compare_report_counts_rejected_requests(capsys: pytest.CaptureFixture[s
     table = (tmp_path / "r" / "summary.md").read_text()
     assert "| preempt | rejected |" in table
     assert "| lru | 0 | 0.0000 | 0 | 0 | 20 |" in table
+
+
+def test_a_time_scale_beyond_the_clocks_resolution_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `--time-scale 1e16` ran, and every latency read 0 (a step's milliseconds rounded away at 1e19 s)
+    assert main([*SIM, "--time-scale", "1e16"]) == 2
+    one_line(capsys, "beyond 9.007e+09 s", "--time-scale")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 1000, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
+    assert main(["simulate", str(trace), "--no-progress", "--time-scale", "1e13"]) == 2
+    one_line(capsys, "beyond 9.007e+09 s")
+    assert main(["simulate", str(trace), "--no-progress", "--json", "--time-scale", "1e6"]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"]["0"]["ttft_mean_s"] > 0

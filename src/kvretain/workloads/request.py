@@ -20,6 +20,10 @@ the trace format's bound (:mod:`kvretain.workloads.mooncake`), so that what a ge
 read back, and one setting cannot take the process's memory."""
 PRIORITY_BOUND = 1 << 63
 """Request priorities are int64: ``-2**63 <= priority < 2**63``."""
+MAX_TIME_S = 2**53 * 1e-6
+"""Latest arrival and longest think time, in seconds (~285 years): up to here a double resolves a microsecond
+(its 53-bit mantissa), beyond it a simulated step's milliseconds are rounded away (at ``--time-scale 1e16`` every
+latency read 0)."""
 
 Range = tuple[int, int]
 """An inclusive uniform range of a generator's setting (``(lo, hi)``)."""
@@ -65,6 +69,11 @@ class WorkloadRequest:
         if not (0 <= self.arrival_s < math.inf and 0 <= self.think_s < math.inf and self.output_len >= 0):
             raise WorkloadError(
                 f"request {self.request_id}: arrival_s and think_s must be finite and >= 0, output_len >= 0"
+            )
+        if self.arrival_s > MAX_TIME_S or self.think_s > MAX_TIME_S:
+            raise WorkloadError(
+                f"request {self.request_id}: arrival_s {self.arrival_s:.4g} / think_s {self.think_s:.4g} s beyond "
+                f"{MAX_TIME_S:.4g} s, where a double no longer resolves a microsecond (a smaller --time-scale?)"
             )
         if len(self.prompt) > MAX_TOKENS or self.output_len > MAX_TOKENS:
             raise WorkloadError(
