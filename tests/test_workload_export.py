@@ -322,3 +322,17 @@ def test_directive_survives_export() -> None:
     (rec,) = mooncake_records([_req("a", TokenSeq.seeded(1, 600), retention=keep, session_id="s")])
     assert rec["retention"] == [{"start": 0, "end": None, "priority": 80, "duration_s": 12.0}]
     assert rec["session_id"] == "s" and rec["priority"] == 0
+
+
+def test_a_mooncake_trace_re_exports_at_its_own_block_tokens(tmp_path: Path) -> None:
+    # `workload export mooncake --trace t16.jsonl --block-tokens 16` read the trace at 512 tokens per id and
+    # refused it, pointing at the --block-tokens it had been given
+    first, again = tmp_path / "t16.jsonl", tmp_path / "again.jsonl"
+    common = ["--limit", "4", "--block-tokens", "16"]
+    assert main(["workload", "export", "multi-tenant", *common, "--out", str(first)]) == 0
+    assert main(["workload", "export", "mooncake", "--trace", str(first), *common, "--out", str(again)]) == 0
+    strip = [json.loads(x) for x in first.read_text().splitlines()]
+    back = [json.loads(x) for x in again.read_text().splitlines()]
+    assert [(r["input_length"], r["hash_ids"], r["timestamp"]) for r in back] == [
+        (r["input_length"], r["hash_ids"], r["timestamp"]) for r in strip
+    ]

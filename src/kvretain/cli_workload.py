@@ -58,6 +58,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if own is not None:
         item = next(i for i in args.option if i.partition("=")[0].strip() == own)
         raise WorkloadError(f"--option {item}: use {OWN_OPTIONS[own]}")
+    if args.name == "mooncake":  # (the workload that reads the same format: tokens per hash id on both sides)
+        options.setdefault("block_size", args.block_tokens)
     reqs = WORKLOADS.create(
         args.name,
         rng=random.Random(args.seed),
@@ -158,7 +160,12 @@ def add_subcommands(sub: Any) -> None:
         choices=rule_choices(),
         help="re-tag priorities (keep: the workload's own; session rules draw from seed + 1)",
     )
-    add_block_tokens_option(e, MOONCAKE_BLOCK_TOKENS, ", in the trace written")
+    add_block_tokens_option(
+        e,
+        MOONCAKE_BLOCK_TOKENS,
+        ", in the trace written (and, for the mooncake workload, in the trace read, unless --option "
+        "block_size=N sets that)",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_export)
     ls = wsub.add_parser("list", help="list the workloads")
