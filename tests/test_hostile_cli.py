@@ -657,3 +657,26 @@ def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(jso
     lines = proc.stdout.splitlines()
     assert len(lines) == 3 and all("hash_ids" in json.loads(line) for line in lines)
     assert "3 requests" in proc.stderr or json.loads(proc.stderr)["requests"] == 3
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line_and_130() -> None:
+    # the console script imported kvretain.cli (~0.1 s of imports) before main()'s handler: a Ctrl-C then printed
+    # the interrupted import's traceback
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = (
+        "import sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'kvretain.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "from kvretain.__main__ import run\n"
+        "raise SystemExit(run())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, "replay"], capture_output=True, text=True, env=env)
+    assert (proc.returncode, proc.stderr) == (130, "kvretain: interrupted\n")
