@@ -231,3 +231,21 @@ def test_a_time_scale_beyond_the_clocks_resolution_is_refused(
     one_line(capsys, "beyond 9.007e+09 s")
     assert main(["simulate", str(trace), "--no-progress", "--json", "--time-scale", "1e6"]) == 0
     assert json.loads(capsys.readouterr().out)["classes"]["0"]["ttft_mean_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["replay", "--bogus"], "kvretain replay"),
+        (["simulate", "--limit", "3", "--bogus", "x"], "kvretain simulate"),
+        (["workload", "export", "multi-tenant", "--out", "x.jsonl", "--bogus"], "kvretain workload export"),
+    ],
+)
+def test_an_unknown_option_is_named_by_its_subcommand(
+    capsys: pytest.CaptureFixture[str], argv: list[str], prog: str
+) -> None:
+    # "kvretain: error: unrecognized arguments: --bogus (see kvretain --help)": the help without the
+    # subcommand's options
+    assert main(argv) == 2
+    line = one_line(capsys, "unrecognized arguments: --bogus")
+    assert line.startswith(f"{prog}: error:") and line.endswith(f"(see {prog} --help)")

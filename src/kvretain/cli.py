@@ -20,6 +20,7 @@ from typing import Any
 from kvretain import __version__
 from kvretain.cli_args import (
     Parser,
+    SubcommandParser,
     add_block_tokens_option,
     add_limit_option,
     add_policy_options,
@@ -217,7 +218,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     modules, which the other commands import, are not loaded: a replay starts faster)."""
     p = Parser(prog="kvretain", description="Priority-aware KV cache retention for LLM serving.")
     p.add_argument("--version", action="version", version=f"kvretain {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
 
     r = sub.add_parser(
         "replay", help="block-level cache replay of a Mooncake-format trace (or a built-in workload)"

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,6 +33,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class SubcommandParser(Parser):
+    """A subcommand's parser (``add_subparsers(parser_class=SubcommandParser)``; theirs are of its class too):
+    it refuses the arguments it does not know itself, naming its own command and help (argparse hands them up
+    to the top-level parser, whose error named ``kvretain --help``, where the subcommand's options are not)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
 
 
 def _number(text: str) -> float:
