@@ -5,7 +5,11 @@ One step (``schedule``), in vLLM v1's order but split by concern:
 1. Running requests, in their running order, each get ``min(remaining tokens, budget)`` tokens. When the
    cache has no blocks for one, the least important running request (largest ``(priority, arrival)``
    under ``priority``, the first in running order on ties; the latest started under ``fcfs``) is preempted
-   by recompute and the allocation is retried; the request may preempt itself.
+   by recompute and the allocation is retried; the request may preempt itself. NOTE: as in vLLM, the victim
+   may be one already given a chunk in this step, whose allocation registered the blocks that chunk completes
+   before any step computed them (vLLM's ``allocate_slots`` caches up to ``num_computed + num_new`` tokens);
+   they stay cached after the preemption, so a later lookup may hit blocks whose KV was never computed. Kept
+   here to match vLLM 0.33 step for step (``bench/sched_equivalence.py``); step 2 below never does it.
 2. Waiting requests, in queue order, while budget and ``max_num_seqs`` allow and no request was preempted
    this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
    ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run out the
