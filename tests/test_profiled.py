@@ -180,6 +180,13 @@ def test_simulate_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureF
     roof = json.loads(capsys.readouterr().out)
     assert prof["requests"] == roof["requests"] == 30
     assert prof["cost_model"] == str(path) and roof["cost_model"] == "roofline"
+    # what the step times were measured on: the profile's run, not --model / --gpu (which size the KV cache)
+    assert roof["step_times_of"] == "llama-3-8b on h100-sxm"
+    assert prof["step_times_of"] == "profile: ? on ?"  # (this profile names neither)
+    named = tmp_path / "named.toml"
+    write_profile(named, Profile(TRUE, info={"model": "SmolLM2-135M", "device": "cpu"}))
+    assert main([*argv, "--cost-model", str(named), "--model", "qwen2.5-7b"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_times_of"] == "profile: SmolLM2-135M on cpu"
     # a step costs >= 20 ms here against a few ms on an H100's roofline: the profiled run takes longer
     assert prof["simulated_s"] > roof["simulated_s"]
     slow = tmp_path / "slow.toml"

@@ -335,6 +335,11 @@ def print_table(obj: dict[str, Any]) -> None:
     print(
         f"policy {obj['policy']} ({obj['scheduling']} scheduling), {obj['requests']} requests finished, "
         f"{obj['replicas']} x {obj['model']} on {obj['gpu']}, {obj['kv_blocks_per_replica']} KV blocks each"
+        + (
+            ""
+            if obj["step_times_of"] == f"{obj['model']} on {obj['gpu']}"
+            else f"; step times of {obj['step_times_of']}"
+        )
     )
     print(
         f"simulated {obj['simulated_s']:.1f} s in {obj['wall_s']:.1f} s; output {obj['output_tokens_per_s']:.0f} "

@@ -325,6 +325,16 @@ class Simulation:
                 raise RuntimeError(f"replica {rep.index}: blocks still in use after the run")
 
     # ------------------------------------------------------------------ results
+    def _step_times_of(self) -> str:
+        """What the step times were measured on: the catalog's model and GPU (a roofline), or a profile's own
+        model and device (``--model`` / ``--gpu`` then size the KV cache only: ``ProfiledCostModel``)."""
+        from kvretain.engine.sim.profiled import ProfiledCostModel
+
+        if isinstance(self.cost, ProfiledCostModel):
+            info = self.cost.profile.info
+            return f"profile: {info.get('model', '?')} on {info.get('device', '?')}"
+        return f"{self.config.model} on {self.config.gpu}"
+
     def summary(self) -> dict[str, Any]:
         """One JSON-ready object (see ``kvretain simulate --json``)."""
         cfg = self.config
@@ -360,6 +370,7 @@ class Simulation:
             "model": cfg.model,
             "gpu": cfg.gpu,
             "cost_model": cfg.cost_model,
+            "step_times_of": self._step_times_of(),
             "replicas": cfg.replicas,
             "router": cfg.router,
             "kv_blocks_per_replica": self.num_blocks,
