@@ -25,7 +25,7 @@ from kvretain.cli_args import (
 )
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
-from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
+from kvretain.workloads.mooncake import BLOCK_TOKENS_HINT, MOONCAKE_BLOCK_TOKENS, TraceError
 from kvretain.workloads.priority import make_rule, rule_choices
 
 
@@ -47,6 +47,8 @@ def parse_options(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
+READ_BLOCK_TOKENS_HINT = "the trace read has --option block_size=N tokens per hash id (default 512); --block-tokens sets the written one's"
+
 OWN_OPTIONS = {"rng": "--seed", "path": "--trace", "limit": "--limit", "time_scale": "--time-scale"}
 """The keywords every workload takes from ``workload export``'s own options, not from ``--option``."""
 
@@ -58,16 +60,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     if own is not None:
         item = next(i for i in args.option if i.partition("=")[0].strip() == own)
         raise WorkloadError(f"--option {item}: use {OWN_OPTIONS[own]}")
-    if args.name == "mooncake":  # (the workload that reads the same format: tokens per hash id on both sides)
-        options.setdefault("block_size", args.block_tokens)
-    reqs = WORKLOADS.create(
-        args.name,
-        rng=random.Random(args.seed),
-        path=args.trace,
-        limit=args.limit,
-        time_scale=args.time_scale,
-        **options,
-    )
+    try:
+        reqs = WORKLOADS.create(
+            args.name,
+            rng=random.Random(args.seed),
+            path=args.trace,
+            limit=args.limit,
+            time_scale=args.time_scale,
+            **options,
+        )
+    except TraceError as e:  # (here --block-tokens is the written trace's; the read one's is an --option)
+        raise TraceError(str(e).replace(BLOCK_TOKENS_HINT, READ_BLOCK_TOKENS_HINT)) from None
     if not reqs:  # an empty trace is an error to every reader (replay, simulate, compare): not written
         shown = " ".join(f"--option {o}" for o in args.option)
         raise WorkloadError(
@@ -160,12 +163,7 @@ def add_subcommands(sub: Any) -> None:
         choices=rule_choices(),
         help="re-tag priorities (keep: the workload's own; session rules draw from seed + 1)",
     )
-    add_block_tokens_option(
-        e,
-        MOONCAKE_BLOCK_TOKENS,
-        ", in the trace written (and, for the mooncake workload, in the trace read, unless --option "
-        "block_size=N sets that)",
-    )
+    add_block_tokens_option(e, MOONCAKE_BLOCK_TOKENS, ", in the trace written")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_export)
     ls = wsub.add_parser("list", help="list the workloads")

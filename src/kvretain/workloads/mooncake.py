@@ -63,6 +63,9 @@ MAX_LINE_BYTES = 2 << 20
 """2 MiB: ``MAX_HASH_IDS`` ids of 20 digits each (every id < 2**64) with separators, plus the rest."""
 MAX_STRING_BYTES = 4096
 """``session_id`` / ``cache_salt`` / scope in UTF-8 bytes (ids and tenant names are tens of bytes)."""
+BLOCK_TOKENS_HINT = "see --block-tokens"
+"""Where a hash-id count that does not match ``input_length`` points (a command that sets the tokens per hash id
+of the trace it reads with another option says so in its place)."""
 MAX_TIMESTAMP_MS = 1 << 53
 """Timestamps beyond 2**53 ms (285,000 years) are no longer exact as floats."""
 
@@ -297,7 +300,7 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
     if len(ids) != need:
         raise _LineError(
             f"field 'hash_ids' has {len(ids)} ids but input_length {n_in} needs {need} "
-            f"(one per {block_tokens}-token block; see --block-tokens)"
+            f"(one per {block_tokens}-token block; {BLOCK_TOKENS_HINT})"
         )
     priority = obj.get("priority")
     if priority is None:
