@@ -224,12 +224,19 @@ def test_a_time_scale_beyond_the_clocks_resolution_is_refused(
 ) -> None:
     # `--time-scale 1e16` ran, and every latency read 0 (a step's milliseconds rounded away at 1e19 s)
     assert main([*SIM, "--time-scale", "1e16"]) == 2
-    one_line(capsys, "beyond 9.007e+09 s", "--time-scale")
+    one_line(capsys, "beyond 6.872e+10 s", "--time-scale")
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 1000, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
     assert main(["simulate", str(trace), "--no-progress", "--time-scale", "1e13"]) == 2
-    one_line(capsys, "beyond 9.007e+09 s")
+    one_line(capsys, "beyond 6.872e+10 s")
     assert main(["simulate", str(trace), "--no-progress", "--json", "--time-scale", "1e6"]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"]["0"]["ttft_mean_s"] > 0
+    # Unix-epoch milliseconds, slowed down 6x: far inside the clock's resolution
+    epoch = tmp_path / "epoch.jsonl"
+    epoch.write_text(
+        '{"timestamp": 1700000000000, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
+    )
+    assert main(["simulate", str(epoch), "--no-progress", "--json", "--time-scale", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["classes"]["0"]["ttft_mean_s"] > 0
 
 

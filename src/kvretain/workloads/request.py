@@ -20,10 +20,11 @@ the trace format's bound (:mod:`kvretain.workloads.mooncake`), so that what a ge
 read back, and one setting cannot take the process's memory."""
 PRIORITY_BOUND = 1 << 63
 """Request priorities are int64: ``-2**63 <= priority < 2**63``."""
-MAX_TIME_S = 2**53 * 1e-6
-"""Latest arrival and longest think time, in seconds (~285 years): up to here a double resolves a microsecond
-(its 53-bit mantissa), beyond it a simulated step's milliseconds are rounded away (at ``--time-scale 1e16`` every
-latency read 0)."""
+MAX_TIME_S = float(2**36)
+"""Latest arrival and longest think time, in seconds (2**36 s, ~2,177 years; Unix-epoch timestamps are ~1.7e9 s):
+below it a double resolves 2**-17 s (7.6 us) or better, finer than any step a simulator prices; beyond it a
+step's microseconds are rounded away (at ``--time-scale 1e16`` every latency read 0). The trace format allows
+timestamps up to 2**53 ms; ``replay`` reads them all, ``simulate`` those below this."""
 
 Range = tuple[int, int]
 """An inclusive uniform range of a generator's setting (``(lo, hi)``)."""
@@ -73,7 +74,8 @@ class WorkloadRequest:
         if self.arrival_s > MAX_TIME_S or self.think_s > MAX_TIME_S:
             raise WorkloadError(
                 f"request {self.request_id}: arrival_s {self.arrival_s:.4g} / think_s {self.think_s:.4g} s beyond "
-                f"{MAX_TIME_S:.4g} s, where a double no longer resolves a microsecond (a smaller --time-scale?)"
+                f"{MAX_TIME_S:.4g} s (2**36), where a double's clock rounds a step's microseconds away; scale the "
+                "times down (--time-scale)"
             )
         if len(self.prompt) > MAX_TOKENS or self.output_len > MAX_TOKENS:
             raise WorkloadError(
