@@ -7,6 +7,7 @@ nothing on stdout.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -680,3 +681,59 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_130() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code, "replay"], capture_output=True, text=True, env=env)
     assert (proc.returncode, proc.stderr) == (130, "kvretain: interrupted\n")
+
+
+def _kvretain_in_shell(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    import os
+    import shlex
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    kv = f"{shlex.quote(sys.executable)} -m kvretain"
+    return subprocess.run(
+        ["bash", "-c", script.replace("KV", kv)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_an_output_named_dev_stdout_is_written_where_the_shell_points_it(tmp_path: Path) -> None:
+    # --out /dev/stdout on a redirected file was written beside it and renamed over it: an append (>>) lost the
+    # file's earlier content, and what the shell wrote around the command was lost with it
+    export = "KV workload export multi-tenant --limit 2 --out /dev/stdout"
+    proc = _kvretain_in_shell(
+        f"echo EXISTING > log; {export} >> log; (echo HEADER; {export}; echo TRAILER) > f", tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "log").read_text().splitlines()
+    assert log[0] == "EXISTING" and len(log) == 3 and all("hash_ids" in x for x in log[1:])
+    f = (tmp_path / "f").read_text().splitlines()
+    assert f[0] == "HEADER" and f[-1] == "TRAILER" and len(f) == 4
+    assert proc.stderr.count("wrote 2 requests") == 2  # (the summary beside the trace, not in it)
+
+
+def test_an_output_on_standard_output_needs_no_writable_folder() -> None:
+    # as a user other than root, /dev is not writable: `--out /dev/stdout` was refused ("permission denied")
+    # before anything ran (os.access stands in for that user here)
+    import os
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = (
+        "import os\n"
+        "os.access = lambda *a, **k: False\n"
+        "from kvretain.cli_args import check_output_file\n"
+        "check_output_file('/dev/stdout', '--out')\n"
+        "try:\n"
+        "    check_output_file('/dev/x.jsonl', '--out')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: argument --out: cannot write '/dev/x.jsonl': permission denied" in proc.stdout

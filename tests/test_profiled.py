@@ -268,6 +268,34 @@ def test_profile_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and "multiple of --block-size" in r.stderr
 
 
+def test_profile_to_standard_output_writes_the_profile_alone_there(tmp_path: Path) -> None:
+    # `kvretain profile ... --out /dev/stdout | ...`: its table, coefficients and "wrote" line went to stdout
+    # after the TOML, which then did not parse
+    import os
+    import subprocess
+    import sys
+    import tomllib
+
+    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
+    lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in grid_points(TRUE)]
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(lines) + "\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress"]
+    argv += ["--out", "/dev/stdout", "--plot", str(tmp_path / "p.png")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvretain", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    prof = tomllib.loads(proc.stdout)
+    assert prof["coefficients"]["per_token_s"] == pytest.approx(TRUE.per_token_s, rel=1e-6)
+    assert "median |relative error|" in proc.stderr and "wrote /dev/stdout" in proc.stderr
+
+
 def test_profile_command_fits_and_writes_with_a_fake_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -25,6 +25,7 @@ from kvretain.core.retention import (
     PriorityMapping,
     RetentionError,
 )
+from kvretain.fileio import standard_stream
 from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 
 
@@ -177,6 +178,14 @@ def check_output_file(path: str, option: str) -> None:
     if not path:
         raise ValueError(f"argument {option}: an empty path (pass a file name)")
     p = Path(path)
+    if standard_stream(p) is not None:
+        return  # written through the open descriptor (fileio.output_file): nothing is opened by its name
+    if p.exists() and not p.is_dir() and not p.is_file():
+        # written in place (a named pipe, a device: fileio.replaced), not beside it: its folder need not be
+        # writable
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"argument {option}: cannot write {path!r}: permission denied")
+        return
     if p.is_dir():
         raise ValueError(f"argument {option}: cannot write {path!r}: it is a folder (pass a file name)")
     folder = p.parent

@@ -37,7 +37,7 @@ from kvretain.engine.sim.profiled import (
     relative_errors,
     write_profile,
 )
-from kvretain.fileio import replaced
+from kvretain.fileio import output_file, standard_stream
 
 MARK = "KVRETAIN-PROFILE "  # the measuring module's line prefix (stepprofile.MARK; that module imports vLLM)
 WHATS = ("core", "step")
@@ -318,8 +318,8 @@ def _plot(path: str, points: list[StepPoint], profile: Profile, err: float) -> b
     ax.legend()
     fig.tight_layout()
     try:
-        with replaced(path) as tmp:  # whole or not at all
-            fig.savefig(tmp, dpi=110, format="png")
+        with output_file(path, binary=True) as fh:  # whole or not at all
+            fig.savefig(fh, dpi=110, format="png")
     finally:
         plt.close(fig)
     return True
@@ -353,6 +353,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         plotted = _plot(plot, points, profile, err)
     except OSError as e:
         raise ValueError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from None
+    # an output written to standard output (--out /dev/stdout): what the command prints goes beside it
+    say = (
+        sys.stderr
+        if standard_stream(args.out) is sys.stdout or standard_stream(plot) is sys.stdout
+        else sys.stdout
+    )
     if args.json:
         out = {
             "out": args.out,
@@ -361,7 +367,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             "median_abs_rel_error": err,
             "points": len(points),
         }
-        print(json_text(out))
+        print(json_text(out), file=say)
         return 0
     rows = []
     for lab, p in zip(labels, points, strict=True):
@@ -378,15 +384,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
             }
         )
     cols = ["step", "tokens", "pairs", "measured ms", "fitted ms", "error"]
-    print(format_table(rows, cols + (["whole step ms"] if args.what == "core" else [])))
-    print()
+    print(format_table(rows, cols + (["whole step ms"] if args.what == "core" else [])), file=say)
+    print(file=say)
     for n in COEFFICIENTS:
-        print(f"{n:>16} = {getattr(coef, n):.4g}")
+        print(f"{n:>16} = {getattr(coef, n):.4g}", file=say)
     worst = max(relative_errors(coef, points))
     verdict = "within" if err <= TARGET else "ABOVE"
     print(
         f"fit: median |relative error| {err:.1%} over {len(points)} points ({verdict} the {TARGET:.0%} "
-        f"target; worst {worst:.1%})"
+        f"target; worst {worst:.1%})",
+        file=say,
     )
-    print(f"wrote {args.out}" + (f" and {plot}" if plotted else " (no plot: matplotlib is not importable)"))
+    print(
+        f"wrote {args.out}" + (f" and {plot}" if plotted else " (no plot: matplotlib is not importable)"),
+        file=say,
+    )
     return 0

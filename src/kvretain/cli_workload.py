@@ -23,6 +23,7 @@ from kvretain.cli_args import (
     number,
     path_arg,
 )
+from kvretain.fileio import standard_stream
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.mooncake import BLOCK_TOKENS_HINT, MOONCAKE_BLOCK_TOKENS, TraceError
@@ -87,20 +88,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise WorkloadError(f"cannot write {args.out}: {exc.strerror}") from None
     summary = {"workload": args.name, "seed": args.seed, "requests": n, "out": args.out}
     # the trace went to standard output (``--out /dev/stdout``): the summary goes beside it, not into it
-    where = sys.stderr if _is_stdout(args.out) else sys.stdout
+    where = sys.stderr if standard_stream(args.out) is sys.stdout else sys.stdout
     if args.json:
         print(json_text(summary), file=where)
     else:
         print(f"wrote {n} requests of workload {args.name!r} (seed {args.seed}) to {args.out}", file=where)
     return 0
-
-
-def _is_stdout(out: str) -> bool:
-    """Whether ``out`` names this process's standard output (``/dev/stdout``, ``/dev/fd/1``, its pipe)."""
-    try:
-        return os.path.samestat(os.stat(out), os.fstat(sys.stdout.fileno()))
-    except (OSError, ValueError, AttributeError):  # (no such file; stdout closed or not a real file)
-        return False
 
 
 def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None:

@@ -2,18 +2,69 @@
 or report folder behind (and an earlier output of the same name as it was).
 
 :func:`replaced` writes one file through a temporary name in the same folder, renamed onto the target on
-success; :class:`StagedFolder` collects a report's files in a temporary folder beside the target, moved into
-place on success. Both remove what they wrote otherwise.
+success; :func:`output_file` opens one that way, or writes a standard stream named as a file
+(``--out /dev/stdout``) through its own descriptor; :class:`StagedFolder` collects a report's files in a
+temporary folder beside the target, moved into place on success. They remove what they wrote otherwise.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any, TextIO
+
+
+def standard_stream(path: str | Path) -> TextIO | None:
+    """``sys.stdout`` or ``sys.stderr`` when ``path`` names the file, pipe or terminal it writes to
+    (``/dev/stdout``, ``/dev/fd/2``, or the file the shell redirected it to), else ``None``; never for
+    ``/dev/null`` (a command silenced with ``> /dev/null`` and writing ``--out /dev/null`` is not writing to its
+    own output)."""
+    try:
+        st = os.stat(path)
+        if os.path.samestat(st, os.stat(os.devnull)):
+            return None
+    except (OSError, ValueError):
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if os.path.samestat(st, os.fstat(stream.fileno())):
+                return stream
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # (closed, or not a real file)
+            continue
+    return None
+
+
+@contextmanager
+def output_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
+    """An open file (text in UTF-8, or ``binary``) whose content becomes ``path``'s, whole or not at all
+    (:func:`replaced`). A ``path`` that names this process's standard output or error
+    (:func:`standard_stream`) is written through that stream's own descriptor, in place: reopening
+    ``/dev/stdout`` would truncate a file the shell opened for appending (``>>``), and renaming onto it would
+    replace the file under the shell's descriptor and lose what else the shell writes there. Such an output
+    cannot be taken back: what was written before an error stays."""
+    stream = standard_stream(path)
+    if stream is not None:
+        stream.flush()
+        buf = stream.buffer
+        if binary:
+            yield buf
+        else:
+            text = io.TextIOWrapper(buf, encoding="utf-8", newline="\n", write_through=True)
+            try:
+                yield text
+            finally:
+                text.flush()
+                text.detach()  # (the stream's buffer stays open)
+        buf.flush()
+        return
+    with replaced(path) as tmp, tmp.open("wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+        yield fh
 
 
 def _partial_name(folder: Path, name: str) -> Path:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvretain.fileio import replaced
+from kvretain.fileio import output_file
 from kvretain.workloads.mooncake import MAX_TIMESTAMP_MS
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.tokens import SeededChunk, TokenSeq
@@ -128,10 +128,10 @@ def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any
 
 def write_mooncake(requests: Iterable[WorkloadRequest], path: str | Path, block_size: int = 512) -> int:
     """Write ``requests`` to ``path`` as Mooncake JSONL; returns the number of lines written. The file appears
-    whole or not at all (:func:`~kvretain.fileio.replaced`): an error or a Ctrl-C half-way leaves no partial
-    trace (and an earlier file of that name as it was)."""
+    whole or not at all (:func:`~kvretain.fileio.output_file`): an error or a Ctrl-C half-way leaves no partial
+    trace (and an earlier file of that name as it was); standard output is written in place."""
     n = 0
-    with replaced(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
+    with output_file(path) as fh:
         for rec in mooncake_records(requests, block_size):
             fh.write(json.dumps(rec, separators=(", ", ": "), allow_nan=False) + "\n")
             n += 1

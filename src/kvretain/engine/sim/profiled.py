@@ -38,7 +38,7 @@ from typing import Any
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
-from kvretain.fileio import replaced
+from kvretain.fileio import output_file
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
@@ -295,8 +295,8 @@ def dumps(profile: Profile) -> str:
 
 
 def write_profile(path: str | Path, profile: Profile) -> None:
-    with replaced(path) as tmp:  # whole or not at all
-        tmp.write_text(dumps(profile), encoding="utf-8")
+    with output_file(path) as fh:  # whole or not at all (standard output: in place)
+        fh.write(dumps(profile))
 
 
 def loads(text: str, where: str = "cost model") -> Profile:
