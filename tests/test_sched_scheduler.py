@@ -334,6 +334,21 @@ def test_waiting_request_never_preempts_one_whose_chunk_of_this_step_completes_a
     assert s.kv.stats[1].resume_hit_tokens <= 8  # what lo had computed when it was preempted
 
 
+def test_waiting_request_keeps_running_a_less_important_victim_it_fits_without() -> None:
+    # "small" (priority 3, 1 block) is taken first, then "big" (priority 2, 9 blocks): freeing big alone makes
+    # room, so small's preemption would lose its progress for nothing (it was preempted with big)
+    s = make(12, policy="priority", waiting_preempts_running=True)
+    big, small = req("big", 9 * BS - 2, out=2, prio=2), req("small", BS - 2, out=2, prio=3)
+    s.add_request(big)
+    s.add_request(small)
+    step(s)
+    w = req("w", 4 * BS - 1, out=2, prio=0, t=1.0)
+    s.add_request(w)
+    out = step(s)
+    assert out.preempted == ("big",) and w.status is RequestStatus.RUNNING
+    assert "small" in [c.request_id for c in out.chunks] and small.num_preemptions == 0
+
+
 def test_waiting_request_never_preempts_equal_or_more_important_running() -> None:
     s = make(6, policy="priority", waiting_preempts_running=True)
     s.add_request(req("first", 16, out=4, prio=0))

@@ -333,9 +333,9 @@ class KVCacheManager:
         reserve_tokens: int,
         candidates: Sequence[CacheRequest],
     ) -> int | None:
-        """How many of ``candidates`` (live requests, in the order they would be freed) must be freed before
-        :meth:`allocate_slots` with these arguments succeeds: the fewest, 0 when it succeeds now; ``None`` when
-        freeing all of them is not enough (a scheduler then frees none). A block counts as freed once every
+        """How many of ``candidates`` (distinct live requests, in the order they would be freed) must be freed,
+        as a prefix of that order, before :meth:`allocate_slots` with these arguments succeeds: the shortest such
+        prefix, 0 when it succeeds now; ``None`` when freeing all of them is not enough. A block counts as freed once every
         reference to it is among the freed requests'; a hit held only by them is free again, and taken back."""
         st = self._state(req)
         _, n_check = self._blocks_needed(

@@ -16,8 +16,9 @@ class SchedulerConfig:
     enable_chunked_prefill: split a prompt over steps to fit the budget; without it a prompt that does not
         fit the remaining budget waits for a step where it does (and must fit ``max_num_batched_tokens``).
     waiting_preempts_running: when a waiting request cannot get blocks, preempt running requests that are
-        strictly less important than it, the fewest that make room, and none when that would not make room
-        (vLLM issue #40004; vLLM itself never does this).
+        strictly less important than it, least important first, only those needed to make room and none when
+        they cannot make it; never one admitted in the same step or whose chunk of the step completes a block
+        (it is cached before the step computes it) (vLLM issue #40004; vLLM itself never does this).
     reserve_full_prompt: admit a waiting request only when the free blocks could hold all its tokens, not
         just its first chunk (vLLM 0.33's ``scheduler_reserve_full_isl``, on by default: without it chunked
         prefill over-admits and the running requests' later chunks preempt each other).

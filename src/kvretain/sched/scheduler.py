@@ -14,10 +14,11 @@ One step (``schedule``), in vLLM v1's order but split by concern:
    this step: prefix hits from ``get_computed_blocks``, then ``allocate_slots`` (which, with
    ``reserve_full_prompt``, also asks that the free blocks could hold the whole request). When blocks run out the
    queue stops, unless ``waiting_preempts_running`` lets the request preempt strictly less important
-   running requests: the fewest that make room, least important first, none when all of them would not
-   (``KVCacheManager.fits_after_freeing``), and never one admitted in this step or whose chunk of this step
-   completes a block (``_waiting_victims``); the request is then the last one admitted this step (as in 1., a
-   step that preempts admits no one else, so a victim never runs again in the step that preempted it).
+   running requests: least important first, up to the first with which it fits, less any of them it fits
+   without, and none when all of them would not make room (``_room_for``, ``KVCacheManager.fits_after_freeing``);
+   never one admitted in this step or whose chunk of this step completes a block (``_waiting_victims``); the
+   request is then the last one admitted this step (as in 1., a step that preempts admits no one else, so a
+   victim never runs again in the step that preempted it).
 
 Admission (``add_request``) rejects, as vLLM does, a request that could never be scheduled: one whose prompt
 and output need more KV blocks than the replica has (vLLM refuses ``prompt + max_tokens > max_model_len``,
@@ -180,16 +181,15 @@ class Scheduler:
                 continue
             if not cfg.waiting_preempts_running:
                 return
-            victims = self._waiting_victims(req, st)
-            k = kv.fits_after_freeing(req, n, n_cached, hits, reserve, victims)
-            if not k:  # (None: preempting every candidate would not make room; preempt none)
+            victims = self._room_for(req, n, n_cached, hits, reserve, st)
+            if not victims:  # (preempting every candidate would not make room: preempt none)
                 return
             # out of the queue before its victims go in (under fcfs they go to the front)
             waiting.pop()
-            for victim in victims[:k]:
+            for victim in victims:
                 self._preempt(victim, st)
             if kv.allocate_slots(req, n, n_cached, hits, reserve) is None:  # pragma: no cover - checked above
-                raise RuntimeError(f"request {req.request_id!r}: no room after preempting {k} request(s)")
+                raise RuntimeError(f"request {req.request_id!r}: no room after preempting {len(victims)}")
             self._admit(req, n, n_cached, need, st)
             return  # a step that preempted admits no one else
 
@@ -213,6 +213,28 @@ class Scheduler:
         if self._by_priority:
             return max(candidates, key=_preemption_key)
         return candidates[-1]
+
+    def _room_for(
+        self, req: Request, n: int, n_cached: int, hits: list[int], reserve: int, st: _Step
+    ) -> list[Request]:
+        """The requests ``req`` preempts to fit (empty: none can make room): the least important candidates
+        (:meth:`_waiting_victims`) up to the first with which it fits, less those of them it fits without
+        (a small request taken first may not be needed once a larger one is freed)."""
+        fits = self.kv.fits_after_freeing
+        candidates = self._waiting_victims(req, st)
+        k = fits(req, n, n_cached, hits, reserve, candidates)
+        if not k:
+            return []
+        chosen = candidates[:k]
+        i = 0
+        while i < len(chosen) - 1:  # (the last one is needed: without it the prefix did not fit)
+            rest = chosen[:i] + chosen[i + 1 :]
+            k = fits(req, n, n_cached, hits, reserve, rest)
+            if k is None:
+                i += 1
+            else:
+                chosen = rest[:k]
+        return chosen
 
     def _waiting_victims(self, req: Request, st: _Step) -> list[Request]:
         """The running requests strictly less important than ``req`` (by priority alone under both queue
