@@ -500,3 +500,57 @@ def test_the_other_priority_class_reaches_metrics(tmp_path, monkeypatch):
     samples = fams["kvretain:prefix_cache_requests"].samples
     got = [(s.labels["priority"], s.value) for s in samples if s.name.endswith("_total")]
     assert got == [("-3", 1), ("1", 2), ("other", 5)]
+
+
+def _reach(policy, scope, headers=()):
+    """What an ASGI request with ``scope`` gets through the middleware: the app's 200, the middleware's error
+    status, or for a websocket the close code it was refused with (None: it reached the app)."""
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+    sent = []
+    body = (
+        [{"type": "websocket.connect"}]
+        if scope["type"] == "websocket"
+        else [{"type": "http.request", "body": b"{}", "more_body": False}]
+    )
+
+    async def receive():
+        return body.pop(0) if body else {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"method": "GET", "root_path": "", **scope, "headers": list(headers)}
+    asyncio.run(AccessLimits(app, policy)(scope, receive, send))
+    if scope["type"] == "websocket":
+        return None if reached else sent[0]["code"]
+    return sent[0]["status"]
+
+
+def test_paths_behind_a_root_path_are_checked_as_without_it():
+    # behind a path-prefix proxy (vLLM --root-path /api) the middleware matched "/api/health" and
+    # "/api/v1/chat/completions" against its path lists: health probes got 401, completions 403 for limited keys
+    bob = [(b"authorization", b"Bearer sk-bob-00000")]
+    assert _reach(POLICY, {"type": "http", "path": "/api/health", "root_path": "/api"}) == 200
+    post = {"type": "http", "method": "POST", "path": "/api/v1/chat/completions", "root_path": "/api"}
+    assert _reach(POLICY, post, bob) == 200
+    assert _reach(POLICY, {**post, "path": "/api/v1/embeddings"}, bob) == 403  # (not open to limited keys)
+    assert _reach(POLICY, {"type": "http", "path": "/health"}) == 200
+
+
+def test_a_cors_preflight_passes_and_a_websocket_needs_a_key():
+    # OPTIONS (a browser's preflight, no credentials) got 401; a websocket went to the app with no key at all
+    assert _reach(POLICY, {"type": "http", "method": "OPTIONS", "path": "/v1/chat/completions"}) == 200
+    ws = {"type": "websocket", "path": "/v1/realtime"}
+    assert _reach(POLICY, ws) == 1008
+    assert (
+        _reach(POLICY, ws, [(b"authorization", b"Bearer sk-bob-00000")]) == 1008
+    )  # (limited: no body to check)
+    assert _reach(POLICY, ws, [(b"authorization", b"Bearer sk-admin-000")]) is None
+    assert _reach(AccessPolicy(), ws) is None  # (an open server)

@@ -6,8 +6,10 @@
 The limits (:mod:`kvretain.integrations.vllm.access`) are loaded when vLLM imports this module, so a broken key
 file stops the server at start instead of opening it; a server without keys logs at start that priorities and
 retention are open to every client. With keys, every path but ``/health``, ``/ping``, ``/version``, ``/load``
-and ``/metrics`` needs ``Authorization: Bearer KEY``; completions and chat completions are checked (and maybe
-rewritten), other POST endpoints are open to unlimited keys only (they could carry a priority unchecked).
+and ``/metrics`` needs ``Authorization: Bearer KEY``, websockets included (``/v1/realtime``: unlimited keys only,
+refused with close code 1008); completions and chat completions are checked (and maybe rewritten), other POST
+endpoints are open to unlimited keys only (they could carry a priority unchecked). As vLLM's own API-key check,
+paths are read without a ``--root-path`` prefix and CORS preflights (``OPTIONS``) pass.
 The global limits (directives, durations, body size) hold on every POST but ``/tokenize`` / ``/detokenize``: vLLM
 also generates at ``/invocations``, ``/v1/responses``, ``/v1/messages``, ``/inference/v1/generate`` and more, so a
 JSON body's retention fields (``vllm_xargs`` and top-level ones, ``sampling_params.extra_args``) are checked
@@ -163,10 +165,16 @@ class AccessLimits:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or (kind == "http" and scope.get("method") == "OPTIONS"):
+            # (lifespan; a CORS preflight, which carries no credentials: as vLLM's own API-key check)
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        # the route's path behind a path-prefix proxy (--root-path), as vLLM's own API-key check reads it
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
+        if kind == "websocket":
+            await self._websocket(path, scope, receive, send)
+            return
         checked = path in CHECKED_PATHS
         try:
             key = None if path in OPEN_PATHS else self.policy.authenticate(_header(scope, b"authorization"))
@@ -218,3 +226,19 @@ class AccessLimits:
             return await receive()
 
         await self.app({**scope, "headers": headers}, replay, send)
+
+    async def _websocket(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket (vLLM's ``/v1/realtime``) needs a key as any path but the open ones, and, carrying no
+        body to check, an unlimited one (as the POST endpoints other than completions); refused before it is
+        accepted (the server answers 403)."""
+        try:
+            if path not in OPEN_PATHS:
+                key = self.policy.authenticate(_header(scope, b"authorization"))
+                if not self.policy.is_open and not _unlimited(key):
+                    raise AccessDenied(403, f"{path} is not open to limited API keys")
+        except AccessDenied as exc:
+            logger.info("kvretain access limits: websocket %s refused: %s", path, exc.message)
+            await receive()  # (websocket.connect)
+            await send({"type": "websocket.close", "code": 1008, "reason": exc.message[:120]})
+            return
+        await self.app(scope, receive, send)
