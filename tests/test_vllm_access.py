@@ -554,3 +554,51 @@ def test_a_cors_preflight_passes_and_a_websocket_needs_a_key():
     )  # (limited: no body to check)
     assert _reach(POLICY, ws, [(b"authorization", b"Bearer sk-admin-000")]) is None
     assert _reach(AccessPolicy(), ws) is None  # (an open server)
+
+
+def test_gauges_of_a_per_block_queue_read_its_policy():
+    # KVRETAIN_GRANULARITY=block: the queue has no stats() of its own, so the controller's gauges read 0
+    # (and the frequency exponent 0, "LRU order", for a policy without a balance, where -1 means none)
+    from types import SimpleNamespace
+
+    from kvretain.core.policy import PolicyConfig, make_policy
+
+    unified = make_policy("unified", 12, PolicyConfig(block_size=16))
+    g = metrics.queue_gauges([SimpleNamespace(policy=unified, pool_blocks=range(12))])
+    want = unified.stats()
+    assert g["protected_target_blocks"] == want["protected_target"] > 0
+    assert g["protection_level"] == want["protection_level"] == 1.0
+    strict = make_policy("priority", 12, PolicyConfig(block_size=16))
+    assert (
+        metrics.queue_gauges([SimpleNamespace(policy=strict, pool_blocks=range(12))])[
+            "frequency_exponent_now"
+        ]
+        == -1
+    )
+
+
+def test_engine_snapshots_sum_counts_and_average_the_controllers_ratios(tmp_path):
+    # two engine processes (data parallel) at hit ratio 0.7 and level 0.8 read 1.4 and 1.6
+    g = {"pool_blocks": 10, "protected_blocks": 4, "hit_ratio_window": 0.7, "protection_level": 0.8}
+    _, merged = metrics.merge([{"gauges": g}, {"gauges": {**g, "protection_level": 0.4}}])
+    assert merged["pool_blocks"] == 20 and merged["protected_block_share"] == 0.4
+    assert merged["hit_ratio_window"] == pytest.approx(0.7) and merged["protection_level"] == pytest.approx(
+        0.6
+    )
+    assert merged["frequency_exponent_now"] == -1  # (no engine has a balance)
+
+
+def test_a_damaged_snapshot_file_is_skipped_not_fatal_to_metrics(tmp_path):
+    # valid JSON of another shape made collect() raise (and vLLM's own series were lost with /metrics); a
+    # file without a pid was counted forever (os.kill(-1, 0) succeeds)
+    good = {"pid": os.getpid(), "by_priority": {"0": {"query_tokens": 3}}, "gauges": {"pool_blocks": 4}}
+    for name, body in [
+        ("engine-1.json", [1, 2]),
+        ("engine-2.json", {"pid": "abc"}),
+        ("engine-3.json", {"by_priority": {}, "gauges": {}}),
+        ("engine-4.json", {"pid": 4, "by_priority": {"0": 5}}),
+        ("engine-5.json", {"pid": os.getpid(), "gauges": {"pool_blocks": "x"}}),
+        ("engine-6.json", good),
+    ]:
+        (tmp_path / name).write_text(json.dumps(body))
+    assert metrics.read_snapshots(tmp_path) == [good]

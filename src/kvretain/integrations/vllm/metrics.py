@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -125,12 +126,22 @@ def register_queue(queue: Any) -> None:
     QUEUES.add(queue)
 
 
+def _queue_stats(q: Any) -> dict[str, Any]:
+    """A queue's state: its own (the run queue) or its policy's (the per-block queue, ``KVRETAIN_GRANULARITY=
+    block``: any policy of the registry)."""
+    if hasattr(q, "stats"):
+        return dict(q.stats())
+    policy = getattr(q, "policy", None)
+    return dict(policy.stats()) if policy is not None and hasattr(policy, "stats") else {}
+
+
 def queue_gauges(queues: Any) -> dict[str, float]:
     """Sum of the queues' state (the controller's fields read where the queue has one)."""
     g = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
+    g["frequency_exponent_now"] = -1.0  # (until a queue with a balance says otherwise)
     for q in list(queues):
         g["pool_blocks"] += len(getattr(q, "pool_blocks", ()))
-        stats = q.stats() if hasattr(q, "stats") else {}
+        stats = _queue_stats(q)
         g["protected_blocks"] += float(stats.get("protected_blocks", 0.0))
         g["protected_target_blocks"] += float(stats.get("protected_target", 0.0))
         g["protected_budget_blocks"] += float(stats.get("protected_budget", 0.0))
@@ -155,19 +166,44 @@ def local_snapshot() -> dict[str, Any] | None:
 
 
 def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """The engine processes' snapshots as one: counters and block counts summed; the controller's ratios,
+    levels and flags (``_CONTROLLER_KEYS``, one controller per process) averaged over the processes that
+    report them (a sum of hit ratios or levels is no ratio: two engines at 0.7 read 1.4)."""
     by_prio: dict[str, dict[str, float]] = {}
     gauges = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
+    means: dict[str, list[float]] = {}
     for s in snaps:
         for prio, c in s.get("by_priority", {}).items():
             acc = by_prio.setdefault(prio, {})
             for k, v in c.items():
                 acc[k] = acc.get(k, 0.0) + float(v)
         for k, v in s.get("gauges", {}).items():
-            if k in gauges:
+            if k in _CONTROLLER_KEYS:
+                means.setdefault(k, []).append(float(v))
+            elif k in gauges:
                 gauges[k] += float(v)
+    gauges["frequency_exponent_now"] = -1.0
+    for k, vs in means.items():
+        gauges[k] = sum(vs) / len(vs)
     if gauges["pool_blocks"]:
         gauges["protected_block_share"] = gauges["protected_blocks"] / gauges["pool_blocks"]
     return by_prio, gauges
+
+
+def _snapshot_ok(snap: Any) -> bool:
+    """Whether a snapshot file holds what :func:`local_snapshot` writes (a foreign or damaged file in a shared
+    ``KVRETAIN_METRICS_DIR`` is skipped, not allowed to break ``/metrics``)."""
+    if not isinstance(snap, dict) or type(snap.get("pid")) is not int or snap["pid"] <= 0:
+        return False
+    by_prio, gauges = snap.get("by_priority", {}), snap.get("gauges", {})
+    if not isinstance(by_prio, dict) or not isinstance(gauges, dict):
+        return False
+    numbers = [*gauges.values()]
+    for c in by_prio.values():
+        if not isinstance(c, dict):
+            return False
+        numbers += c.values()
+    return all(type(v) in (int, float) and math.isfinite(v) for v in numbers)
 
 
 def _alive(pid: int) -> bool:
@@ -187,7 +223,9 @@ def read_snapshots(directory: Path, skip_pid: int | None = None) -> list[dict[st
             snap = json.loads(f.read_text())
         except (OSError, ValueError):
             continue  # a file being replaced, or a foreign one
-        pid = int(snap.get("pid", -1))
+        if not _snapshot_ok(snap):
+            continue
+        pid = snap["pid"]
         if pid != skip_pid and _alive(pid):
             out.append(snap)
     return out
