@@ -602,3 +602,44 @@ def test_a_damaged_snapshot_file_is_skipped_not_fatal_to_metrics(tmp_path):
     ]:
         (tmp_path / name).write_text(json.dumps(body))
     assert metrics.read_snapshots(tmp_path) == [good]
+
+
+def test_a_key_that_could_never_authenticate_is_refused_at_start():
+    # accepted, and every request with it got 401: a non-ASCII key (headers arrive as latin-1), a key with a
+    # surrounding or inner space (the token is read stripped)
+    for key in ("sk-ключ-1234", "sk-kkkkkkkk ", " sk-kkkkkkkk", "sk-kk kkkkk", "sk-kkkk\tkkk"):
+        with pytest.raises(
+            AccessConfigError, match=r"KVRETAIN_API_KEYS: keys\[0\]: 'key' must be printable ASCII"
+        ):
+            AccessPolicy.from_json({"keys": [{"key": key}]})
+
+
+def test_a_bad_key_file_is_one_line_naming_the_variable(tmp_path):
+    # invalid UTF-8 and JSON nested deeper than Python's parser went through as UnicodeDecodeError and
+    # RecursionError tracebacks naming neither the variable nor the file
+    bad = tmp_path / "keys.json"
+    for content, words in [
+        (b'{"keys": [{"key": "sk-\xff\xfe-12345"}]}', "not UTF-8 text"),
+        (b"[" * 5000 + b"]" * 5000, "not valid JSON"),
+        (b'{"keys": [{"key": "short"}]}', r"keys\[0\]: 'key' must be a string of at least 8"),
+    ]:
+        bad.write_bytes(content)
+        with pytest.raises(AccessConfigError, match=rf"^KVRETAIN_API_KEYS_FILE={bad}: .*{words}"):
+            AccessPolicy.from_env({"KVRETAIN_API_KEYS_FILE": str(bad)})
+    bad.write_bytes(
+        b'\xef\xbb\xbf{"keys": [{"key": "sk-12345678"}]}'
+    )  # (a byte-order mark, as editors write)
+    assert len(AccessPolicy.from_env({"KVRETAIN_API_KEYS_FILE": str(bad)}).keys) == 1
+
+
+def test_a_bad_key_setting_stops_the_server_with_one_line():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVRETAIN_API_KEYS": '{"keys": [{"key": "short"}]}'}
+    code = "import kvretain.integrations.vllm.middleware"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "kvretain access limits: KVRETAIN_API_KEYS: keys[0]: 'key' must be a string of at least 8 characters"
+    )

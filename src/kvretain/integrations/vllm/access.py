@@ -164,8 +164,8 @@ _KEY_FIELDS = {
 }
 
 
-def _parse_key(raw: Any, i: int) -> ApiKey:
-    where = f"keys[{i}]"
+def _parse_key(raw: Any, i: int, source: str = ENV_KEYS) -> ApiKey:
+    where = f"{source}: keys[{i}]"
     if not isinstance(raw, Mapping):
         raise AccessConfigError(f"{where}: expected an object with at least 'key', got {raw!r}")
     unknown = sorted(set(raw) - _KEY_FIELDS)
@@ -176,6 +176,13 @@ def _parse_key(raw: Any, i: int) -> ApiKey:
     key = raw.get("key")
     if not isinstance(key, str) or len(key) < 8:
         raise AccessConfigError(f"{where}: 'key' must be a string of at least 8 characters")
+    # a key a client can send: HTTP headers are latin-1 (the server decodes them so) and the token is read
+    # without surrounding whitespace; any other key would be accepted here and never match
+    if not key.isascii() or not key.isprintable() or key != key.strip() or " " in key:
+        raise AccessConfigError(
+            f"{where}: 'key' must be printable ASCII without spaces (an HTTP header carries it; any other key "
+            "could never be sent)"
+        )
     name = raw.get("name", f"key#{i}")
     if not isinstance(name, str) or not name:
         raise AccessConfigError(f"{where}: 'name' must be a non-empty string")
@@ -227,7 +234,7 @@ class AccessPolicy:
         keys_raw = raw.get("keys", [])
         if not isinstance(keys_raw, list):
             raise AccessConfigError(f"{where}: 'keys' must be a list of key objects")
-        keys = tuple(_parse_key(k, i) for i, k in enumerate(keys_raw))
+        keys = tuple(_parse_key(k, i, where) for i, k in enumerate(keys_raw))
         seen: set[str] = set()
         for k in keys:
             if k.key in seen:
@@ -257,15 +264,19 @@ class AccessPolicy:
             raise AccessConfigError(f"set {ENV_KEYS_FILE} or {ENV_KEYS}, not both")
         where = ENV_KEYS
         if path:
-            where = path
+            where = f"{ENV_KEYS_FILE}={path}"
             try:
-                text = Path(path).read_text()
+                text = Path(path).read_text(encoding="utf-8-sig")
             except OSError as exc:
-                raise AccessConfigError(f"{ENV_KEYS_FILE}={path}: cannot read it ({exc.strerror})") from None
+                raise AccessConfigError(f"{where}: cannot read it ({exc.strerror})") from None
+            except UnicodeDecodeError as exc:
+                raise AccessConfigError(
+                    f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
         if not text:
             return cls(mapping=mapping)
         try:
-            raw = json.loads(text)
+            raw = load_json(text.encode())
         except ValueError as exc:
             raise AccessConfigError(f"{where}: not valid JSON ({exc})") from None
         return cls.from_json(raw, where, mapping)

@@ -29,6 +29,7 @@ from kvretain.integrations.vllm.access import (
     ENV_KEYS,
     ENV_KEYS_FILE,
     PRIORITY_HEADER,
+    AccessConfigError,
     AccessDenied,
     AccessPolicy,
     ApiKey,
@@ -80,8 +81,12 @@ def _announce(policy: AccessPolicy) -> None:
         )
 
 
-POLICY = AccessPolicy.from_env()
-"""The limits of this process, from the environment at import (vLLM imports the module while building its app)."""
+try:
+    POLICY = AccessPolicy.from_env()
+    """The limits of this process, from the environment at import (vLLM imports the module while building its
+    app)."""
+except AccessConfigError as _exc:  # the server does not start: one line naming the setting, not a traceback
+    raise SystemExit(f"kvretain access limits: {_exc}") from None
 _announce(POLICY)
 
 
