@@ -63,6 +63,30 @@ def test_parse_options_empty() -> None:
     assert PluginConfig().policy == "unified"
 
 
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("protect_threshold=35.7", "must be a whole number"),  # (was cut to 35)
+        ("frequency_cap=64.9", "must be a whole number"),  # (was cut to 64)
+        ("adapt_frequency=0.5", "use true or false"),  # (kept as 0.5, taken as true)
+        ("budget=0.8,budget=0.5", "given twice"),  # (the last one won)
+        ("isolation_goal=", "has no value"),  # (taken as none: a fixed share, silently)
+        ("budget=none", "needs a value"),
+    ],
+)
+def test_policy_options_are_read_as_their_types_or_refused(spec: str, words: str) -> None:
+    with pytest.raises(PluginConfigError, match=words):
+        parse_options(spec)
+
+
+def test_policy_options_of_each_type() -> None:
+    got = parse_options("adapt_frequency=false, frequency_cap=8, isolation_goal=none, budget=0.5")
+    assert got == {"adapt_frequency": False, "frequency_cap": 8, "isolation_goal": None, "budget": 0.5}
+    assert type(got["frequency_cap"]) is int
+    assert parse_options("adapt_frequency=ON")["adapt_frequency"] is True
+    assert parse_options("adapt_frequency=0")["adapt_frequency"] is False
+
+
 def test_retention_fields() -> None:
     assert retention_from_extra_args(None) is None
     assert retention_from_extra_args({"other": 1}) is None

@@ -151,8 +151,16 @@ def check_vllm_version(version: str, environ: Mapping[str, str] | None = None) -
     )
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def parse_options(spec: str) -> dict[str, Any]:
-    """``"budget=0.8,isolation_goal=0.9"`` -> ``{"budget": 0.8, "isolation_goal": 0.9}``."""
+    """``"budget=0.8,isolation_goal=0.9"`` -> ``{"budget": 0.8, "isolation_goal": 0.9}``, each value read as its
+    :class:`PolicyConfig` field's type: an integer field takes a whole number only (35.7 is refused, not cut to
+    35), ``adapt_frequency`` a boolean (``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``), and
+    ``none`` only a setting that has no value by default (``isolation_goal=none``: a fixed share). A key given
+    twice or without a value is refused."""
     known = {f.name: f for f in fields(PolicyConfig) if f.name not in ("next_use", "block_size")}
     out: dict[str, Any] = {}
     for part in spec.split(","):
@@ -165,17 +173,39 @@ def parse_options(spec: str) -> dict[str, Any]:
             raise PluginConfigError(
                 f"{ENV_OPTIONS}: bad entry {part!r}; use key=value with keys {', '.join(sorted(known))}"
             )
-        if raw.lower() in ("none", "null", ""):
-            out[key] = None
-            continue
-        try:
-            num = float(raw)
-        except ValueError:
-            raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} is not a number") from None
-        if not math.isfinite(num):
-            raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} must be finite")
-        out[key] = int(num) if key in ("protect_threshold", "frequency_cap") else num
+        if key in out:
+            raise PluginConfigError(f"{ENV_OPTIONS}: {key} is given twice")
+        out[key] = _option_value(key, raw, str(known[key].type))
     return out
+
+
+def _option_value(key: str, raw: str, kind: str) -> Any:
+    """``raw`` as the value of the :class:`PolicyConfig` field ``key`` of type ``kind`` (see
+    :func:`parse_options`)."""
+    low = raw.lower()
+    if not raw:
+        raise PluginConfigError(
+            f"{ENV_OPTIONS}: {key}= has no value" + (" (none: no value)" if "None" in kind else "")
+        )
+    if low in ("none", "null"):
+        if "None" not in kind:
+            raise PluginConfigError(f"{ENV_OPTIONS}: {key} needs a value (it has no 'none')")
+        return None
+    if kind == "bool":
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r}: use true or false")
+    try:
+        num = float(raw)
+    except ValueError:
+        raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} is not a number") from None
+    if not math.isfinite(num):
+        raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} must be finite")
+    if kind == "int":
+        if not num.is_integer():
+            raise PluginConfigError(f"{ENV_OPTIONS}: {key}={raw!r} must be a whole number")
+        return int(num)
+    return num
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | None:
