@@ -136,6 +136,13 @@ def test_retention_limits():
     assert "unknown retention field" in _denied(
         lambda: POLICY.check({"vllm_xargs": {"retention_scop": "x"}}, None), 400
     )
+    # the top-level convenience: a misspelt field went on to vLLM, which drops unknown fields with a debug line
+    assert "in the request body (did you mean 'retention_scope'?)" in _denied(
+        lambda: POLICY.check({"retention_scop": "x"}, None), 400
+    )
+    assert (
+        POLICY.check({"prompt_cache_retention": "24h"}, None).body["prompt_cache_retention"] == "24h"
+    )  # OpenAI's
 
 
 @pytest.mark.parametrize("where", ["top", "xargs"])

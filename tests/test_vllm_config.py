@@ -184,6 +184,10 @@ def test_a_misspelt_retention_field_fails_validation() -> None:
     assert "retention_scope" in msg  # names the known fields
     assert validation_message({"other_plugin_key": 1, "retention_scope": "s"}) is None
     assert validation_message({"retention_decode_priority": 10}) is None
+    # TensorRT-LLM's name for the decode priority (README names it) and a capital letter passed and were ignored
+    msg = validation_message({"decode_retention_priority": 80})
+    assert msg is not None and "did you mean 'retention_decode_priority'?" in msg, msg
+    assert validation_message({"Retention_scope": "s"}) is not None
 
 
 @pytest.mark.parametrize(

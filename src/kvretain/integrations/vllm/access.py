@@ -412,6 +412,9 @@ class AccessPolicy:
         body = d.body
         xargs = body.get("vllm_xargs")
         top = {f: body[f] for f in RETENTION_KEYS if f in body}
+        misspelt = unknown_retention_fields(body, prefix_only=True)
+        if misspelt:  # (a top-level field vLLM would drop with a debug line: the client meant retention)
+            raise AccessDenied(400, unknown_fields_message(misspelt, "the request body"), misspelt[0])
         if xargs is None and not top:
             return
         if xargs is not None and not isinstance(xargs, dict):

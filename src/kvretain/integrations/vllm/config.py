@@ -35,6 +35,7 @@ Per request (``SamplingParams.extra_args``; over the OpenAI API: ``vllm_xargs``)
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -282,16 +283,26 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
     )
 
 
-def unknown_retention_fields(extra_args: Mapping[str, Any]) -> list[str]:
-    """The keys of ``extra_args`` that look like retention fields (``retention...``) but are none of
-    :data:`RETENTION_KEYS`: a misspelt field would otherwise be ignored without a word."""
+def unknown_retention_fields(extra_args: Mapping[str, Any], prefix_only: bool = False) -> list[str]:
+    """The keys of ``extra_args`` that name retention (``retention`` anywhere in them, in any case:
+    ``retention_scop``, ``Retention_scope``, TensorRT-LLM's ``decode_retention_priority``) but are none of
+    :data:`RETENTION_KEYS`: a misspelt field would otherwise be ignored without a word. ``prefix_only``: those
+    that start with it (a request body's top level, where OpenAI's own ``prompt_cache_retention`` lives)."""
     return sorted(
-        k for k in extra_args if isinstance(k, str) and k.startswith("retention") and k not in RETENTION_KEYS
+        k
+        for k in extra_args
+        if isinstance(k, str)
+        and k not in RETENTION_KEYS
+        and (k.lower().startswith("retention") if prefix_only else "retention" in k.lower())
     )
 
 
-def unknown_fields_message(unknown: list[str]) -> str:
-    return f"unknown retention field(s) {unknown} in vllm_xargs; known: {', '.join(RETENTION_KEYS)}"
+def unknown_fields_message(unknown: list[str], where: str = "vllm_xargs") -> str:
+    hint = difflib.get_close_matches(unknown[0].lower(), RETENTION_KEYS, n=1, cutoff=0.5)
+    if unknown[0].lower() == "decode_retention_priority":  # (TensorRT-LLM's name)
+        hint = [DECODE_PRIORITY_KEY]
+    said = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return f"unknown retention field(s) {unknown} in {where}{said}; known: {', '.join(RETENTION_KEYS)}"
 
 
 def extra_args_for(retention: RetentionConfig | None) -> dict[str, Any] | None:
