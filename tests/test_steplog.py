@@ -107,6 +107,21 @@ def test_install_from_env_needs_the_variable() -> None:
     assert steplog.install_from_env({steplog.ENV_STEP_LOG: "  "}) is False
 
 
+def test_a_step_log_that_cannot_be_written_is_refused_at_install(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # accepted at start, then every step's write failed (counted as a hook error, the open retried each step)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for bad in (blocker / "steps.jsonl", tmp_path):  # (a folder under a file; a folder)
+        with pytest.raises(OSError):
+            steplog.StepLog(bad)
+        caplog.clear()
+        assert steplog.install_from_env({steplog.ENV_STEP_LOG: str(bad)}) is False
+        assert len(caplog.records) == 1 and "not installed" in caplog.records[0].getMessage()
+        assert caplog.records[0].exc_info is None  # (one line, no traceback)
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [

@@ -84,7 +84,16 @@ class StepLog:
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
         self.clock = clock
+        # checked here, when the plugin is installed: a path that cannot be written is an error at start, not a
+        # failed write at every step (raises OSError); the file itself is opened at the first step (a process
+        # that never schedules, vLLM's API server, writes none)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir() or not os.access(
+            self.path if self.path.exists() else self.path.parent, os.W_OK
+        ):
+            raise PermissionError(f"cannot write {self.path}")
         self._file: IO[str] | None = None
+        self._closed = False
         self._pending: tuple[float, list[list[int]], list[str]] | None = None
         self._lock = threading.Lock()
 
@@ -98,14 +107,16 @@ class StepLog:
         t0, reqs, ids = pending
         line = json.dumps({"t0": t0, "t1": self.clock(), "reqs": reqs, "ids": ids, "more": bool(more)})
         with self._lock:
+            if self._closed:  # (a later install took over)
+                return
             if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open: one line a step)
             self._file.write(line + "\n")
             self._file.flush()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -120,6 +131,7 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
     """Log the steps of every ``scheduler_cls`` (default: vLLM v1's ``Scheduler``) to ``path``. Idempotent for
     the same class (a second call switches the file)."""
     global _patched, _log
+    log = StepLog(path)  # (first: a path that cannot be written is refused before anything is patched)
     if scheduler_cls is None:
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -128,7 +140,7 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
         uninstall()
     if _log is not None:
         _log.close()
-    log = _log = StepLog(path)
+    _log = log
     if _patched is scheduler_cls:
         return log
     orig_schedule = scheduler_cls.__dict__["schedule"]
@@ -183,6 +195,9 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> bool:
         return False
     try:
         install(path)
+    except OSError as exc:  # (a path that cannot be written: one line, at start)
+        logger.error("kvretain step log (%s=%s) not installed: %s", ENV_STEP_LOG, path, exc)
+        return False
     except Exception:
         logger.exception("kvretain step log (%s=%s) not installed", ENV_STEP_LOG, path)
         return False
