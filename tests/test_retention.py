@@ -479,3 +479,53 @@ def test_block_retention_accepts_the_whole_range() -> None:
     BlockRetention()
     BlockRetention([0, 100, 35], [None, 0.0, math.inf], "s", -3, 0)  # inf: no expiry, as a directive's
     BlockRetention([100] * 3, [1, 2.5, None], None, 0, 100)  # an int duration is seconds too
+
+
+_WINDOW = range(-400, 401)  # (wide enough: a formula's threshold is within 20 + 100 of 0 here)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    normal=st.integers(-20, 20),
+    step=st.integers(0, 5),
+    base=st.integers(0, 100),
+    table=st.dictionaries(st.integers(-30, 30), st.integers(0, 100), max_size=4),
+    cap=st.integers(0, 100),
+    at_least=st.none() | st.integers(-30, 30),
+    prio=st.integers(-40, 40),
+)
+def test_the_priority_a_retention_cap_allows_is_the_brute_force_one(
+    normal: int, step: int, base: int, table: dict[int, int], cap: int, at_least: int | None, prio: int
+) -> None:
+    # the access limits walked 256 priorities up from 0: a mapping whose threshold lies beyond (normal=300) or
+    # below 0 (README's table 0:80,1:35,2:10 with a cap of 50 allows -1) was refused
+    m = PriorityMapping(normal=normal, step=step, base=base, table=tuple(table.items()))
+    ok = [p for p in _WINDOW if m.retention_for(p) <= cap and (at_least is None or p >= at_least)]
+    try:
+        got = m.most_important_within(cap, at_least)
+    except RetentionError:
+        assert not ok
+    else:
+        if got is None:  # every priority below the table and the window is within
+            assert at_least is None and all(
+                m.retention_for(p) <= cap for p in range(-400, min(table, default=0))
+            )
+        else:
+            assert ok and got == ok[0]
+    try:
+        near = m.nearest_within(cap, prio, at_least)
+    except RetentionError:
+        assert not ok
+    else:
+        lo = prio if at_least is None else max(prio, at_least)
+        best = min(ok, key=lambda p: (abs(p - lo), -p))  # nearest; the less important one on a tie
+        assert near == best
+
+
+def test_readmes_table_with_a_cap_allows_the_formula_below_it() -> None:
+    m = PriorityMapping.parse("0:80,1:35,2:10")
+    assert m.most_important_within(50) == -1  # (-1 maps to 45 by the formula; 0 is the table's 80)
+    assert m.nearest_within(50, 0) == 1  # (0 maps to 80: the nearest within is 1, less important on the tie)
+    assert PriorityMapping(normal=300, step=1).most_important_within(10) == 325
+    with pytest.raises(RetentionError, match="no request priority maps"):
+        PriorityMapping(step=0).most_important_within(30)

@@ -650,3 +650,29 @@ def test_a_bad_key_setting_stops_the_server_with_one_line():
     assert proc.stderr.strip().splitlines()[-1] == (
         "kvretain access limits: KVRETAIN_API_KEYS: keys[0]: 'key' must be a string of at least 8 characters"
     )
+
+
+def test_a_retention_cap_allows_exactly_the_priorities_the_mapping_puts_within_it():
+    # the floor was found by walking 256 priorities up from 0: README's own table (0:80,1:35,2:10) with a cap of
+    # 50 refused priority -1 (45 by the formula); normal=300 refused 400 (which maps to 0); a cap no priority
+    # meets (step=0: everything maps to 35) was accepted at start and refused every request
+    key = {"key": "sk-dave-0000", "name": "dave", "max_retention_priority": 50}
+    readme = AccessPolicy.from_json({"keys": [key]}, mapping=PriorityMapping.parse("0:80,1:35,2:10"))
+    dave = readme.keys[0]
+    assert readme.check({"priority": -1}, dave).priority == -1
+    assert "maps to 80" in _denied(lambda: readme.check({"priority": 0}, dave), 403)
+    assert "may ask for request priority -1 or higher" in _denied(
+        lambda: readme.check({"priority": -2}, dave), 403
+    )
+    far = {**key, "max_retention_priority": 10}
+    shifted = AccessPolicy.from_json({"keys": [far]}, mapping=PriorityMapping.parse("normal=300,step=1"))
+    assert shifted.check({"priority": 400}, shifted.keys[0]).priority == 400
+    assert "325 or higher" in _denied(lambda: shifted.check({"priority": 0}, shifted.keys[0]), 403)
+    clamp = AccessPolicy.from_json(
+        {"keys": [{**far, "mode": "clamp"}]}, mapping=PriorityMapping.parse("normal=300,step=1")
+    )
+    assert clamp.check({"priority": 0}, clamp.keys[0]).priority == 325
+    with pytest.raises(AccessConfigError, match="max_retention_priority 30: no request priority maps"):
+        AccessPolicy.from_json(
+            {"keys": [{**key, "max_retention_priority": 30}]}, mapping=PriorityMapping(step=0)
+        )

@@ -250,6 +250,65 @@ class PriorityMapping:
         value = self.base + self.step * (self.normal - request_priority)
         return max(MIN_RETENTION_PRIORITY, min(MAX_RETENTION_PRIORITY, value))
 
+    def _linear_within_from(self, cap: int) -> float:
+        """Where the formula's retentions (priorities the table does not name) are within ``cap``: from this
+        priority up (``-inf``: all of them, ``inf``: none). The formula does not increase with the priority."""
+        if self.step == 0:
+            within = max(MIN_RETENTION_PRIORITY, min(MAX_RETENTION_PRIORITY, self.base)) <= cap
+            return -math.inf if within else math.inf
+        if cap >= MAX_RETENTION_PRIORITY:
+            return -math.inf
+        # base + step * (normal - p) <= cap  <=>  p >= normal - floor((cap - base) / step)
+        return self.normal - (cap - self.base) // self.step
+
+    def most_important_within(self, cap: int, at_least: int | None = None) -> int | None:
+        """The most important (lowest) request priority, ``at_least`` or less important when given, whose
+        retention is at most ``cap`` (an API key's retention cap); ``None`` when there is none below which
+        every priority fails (no ``at_least`` and the formula is within ``cap`` all the way down). Raises
+        :class:`RetentionError` when no such priority exists. Exact: the formula's threshold, then the table's
+        finitely many exceptions."""
+        table = dict(self.table)
+        lin = self._linear_within_from(cap)
+        found: list[int] = [p for p, r in table.items() if r <= cap and (at_least is None or p >= at_least)]
+        if lin == -math.inf and at_least is None:
+            return None
+        if lin != math.inf:
+            p = int(lin) if at_least is None else max(at_least, int(lin) if lin != -math.inf else at_least)
+            while p in table:  # (the table's own entries are in ``found`` when within)
+                p += 1
+            found.append(p)
+        if not found:
+            at = "" if at_least is None else f" at {at_least} or above"
+            raise RetentionError(f"no request priority{at} maps to a retention priority of at most {cap}")
+        return min(found)
+
+    def nearest_within(self, cap: int, request_priority: int, at_least: int | None = None) -> int:
+        """The request priority nearest ``request_priority`` (``at_least`` or above when given; the less
+        important one on a tie) whose retention is at most ``cap``: where a retention cap moves a request it
+        does not allow. Raises :class:`RetentionError` when there is none."""
+        prio = request_priority if at_least is None else max(request_priority, at_least)
+        try:
+            up: int | None = self.most_important_within(cap, prio)
+        except RetentionError:
+            up = None
+        if up == prio:
+            return prio
+        table = dict(self.table)
+        lowest = -math.inf if at_least is None else at_least
+        downs = [p for p, r in table.items() if r <= cap and lowest <= p < prio]
+        start = max(lowest, self._linear_within_from(cap))
+        p = prio - 1
+        while p >= start and p in table:
+            p -= 1
+        if p >= start:
+            downs.append(p)
+        down = max(downs) if downs else None
+        if up is None and down is None:
+            raise RetentionError(f"no request priority maps to a retention priority of at most {cap}")
+        if down is None or (up is not None and up - prio <= prio - down):
+            return up  # type: ignore[return-value]
+        return down
+
     @classmethod
     def parse(cls, spec: str) -> PriorityMapping:
         """Parse ``"normal=1,step=10,base=35"`` or a table ``"0:80,1:35,2:10"`` (``""``: the default)."""

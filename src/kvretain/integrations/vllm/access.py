@@ -75,9 +75,6 @@ DEFAULT_MAX_DURATION_S = 7 * 24 * 3600.0
 """NOTE: an explicit duration over a week is more often a unit mistake (milliseconds given as seconds) than a
 wish; a directive without a duration never lapses (it is still evicted, last, under pressure)."""
 INT64 = (-(2**63), 2**63 - 1)
-MAX_MAPPING_STEPS = 256
-"""How far :meth:`AccessPolicy._retention_floor` walks the priority mapping (the default mapping saturates
-at 0 and 100 within 11 steps of its normal priority; a table names finitely many priorities)."""
 
 
 class AccessConfigError(ValueError):
@@ -215,6 +212,22 @@ class AccessPolicy:
     mapping: PriorityMapping = field(default_factory=PriorityMapping)
     """The plugin's request-priority -> retention mapping (``KVRETAIN_PRIORITY_MAPPING``): a key's
     ``max_retention_priority`` also caps the retention its request priority maps to."""
+
+    def __post_init__(self) -> None:
+        for k in self.keys:  # a cap no request priority can meet would refuse every request of the key
+            cap = k.max_retention_priority
+            if cap is None:
+                continue
+            try:
+                p = self.mapping.most_important_within(cap, k.min_request_priority)
+            except RetentionError:
+                p = INT64[1] + 1
+            if p is not None and p > INT64[1]:
+                raise AccessConfigError(
+                    f"key {k.name!r}: max_retention_priority {cap}: no request priority"
+                    + ("" if k.min_request_priority is None else f" of {k.min_request_priority} or above")
+                    + f" maps to a retention within it under {ENV_MAPPING} (every request would be refused)"
+                )
 
     @property
     def is_open(self) -> bool:
@@ -377,36 +390,28 @@ class AccessPolicy:
     def _nearest_within(self, key: ApiKey, cap: int, prio: int, floor: int | None) -> int:
         """The request priority nearest ``prio`` (the less important one on a tie, never below ``floor``) whose
         mapped retention is within ``cap``: where clamp mode puts a priority that maps above the cap."""
-        for step in range(1, MAX_MAPPING_STEPS + 1):
-            for p in (prio + step, prio - step):
-                if (
-                    INT64[0] <= p <= INT64[1]
-                    and (floor is None or p >= floor)
-                    and self.mapping.retention_for(p) <= cap
-                ):
-                    return p
-        raise AccessDenied(
-            403,
-            f"key {key.name!r}: no request priority near {prio} maps to a retention within {cap}",
-            "priority",
-        )
+        try:
+            p = self.mapping.nearest_within(cap, prio, floor)
+        except RetentionError:
+            p = INT64[1] + 1
+        if not INT64[0] <= p <= INT64[1]:
+            raise AccessDenied(
+                403,
+                f"key {key.name!r}: no request priority near {prio} maps to a retention within {cap}",
+                "priority",
+            )
+        return p
 
     def _retention_floor(self, key: ApiKey, cap: int, floor: int | None) -> int | None:
-        """The most important request priority whose mapped retention is within ``cap`` (and ``floor``)."""
-        p = 0 if floor is None else floor
-        if floor is None and self.mapping.retention_for(p) <= cap:
-            # unlimited below? walk towards more important values while the mapping stays within the cap
-            q = p
-            for _ in range(MAX_MAPPING_STEPS):
-                if self.mapping.retention_for(q - 1) > cap:
-                    return q
-                q -= 1
-            return None
-        for _ in range(MAX_MAPPING_STEPS):
-            if self.mapping.retention_for(p) <= cap:
-                return p
-            p += 1
-        raise AccessDenied(403, f"key {key.name!r}: no request priority maps to a retention within {cap}")
+        """The most important request priority whose mapped retention is within ``cap`` (and ``floor``);
+        ``None`` when the cap sets no floor. Checked at start (:meth:`__post_init__`): some priority exists."""
+        try:
+            p = self.mapping.most_important_within(cap, floor)
+        except RetentionError:
+            p = INT64[1] + 1
+        if p is not None and p > INT64[1]:
+            raise AccessDenied(403, f"key {key.name!r}: no request priority maps to a retention within {cap}")
+        return p
 
     def _retention(self, d: Decision, key: ApiKey | None, clamp: bool) -> None:
         body = d.body
