@@ -300,3 +300,30 @@ def test_a_temporary_folder_too_long_for_a_socket_path_falls_back_to_tmp(monkeyp
         assert len(str(made / "12345678-1234-1234-1234-123456789012")) <= launch.UNIX_SOCKET_PATH_MAX
     finally:
         made.rmdir()
+
+
+def test_a_server_takes_the_callers_environment_over_the_launchers_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # BASE_ENV was laid over os.environ: an exported VLLM_CPU_KVCACHE_SPACE=40 still started the server with 1
+    from kvretain.integrations.vllm.launch import VLLMServer
+
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(
+        f'#!/bin/sh\necho "$VLLM_CPU_KVCACHE_SPACE $HF_HUB_OFFLINE $KVRETAIN_POLICY" > {seen}.part\n'
+        f"mv {seen}.part {seen}\nexec sleep 60\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("KVRETAIN_POLICY", "lru")
+    server = VLLMServer(
+        "model", python=str(fake), env={"KVRETAIN_POLICY": "unified"}, log_path=tmp_path / "log"
+    )
+    try:
+        assert (
+            _started_and_seen(server, seen) == "40 1 unified"
+        )  # (the caller's, a default, the server's own)
+    finally:
+        server.stop(grace_s=5)

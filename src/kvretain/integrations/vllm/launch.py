@@ -32,7 +32,8 @@ BASE_ENV: dict[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-"""Offline, a 1 GiB CPU KV cache space, no usage reporting."""
+"""Offline, a 1 GiB CPU KV cache space, no usage reporting: defaults, which the caller's environment
+overrides (an exported ``VLLM_CPU_KVCACHE_SPACE=40`` is the server's)."""
 
 
 class ServerError(RuntimeError):
@@ -63,7 +64,8 @@ def free_port() -> int:
 class VLLMServer:
     """One vLLM API server process (a context manager: started on enter, stopped on exit).
 
-    ``env`` adds to the current environment and :data:`BASE_ENV` (e.g. ``{"KVRETAIN_POLICY": "unified"}``);
+    ``env`` adds to (and overrides) the current environment, which overrides :data:`BASE_ENV`'s defaults (e.g.
+    ``{"KVRETAIN_POLICY": "unified"}``);
     ``args`` are extra server options after the model's.
 
     NOTE: vLLM's processes talk over ZeroMQ IPC sockets it creates in ``VLLM_RPC_BASE_PATH`` (default: the
@@ -104,7 +106,7 @@ class VLLMServer:
             raise ServerError(f"this server was started already (pid {self.proc.pid}); stop() it first")
         if self.port == 0:
             self.port = free_port()
-        env = {**os.environ, **BASE_ENV, **self.env}
+        env = {**BASE_ENV, **os.environ, **self.env}  # (defaults the caller's environment may override)
         if "VLLM_RPC_BASE_PATH" not in env:
             self.rpc_dir = _private_ipc_dir()
             if self.rpc_dir is not None:
