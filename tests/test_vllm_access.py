@@ -676,3 +676,11 @@ def test_a_retention_cap_allows_exactly_the_priorities_the_mapping_puts_within_i
         AccessPolicy.from_json(
             {"keys": [{**key, "max_retention_priority": 30}]}, mapping=PriorityMapping(step=0)
         )
+
+
+def test_a_huge_priority_is_not_echoed_whole():
+    # a 5,000-character X-Vllm-Priority header came back whole in the 400 message
+    msg = _denied(lambda: POLICY.check({}, ADMIN, "9" * 2 + "x" * 5000), 400)
+    assert len(msg) < 200 and "(5004 characters)" in msg  # (its repr, quotes included)
+    msg = _denied(lambda: POLICY.check({"priority": "p" * 5000}, ADMIN), 400)
+    assert len(msg) < 200

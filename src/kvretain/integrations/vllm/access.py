@@ -47,6 +47,7 @@ from kvretain.core.retention import (
     RetentionConfig,
     RetentionDirective,
     RetentionError,
+    show_value,
 )
 from kvretain.integrations.vllm.config import (
     DECODE_DURATION_KEY,
@@ -331,14 +332,16 @@ class AccessPolicy:
                 prio: Any = int(header.strip())
             except ValueError:
                 raise AccessDenied(
-                    400, f"X-Vllm-Priority header must be an integer, got {header!r}", "priority"
+                    400, f"X-Vllm-Priority header must be an integer, got {show_value(header)}", "priority"
                 ) from None
             body["priority"] = prio  # one place for the priority: the header is dropped when forwarded
             d.changed = True
         prio = body.get("priority")
         if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):
             raise AccessDenied(
-                400, f"priority must be an integer (lower = more important), got {prio!r}", "priority"
+                400,
+                f"priority must be an integer (lower = more important), got {show_value(prio)}",
+                "priority",
             )
         if prio is not None and not INT64[0] <= prio <= INT64[1]:
             raise AccessDenied(400, f"priority {prio} is outside the 64-bit integer range", "priority")
