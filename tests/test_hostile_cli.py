@@ -15,6 +15,15 @@ import pytest
 
 from kvretain.cli import main
 
+
+def cli_env() -> dict[str, str]:
+    """The environment of a ``python -m kvretain`` subprocess: this checkout's ``src`` first on the path."""
+    import os
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 GOOD: dict[str, Any] = {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}
 
 
@@ -571,14 +580,12 @@ def test_a_catalog_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_sigterm_during_compare_leaves_no_report_and_says_so(tmp_path: Path) -> None:
     # `timeout`, `kill` or a cancelled CI job send SIGTERM: the same clean-up as Ctrl-C (was: killed outright,
     # the report's stage left behind)
-    import os
     import signal
     import subprocess
     import sys
     import time
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     argv = [
         "compare",
         "--limit",
@@ -624,12 +631,10 @@ def test_sigterm_during_compare_leaves_no_report_and_says_so(tmp_path: Path) -> 
 )
 def test_a_closed_stdout_ends_quietly_with_the_shells_sigpipe_status(argv: list[str]) -> None:
     # `kvretain workload list | head -1`: the reader gone, each command ended in a BrokenPipeError traceback
-    import os
     import subprocess
     import sys
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     cmd = [sys.executable, "-m", "kvretain", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None
@@ -644,12 +649,10 @@ def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(jso
     # (the free space of /proc/PID/fd), then "cannot write /dev/stdout" (its resolved name is no file's), and the
     # summary line went into the trace
     import json
-    import os
     import subprocess
     import sys
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     cmd = [sys.executable, "-m", "kvretain", "workload", "export", "multi-tenant", "--limit", "3"]
     proc = subprocess.run(
         [*cmd, "--out", "/dev/stdout", *json_flag], capture_output=True, text=True, timeout=120, env=env
@@ -663,12 +666,10 @@ def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(jso
 def test_ctrl_c_while_the_command_loads_is_one_line_and_130() -> None:
     # the console script imported kvretain.cli (~0.1 s of imports) before main()'s handler: a Ctrl-C then printed
     # the interrupted import's traceback
-    import os
     import subprocess
     import sys
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     code = (
         "import sys\n"
         "class Stop:\n"
@@ -684,12 +685,10 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_130() -> None:
 
 
 def _kvretain_in_shell(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    import os
     import shlex
     import sys
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     kv = f"{shlex.quote(sys.executable)} -m kvretain"
     return subprocess.run(
         ["bash", "-c", script.replace("KV", kv)],
@@ -719,11 +718,9 @@ def test_an_output_named_dev_stdout_is_written_where_the_shell_points_it(tmp_pat
 def test_an_output_on_standard_output_needs_no_writable_folder() -> None:
     # as a user other than root, /dev is not writable: `--out /dev/stdout` was refused ("permission denied")
     # before anything ran (os.access stands in for that user here)
-    import os
     import sys
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cli_env()
     code = (
         "import os\n"
         "os.access = lambda *a, **k: False\n"

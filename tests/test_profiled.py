@@ -125,9 +125,8 @@ def test_step_seconds_round_trip_and_checked() -> None:
             StepPoint(8, 36, 1, 0.01, "prefill", bad)  # type: ignore[arg-type]
 
 
-def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # the fake engine's whole steps take 1.5x its engine-core steps: --what core (the default) fits the core's
-    # times and keeps the whole step's beside them; --what step fits the whole step's
+def fake_engine(tmp_path: Path) -> Path:
+    """A stand-in for the vLLM Python: prints the measuring module's lines for steps priced by ``TRUE``."""
     lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
     lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in grid_points(TRUE)]
     data = tmp_path / "lines.txt"
@@ -135,6 +134,13 @@ def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
+    return fake
+
+
+def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the fake engine's whole steps take 1.5x its engine-core steps: --what core (the default) fits the core's
+    # times and keeps the whole step's beside them; --what step fits the whole step's
+    fake = fake_engine(tmp_path)
     argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
     for what, factor in ((None, 1.0), ("core", 1.0), ("step", 1.5)):
         out = tmp_path / f"{what}.toml"
@@ -276,13 +282,7 @@ def test_profile_to_standard_output_writes_the_profile_alone_there(tmp_path: Pat
     import sys
     import tomllib
 
-    lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
-    lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in grid_points(TRUE)]
-    data = tmp_path / "lines.txt"
-    data.write_text("\n".join(lines) + "\n")
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ncat {data}\n")
-    fake.chmod(0o755)
+    fake = fake_engine(tmp_path)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress"]
