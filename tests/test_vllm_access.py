@@ -421,6 +421,7 @@ def test_metrics_collector_families(tmp_path, monkeypatch):
     }
     (tmp_path / "engine-9.json").write_text(json.dumps(snap))
     monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: [snap])
+    monkeypatch.setattr(metrics, "local_snapshot", lambda: None)  # (not this process's, from earlier tests)
     fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
     assert fams["kvretain:prefix_cache_queries"].samples[0].value == 7
     assert fams["kvretain:evicted_blocks"].samples[0].labels == {"priority": "1"}
@@ -503,6 +504,7 @@ def test_the_other_priority_class_reaches_metrics(tmp_path, monkeypatch):
         "gauges": {"pool_blocks": 4},
     }
     monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: [snap])
+    monkeypatch.setattr(metrics, "local_snapshot", lambda: None)  # (not this process's, from earlier tests)
     fams = {f.name: f for f in metrics.Collector(tmp_path).collect()}
     samples = fams["kvretain:prefix_cache_requests"].samples
     got = [(s.labels["priority"], s.value) for s in samples if s.name.endswith("_total")]
