@@ -213,6 +213,18 @@ def test_no_retention_asks_nothing() -> None:
     assert extra_args_for(RetentionConfig()) is None
 
 
+def _fake_interpreter(tmp_path: Path, reported: str, first: str = "") -> tuple[Path, Path]:
+    """A stand-in for the server's Python: runs ``first``, writes the shell words ``reported`` to the returned
+    file (whole, by a rename), then waits to be stopped."""
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(
+        f"#!/bin/sh\n{first}echo {reported} > {seen}.part\nmv {seen}.part {seen}\nexec sleep 60\n"
+    )
+    fake.chmod(0o755)
+    return fake, seen
+
+
 def _started_and_seen(server: object, seen: Path) -> str:
     """Start ``server`` and return the folder its stand-in interpreter reported."""
     server.start()  # type: ignore[attr-defined]
@@ -229,15 +241,9 @@ def test_a_server_gets_a_private_ipc_folder_that_stop_removes(tmp_path: Path) ->
     interpreter records the folder and leaves a file in it."""
     from kvretain.integrations.vllm.launch import VLLMServer
 
-    seen = tmp_path / "seen"
-    fake = tmp_path / "python"
-    fake.write_text(
-        # The file goes in first, and the report lands whole (rename), so a test that reads the report finds
-        # the file: reporting first raced the stop in CI.
-        f'#!/bin/sh\ntouch "$VLLM_RPC_BASE_PATH/left"\necho "$VLLM_RPC_BASE_PATH" > {seen}.part\n'
-        f"mv {seen}.part {seen}\nexec sleep 60\n"
-    )
-    fake.chmod(0o755)
+    # The file goes in first, and the report lands whole (rename), so a test that reads the report finds the
+    # file: reporting first raced the stop in CI.
+    fake, seen = _fake_interpreter(tmp_path, '"$VLLM_RPC_BASE_PATH"', 'touch "$VLLM_RPC_BASE_PATH/left"\n')
     server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
     rpc = Path(_started_and_seen(server, seen))
     assert rpc == server.rpc_dir and rpc.is_dir() and rpc.parent == Path(tempfile.gettempdir())
@@ -308,13 +314,7 @@ def test_a_server_takes_the_callers_environment_over_the_launchers_defaults(
     # BASE_ENV was laid over os.environ: an exported VLLM_CPU_KVCACHE_SPACE=40 still started the server with 1
     from kvretain.integrations.vllm.launch import VLLMServer
 
-    seen = tmp_path / "seen"
-    fake = tmp_path / "python"
-    fake.write_text(
-        f'#!/bin/sh\necho "$VLLM_CPU_KVCACHE_SPACE $HF_HUB_OFFLINE $KVRETAIN_POLICY" > {seen}.part\n'
-        f"mv {seen}.part {seen}\nexec sleep 60\n"
-    )
-    fake.chmod(0o755)
+    fake, seen = _fake_interpreter(tmp_path, '"$VLLM_CPU_KVCACHE_SPACE $HF_HUB_OFFLINE $KVRETAIN_POLICY"')
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("KVRETAIN_POLICY", "lru")

@@ -25,7 +25,7 @@ from kvretain.core.retention import (
     PriorityMapping,
     RetentionError,
 )
-from kvretain.fileio import standard_stream
+from kvretain.fileio import standard_stream, written_in_place
 from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 
 
@@ -180,7 +180,7 @@ def check_output_file(path: str, option: str) -> None:
     p = Path(path)
     if standard_stream(p) is not None:
         return  # written through the open descriptor (fileio.output_file): nothing is opened by its name
-    if p.exists() and not p.is_dir() and not p.is_file():
+    if written_in_place(p):
         # written in place (a named pipe, a device: fileio.replaced), not beside it: its folder need not be
         # writable
         if not os.access(p, os.W_OK):

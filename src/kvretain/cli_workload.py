@@ -23,7 +23,7 @@ from kvretain.cli_args import (
     number,
     path_arg,
 )
-from kvretain.fileio import standard_stream
+from kvretain.fileio import standard_stream, written_in_place
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.mooncake import BLOCK_TOKENS_HINT, MOONCAKE_BLOCK_TOKENS, TraceError
@@ -100,7 +100,7 @@ def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None
     """Raise a ``ValueError`` naming ``--out`` when the trace cannot fit on its disk: each of its hash ids (one
     per ``block_tokens`` of a prompt, known before writing) takes at least 3 bytes (``", 0"``). A target that
     exists and is not a regular file (``/dev/stdout``, a pipe: written in place) has no disk to check."""
-    if os.path.exists(out) and not os.path.isfile(out):  # (the link itself: a pipe's has no path to resolve)
+    if written_in_place(out):
         return
     ids = sum(-(-r.prompt_len // block_tokens) for r in reqs)
     free = shutil.disk_usage(Path(os.path.realpath(out)).parent).free

@@ -40,6 +40,13 @@ def standard_stream(path: str | Path) -> TextIO | None:
     return None
 
 
+def written_in_place(path: str | Path) -> bool:
+    """Whether ``path`` is written where it is rather than replaced (:func:`replaced`): it exists and is
+    neither a regular file nor a folder (``/dev/stdout``, a pipe, a device). Tested on ``path`` itself: stat
+    follows ``/dev/stdout`` to its pipe, whose resolved name (``/proc/PID/fd/pipe:[N]``) is no file's."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 @contextmanager
 def output_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
     """An open file (text in UTF-8, or ``binary``) whose content becomes ``path``'s, whole or not at all
@@ -77,9 +84,7 @@ def replaced(path: str | Path) -> Iterator[Path]:
     ends without an error and removed when it does not. ``path`` itself is replaced in one step (a reader sees
     the old file or the new one); a symbolic link keeps pointing at the new file. A ``path`` that exists and is
     not a regular file (``/dev/stdout``, a pipe) is written in place."""
-    if os.path.exists(path) and not os.path.isfile(path):
-        # NOTE: tested on ``path`` itself, not its resolved name: ``/dev/stdout`` on a pipe resolves to
-        # ``/proc/PID/fd/pipe:[N]``, a name no file has (the link is followed by stat, not by realpath)
+    if written_in_place(path):
         yield Path(path)
         return
     target = Path(os.path.realpath(path))
