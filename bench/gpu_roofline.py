@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg
+from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg, summary_of
 from kvretain.cli_profile import int_list
 from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
 from kvretain.engine.sim.costmodel import CostModel, chunk_counts
@@ -432,7 +432,7 @@ def _time_step(dec: Decoder, st: Step, repeats: int, graph_tokens: int) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument(
         "--model", default="llama-3-8b", help="catalog model whose shapes are run (default llama-3-8b)"
     )

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer
+from kvretain.cli_args import Parser, fail, integer, summary_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "pool_instructions"
@@ -99,7 +99,7 @@ def export_revision(rev: str, into: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument(
         "--pools", nargs="+", choices=POOLS, default=["unified"], help="pools to count (default unified)"
     )

@@ -39,7 +39,7 @@ from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer, path_arg
+from kvretain.cli_args import Parser, fail, integer, path_arg, summary_of
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
@@ -251,7 +251,7 @@ PROG = "pool_ops"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument(
         "--sizes", type=integer(1, what=" (blocks)"), nargs="+", default=[10_000, 100_000, 1_000_000]
     )

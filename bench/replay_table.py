@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer, path_arg
+from kvretain.cli_args import Parser, fail, integer, path_arg, summary_of
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayResult, TraceError, load_trace, replay
 from kvretain.workloads.priority import make_rule
@@ -52,7 +52,7 @@ def _cell(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument("--trace", type=path_arg("a Mooncake-format JSONL file"), default=str(DEFAULT_TRACE))
     ap.add_argument("--capacities", type=integer(1, what=" (blocks)"), nargs="+", default=[875, 5000, 20000])
     ap.add_argument("--no-frontier", action="store_true")

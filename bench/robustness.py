@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, check_output_file, path_arg
+from kvretain.cli_args import Parser, check_output_file, path_arg, summary_of
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayRequest, ReplayResult, TraceError, replay, replay_requests
@@ -686,7 +686,7 @@ def write_json(path: str, doc: Any) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = Parser(prog="robustness", description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog="robustness", description=summary_of(__doc__))
     ap.add_argument(
         "--mooncake",
         type=path_arg("a Mooncake-format JSONL file"),

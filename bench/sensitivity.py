@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import robustness as grid
-from kvretain.cli_args import Parser, path_arg
+from kvretain.cli_args import Parser, path_arg, summary_of
 from kvretain.core.policies import protection
 from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
@@ -280,7 +280,7 @@ def table(settings: Sequence[Setting], summaries: dict[str, dict[str, Any]]) -> 
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = Parser(prog="sensitivity", description=(__doc__ or "").split("\n")[0])
+    ap = Parser(prog="sensitivity", description=summary_of(__doc__))
     ap.add_argument(
         "--mooncake",
         type=path_arg("a Mooncake-format JSONL file"),

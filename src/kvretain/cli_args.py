@@ -36,6 +36,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def summary_of(doc: str | None) -> str:
+    """A script's ``--help`` description: its docstring's first paragraph as one line (a first line cut at the
+    docstring's wrap would end mid-sentence)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 class SubcommandParser(Parser):
     """A subcommand's parser (``add_subparsers(parser_class=SubcommandParser)``; theirs are of its class too):
     it refuses the arguments it does not know itself, naming its own command and help (argparse hands them up

@@ -129,7 +129,12 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         help="seconds from the step that sampled a token to the client receiving it (default 0)",
     )
     g = p.add_argument_group("scheduler")
-    g.add_argument("--scheduling", default="priority", choices=QUEUE_POLICIES.names(), help="queue policy")
+    g.add_argument(
+        "--scheduling",
+        default="priority",
+        choices=QUEUE_POLICIES.names(),
+        help="queue policy (default priority)",
+    )
     g.add_argument(
         "--max-num-batched-tokens", type=integer(1), default=8192, help="token budget per step (default 8192)"
     )
@@ -157,14 +162,15 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         default="roofline",
         type=cost_model_option,
         metavar="{" + ",".join(COST_MODELS.names()) + "} or FILE.toml",
-        help="how a step is priced: " + _choices_help(COST_MODELS.describe()),
+        help="how a step is priced (default roofline): " + _choices_help(COST_MODELS.describe()),
     )
     h.add_argument("--replicas", type=integer(1), default=1, help="replicas behind the router (default 1)")
     h.add_argument(
         "--router",
         default="least-loaded",
         choices=ROUTERS.names(),
-        help="how requests are spread over replicas: " + _choices_help(ROUTERS.describe()),
+        help="how requests are spread over replicas (default least-loaded): "
+        + _choices_help(ROUTERS.describe()),
     )
     h.add_argument(
         "--kv-blocks",
@@ -188,7 +194,8 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
     d = SIM_POLICY_DEFAULTS
     c = p.add_argument_group(
-        "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin)"
+        "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin; the plugin's run queue "
+        "keeps no ghost table)"
     )
     add_policy_options(c, d)
     add_priority_mapping_option(c)
@@ -196,7 +203,7 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         "--slo",
         type=slo_spec,
         default=",".join(f"{k}={v.ttft_s:g}:{v.tpot_s:g}" for k, v in DEFAULT_SLOS.items()),
-        help="per-class targets 'class=ttft_s:tpot_s,...' (larger classes take the last one)",
+        help="per-class targets 'class=ttft_s:tpot_s,...' (larger classes take the last one; default %(default)s)",
     )
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
@@ -693,7 +700,9 @@ def add_subcommands(sub: Any) -> None:
     """Register ``simulate`` and ``compare`` on the ``kvretain`` subparsers."""
     s = sub.add_parser("simulate", help="simulate serving a workload (default: the multi-tenant workload)")
     _add_common(s)
-    s.add_argument("--policy", default="unified", choices=policy_names(), help="eviction policy")
+    s.add_argument(
+        "--policy", default="unified", choices=policy_names(), help="eviction policy (default unified)"
+    )
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_simulate, check=check_sim)
     c = sub.add_parser(
