@@ -14,7 +14,8 @@ import pytest
 
 from _switching import SWITCH_AT, SwitchingController
 from kvretain.core import BlockPool, BlockRetention, PolicyConfig, make_policy, policy_names
-from kvretain.core.policies import UnifiedPolicy
+from kvretain.core.policies import UnifiedPolicy, rules
+from kvretain.core.policy import INF
 from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY
 
 
@@ -396,11 +397,52 @@ def test_unified_the_owner_is_the_scope_that_set_the_level_none_included() -> No
     assert sim.retention(1) == 50
     # the same through a directive with a duration: the unscoped raise's lapse still falls back as before
     sim.run([2], 80, 10.0, scope="a")
-    sim.run([2], 90, 5.0)
+    sim.run([2], 90, 20.0)
     sim.run([2], 10, scope="a")
     assert sim.retention(2) == 90
-    sim.now = 6.0
+    sim.now = 21.0
     assert sim.retention(2) == 35
+
+
+def test_unified_a_brief_raise_does_not_lower_the_owners_level() -> None:
+    # a lapse falls to the users' mapped priority, not to the level a raise displaced: a non-owner raising an
+    # owner's open-ended 80 to 90 for 0 s used to leave 35 behind it (and own the block), a lower by raising
+    sim = unified(4, 1.0)
+    sim.run([1], 80, scope="alice")
+    sim.run([1], 50, scope="mallory")  # a direct lower is refused
+    assert sim.retention(1) == 80
+    sim.run([1], 90, 0.0, scope="mallory")
+    sim.run([1], 81, 0.5, scope="mallory")
+    sim.run([1], 95, 1.0)  # nor an unscoped one
+    sim.now = 2.0
+    assert sim.retention(1) == 80
+    sim.run([1], 50, scope="alice")  # alice still owns it
+    assert sim.retention(1) == 50
+    # a raise that outlasts the level it displaces applies (and the raiser owns the block until it lapses)
+    sim.run([3], 80, 10.0, scope="alice")
+    sim.run([3], 90, 20.0, scope="mallory")
+    sim.run([3], 40, scope="alice")
+    assert sim.retention(3) == 90
+    sim.now = 23.0
+    assert sim.retention(3) == 35
+    # the owner may raise briefly (it may lower anyway), and a raise over the users' own level always applies
+    sim.run([4], 80, scope="alice")
+    sim.run([4], 90, 1.0, scope="alice")
+    assert sim.retention(4) == 90
+    sim.run([5], 35)
+    sim.run([5], 90, 1.0, scope="mallory")
+    assert sim.retention(5) == 90
+    sim.now = 25.0
+    assert (sim.retention(4), sim.retention(5)) == (35, 35)
+
+
+def test_rules_a_brief_raise_by_a_non_owner_keeps_the_displaced_level() -> None:
+    state = rules.release(rules.UNSET, rules.UNSET, INF, None, 80, None, "alice", 0.0, 35)
+    assert state == (80, 35, INF, "alice")
+    assert rules.release(*state, 90, 0.0, "mallory", 10.0, 35) == state
+    assert rules.release(*state, 90, 0.0, None, 10.0, 35) == state
+    # a user whose mapped priority is the displaced level: its lapse falls back there, so the raise applies
+    assert rules.release(*state, 90, 5.0, "mallory", 10.0, 80) == (90, 80, 15.0, "mallory")
 
 
 def test_unified_a_request_may_keep_what_it_computed_below_its_priority() -> None:

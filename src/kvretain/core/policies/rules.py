@@ -18,7 +18,10 @@ or its request priority mapped by :class:`~kvretain.core.retention.PriorityMappi
    releaser is the only user it has had: a request may ask to keep what it computed *less* than its priority
    would, TensorRT-LLM's low decode priority for example; any later user's release raises it again); either
    way the ask's duration starts now and the asker's scope becomes the owner (``None`` for a request without
-   a scope: then no scope may lower the level, since none set it);
+   a scope: then no scope may lower the level, since none set it). A raise by anyone but the owner that
+   would end before the level it displaces, and lapse to a ``base`` below that level, is not applied: since a
+   lapse falls to ``base``, not to the level it displaced, a brief raise (90 for 0 s over an owner's 80 with no
+   expiry) would otherwise lower the owner's level when it lapsed, and take the ownership with it;
 4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration);
 5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down.
 
@@ -63,7 +66,10 @@ def release(
     else:
         cur = level
     end = INF if duration_s is None else now + duration_s
-    if ask > cur or (ask < cur and (level == UNSET or (scope is not None and scope == owner))):
+    owns = scope is not None and scope == owner
+    if ask > cur and end < expiry and base < cur and not owns:
+        pass  # a raise that would lapse below the level it displaces before that level ends: kept (rule 3)
+    elif ask > cur or (ask < cur and (level == UNSET or owns)):
         cur = ask
         expiry = end
         owner = scope  # the scope that set the level (None included: an unscoped raise leaves no owner)
