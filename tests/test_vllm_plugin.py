@@ -736,6 +736,54 @@ def test_blocks_a_window_frees_mid_request_take_their_requests_retention(
     assert plugin.stats()["hook_errors"] == {}
 
 
+def _retentions(q: Any, granularity: str, ids: list[int]) -> list[tuple[int, Any]]:
+    if granularity == "run":
+        return [(q._r[i], q._run_of[i].cls if q._run_of[i] is not None else None) for i in ids]
+    return [(q.policy.retention_of(i, 0.0), q._cls[i]) for i in ids]
+
+
+@GRANULARITY
+@pytest.mark.parametrize("second", ["sliding_window", "chunked_local"])
+def test_a_deferred_free_releases_at_the_same_retention_as_free(
+    model_dir: str, granularity: str, second: str
+) -> None:
+    """vLLM's deferred free (``pop_blocks_for_free``, then ``BlockPool.free_blocks`` later: a KV-consumer connector
+    with async scheduling or pipeline parallelism) releases each block as ``free`` does. The hook read what vLLM
+    returned, every group's blocks concatenated without their leading null blocks: positions were not token
+    positions and, over two groups, the directives were dropped (every block at the mapped priority)."""
+    extra = {
+        "retention_directives": [
+            {"start": 0, "end": 2 * BLOCK, "priority": 90},
+            {"start": 4 * BLOCK, "end": 6 * BLOCK, "priority": 70},
+        ]
+    }
+    seen = []
+    for deferred in (False, True):
+        enable("unified", granularity=granularity)
+        sched = build_hybrid(model_dir, 61, second)
+        sched.add_request(
+            make_request(Spec("b", tokens(11, 6 * BLOCK + 3), max_tokens=30, priority=5, extra_args=extra))
+        )
+        for _ in range(2):
+            out = sched.schedule()
+            sched.update_from_output(out, harness.runner_output(sched, out))
+        kvm = sched.kv_cache_manager
+        req = sched.requests["b"]
+        ids = sorted({b.block_id for g in kvm.coordinator.get_blocks("b") for b in g if not b.is_null})
+        if deferred:
+            popped = kvm.pop_blocks_for_free(req)
+            kvm.block_pool.free_blocks(reversed(popped))
+        else:
+            kvm.free(req)
+        q = queue_of(sched)
+        q.check()
+        assert plugin.stats()["hook_errors"] == {}
+        seen.append(_retentions(q, granularity, ids))
+        plugin.disable()
+    assert {r for r, _ in seen[0]} >= {90, 70}, seen[0]
+    assert seen[1] == seen[0]
+
+
 def test_import_is_lazy() -> None:
     """``import kvretain.integrations.vllm`` must not import vLLM (checked in a fresh interpreter)."""
     import subprocess

@@ -275,15 +275,24 @@ def _make_free(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
     def pop_blocks_for_free(self: Any, request: Any) -> Any:
-        blocks = orig(self, request)
+        # NOTE: the release reads the request's per-group tables before vLLM pops them, as ``free`` does: what
+        # vLLM returns is every group's blocks concatenated, each without its leading null blocks
+        # (``trim_null_head``), so positions there are not token positions (a directive would land on the wrong
+        # blocks) and the groups' block sizes cannot be told apart (directives were dropped)
         q = self.block_pool.free_block_queue
-        if blocks and type(q) in QUEUE_TYPES:
+        groups: tuple[list[Any], ...] | None = None
+        if type(q) in QUEUE_TYPES:
             try:
+                rid = request.request_id
+                groups = tuple(list(g) for g in _own_blocks(self, rid))
                 sizes = _block_sizes(self)
-                own = q.pool_blocks
-                # (the blocks of every group, concatenated: keep this pool's own, see _own_blocks)
-                mine = [b for b in blocks if b.block_id < len(own) and own[b.block_id] is b]
-                q.on_request_release(request, (mine,), sizes if len(sizes) == 1 else None)
+                cached = _num_cached(self, rid)
+            except Exception:
+                _hook_failed("pop", "kvretain: release hook failed (blocks released at default retention)")
+        blocks = orig(self, request)
+        if groups is not None and any(groups):
+            try:
+                q.on_request_release(request, groups, sizes, num_cached=cached)
             except Exception:
                 _hook_failed("pop", "kvretain: release hook failed (blocks released at default retention)")
         return blocks
