@@ -792,6 +792,17 @@ def test_belady_never_used_again_deepest_first() -> None:
     assert sim.evict(1) == [2]
 
 
+def test_belady_depth_does_not_leak_into_the_next_use_order() -> None:
+    # a leaf 4,100 blocks deep used at request 5 against a root used at request 6: the root's use is farther
+    uses = {"deep": 5.0, "root": 6.0}
+    pol = make_policy("belady", 2, PolicyConfig(next_use=lambda h: uses[str(h)]))
+    pol.on_cached(0, "deep", 4100, 0.0)  # type: ignore[arg-type]
+    pol.on_cached(1, "root", 0, 0.0)  # type: ignore[arg-type]
+    pol.push(0, 0.0)
+    pol.push(1, 0.0)
+    assert pol.pop(0.0) == 1
+
+
 # ---------------------------------------------------------------- key order at every setting
 
 

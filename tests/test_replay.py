@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvretain.core import PolicyConfig
+from kvretain.core.hashing import BlockIdHasher
 from kvretain.core.stats import CacheStats
 from kvretain.replay import (
     MOONCAKE_BLOCK_TOKENS,
@@ -124,6 +125,37 @@ def test_belady_beats_every_online_policy(tmp_path: Path, seed: int, capacity: i
     best = replay(reqs, capacity, "belady", check_every=1).hit_blocks
     for p in ONLINE:
         assert replay(reqs, capacity, p).hit_blocks <= best, p
+
+
+def test_a_request_longer_than_the_pool_uses_its_hits() -> None:
+    # a review's minimal trace (pool of 3): request 2 is longer than the pool; its hits were counted but never
+    # released again, so belady kept block 102 (next use: request 4, past) and evicted block 0, which request 7
+    # needs: 8 hits against lru's 9 and the optimum's 9
+    hasher = BlockIdHasher()
+    rows = [[0, 100, 101], [1, 102, 103], [1, 102, 103, 104], [0], [1, 102, 103, 104], [1, 102, 103, 104]]
+    rows += [[1, 105], [0]]
+    reqs = [ReplayRequest(tuple(hasher.block_keys(r)), float(i)) for i, r in enumerate(rows)]
+    hits = {p: replay(reqs, 3, p, check_every=1).hit_blocks for p in ALL}
+    assert hits["belady"] == 9 and all(h <= 9 for h in hits.values()), hits
+    # its hits count, and are released (a use) at its retention; its new blocks are not cached
+    res = replay(reqs[:3], 3, "lru", check_every=1)
+    assert (res.hit_blocks, res.classes[0].released_blocks) == (3, 3 + 3 + 3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_beats_every_online_policy_with_requests_longer_than_the_pool(seed: int) -> None:
+    rng = random.Random(seed)
+    hasher = BlockIdHasher()
+    reqs = []
+    for i in range(300):
+        root = rng.randrange(6)
+        tail = rng.randrange(1, 8)
+        ids = [root] + [1000 * (root + 1) + j for j in range(tail)]
+        reqs.append(ReplayRequest(tuple(hasher.block_keys(ids)), float(i)))
+    for capacity in (3, 5):
+        best = replay(reqs, capacity, "belady", check_every=7).hit_blocks
+        for p in ONLINE:
+            assert replay(reqs, capacity, p).hit_blocks <= best, (p, capacity)
 
 
 def test_priority_and_unified_protect_class_0(trace: list[ReplayRequest]) -> None:

@@ -2,7 +2,8 @@
 
 Each request, in order, looks up its longest run of leading cached blocks and counts those as hits; then
 all its blocks are resident (hits touched, misses allocated and cached) and released deepest first. A
-request with more blocks than the pool counts its lookups and caches nothing. This is the replay behind the
+request with more blocks than the pool counts its lookups, uses its hits (touched and released) and caches
+none of its new blocks. This is the replay behind the
 anchors of ``shared/traces/README.md`` (vLLM 0.33's ``BlockPool`` replayed the same way), driven through
 kvretain's own :class:`~kvretain.core.block_pool.BlockPool`.
 
@@ -208,16 +209,20 @@ def replay(
             hits_of.append(k)
         base = mapping.retention_for(req.priority)
         pol.on_lookup(hashes, k, base)
-        if n > capacity_blocks:
-            continue
         hit_ids = [cached[hashes[i]] for i in range(k)]
         pool.touch(hit_ids)
-        new_ids = pool.get_new_blocks(n - k)
-        if new_ids is None:  # the pool is smaller than the request's working set even after eviction
-            pool.free_blocks(hit_ids)
+        new_ids = pool.get_new_blocks(n - k) if n <= capacity_blocks else None
+        if new_ids is None:
+            # NOTE: a request longer than the pool (or than what eviction can free) caches none of its new
+            # blocks, but its hits are uses, released at its retention like any: left untouched, they kept the
+            # keys of their previous release (``belady``'s pointing at this request, now past: kept forever)
+            ids = hit_ids
+            n = k
+        else:
+            ids = hit_ids + new_ids
+            pool.cache_blocks(ids, hashes, k, n)
+        if not ids:
             continue
-        ids = hit_ids + new_ids
-        pool.cache_blocks(ids, hashes, k, n)
         if req.retention is None:
             key = (n, base, req.priority)
             plan = plans.get(key)
@@ -225,9 +230,9 @@ def replay(
                 plan = plans[key] = BlockRetention([], [], None, req.priority, base)
         else:
             prios, durs = req.retention.block_plan(
-                n, block_tokens, req.input_length or n * block_tokens, base
+                len(hashes), block_tokens, req.input_length or len(hashes) * block_tokens, base
             )
-            plan = BlockRetention(prios, durs, req.retention.scope, req.priority, base)
+            plan = BlockRetention(prios[:n], durs[:n], req.retention.scope, req.priority, base)
         stats.released(ids, req.priority)
         pool.free_blocks(ids, plan)
         if check_every and idx % check_every == 0:
