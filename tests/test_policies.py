@@ -271,6 +271,18 @@ def test_priority_low_priority_with_duration_lapses_up_to_35() -> None:
     assert sim2.evict_all() == [2, 1]
 
 
+def test_priority_duration_lapses_to_the_requests_mapped_priority() -> None:
+    # a priority -3 request (maps to 65) asks 90 for 1 s over block 1: it used to lapse to 35, below the
+    # request's undirected block 2 and below a priority 0 request's block 3 (35, released later)
+    sim = Sim("priority", 3)
+    sim.run([1], 90, 1.0, base=65)
+    sim.run([2], 65, base=65)
+    sim.run([3], 35)
+    sim.now = 2.0
+    assert (sim.retention(1), sim.retention(2)) == (65, 65)
+    assert sim.evict_all() == [3, 1, 2]
+
+
 def test_priority_duration_restarts_on_reuse() -> None:
     sim = Sim("priority", 2)
     sim.run([1], 80, 10.0)

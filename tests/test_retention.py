@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -210,7 +211,7 @@ def test_direct_construction_errors_say_retention_directive() -> None:
 def test_config_level_errors() -> None:
     with pytest.raises(RetentionError, match=r"decode_priority: priority 101 is out of range"):
         RetentionConfig(decode_priority=101)
-    with pytest.raises(RetentionError, match=r"decode_duration_s: duration_s must be >= 0"):
+    with pytest.raises(RetentionError, match=r"retention config: decode_duration_s must be >= 0"):
         RetentionConfig(decode_duration_s=-3)
     with pytest.raises(RetentionError, match=r"retention_scope must be a string, got 7"):
         RetentionConfig(scope=7)  # type: ignore[arg-type]
@@ -529,3 +530,16 @@ def test_readmes_table_with_a_cap_allows_the_formula_below_it() -> None:
     assert PriorityMapping(normal=300, step=1).most_important_within(10) == 325
     with pytest.raises(RetentionError, match="no request priority maps"):
         PriorityMapping(step=0).most_important_within(30)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"decode_priority": "80"}, "pass e.g. decode_priority=80"),
+        ({"decode_duration_s": "5"}, "pass e.g. decode_duration_s=30"),
+    ],
+)
+def test_decode_field_errors_name_the_decode_field(fields: dict[str, Any], says: str) -> None:
+    # the examples named a directive's fields (priority=80, duration_s=30), which this call does not take
+    with pytest.raises(RetentionError, match=re.escape(says)):
+        RetentionConfig(**fields)

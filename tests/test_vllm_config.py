@@ -188,6 +188,10 @@ def test_a_misspelt_retention_field_fails_validation() -> None:
     msg = validation_message({"decode_retention_priority": 80})
     assert msg is not None and "did you mean 'retention_decode_priority'?" in msg, msg
     assert validation_message({"Retention_scope": "s"}) is not None
+    # TensorRT-LLM's decode duration (milliseconds) passed and was ignored: generated tokens kept their decode
+    # priority forever instead of for the duration asked
+    msg = validation_message({"retention_decode_priority": 10, "decode_duration_ms": 5000})
+    assert msg is not None and "did you mean 'retention_decode_duration'?" in msg, msg
 
 
 @pytest.mark.parametrize(

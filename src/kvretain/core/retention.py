@@ -4,7 +4,9 @@ Two notions of priority meet here:
 
 * **request priority** (vLLM): an ``int``, LOWER = MORE important, default 0. It orders scheduling.
 * **retention priority** (TensorRT-LLM ``KvCacheRetentionConfig``, vLLM RFC #37003): ``0..100``, HIGHER = kept
-  longer, default 35, optionally with a duration (seconds) after which it lapses back to 35.
+  longer, default 35, optionally with a duration (seconds) after which it lapses (TensorRT-LLM: back to 35;
+  here back to the request's mapped priority, 35 at vLLM's default priority 0, and under ``unified`` to the
+  highest mapped priority among the block's users).
 
 A :class:`RetentionConfig` carries the per-request directives (token ranges of the prompt with a priority and
 an optional duration), a decode priority/duration for generated tokens, and an optional retention *scope*
@@ -23,7 +25,8 @@ from typing import Any
 MIN_RETENTION_PRIORITY = 0
 MAX_RETENTION_PRIORITY = 100
 DEFAULT_RETENTION_PRIORITY = 35
-"""TensorRT-LLM's default retention priority; a lapsed duration reverts a block to it."""
+"""TensorRT-LLM's default retention priority (where a lapsed duration reverts a block there); here what vLLM's
+default request priority 0 maps to, where a lapse reverts a block to its users' mapped priority."""
 MAX_DIRECTIVES = 1024
 """The most retention directives one request (or trace line) may carry: a trace's ``retention``, the vLLM
 plugin's ``retention_directives`` (the engine refuses more) and the access limits' ceiling.
@@ -373,9 +376,11 @@ class RetentionConfig:
             for i, d in enumerate(raw)
         )
         if self.decode_priority is not None:
-            check_priority(self.decode_priority, "decode_priority")
+            check_priority(self.decode_priority, "decode_priority", "decode_priority")
         object.__setattr__(
-            self, "decode_duration_s", check_duration(self.decode_duration_s, "decode_duration_s")
+            self,
+            "decode_duration_s",
+            check_duration(self.decode_duration_s, "retention config", "decode_duration_s"),
         )
         if self.scope is not None and not isinstance(self.scope, str):
             raise RetentionError(f"retention_scope must be a string, got {show_value(self.scope)}")
@@ -427,7 +432,8 @@ class RetentionConfig:
         """Resolve retention for blocks ``0..num_blocks-1``: one priority and one duration per block.
 
         A prompt block takes the highest priority among the directives overlapping it (its longest duration
-        among those); a block with no directive takes ``mapped_priority`` without expiry. Blocks that start at
+        among those; TensorRT-LLM gives a block the range holding its first token, so a range starting inside
+        a block covers that block here and not there, as RFC #37003's reference implementation does); a block with no directive takes ``mapped_priority`` without expiry. Blocks that start at
         or after ``num_prompt_tokens`` hold generated tokens and take the decode priority and duration (without a
         decode priority, the mapped one and no duration).
         """

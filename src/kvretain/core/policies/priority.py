@@ -1,10 +1,17 @@
 """``priority``: strict retention priority, TensorRT-LLM-like.
 
 All evictable blocks of the lowest retention priority go before any block of the next priority; least
-recently released first within a level. A block released with a duration drops to the default priority (35)
-once the duration has passed since its release (checked lazily, through an expiry heap drained on each
-eviction). Shared blocks take the priority of the request that released them last (the newest request's
-priority overwrites, as in TensorRT-LLM). Leaves only; a parent that becomes a leaf keeps its release time.
+recently released first within a level. A block released with a duration drops back to its releasing request's
+mapped priority (:class:`~kvretain.core.retention.PriorityMapping`; 35, TensorRT-LLM's default, for vLLM's default
+priority 0) once the duration has passed since its release (checked lazily, through an expiry heap drained on
+each eviction). Shared blocks take the priority of the request that released them last, as in TensorRT-LLM,
+where a later request's directive overwrites; here a request's mapped priority is an implicit directive over its
+whole prompt, so a release without any directive overwrites too (TensorRT-LLM leaves a reused block's priority
+as it was when no range of the request covers it). Leaves only; a parent that becomes a leaf keeps its release
+time.
+
+NOTE: a lapse used to fall to 35 whatever the request's mapped priority: a priority -3 request (65) asking 90
+for 1 s over part of its prompt left that part at 35, below its undirected blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
         super().__init__(num_blocks, config)
         self._prio = [DEFAULT_RETENTION_PRIORITY] * num_blocks
         self._expiry = [INF] * num_blocks
+        self._base = [DEFAULT_RETENTION_PRIORITY] * num_blocks  # where a lapse falls: the releaser's mapping
         self._released = [0] * num_blocks
         self._expiries: list[tuple[float, int]] = []
         self._lapse_limit = rules.lapse_limit(0)  # compact _expiries past this many entries
@@ -50,7 +58,8 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
         self._tick += 1
         self._released[block_id] = self._tick
         self._prio[block_id] = retention
-        if duration_s is None or retention == DEFAULT_RETENTION_PRIORITY:
+        self._base[block_id] = base
+        if duration_s is None or retention == base:
             self._expiry[block_id] = INF
         else:
             exp = now + duration_s
@@ -63,7 +72,7 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
                 self._lapse_limit = rules.lapse_limit(len(self._expiries))
 
     def retention_of(self, block_id: int, now: float) -> int:
-        return DEFAULT_RETENTION_PRIORITY if self._expiry[block_id] <= now else self._prio[block_id]
+        return self._base[block_id] if self._expiry[block_id] <= now else self._prio[block_id]
 
     def _key(self, block_id: int, now: float) -> float:
         return self.retention_of(block_id, now) * _LEVEL + self._released[block_id]
@@ -75,7 +84,7 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
             if self._expiry[bid] != t:
                 continue  # re-released since: a newer expiry (or none) applies
             self._expiry[bid] = INF
-            self._prio[bid] = DEFAULT_RETENTION_PRIORITY
+            self._prio[bid] = self._base[bid]
             if bid in self._heap:
                 self._heap.remove(bid)
                 self.push(bid, now)

@@ -283,24 +283,34 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
     )
 
 
+_TRT_FIELDS = {"decode_retention_priority": DECODE_PRIORITY_KEY, "decode_duration_ms": DECODE_DURATION_KEY}
+"""TensorRT-LLM's ``KvCacheRetentionConfig`` fields for generated tokens, and the field that asks the same here
+(``retention_decode_duration`` in seconds)."""
+
+
 def unknown_retention_fields(extra_args: Mapping[str, Any], prefix_only: bool = False) -> list[str]:
     """The keys of ``extra_args`` that name retention (``retention`` anywhere in them, in any case:
-    ``retention_scop``, ``Retention_scope``, TensorRT-LLM's ``decode_retention_priority``) but are none of
-    :data:`RETENTION_KEYS`: a misspelt field would otherwise be ignored without a word. ``prefix_only``: those
-    that start with it (a request body's top level, where OpenAI's own ``prompt_cache_retention`` lives)."""
+    ``retention_scop``, ``Retention_scope``, TensorRT-LLM's ``decode_retention_priority``; and TensorRT-LLM's
+    ``decode_duration_ms``) but are none of :data:`RETENTION_KEYS`: a misspelt field would otherwise be ignored
+    without a word. ``prefix_only``: those that start with it (a request body's top level, where OpenAI's own
+    ``prompt_cache_retention`` lives)."""
     return sorted(
         k
         for k in extra_args
         if isinstance(k, str)
         and k not in RETENTION_KEYS
-        and (k.lower().startswith("retention") if prefix_only else "retention" in k.lower())
+        and (
+            k.lower().startswith("retention")
+            if prefix_only
+            else "retention" in k.lower() or k.lower() in _TRT_FIELDS
+        )
     )
 
 
 def unknown_fields_message(unknown: list[str], where: str = "vllm_xargs") -> str:
     hint = difflib.get_close_matches(unknown[0].lower(), RETENTION_KEYS, n=1, cutoff=0.5)
-    if unknown[0].lower() == "decode_retention_priority":  # (TensorRT-LLM's name)
-        hint = [DECODE_PRIORITY_KEY]
+    if unknown[0].lower() in _TRT_FIELDS:  # (TensorRT-LLM's names)
+        hint = [_TRT_FIELDS[unknown[0].lower()]]
     said = f" (did you mean {hint[0]!r}?)" if hint else ""
     return f"unknown retention field(s) {unknown} in {where}{said}; known: {', '.join(RETENTION_KEYS)}"
 
