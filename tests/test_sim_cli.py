@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,16 @@ def test_simulate_and_compare_read_a_trace_exported_with_block_tokens(
     assert main(["simulate", "--block-tokens", "16", "--limit", "5", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --block-tokens: tokens per hash id of a Mooncake trace" in err
+
+
+def test_a_class_without_a_figure_gets_no_bar_not_a_zero() -> None:
+    # a class whose requests were all rejected has no mean TTFT: its bar was drawn at 0, the best ratio of the
+    # chart; now there is none (NaN), and a reference without the figure leaves the whole class without bars
+    from kvretain.cli_sim import _bar_values
+
+    lru = {"label": "lru", "classes": {"0": {"ttft_mean_s": 2.0}, "1": {"ttft_mean_s": None}}}
+    uni = {"label": "unified", "classes": {"0": {"ttft_mean_s": None}, "1": {"ttft_mean_s": 1.0}}}
+    rel = _bar_values([lru, uni], lru, "0", "ttft_mean_s")
+    assert rel[0] == 1.0 and math.isnan(rel[1])
+    assert all(math.isnan(v) for v in _bar_values([lru, uni], lru, "1", "ttft_mean_s"))
+    assert _bar_values([lru, uni], None, "1", "ttft_mean_s")[1] == 1.0

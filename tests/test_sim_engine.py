@@ -249,6 +249,26 @@ def test_a_request_no_replica_can_hold_is_rejected_and_the_others_run() -> None:
     json.dumps(s, allow_nan=False)
     none_fit = simulate(SimConfig(kv_blocks=1), small)
     assert none_fit["requests"] == 0 and none_fit["rejected"] == len(small)
+    # a rejected request misses its SLO (it was sent and never served): the attainment counted finished ones
+    # only, 1.0 with 192 of 200 rejected; no lookup is no hit ratio, not 0.0 (a cache that hit nothing)
+    assert s["slo_attainment"] is not None and s["slo_attainment"] <= 6 / 8
+    assert s["classes"]["0"]["slo_attainment"] <= 3 / 5  # s0, s2, s4 finished; big, after rejected
+    assert none_fit["slo_attainment"] == 0.0 and none_fit["hit_rate"] is None
+    assert all(c["hit_rate"] is None and c["slo_attainment"] == 0.0 for c in none_fit["classes"].values())
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_requests_that_arrive_together_are_scheduled_together(fast_forward: bool) -> None:
+    # vLLM's engine core drains its input queue before it schedules: four 2,000-token requests sent at one
+    # instant fit one 8,192-token step and share a first token; the idle replica used to start at the first
+    # arrival and run it alone (TTFT 49 ms), the other three a step later (196 ms)
+    reqs = [wr(f"r{i}", TokenSeq.seeded(100 + i, 2_000), 4, t=1.0) for i in range(4)]
+    reqs.append(wr("late", TokenSeq.seeded(200, 2_000), 4, t=1.0 + 1e-6))
+    sim = Simulation(SimConfig(kv_blocks=2_000, fast_forward=fast_forward), reqs).run()
+    ttft = {r.request_id: r.ttft for r in sim.finished}
+    assert ttft["r0"] == ttft["r1"] == ttft["r2"] == ttft["r3"]
+    assert ttft["late"] is not None and ttft["late"] > ttft["r0"]  # a microsecond later: the next step
+    assert sim.replicas[0].num_steps >= 2
 
 
 def test_a_request_too_large_for_one_replica_is_routed_to_one_that_holds_it() -> None:

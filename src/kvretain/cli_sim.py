@@ -338,6 +338,14 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def _cell(stats: dict[str, Any], col: str) -> str:
+    """A class's figure for the terminal table: TPOTs (a few ms) in milliseconds, the rest as :func:`_fmt`."""
+    if col.endswith("_ms"):
+        v = stats.get(col[:-3] + "_s")
+        return "-" if v is None else f"{v * 1000:.1f}"
+    return _fmt(stats.get(col))
+
+
 def print_table(obj: dict[str, Any]) -> None:
     print(
         f"policy {obj['policy']} ({obj['scheduling']} scheduling), {obj['requests']} requests finished, "
@@ -350,7 +358,7 @@ def print_table(obj: dict[str, Any]) -> None:
     )
     print(
         f"simulated {obj['simulated_s']:.1f} s in {obj['wall_s']:.1f} s; output {obj['output_tokens_per_s']:.0f} "
-        f"tok/s; hit rate {obj['hit_rate']:.3f}; recomputed {obj['recomputed_tokens']} tokens; "
+        f"tok/s; hit rate {_fmt(obj['hit_rate'])}; recomputed {obj['recomputed_tokens']} tokens; "
         f"{obj['preemptions']} preemptions ({obj['resumes']} resumes hit {obj['resume_hit_tokens']} tokens, "
         f"not in the hit rate); SLO attainment {_fmt(obj['slo_attainment'])}"
     )
@@ -362,10 +370,10 @@ def print_table(obj: dict[str, Any]) -> None:
             print(f"  {r['reason']}")
     from kvretain.cli import format_table
 
-    cols = ["class", "requests", "rejected", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+    cols = ["class", "requests", "rejected", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"]
     cols += ["e2e_mean_s"]
     cols += ["e2e_p99_s", "queue_p99_s", "hit_rate", "recomputed_tokens", "evicted_blocks", "slo_attainment"]
-    rows = [{"class": c, **{k: _fmt(v.get(k)) for k in cols[1:]}} for c, v in obj["classes"].items()]
+    rows = [{"class": c, **{k: _cell(v, k) for k in cols[1:]}} for c, v in obj["classes"].items()]
     print(format_table(rows, cols))
 
 
@@ -541,13 +549,31 @@ def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, fro
         "|" + "---|" * len(head),
     ]
     for r in results:
-        cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", f"{r['hit_rate']:.4f}"]
+        hit = r["hit_rate"]
+        cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", "-" if hit is None else f"{hit:.4f}"]
         cells += [str(r["recomputed_tokens"]), str(r["preemptions"]), str(r["rejected"])]
         for c in classes:
             st = r["classes"].get(c, {})
             cells += [_fmt(st.get(k)) for k in ("ttft_mean_s", "ttft_p99_s", "hit_rate", "slo_attainment")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _stat(r: dict[str, Any], c: str, key: str) -> float | None:
+    """Class ``c``'s figure ``key`` in run ``r`` (``None``: the run has none, e.g. every request rejected)."""
+    v = r["classes"].get(c, {}).get(key)
+    return None if v is None else float(v)
+
+
+def _bar_values(
+    results: Sequence[dict[str, Any]], ref: dict[str, Any] | None, c: str, key: str
+) -> list[float]:
+    """Class ``c``'s bars of ``key`` across ``results``, relative to run ``ref``'s (``None``: as they are).
+
+    NOTE: a run without the figure (or a reference without it) gets no bar (NaN), not a bar of 0: a class whose
+    requests were all rejected read as a TTFT ratio of 0, the best of the chart."""
+    base = 1.0 if ref is None else _stat(ref, c, key)
+    return [v / base if base and v is not None else math.nan for v in (_stat(r, c, key) for r in results)]
 
 
 def _plots(
@@ -605,19 +631,15 @@ def _plots(
     written.append("ttft_by_class.png")
 
     # 2. the trade-off: what class 0 gains against what the lowest class pays, and every class's share
-    def stat(r: dict[str, Any], c: str, key: str) -> float | None:
-        v = r["classes"].get(c, {}).get(key)
-        return None if v is None else float(v)
-
     low = classes[-1] if classes else "0"  # the least important class: it pays for the protection
 
     def paid(r: dict[str, Any]) -> float:
-        return (stat(r, low, "recomputed_tokens") or 0.0) / 1e6
+        return (_stat(r, low, "recomputed_tokens") or 0.0) / 1e6
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(18, 5))
     if front:
         xs = [paid(r) for r in front]
-        ys = [stat(r, c0, "ttft_mean_s") for r in front]
+        ys = [_stat(r, c0, "ttft_mean_s") for r in front]
         left.plot(xs, ys, "o-", color="0.45", ms=11, mfc="none", zorder=2, label="unified, fixed budget b")
         # one label per distinct point (budgets with the same result share it), on the side away from its
         # nearest neighbour, with a leader line, so that labels neither overlap nor point at the wrong marker
@@ -625,7 +647,7 @@ def _plots(
         for r, x, y in zip(front, xs, ys, strict=True):
             if y is not None:
                 spots.setdefault((x, y), []).append(f"{r['budget']:g}")
-        pts = list(spots) + [(paid(r), stat(r, c0, "ttft_mean_s") or 0.0) for r in anchors]
+        pts = list(spots) + [(paid(r), _stat(r, c0, "ttft_mean_s") or 0.0) for r in anchors]
         span_x = (max(p[0] for p in pts) - min(p[0] for p in pts)) or 1.0
         span_y = (max(p[1] for p in pts) - min(p[1] for p in pts)) or 1.0
         for (x, y), names in spots.items():
@@ -648,7 +670,7 @@ def _plots(
     for i, r in enumerate(anchors):
         left.plot(
             [paid(r)],
-            [stat(r, c0, "ttft_mean_s")],
+            [_stat(r, c0, "ttft_mean_s")],
             "D",
             ms=7,
             mec="black",
@@ -669,15 +691,14 @@ def _plots(
         ref = anchors[0] if anchors else results[0]
         width = 0.8 / max(1, len(classes))
         for j, c in enumerate(classes):
-            base = stat(ref, c, key) if relative else 1.0
-            vals = [(stat(r, c, key) or 0.0) / base if base else 0.0 for r in results]
+            vals = _bar_values(results, ref if relative else None, c, key)
             xs = [i + (j - (len(classes) - 1) / 2) * width for i in range(len(results))]
             ax.bar(xs, vals, width, label=f"class {c}", color=colors[j % len(colors)])
         ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=30, ha="right", fontsize=8)
         if relative:
             ax.axhline(1.0, color="black", lw=0.8)
         plain(ax.yaxis)
-        ax.set_ylim(0, 1.2 * max([1.0, *(b.get_height() for b in ax.patches)]))
+        ax.set_ylim(0, 1.2 * max([1.0, *(h for b in ax.patches if not math.isnan(h := b.get_height()))]))
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8, ncol=len(classes), loc="upper center")
 

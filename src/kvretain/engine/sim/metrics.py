@@ -1,9 +1,14 @@
 """Per-class and overall serving metrics of a finished simulation.
 
-Latencies (seconds): TTFT = first token - arrival; TPOT = (last token - first token) / (tokens - 1);
-e2e = finish - arrival; queueing = first schedule - arrival. Each as mean, p50, p90, p99 (linear
-interpolation between order statistics). A request meets its SLO when its TTFT and TPOT are within its
-class's targets (:class:`SLO`); goodput counts those per simulated second.
+Latencies (seconds, on the client's clock), over the requests that finished: TTFT = first token - arrival;
+TPOT = (last token - first token) / (tokens - 1) (a preemption's stall included, as vLLM's; none for one token);
+e2e = finish - arrival; queueing = first schedule - the engine's receipt (arrival + the front end's
+``frontend_in_s``). Each as mean, p50, p90, p99 (linear interpolation between order statistics, numpy's
+default). A request meets its SLO when its TTFT and TPOT are within its class's targets (:class:`SLO`); SLO
+attainment is over every request sent, a request rejected at admission missing its SLO (as goodput counts
+requests in DistServe and vLLM's benchmark); goodput and output tokens per second divide by the simulated span
+the caller passes (``Simulation.summary``: the first send of a finished request to the last token received,
+the same span for every class).
 """
 
 from __future__ import annotations
@@ -83,15 +88,19 @@ def meets_slo(r: Request, slo: SLO) -> bool:
     return ttft is not None and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
 
 
-def latency_summary(reqs: Sequence[Request], slos: Mapping[int, SLO], simulated_s: float) -> dict[str, Any]:
-    """Latency, SLO and throughput figures of ``reqs`` (finished requests)."""
+def latency_summary(
+    reqs: Sequence[Request], slos: Mapping[int, SLO], simulated_s: float, rejected: int = 0
+) -> dict[str, Any]:
+    """Latency, SLO and throughput figures of ``reqs`` (finished requests) and ``rejected`` more that were
+    refused at admission (they count in the SLO attainment, as misses)."""
     out: dict[str, Any] = {"requests": len(reqs)}
     out.update(_stats("ttft", [r.ttft for r in reqs]))
     out.update(_stats("tpot", [r.tpot for r in reqs]))
     out.update(_stats("e2e", [r.e2e for r in reqs]))
     out.update(_stats("queue", [r.queueing_time for r in reqs]))
     good = [r for r in reqs if meets_slo(r, slo_for(slos, r.priority))]
-    out["slo_attainment"] = _r(len(good) / len(reqs)) if reqs else None
+    sent = len(reqs) + rejected
+    out["slo_attainment"] = _r(len(good) / sent) if sent else None
     span = simulated_s if simulated_s > 0 else math.inf
     out["goodput_rps"] = _r(len(good) / span)
     out["output_tokens"] = sum(r.num_output_tokens for r in reqs)

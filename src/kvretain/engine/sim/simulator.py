@@ -42,7 +42,14 @@ from kvretain.engine.sim.router import ROUTERS
 from kvretain.sched.config import SchedulerConfig
 from kvretain.workloads.request import WorkloadRequest
 
-_STEP, _ARRIVAL = 0, 1
+_ARRIVAL, _STEP, _START = 0, 1, 2
+"""Event kinds, in the order events of one instant are processed: arrivals, then steps that end, then an idle
+replica's first schedule.
+
+NOTE: as vLLM's engine core drains its input queue before each schedule, every request that reaches a replica at
+an instant joins the schedule made at that instant: an idle replica started at the first arrival scheduled it
+alone (four 2,000-token requests sent together ran as one, then three), and a step ending at an arrival's
+instant scheduled before that arrival."""
 
 MAX_FRONTEND_S = 3600.0
 """Largest ``frontend_in_s`` / ``frontend_out_s``: an hour. A serving front end takes milliseconds (a slow one
@@ -217,6 +224,12 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._events, (t, _STEP, rep.index, self._seq, (rep, payload)))
 
+    def _start_soon(self, rep: Replica) -> None:
+        """Start idle ``rep`` once every event of this instant before a start is processed (``_START``)."""
+        rep.busy = True  # (a start is pending: later arrivals of this instant only queue)
+        self._seq += 1
+        heapq.heappush(self._events, (self.now, _START, rep.index, self._seq, rep))
+
     def _set_now(self, t: float) -> None:
         self.now = t
 
@@ -231,6 +244,8 @@ class Simulation:
             self.now = t
             if kind == _ARRIVAL:
                 self._arrive(obj)
+            elif kind == _START:
+                self._start(obj)
             else:
                 n = self._complete(obj)
                 if progress is not None and n:
@@ -268,7 +283,7 @@ class Simulation:
             if run.cut():  # the next schedule must see the new request: end after the step in flight
                 self._push_step(run.end_time, rep, (run, run.k))
         elif not rep.busy:
-            self._start(rep)
+            self._start_soon(rep)
 
     def _start(self, rep: Replica) -> None:
         if self.config.fast_forward:
@@ -352,7 +367,7 @@ class Simulation:
                 recomputed[c] = recomputed.get(c, 0) + n
         q = sum(s.query_tokens for s in stats.values())
         h = sum(s.hit_tokens for s in stats.values())
-        overall = latency_summary(reqs, cfg.slos, span)
+        overall = latency_summary(reqs, cfg.slos, span, len(rejected))
         obj: dict[str, Any] = {
             "policy": cfg.policy,
             "scheduling": cfg.sched.policy,
@@ -361,7 +376,7 @@ class Simulation:
             "wall_s": round(self.wall_s, 3),
             "output_tokens_per_s": overall["output_tokens_per_s"],
             "rejected": len(rejected),
-            "hit_rate": round(h / q, 6) if q else 0.0,
+            "hit_rate": round(h / q, 6) if q else None,  # (no lookup: no ratio)
             "resumes": sum(s.resumes for s in stats.values()),
             "resume_hit_tokens": sum(s.resume_hit_tokens for s in stats.values()),
             "recomputed_tokens": sum(recomputed.values()),
@@ -391,12 +406,13 @@ class Simulation:
         }
         for c in classes:
             creqs = [r for r in reqs if r.priority == c]
-            lat = latency_summary(creqs, cfg.slos, span)
+            crejected = sum(1 for r in rejected if r.priority == c)
+            lat = latency_summary(creqs, cfg.slos, span, crejected)
             s = stats.get(c) or ClassStats()
             obj["classes"][str(c)] = {
                 **lat,
-                "rejected": sum(1 for r in rejected if r.priority == c),
-                "hit_rate": round(s.hit_rate, 6),
+                "rejected": crejected,
+                "hit_rate": round(s.hit_rate, 6) if s.query_tokens else None,
                 "query_tokens": s.query_tokens,
                 "hit_tokens": s.hit_tokens,
                 "resumes": s.resumes,
