@@ -230,3 +230,15 @@ def test_deepest_first_among_ties_beyond_depth_15():
     sim.run(list(range(200, 220)))  # leaf at depth 19
     sim.run(list(range(100, 130)))  # leaf at depth 29, released later
     assert sim.evict(1) == [129]
+
+
+def test_an_owners_equal_ask_with_an_earlier_end_keeps_the_later_one() -> None:
+    # rule 4: an equal ask refreshes only a later end (before: killed only by the vLLM-environment tests)
+    state = rules.release(rules.UNSET, rules.UNSET, INF, None, 80, 20.0, "alice", 0.0, 35)
+    assert rules.release(*state, 80, 5.0, "alice", 1.0, 35) == (80, 35, 20.0, "alice")
+
+
+def test_a_level_at_its_users_mapped_priority_has_nothing_to_lapse_from() -> None:
+    assert rules.release(rules.UNSET, rules.UNSET, INF, None, 35, 5.0, None, 0.0, 35) == (35, 35, INF, None)
+    state = rules.release(rules.UNSET, rules.UNSET, INF, None, 80, 5.0, None, 0.0, 35)
+    assert rules.release(*state, 80, None, None, 1.0, 80) == (80, 80, INF, None)
