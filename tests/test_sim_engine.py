@@ -230,6 +230,23 @@ def test_waiting_preempts_running_and_fcfs_options_run_clean(queue: str, preempt
     assert s["preemptions"] > 0 and s["resumes"] == s["preemptions"]
 
 
+def test_itl_pools_every_gap_between_tokens() -> None:
+    # vLLM's benchmark reports inter-token latency: every gap between two tokens of a request, pooled; a stall
+    # that TPOT (a request's mean gap) averages away shows in its tail
+    wl = small_workload(2)
+    sim = Simulation(SimConfig(kv_blocks=900), wl).run()
+    s = sim.summary()
+    gaps = sorted(b - a for r in sim.finished for a, b in zip(r.token_times, r.token_times[1:], strict=False))
+    assert s["preemptions"] > 0 and len(gaps) == sum(len(r.token_times) - 1 for r in sim.finished)
+    assert s["itl_mean_s"] == round(sum(gaps) / len(gaps), 6) and s["itl_p99_s"] <= gaps[-1]
+    stalled = max(
+        sim.finished, key=lambda r: max(b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False))
+    )
+    assert stalled.tpot is not None and max(gaps) > stalled.tpot
+    for c in s["classes"].values():
+        assert {"itl_mean_s", "itl_p50_s", "itl_p90_s", "itl_p99_s"} <= set(c)
+
+
 def test_a_request_no_replica_can_hold_is_rejected_and_the_others_run() -> None:
     # issue 11, defect 2: it blocked the head of its replica's queue forever, the run ended in a RuntimeError
     big = wr("big", TokenSeq.seeded(1, 600), 10)  # 609 tokens of KV: 39 blocks of 16 > 32

@@ -2,6 +2,7 @@
 
 Latencies (seconds, on the client's clock), over the requests that finished: TTFT = first token - arrival;
 TPOT = (last token - first token) / (tokens - 1) (a preemption's stall included, as vLLM's; none for one token);
+ITL = each gap between two tokens of a request, pooled over the requests (as vLLM's benchmark);
 e2e = finish - arrival; queueing = first schedule - the engine's receipt (arrival + the front end's
 ``frontend_in_s``). Each as mean, p50, p90, p99 (linear interpolation between order statistics, numpy's
 default). A request meets its SLO when its TTFT and TPOT are within its class's targets (:class:`SLO`); SLO
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from kvretain.sched.request import Request
@@ -96,6 +98,9 @@ def latency_summary(
     out: dict[str, Any] = {"requests": len(reqs)}
     out.update(_stats("ttft", [r.ttft for r in reqs]))
     out.update(_stats("tpot", [r.tpot for r in reqs]))
+    # every gap between two tokens of a request, pooled over requests (vLLM's benchmark's ITL): a stall that a
+    # request's mean (TPOT) averages away, a preemption's for one, shows in its tail
+    out.update(_stats("itl", [b - a for r in reqs for a, b in pairwise(r.token_times)]))
     out.update(_stats("e2e", [r.e2e for r in reqs]))
     out.update(_stats("queue", [r.queueing_time for r in reqs]))
     good = [r for r in reqs if meets_slo(r, slo_for(slos, r.priority))]
