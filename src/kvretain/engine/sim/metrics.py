@@ -70,7 +70,11 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def _stats(prefix: str, values: Iterable[float | None]) -> dict[str, float | None]:
-    v = sorted(x for x in values if x is not None)
+    return _order_stats(prefix, sorted(x for x in values if x is not None))
+
+
+def _order_stats(prefix: str, v: Sequence[float]) -> dict[str, float | None]:
+    """Mean and percentiles of ``v``, sorted."""
     if not v:
         return {f"{prefix}_{k}": None for k in ("mean_s", "p50_s", "p90_s", "p99_s")}
     return {
@@ -90,17 +94,27 @@ def meets_slo(r: Request, slo: SLO) -> bool:
     return ttft is not None and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
 
 
+def itl_gaps(reqs: Iterable[Request]) -> list[float]:
+    """Every gap between two tokens of a request, pooled over ``reqs`` and sorted (ITL, as vLLM's benchmark)."""
+    return sorted(b - a for r in reqs for a, b in pairwise(r.token_times))
+
+
 def latency_summary(
-    reqs: Sequence[Request], slos: Mapping[int, SLO], simulated_s: float, rejected: int = 0
+    reqs: Sequence[Request],
+    slos: Mapping[int, SLO],
+    simulated_s: float,
+    rejected: int = 0,
+    itls: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Latency, SLO and throughput figures of ``reqs`` (finished requests) and ``rejected`` more that were
-    refused at admission (they count in the SLO attainment, as misses)."""
+    refused at admission (they count in the SLO attainment, as misses); ``itls``: :func:`itl_gaps` of ``reqs``
+    when the caller has them (millions of gaps: sorted once per class, merged for all)."""
     out: dict[str, Any] = {"requests": len(reqs)}
     out.update(_stats("ttft", [r.ttft for r in reqs]))
     out.update(_stats("tpot", [r.tpot for r in reqs]))
     # every gap between two tokens of a request, pooled over requests (vLLM's benchmark's ITL): a stall that a
     # request's mean (TPOT) averages away, a preemption's for one, shows in its tail
-    out.update(_stats("itl", [b - a for r in reqs for a, b in pairwise(r.token_times)]))
+    out.update(_order_stats("itl", itl_gaps(reqs) if itls is None else itls))
     out.update(_stats("e2e", [r.e2e for r in reqs]))
     out.update(_stats("queue", [r.queueing_time for r in reqs]))
     good = [r for r in reqs if meets_slo(r, slo_for(slos, r.priority))]

@@ -27,6 +27,7 @@ import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from kvretain.core.policy import PolicyConfig
@@ -35,7 +36,7 @@ from kvretain.core.stats import ClassStats, merge_class_stats
 from kvretain.engine.sim.catalog import Catalog, builtin_catalog
 from kvretain.engine.sim.costmodel import CostModel, make_cost_model
 from kvretain.engine.sim.fastforward import DecodeRun, plan_decode_run
-from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, latency_summary
+from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, itl_gaps, latency_summary
 from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
 from kvretain.engine.sim.router import ROUTERS
@@ -367,7 +368,10 @@ class Simulation:
                 recomputed[c] = recomputed.get(c, 0) + n
         q = sum(s.query_tokens for s in stats.values())
         h = sum(s.hit_tokens for s in stats.values())
-        overall = latency_summary(reqs, cfg.slos, span, len(rejected))
+        by_class = {c: [r for r in reqs if r.priority == c] for c in classes}
+        itls = {c: itl_gaps(creqs) for c, creqs in by_class.items()}
+        # (sorted runs, one a class: Timsort merges them in linear time)
+        overall = latency_summary(reqs, cfg.slos, span, len(rejected), sorted(chain(*itls.values())))
         obj: dict[str, Any] = {
             "policy": cfg.policy,
             "scheduling": cfg.sched.policy,
@@ -405,9 +409,8 @@ class Simulation:
             ],
         }
         for c in classes:
-            creqs = [r for r in reqs if r.priority == c]
             crejected = sum(1 for r in rejected if r.priority == c)
-            lat = latency_summary(creqs, cfg.slos, span, crejected)
+            lat = latency_summary(by_class[c], cfg.slos, span, crejected, itls[c])
             s = stats.get(c) or ClassStats()
             obj["classes"][str(c)] = {
                 **lat,
