@@ -52,7 +52,7 @@ class MultiTenantConfig:
       questions). Under ``lru`` the replica is busy 86% of the time (a step is in flight; decode of a few
       requests keeps it stepping), finishes the last request at 3,600 s and the queueing-time p99 is 0.9 s:
       stable, no backlog (the earlier defaults needed 1,133 s to serve 600 s of arrivals).
-    * Chat (0): 0.02 sessions/s of 4-12 turns with a 60 s mean think time (~14 live sessions); each turn adds
+    * Chat (0): 0.02 sessions/s of 4-12 turns with a 60 s mean think time (~10 live sessions: 10.6 on average over seeds 0-9); each turn adds
       2-5k tokens of retrieved passages with probability 0.7, a 20-400-token message and a 100-800-token
       answer to the context. Losing a session's context between turns costs a 10-50k-token prefill
       (0.4-2 s on this replica) against ~0.1-0.3 s for a turn that hits; a first turn costs about as much as
@@ -67,7 +67,8 @@ class MultiTenantConfig:
     * Working set (``working_set(...)``, seed 0): peak 6.6x, time-average 4.7x the KV capacity (dominated by
       the document corpus; chat alone averages ~0.3x).
 
-    ``duration_s`` bounds session starts and follow-up turns; turns that would start later are dropped.
+    ``duration_s`` bounds session starts, job submissions and follow-up turns; turns that would start later are
+    dropped (a job's questions, spread over up to 4 s after its submission, may arrive just after it).
     """
 
     duration_s: float = 3600.0

@@ -12,7 +12,8 @@ Shape (the defaults; one hour, seed 0: 16,762 requests in 14,299 sessions, 244k 
 * Popularity drifts: every ``drift_s`` seconds (300) a share ``drift_share`` (0.3: 18 of 60, chosen at random)
   of the active templates retire and as many templates never used before are launched, each in the rank of
   the one it replaces, so the popular slots turn over too. The reuse is in the templates, and which ones are
-  reused moves: a template that was popular retires and is never asked for again, while a new one starts with
+  reused moves: a template that was popular retires and no new call asks for it again (a session already under way keeps
+  its template for its follow-up turns: 0.35% of the requests at seed 0), while a new one starts with
   no history, so what a template's past frequency says of its future goes stale within a few drifts.
   Templates are made as they enter (60 at the start, 18 a drift), not up front.
 * A share ``premium_share`` (0.2, drawn per template) of the templates belongs to premium tenants: their calls
