@@ -205,12 +205,38 @@ def test_a_shortfall_against_lru_is_called_resolved_only_beyond_the_test_level()
     sys.path.insert(0, str(SCRIPT.parent))
     import robustness as grid
 
-    p = {"diff_hits": -175, "base_hits": 71450, "z": -1.52, "differ": 12, "requests": 2652}
+    p = {
+        "diff_hits": -175,
+        "base_hits": 71450,
+        "se_hits": 115.132,
+        "z": -1.52,
+        "differ": 12,
+        "requests": 2652,
+    }
     assert grid.shortfall(p) == (
         "-175 of 71,450 hit blocks, z -1.52, 12 of 2,652 requests differ: inside the noise"
     )
-    assert grid.shortfall({**p, "z": -grid.RESOLVED_Z}).endswith(": resolved")
+    assert grid.shortfall({**p, "se_hits": 175 / grid.RESOLVED_Z, "z": -1.96}).endswith(": resolved")
+    # the verdict is the unrounded z's: -1.9596 is inside the noise though the JSON's z reads -1.96
+    assert grid.shortfall({**p, "se_hits": 175 / 1.9596, "z": -1.96}).endswith(": inside the noise")
+    assert grid.shortfall({**p, "diff_hits": 0, "se_hits": 0.0, "z": 0.0}).endswith(": inside the noise")
     assert grid.shortfall(None) == "not compared request by request"
+
+
+def test_a_cell_without_class_0_has_no_target_and_is_not_counted_as_met() -> None:
+    # a --trace whose rule leaves class 0 empty read "n of n met": no target was counted as a target met
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+
+    fig = {"overall": 0.5, "class0": None}
+    cell = {"lru": fig, "unified": fig, grid.ISO: None}
+    grid.analyse_cell(cell)
+    assert cell["class0_target"] is None and cell["class0_target_met"] is None
+    assert grid.MISS_TARGET not in cell["misses"]
+    met = {"lru": {"overall": 0.5, "class0": 0.4}, "unified": {"overall": 0.5, "class0": 0.45}, grid.ISO: 0.5}
+    grid.analyse_cell(met)
+    assert met["class0_target_met"] is True
+    assert sum(1 for c in (cell, met) if c["class0_target_met"]) == 1
 
 
 @pytest.mark.bench
