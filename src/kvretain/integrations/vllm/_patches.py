@@ -280,19 +280,21 @@ def _make_pop_blocks_for_free(orig: Callable[..., Any]) -> Callable[..., Any]:
         # (``trim_null_head``), so positions there are not token positions (a directive would land on the wrong
         # blocks) and the groups' block sizes cannot be told apart (directives were dropped)
         q = self.block_pool.free_block_queue
-        groups: tuple[list[Any], ...] | None = None
+        read: tuple[tuple[list[Any], ...], list[int], list[int] | None] | None = None
         if type(q) in QUEUE_TYPES:
             try:
                 rid = request.request_id
-                groups = tuple(list(g) for g in _own_blocks(self, rid))
-                sizes = _block_sizes(self)
-                cached = _num_cached(self, rid)
+                read = (
+                    tuple(list(g) for g in _own_blocks(self, rid)),
+                    _block_sizes(self),
+                    _num_cached(self, rid),
+                )
             except Exception:
                 _hook_failed("pop", "kvretain: release hook failed (blocks released at default retention)")
         blocks = orig(self, request)
-        if groups is not None and any(groups):
+        if read is not None and any(read[0]):
             try:
-                q.on_request_release(request, groups, sizes, num_cached=cached)
+                q.on_request_release(request, read[0], read[1], num_cached=read[2])
             except Exception:
                 _hook_failed("pop", "kvretain: release hook failed (blocks released at default retention)")
         return blocks
