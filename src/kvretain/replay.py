@@ -192,7 +192,7 @@ def replay(
     indices: Iterable[int] = range(len(requests))
     if progress is not None:
         indices = progress(indices)
-    plans: dict[tuple[int, int, int], BlockRetention] = {}
+    plans: dict[tuple[int, int], BlockRetention] = {}
     hits_of = result.request_hits = [] if record_hits else None
     for idx in indices:
         req = requests[idx]
@@ -224,7 +224,7 @@ def replay(
         if not ids:
             continue
         if req.retention is None:
-            key = (n, base, req.priority)
+            key = (base, req.priority)  # (an empty plan: every block at ``base``, whatever the length)
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = BlockRetention([], [], None, req.priority, base)

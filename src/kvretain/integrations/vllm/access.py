@@ -162,6 +162,16 @@ _KEY_FIELDS = {
 }
 
 
+def _int64_within(mapping: PriorityMapping, cap: int, floor: int | None) -> tuple[bool, int | None]:
+    """Whether some int64 request priority (at ``floor`` or above) maps to a retention within ``cap``, and the
+    most important one (``None``: the cap sets no floor), by :meth:`PriorityMapping.most_important_within`."""
+    try:
+        p = mapping.most_important_within(cap, floor)
+    except RetentionError:
+        return False, None
+    return p is None or p <= INT64[1], p
+
+
 def _parse_key(raw: Any, i: int, source: str = ENV_KEYS) -> ApiKey:
     where = f"{source}: keys[{i}]"
     if not isinstance(raw, Mapping):
@@ -219,11 +229,7 @@ class AccessPolicy:
             cap = k.max_retention_priority
             if cap is None:
                 continue
-            try:
-                p = self.mapping.most_important_within(cap, k.min_request_priority)
-            except RetentionError:
-                p = INT64[1] + 1
-            if p is not None and p > INT64[1]:
+            if not _int64_within(self.mapping, cap, k.min_request_priority)[0]:
                 raise AccessConfigError(
                     f"key {k.name!r}: max_retention_priority {cap}: no request priority"
                     + ("" if k.min_request_priority is None else f" of {k.min_request_priority} or above")
@@ -408,11 +414,8 @@ class AccessPolicy:
     def _retention_floor(self, key: ApiKey, cap: int, floor: int | None) -> int | None:
         """The most important request priority whose mapped retention is within ``cap`` (and ``floor``);
         ``None`` when the cap sets no floor. Checked at start (:meth:`__post_init__`): some priority exists."""
-        try:
-            p = self.mapping.most_important_within(cap, floor)
-        except RetentionError:
-            p = INT64[1] + 1
-        if p is not None and p > INT64[1]:
+        exists, p = _int64_within(self.mapping, cap, floor)
+        if not exists:
             raise AccessDenied(403, f"key {key.name!r}: no request priority maps to a retention within {cap}")
         return p
 
