@@ -457,6 +457,64 @@ def test_rules_a_brief_raise_by_a_non_owner_keeps_the_displaced_level() -> None:
     assert rules.release(*state, 90, 5.0, "mallory", 10.0, 80) == (90, 80, 15.0, "mallory")
 
 
+def test_rules_a_lower_priority_reuse_keeps_the_rise_to_the_users_priority() -> None:
+    # A (maps to 35, scope "a") computed the block asking 20 for 10 s: at 10 s it rises to 35, the highest
+    # mapped priority of its users. B (maps to 25) reusing it at 1 s without a directive raises it to 25 until
+    # then; before, B's release took the expiry with it and left 25 below 35 for good
+    fresh = (rules.UNSET, rules.UNSET, INF, None)
+    a = rules.release(*fresh, 20, 10.0, "a", 0.0, 35)
+    assert a == (20, 35, 10.0, "a")
+    b = rules.release(*a, 25, None, None, 1.0, 25)
+    assert b == (25, 35, 10.0, None)
+    assert [rules.effective(*b[:3], t) for t in (9.9, 10.0, 1e9)] == [25, 35, 35]
+    # and a further plain reuse at 25 does not extend the low level (rule 4 refreshes only what is above base)
+    assert rules.release(*b, 25, None, None, 2.0, 25) == b
+
+
+def test_rules_a_refused_lower_ask_ends_at_its_own_end() -> None:
+    # A (maps to 15) computed it; B (maps to 25) reuses it asking 0 for 0 s, refused (not the owner). B's range
+    # falls back to B's mapped 25 once the 0 s are over, as if B had sent no directive; before: 15 forever
+    fresh = (rules.UNSET, rules.UNSET, INF, None)
+    a = rules.release(*fresh, 15, None, None, 0.0, 15)
+    assert rules.effective(*rules.release(*a, 25, None, None, 0.0, 25)[:3], 1.0) == 25
+    b = rules.release(*a, 0, 0.0, None, 0.0, 25)
+    assert rules.effective(*b[:3], 0.0) == 25
+    b = rules.release(*a, 0, 1.0, None, 0.0, 25)
+    assert [rules.effective(*b[:3], t) for t in (0.5, 1.0)] == [15, 25]
+    # a third user at 15 does not refresh the low level it finds (before: it kept it at 15 forever)
+    c = rules.release(*b, 15, None, None, 0.5, 15)
+    assert rules.effective(*c[:3], 1.0) == 25
+
+
+def test_rules_a_plain_release_never_lowers_not_even_its_scopes_level() -> None:
+    # scope "a" raised the block to 50 for 5 s (its request maps to 35); a later request of "a" that maps to 15
+    # reuses it without a directive: that is no ask to lower, so 50 holds until 5 s, then 35. Before, the owner's
+    # plain release lowered it to 15 for good, below the 35 of the request that computed it
+    fresh = (rules.UNSET, rules.UNSET, INF, None)
+    a = rules.release(*fresh, 50, 5.0, "a", 0.0, 35)
+    b = rules.release(*a, 15, None, "a", 1.0, 15)
+    assert b == a
+    assert [rules.effective(*b[:3], t) for t in (4.0, 5.0)] == [50, 35]
+    # a directive of "a" still lowers it, with or without a duration
+    assert rules.release(*a, 10, None, "a", 1.0, 15)[0] == 10
+    assert rules.release(*a, 15, 2.0, "a", 1.0, 15)[:3] == (15, 35, 3.0)
+    # and "a"'s plain release below a level "a" lowered does not end that level's rise either
+    low = rules.release(*fresh, 20, 10.0, "a", 0.0, 35)
+    assert rules.release(*low, 25, None, "a", 1.0, 25)[:3] == (25, 35, 10.0)
+
+
+def test_unified_pool_keeps_a_reused_block_at_its_users_highest_mapped_priority() -> None:
+    # the rule above in the pool: the block rises to 35 at 10 s and outlives a one-use block of 35 by its uses
+    sim = unified(2, 1.0)
+    sim.run([1], 20, 10.0, scope="a")  # a request mapping to 35 asks 20 for 10 s
+    sim.now = 1.0
+    sim.run([1], base=25)  # a request mapping to 25 reuses it, no directive
+    sim.run([2])  # one use at 35
+    sim.now = 100.0
+    assert sim.retention(1) == 35  # before: 25
+    assert sim.evict_all() == [2, 1]
+
+
 def test_unified_a_request_may_keep_what_it_computed_below_its_priority() -> None:
     # new content, no scope: its first release is its only user so far, so a lower ask holds (TensorRT-LLM's
     # low decode priority); before, the level stayed at the request's mapped priority and the ask was lost

@@ -21,9 +21,21 @@ or its request priority mapped by :class:`~kvretain.core.retention.PriorityMappi
    a scope: then no scope may lower the level, since none set it). A raise by anyone but the owner that
    would end before the level it displaces, and lapse to a ``base`` below that level, is not applied: since a
    lapse falls to ``base``, not to the level it displaced, a brief raise (90 for 0 s over an owner's 80 with no
-   expiry) would otherwise lower the owner's level when it lapsed, and take the ownership with it;
-4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration);
-5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down.
+   expiry) would otherwise lower the owner's level when it lapsed, and take the ownership with it. The other
+   way round, a level below ``base`` (a lowering directive) is due to rise to ``base`` at its expiry: a raise
+   that stays below ``base`` (a user of lower priority reusing the block) rises to its ask but keeps that
+   expiry, and a lower ask that is refused still ends the level at the ask's own end (the asker's mapped
+   priority, above the level, takes over then); otherwise a reuse would cancel the rise and leave the block
+   below its users' highest mapped priority for good;
+4. an equal ask with a later end refreshes the expiry (reuse at the same priority restarts its duration) of a
+   level above ``base``; a level below ``base`` is extended only by its owner's directive (another user's
+   reuse must not keep it low longer);
+5. a level away from ``base`` with a finite expiry lapses back to ``base`` at the expiry, up or down;
+6. a *plain* release (the request's own mapped priority, no duration: a block no directive covers) only
+   raises: it never lowers a level, not even its own scope's (a later, less important request of a scope does
+   not undo the scope's directive, nor pull the block below the priority of the requests that used it; to
+   lower, a scope sends a directive). A directive at exactly the request's mapped priority with no duration is
+   the same release and reads as plain.
 
 NOTE: highest-wins (not TensorRT-LLM's last-writer-wins) keeps a prefix shared by important and unimportant
 traffic from being downgraded by whoever touched it last.
@@ -67,14 +79,19 @@ def release(
         cur = level
     end = INF if duration_s is None else now + duration_s
     owns = scope is not None and scope == owner
+    plain = ask == mapped and duration_s is None  # the request's own priority, no directive (rule 6)
     if ask > cur and end < expiry and base < cur and not owns:
         pass  # a raise that would lapse below the level it displaces before that level ends: kept (rule 3)
-    elif ask > cur or (ask < cur and (level == UNSET or owns)):
+    elif ask > cur or (ask < cur and (level == UNSET or owns) and not plain):
+        if ask < base and end > expiry and (plain or not owns):
+            end = expiry  # a raise still below the fallback keeps the lapse it displaces (rule 3)
         cur = ask
         expiry = end
         owner = scope  # the scope that set the level (None included: an unscoped raise leaves no owner)
-    elif ask == cur and end > expiry:
+    elif ask == cur and end > expiry and (cur > base or (owns and not plain)):
         expiry = end
+    elif ask < cur < mapped and end < expiry:
+        expiry = end  # a refused lower ask still falls back at its end, above the level it left (rule 3)
     if cur == base:
         expiry = INF  # nothing to fall back from
     return cur, base, expiry, owner
