@@ -342,3 +342,89 @@ def test_re_exporting_a_mooncake_trace_names_the_option_of_the_tokens_it_is_read
     assert [r["hash_ids"] for r in back] == [
         json.loads(x)["hash_ids"] for x in first.read_text().splitlines()
     ]
+
+
+# --- review 34: what an export writes reads back --------------------------------------------------------
+
+
+def test_export_to_a_closed_stdout_ends_quietly_with_141() -> None:
+    # README: a reader of stdout that goes away ends a command quietly with 141; `workload export ... --out
+    # /dev/stdout | head -1` printed "error: cannot write /dev/stdout: Broken pipe" and exited 2
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    cmd = [sys.executable, "-m", "kvretain", "workload", "export", "multi-tenant", "--limit", "50"]
+    proc = subprocess.Popen(
+        [*cmd, "--out", "/dev/stdout"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err.decode()) == (141, "")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"session_id": ""}, {"cache_salt": ""}, {"retention_scope": ""}, {"session_id": "x" * 5000}],
+    ids=["empty-session", "empty-salt", "empty-scope", "long-session"],
+)
+def test_export_never_writes_a_line_the_reader_refuses(tmp_path: Path, kw: dict[str, str]) -> None:
+    out = tmp_path / "t.jsonl"
+    req = WorkloadRequest("a", 0.0, TokenSeq.seeded(1, 600), 1, **kw)  # type: ignore[arg-type]
+    try:
+        write_mooncake([req], out)
+    except WorkloadError as e:
+        assert "request a: cannot be written in the trace format" in str(e)
+        assert not out.exists()
+        return
+    read_trace(out)  # (before: a TraceError, the export had written a trace its own reader refuses)
+
+
+def test_export_refuses_more_hash_ids_than_a_line_may_hold(tmp_path: Path) -> None:
+    # a 70,000-token prompt at 1 token per id: 70,000 ids > MAX_HASH_IDS (65,536): was written, then unreadable
+    out = tmp_path / "t.jsonl"
+    with pytest.raises(WorkloadError, match="MAX_HASH_IDS"):
+        write_mooncake([WorkloadRequest("a", 0.0, TokenSeq.seeded(1, 70_000), 1)], out, 1)
+    assert not out.exists()
+
+
+def test_a_bad_block_size_option_is_named_as_that_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    argv = ["workload", "export", "mooncake", "--trace", str(trace), "--option", "block_size=0"]
+    assert main([*argv, "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "(--option block_size)" in err and "(--block-tokens)" not in err, err
+
+
+def test_re_exporting_a_trace_replays_as_the_trace(tmp_path: Path) -> None:
+    # hash id 2 is request 1's partial last block and request 2's full block under the same parent: one block
+    # to `kvretain replay` (a block is its chain of ids); the re-export numbered them apart (1 hit, not 2)
+    trace, again, small = tmp_path / "t.jsonl", tmp_path / "again.jsonl", tmp_path / "small.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["workload", "export", "mooncake", "--trace", str(trace), "--out", str(again)]) == 0
+    before, after = (replay(load_trace(p), 10, "lru") for p in (trace, again))
+    assert after.hit_blocks == before.hit_blocks == 2
+    # at another block size the blocks are the tokens' (88 tokens of id 2 are not its 512): 600 // 8 = 75 shared
+    argv = [
+        "workload",
+        "export",
+        "mooncake",
+        "--trace",
+        str(trace),
+        "--block-tokens",
+        "8",
+        "--out",
+        str(small),
+    ]
+    assert main(argv) == 0
+    assert replay(load_trace(small, block_tokens=8), 1000, "lru", block_tokens=8).hit_blocks == 75

@@ -71,7 +71,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             **options,
         )
     except TraceError as e:  # (here --block-tokens is the written trace's; the read one's is an --option)
-        raise TraceError(str(e).replace(BLOCK_TOKENS_HINT, READ_BLOCK_TOKENS_HINT)) from None
+        msg = str(e).replace(BLOCK_TOKENS_HINT, READ_BLOCK_TOKENS_HINT)
+        raise TraceError(msg.replace("(--block-tokens)", "(--option block_size)")) from None
     if not reqs:  # an empty trace is an error to every reader (replay, simulate, compare): not written
         shown = " ".join(f"--option {o}" for o in args.option)
         raise WorkloadError(
@@ -84,6 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_disk(reqs, args.block_tokens, args.out)
     try:
         n = write_mooncake(reqs, args.out, args.block_tokens)
+    except BrokenPipeError:
+        raise  # the reader of standard output went away: main() ends quietly with 141
     except OSError as exc:
         raise WorkloadError(f"cannot write {args.out}: {exc.strerror}") from None
     summary = {"workload": args.name, "seed": args.seed, "requests": n, "out": args.out}

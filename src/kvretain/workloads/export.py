@@ -9,7 +9,13 @@ One JSON line per request, in arrival order::
 ``retention`` is the directive list, or, when the request also has a retention scope or decode settings, the
 object ``{directives, scope, decode_priority, decode_duration_s}``. These are the fields of the one trace
 schema (:func:`kvretain.workloads.mooncake.read_trace`, behind both ``kvretain replay`` and
-``kvretain simulate``), so an export reads back as the requests it came from.
+``kvretain simulate``), and every line is checked against it before it is written (a request the schema would
+refuse, e.g. more hash ids than a line may hold, is an error, not a trace that cannot be read back). An export
+reads back as the requests it came from for ``kvretain replay`` (the same blocks, priorities, sessions, salts and
+retention; timestamps to the microsecond). ``kvretain simulate`` reads it as open-loop traffic: what the format
+has no field for is lost, namely follow-up links (a turn sent ``think_s`` after the previous one finished) and a
+turn's reuse of the previous turn's generated tokens; at 512-token ids a block shared only in part is a
+different id (a smaller ``--block-tokens`` keeps more of it).
 
 Hash ids. Block ``i`` of a prompt covers tokens ``[i*B, min((i+1)*B, n))`` (``B = block_size``, 512 as in
 the published traces; the last block may be partial, as in Mooncake). Its content is a list of *pieces*
@@ -17,7 +23,9 @@ the published traces; the last block may be partial, as in Mooncake). Its conten
 pieces mean equal tokens (the identity :class:`~kvretain.engine.sim.request.SimRequest` hashes, at any block
 size). A block's id is the number of the distinct ``(parent id, pieces)`` it is, counted from 0 in order of
 first appearance: two requests share their first k ids exactly when they share their first k blocks
-(``cache_salt`` keys the first block). Ids are exact (a dict, no hash collisions) and deterministic.
+(``cache_salt`` keys the first block). Ids are exact (a dict, no hash collisions) and deterministic. A block of a
+request read from a trace keeps that trace's identity: its id is the block, whole or partial (as the replay keys
+it), so a re-exported trace replays as the trace.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.fileio import output_file
-from kvretain.workloads.mooncake import MAX_TIMESTAMP_MS
+from kvretain.workloads.mooncake import MAX_TIMESTAMP_MS, refusal
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.tokens import SeededChunk, TokenSeq
 
@@ -69,8 +77,14 @@ class BlockIds:
         parent: object = ("salt", request.cache_salt)
         out: list[int] = []
         ids = self._ids
-        for pieces in block_pieces(request.prompt, block_size):
-            key = (parent, pieces)
+        trace_ids = request.block_ids  # (a trace's request: its ids, one per block of the trace's size)
+        if trace_ids is not None and len(trace_ids) != -(-request.prompt_len // block_size):
+            trace_ids = None  # written at another block size: the blocks are not the trace's
+        for i, pieces in enumerate(block_pieces(request.prompt, block_size)):
+            key: tuple[object, ...] = (parent, pieces)
+            if trace_ids is not None and len(pieces) == 1 and pieces[0][:2] == (trace_ids[i], 0):
+                # the trace's block i: its id is the block, whole or partial
+                key = (parent, ("id", trace_ids[i]))
             bid = ids.get(key)
             if bid is None:
                 bid = ids[key] = len(ids)
@@ -106,6 +120,9 @@ def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512)
             rec["retention"] = retention
         if r.cache_salt is not None:
             rec["cache_salt"] = r.cache_salt
+        why = refusal(rec, block_size)  # what the schema refuses is not written (an export must read back)
+        if why is not None:
+            raise WorkloadError(f"request {r.request_id}: cannot be written in the trace format: {why}")
         yield rec
 
 

@@ -184,7 +184,7 @@ def parse_trace_line(
             text = raw
         if lineno == 1:
             text = text.lstrip("\ufeff")
-        if not text.strip():
+        if not text.strip(" \t\r\n"):  # JSON's whitespace only: a line of U+00A0 is no blank line
             return None
         return _record(_loads(text), lineno, block_tokens)
     except _LineError as e:
@@ -318,6 +318,16 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
         session_id=_string("session_id", obj.get("session_id")),
         cache_salt=_string("cache_salt", obj.get("cache_salt")),
     )
+
+
+def refusal(obj: dict[str, Any], block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> str | None:
+    """Why :func:`read_trace` would refuse ``obj`` as a line of a trace of ``block_tokens`` tokens per hash id
+    (``None``: it reads it). A writer of traces (``kvretain workload export``) checks each line with it."""
+    try:
+        _record(obj, 0, block_tokens)
+    except _LineError as e:
+        return str(e)
+    return None
 
 
 def _string(name: str, v: Any) -> str | None:
