@@ -332,3 +332,29 @@ def test_compare_out_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     assert_one_clear_line(rc, out, err, r"--out .*file/r: cannot create the report folder")
     assert sorted(os.listdir(tmp_path)) == ["file", "t.jsonl"]
+
+
+@pytest.mark.parametrize("junk", ["\u00a0", "\x0c", "\x1c", "\u2028", "\u3000"])
+def test_a_line_of_non_json_whitespace_is_not_a_blank_line(tmp_path: Path, junk: str) -> None:
+    # str.strip() took these for a blank line and skipped it silently; JSON's whitespace is " \t\r\n" only
+    from kvretain.workloads import TraceError, read_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(f"{line()}\n{junk}\n{line()}\n", encoding="utf-8")
+    with pytest.raises(TraceError, match=r"t\.jsonl:2"):
+        read_trace(trace)
+
+
+@pytest.mark.parametrize("cell", ["1_000", "\uff11\uff12", "+5"])
+def test_azure_lengths_are_plain_decimal_integers(tmp_path: Path, cell: str) -> None:
+    # int() reads "1_000", "+5" and full-width digits; a CSV length is plain ASCII digits
+    import random
+
+    from kvretain.workloads import WorkloadError, load_azure
+
+    csv = tmp_path / "a.csv"
+    csv.write_text(
+        f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,{cell},5\n", encoding="utf-8"
+    )
+    with pytest.raises(WorkloadError, match="ContextTokens"):
+        load_azure(csv, random.Random(0))

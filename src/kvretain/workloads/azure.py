@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import random
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -96,11 +97,14 @@ def _short(v: object, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+"""A length cell: plain ASCII decimal digits (a sign only to say it is negative, which the bound refuses)."""
+
+
 def _int(text: str, where: str, column: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise WorkloadError(f"{where}: column {column!r}: expected an integer, got {_short(text)}") from None
+    if _DECIMAL.fullmatch(text.strip(" \t")) is None:  # (int() also reads "1_000", "+5", full-width digits)
+        raise WorkloadError(f"{where}: column {column!r}: expected an integer, got {_short(text)}")
+    value = int(text)
     if not minimum <= value <= MAX_TOKENS:  # the trace format's bound on a length, as Mooncake's
         raise WorkloadError(
             f"{where}: column {column!r}: must be an integer in [{minimum}, {MAX_TOKENS}] (MAX_TOKENS), "
