@@ -485,8 +485,8 @@ def trace_tables(name: str, cells: list[dict[str, Any]], one: list[dict[str, Any
             row[p] = _pair(c.get(p))
         row["iso c0"] = _num(c[ISO], ".4f")
         row["target"] = _num(c["class0_target"], ".4f")
-        row["u/lru"] = _num(c["overall_vs_lru"])
-        row["u0/lru0"] = _num(c["class0_vs_lru"])
+        row["u/lru"] = _num(c["overall_vs_lru"], ".4f")
+        row["u0/lru0"] = _num(c["class0_vs_lru"], ".4f")
         met = c["class0_target_met"]
         row["met"] = "-" if met is None else "yes" if met else "NO"
         rows.append(row)
@@ -506,7 +506,12 @@ def trace_tables(name: str, cells: list[dict[str, Any]], one: list[dict[str, Any
 
 
 def plot_frontiers(
-    name: str, fronts: list[dict[str, Any]], cells: list[dict[str, Any]], rule: str, path: Path
+    name: str,
+    fronts: list[dict[str, Any]],
+    cells: list[dict[str, Any]],
+    rule: str,
+    path: Path,
+    setting: str = "default setting",
 ) -> None:
     import matplotlib
 
@@ -532,9 +537,7 @@ def plot_frontiers(
             if lru["class0"] is not None:
                 ax.plot(lru["overall"], lru["class0"], "kX", ms=7, label="lru", zorder=5)
             if uni["class0"] is not None:
-                ax.plot(
-                    uni["overall"], uni["class0"], "r*", ms=12, label="unified, default setting", zorder=3
-                )
+                ax.plot(uni["overall"], uni["class0"], "r*", ms=12, label=f"unified, {setting}", zorder=3)
             if cell["class0_target"] is not None:
                 ax.axhline(cell["class0_target"], color="tab:green", ls="--", lw=1, label="class-0 target")
             if lru["overall"] > 0:
@@ -579,7 +582,8 @@ def plot_frontiers(
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    # (bbox "tight": with one or two panels the suptitle and the figure legend are wider than the panels)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -634,6 +638,13 @@ def dominating_shares(frontier: dict[str, Any], cell: dict[str, Any]) -> list[fl
         if po >= o and pc >= c0 and (po > o or pc > c0):
             out.append(p["budget"])
     return out
+
+
+def setting_name(overrides: dict[str, Any]) -> str:
+    """What ``unified`` ran with: ``default setting``, or the ``--set`` overrides."""
+    if not overrides:
+        return "default setting"
+    return "setting " + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
 
 
 def summarise(cells: list[dict[str, Any]], one: list[dict[str, Any]]) -> dict[str, Any]:
@@ -781,6 +792,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{where} ({total / 60:.1f} CPU-min)",
         flush=True,
     )
+    if overrides:
+        print(f"unified runs with the {setting_name(overrides)} (--set) in every cell and frontier")
     t0 = time.perf_counter()
     if args.ray is not None:
         try:
@@ -799,13 +812,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in one:
         c["vs_lru"] = ratio(c["unified"]["overall"], c["lru"]["overall"])
     pols = [p for p in POLICIES if p not in missing]
+    setting = setting_name(overrides)
     for t in traces:
         mine = [c for c in cells if c["trace"] == t.name]
         print(trace_tables(t.name, mine, [c for c in one if c["trace"] == t.name], pols))
         if not args.no_plots:
             out_dir.mkdir(parents=True, exist_ok=True)
             png = out_dir / f"frontier-{_slug(t.name)}.png"
-            plot_frontiers(t.name, [f for f in fronts if f["trace"] == t.name], mine, t.first_rule, png)
+            plot_frontiers(
+                t.name, [f for f in fronts if f["trace"] == t.name], mine, t.first_rule, png, setting
+            )
             print(f"frontier plot: {png}")
     summary = summarise(cells, one)
     bad = [c for c in cells if c["misses"]]
@@ -814,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         u, lr = c["unified"], c["lru"]
         print(
             f"  {c['trace']} {c['rule']} {c['capacity']}: {', '.join(c['misses'])}; unified "
-            f"{_pair(u)} ({_num(c['overall_vs_lru'])}x / {_num(c['class0_vs_lru'])}x lru {_pair(lr)}), "
+            f"{_pair(u)} ({_num(c['overall_vs_lru'], '.4f')}x / {_num(c['class0_vs_lru'], '.4f')}x lru {_pair(lr)}), "
             f"class-0 target {_num(c['class0_target'], '.4f')} (isolation {_num(c[ISO], '.4f')})"
             + (
                 f"; class 0 against lru: {shortfall(c.get('class0_paired'))}"
@@ -834,7 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f["dominated_by"] = dominating_shares(f, cell) if cell is not None else []
     dominated = [f for f in fronts if f["dominated_by"]]
     print(
-        f"the default setting is dominated by a fixed protected share (at least as much class 0 and overall, more "
+        f"the {setting} is dominated by a fixed protected share (at least as much class 0 and overall, more "
         f"of one) on {len(dominated)} of {len(fronts)} frontiers:"
     )
     for f in sorted(dominated, key=lambda f: (f["trace"], f["capacity"])):

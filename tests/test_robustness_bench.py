@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -254,3 +255,87 @@ def test_the_json_folder_is_made_before_the_grid_runs(tmp_path: Path) -> None:
     res = _run("--quick", "--trace", str(trace), "--json", str(blocker / "grid.json"), "--no-progress")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith("robustness: error:") and "grid:" not in res.stdout
+
+
+# --- review 34: the report as a user reads it ---------------------------------------------------------
+
+
+def _grid() -> Any:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness
+
+    return robustness
+
+
+def _cell(cap: int, c0_ratio: float) -> dict[str, Any]:
+    lru = {"overall": 0.70, "class0": 0.73}
+    uni = {"overall": 0.70, "class0": 0.73 * c0_ratio}
+    c = {"capacity": cap, "rule": "native", "class0_block_share": 0.25, "lru": lru, "unified": uni}
+    c["isolation"] = 0.75
+    return c
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_a_one_panel_frontier_png_holds_its_whole_title_and_legend(tmp_path: Path, monkeypatch: Any) -> None:
+    """`--capacities 500` (one panel, 3.6 in wide): the suptitle and the five-entry figure legend were cut at
+    both edges of the PNG (trace name, rule, "unified, fixed protected share", "0.98 x lru overall" lost)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    grid = _grid()
+    cell = _cell(500, 0.99)
+    grid.analyse_cell(cell)
+    pts = [{"budget": b, "overall": 0.6 + 0.1 * b, "class0": 0.7 + 0.05 * b} for b in (0.0, 0.5, 0.95)]
+    front = {"capacity": 500, "points": pts}
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    png = tmp_path / "f.png"
+    grid.plot_frontiers("multi-tenant-s0", [front], [cell], "native", png)
+    fig = kept[0]
+    renderer = fig.canvas.get_renderer()
+    scale = 110 / fig.dpi  # saved at dpi 110
+    need = max(
+        fig.legends[0].get_window_extent(renderer).width, fig._suptitle.get_window_extent(renderer).width
+    )
+    width_px = matplotlib.image.imread(str(png)).shape[1]
+    assert width_px >= need * scale, (width_px, need * scale)
+
+
+def test_a_ratio_below_lru_does_not_read_1_000() -> None:
+    """A cell listed as "class 0 < lru" showed "1.000x" (0.9996 to three places), in the listing and the table."""
+    grid = _grid()
+    cell = {**_cell(500, 0.9996), "trace": "t"}
+    grid.analyse_cell(cell)
+    assert grid.MISS_CLASS0 in cell["misses"]
+    fig = {"overall": 0.7, "class0": None}
+    one = [{"capacity": 500, "lru": fig, "s3fifo": fig, "arc": fig, "unified": fig, "vs_lru": 1.0}]
+    table = grid.trace_tables("t", [cell], one, ["lru", "unified"])
+    row = table.splitlines()[3]
+    assert "0.9996" in row and " 1.000 " not in row
+
+
+@pytest.mark.bench
+def test_set_overrides_are_not_called_the_default_setting(tmp_path: Path) -> None:
+    """`--set priority_weight=4`: stdout said "the default setting is dominated ..." and the PNG legend
+    "unified, default setting", though unified ran with the override; stdout never named it."""
+    trace = tmp_path / "tiny.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace)
+    res = _run(
+        "--trace",
+        str(trace),
+        "--capacities",
+        "50",
+        "--jobs",
+        "1",
+        "--set",
+        "priority_weight=4",
+        "--no-plots",
+        "--no-progress",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "default setting" not in res.stdout
+    assert "priority_weight=4" in res.stdout
