@@ -278,8 +278,13 @@ def test_reset_prefix_cache() -> None:
     assert ids == [0, 1, 2]
 
 
-def test_duplicate_hash_stays_unhashed_and_is_reused_first() -> None:
-    pool = new_pool()
+@pytest.mark.parametrize("policy", ["lru", *LEAF_ONLY])
+def test_duplicate_content_is_registered_as_a_copy_as_vllm_does(policy: str) -> None:
+    # vLLM 0.33 registers every newly full block, a block whose hash is cached already included (its
+    # BlockHashToBlockMap keeps each copy; lookups find the first). Before, the copy stayed unhashed and so did
+    # every later block of its request: their content was lost with no memory pressure at all, and the copies
+    # went back to the empty stack (reused first) where vLLM queues them as cached blocks
+    pool = new_pool(policy)
     a = start(pool, [1, 2])
     assert a == [0, 1]
     # a second request computes the same content without a lookup (e.g. both were scheduled together)
@@ -287,15 +292,46 @@ def test_duplicate_hash_stays_unhashed_and_is_reused_first() -> None:
     assert b == [2, 3, 4]
     pool.cache_blocks(b, [1, 2, 3], 0, 3)
     pool.check_integrity()
-    assert pool.block_hash[2] is None and pool.block_hash[3] is None  # the cached copies serve later hits
-    # the block after a duplicate is not registered either: its parent would be another request's block
-    assert pool.block_hash[4] is None
-    assert pool.cached == {1: 0, 2: 1}
+    if policy in LEAF_ONLY:
+        # parent links: a block after a copy would be reached by lookups through the other copy (block 1), which
+        # its holders do not hold: it stays unhashed, and so does the rest of its request
+        assert pool.block_hash[2:5] == [1, None, None]
+        assert pool.cached == {1: 0, 2: 1} and pool.copies == {1: [2]}
+    else:
+        assert pool.block_hash[2:5] == [1, 2, 3]
+        assert pool.cached == {1: 0, 2: 1, 3: 4}  # lookups find the first registered block
+        assert pool.copies == {1: [2], 2: [3]}
     finish(pool, b)
-    # the unhashed blocks went back to the empty stack: reused before any untouched empty block
-    assert pool.get_new_blocks(2) == [2, 3]
-    assert pool.get_new_blocks(1) == [4]
-    assert pool.get_new_blocks(1) == [5]
+    assert pool.get_num_free_blocks() == N - 2
+    # the empty blocks are reused first, then the cached ones: the copies are cached blocks (vLLM queues them
+    # at the free queue's tail); only the unhashed ones went back to the empty stack
+    if policy in LEAF_ONLY:
+        assert pool.get_new_blocks(7) == [3, 4, 5, 6, 7, 8, 9]
+    else:
+        assert pool.get_new_blocks(5) == [5, 6, 7, 8, 9]
+    finish(pool, a)
+    cached = [0, 1, 2] if policy in LEAF_ONLY else [0, 1, 2, 3, 4]
+    evicted: list[int] = []
+    pool.on_evict = lambda bid, h: evicted.append(bid)
+    got = pool.get_new_blocks(len(cached))
+    assert got is not None and sorted(got) == cached and sorted(evicted) == cached
+    pool.check_integrity()
+    assert pool.cached == {} and pool.copies == {}
+
+
+def test_the_first_copy_takes_the_index_when_the_indexed_block_goes() -> None:
+    pool = new_pool()
+    a = start(pool, [1])
+    b = pool.get_new_blocks(1)
+    assert (a, b) == ([0], [1])
+    pool.cache_blocks(b, [1], 0, 1)
+    finish(pool, a)  # block 0 is released first: LRU evicts it first
+    assert pool.get_new_blocks(N - 2) is not None  # the empty blocks
+    got = pool.get_new_blocks(1)
+    assert got == [0]
+    pool.check_integrity()
+    assert pool.cached == {1: 1} and pool.copies == {}
+    assert pool.get_cached_block(1) == 1  # a lookup of hash 1 finds the copy
 
 
 def test_block_whose_parent_is_not_cached_is_not_registered() -> None:

@@ -186,6 +186,11 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.get_num_free_blocks() == self.n - held
 
 
+def _hashed(pool: BlockPool) -> int:
+    """The cached blocks: one per hash in the index, and the copies (content computed twice)."""
+    return len(pool.cached) + sum(map(len, pool.copies.values()))
+
+
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None)
 
 
@@ -223,7 +228,7 @@ class S3FIFOMachine(PoolMachine):
     @invariant()
     def queues_hold_the_cached_blocks(self) -> None:
         s = self.pool.policy.stats()
-        assert s["small"] + s["main"] == len(self.pool.cached)
+        assert s["small"] + s["main"] == _hashed(self.pool)
         assert s["ghost"] <= self.n - max(1, self.n // 10)
 
 
@@ -233,7 +238,7 @@ class ARCMachine(PoolMachine):
     @invariant()
     def directory_bounds(self) -> None:
         s = self.pool.policy.stats()
-        assert s["t1"] + s["t2"] == len(self.pool.cached) <= self.n
+        assert s["t1"] + s["t2"] == _hashed(self.pool) <= self.n
         assert s["t1"] + s["b1"] <= self.n
         assert s["t1"] + s["t2"] + s["b1"] + s["b2"] <= 2 * self.n
         assert 0 <= s["p"] <= self.n
@@ -266,9 +271,9 @@ del _case
 
 @pytest.mark.parametrize("policy", [*LEAF_ONLY, "lru", "s3fifo", "arc"])
 def test_duplicate_prefix_pins_nothing(policy: str) -> None:
-    """A request that computed a cached 2-block prefix again (no lookup) must not register its third block
-    under the other request's block: that block, once free, would be pinned under a block in use, and a
-    leaf-only policy could never evict it although the pool counts it as free."""
+    """A request that computed a cached 2-block prefix again (no lookup) registers copies (vLLM's duplicates),
+    never its third block under the other request's block: that block, once free, would be pinned under a
+    block in use, and a leaf-only policy could never evict it although the pool counts it as free."""
     pool = BlockPool(6, make_policy(policy, 6, PolicyConfig(next_use=belady_next_use)))
     r1 = pool.get_new_blocks(2)
     assert r1 == [0, 1]
@@ -276,7 +281,10 @@ def test_duplicate_prefix_pins_nothing(policy: str) -> None:
     r2 = pool.get_new_blocks(3)
     assert r2 == [2, 3, 4]
     pool.cache_blocks(r2, [1, 2, 3], 0, 3)
-    assert pool.cached == {1: 0, 2: 1}
+    if pool.policy.leaf_only:  # a block after a copy is not linked to it (see BlockPool.cache_blocks)
+        assert pool.cached == {1: 0, 2: 1} and pool.copies == {1: [2]}
+    else:
+        assert pool.cached == {1: 0, 2: 1, 3: 4} and pool.copies == {1: [2], 2: [3]}
     pool.free_blocks(r1)
     r3 = pool.get_new_blocks(1)
     assert r3 == [5]
@@ -290,3 +298,5 @@ def test_duplicate_prefix_pins_nothing(policy: str) -> None:
     assert got is not None and sorted(got) == [0, 1, 5]
     assert sorted(evicted) == [0, 1, 5]
     pool.check_integrity()
+    # the copies took the index
+    assert pool.cached == ({1: 2} if pool.policy.leaf_only else {1: 2, 2: 3, 3: 4}) and pool.copies == {}

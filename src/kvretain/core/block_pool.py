@@ -102,6 +102,11 @@ class BlockPool:
         if len(self._blocks) != num_blocks:
             raise ValueError(f"policy offered {len(self._blocks)} block states for {num_blocks} blocks")
         self.cached: dict[BlockHash, int] = {}
+        """Each cached hash's block: the one lookups find (vLLM's ``get_one_block``, the first registered)."""
+        self.copies: dict[BlockHash, list[int]] = {}
+        """The other blocks registered under a hash, in registration order (content two running requests both
+        computed: vLLM's ``BlockHashToBlockMap`` keeps every copy). Evicting the block of :attr:`cached`
+        promotes the first copy."""
         # empty blocks: a stack, so the lowest ids are used first on a fresh pool
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_cached_free = 0
@@ -183,6 +188,7 @@ class BlockPool:
                 raise _clock_error(now)
             policy = self.policy
             cached = self.cached
+            copies = self.copies
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
             batch_hook = self.on_evict_batch
@@ -205,7 +211,10 @@ class BlockPool:
                 blk = blocks[bid]
                 h = blk.block_hash
                 assert h is not None
-                del cached[h]
+                if copies:
+                    self._uncache(h, bid)
+                else:
+                    del cached[h]
                 blk.block_hash = None
                 blk.evictable = False
                 blk.ref_cnt = 1
@@ -234,6 +243,22 @@ class BlockPool:
                 batch_hook(out[k:], victim_hashes)
         return out
 
+    def _uncache(self, h: BlockHash, bid: int) -> None:
+        """Drop block ``bid``'s registration under ``h``: the first copy takes the index's place (as vLLM's
+        ``BlockHashToBlockMap.pop`` leaves the next block of the key)."""
+        cached = self.cached
+        more = self.copies.get(h)
+        if cached[h] == bid:
+            if more is None:
+                del cached[h]
+                return
+            cached[h] = more.pop(0)
+        else:
+            assert more is not None
+            more.remove(bid)
+        if not more:
+            del self.copies[h]
+
     def _short(self, out: list[int], k: int, evicted: int, hashes: list[BlockHash]) -> None:
         """``get_new_blocks`` found fewer evictable blocks than the free count offered (free blocks held behind an
         in-use descendant): the ``k`` empty blocks taken and the ``evicted`` victims go back to the empty list
@@ -249,9 +274,11 @@ class BlockPool:
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cache hits (removing free ones from the eviction order). Every block must be
-        hashed or in use, and for ``leaf_only`` policies the blocks must be a prefix of one request's cached
-        blocks (each the parent of the next, the first a root): otherwise ``ValueError`` names the first that is
-        not, and nothing changes."""
+        hashed or in use: otherwise ``ValueError`` names the first that is not, and nothing changes.
+
+        Hits are normally a prefix of one request's cached blocks (what a lookup finds). Other hits are
+        accepted (the module docstring): for ``leaf_only`` policies a free block above a touched one then cannot
+        be evicted until its descendants are free again, and an allocation that needs it gets ``None``."""
         blocks = self._blocks
         # evictable blocks taken out of the policy's order once the whole call is valid
         leaving: list[int] = []
@@ -290,11 +317,14 @@ class BlockPool:
     ) -> None:
         """Register ``block_ids[i]`` under ``hashes[i]`` for ``start <= i < end`` (a request's newly full blocks).
 
-        A block whose hash is already cached elsewhere stays unhashed (the cached copy serves later hits), and
-        so do the blocks after it in that request: a block is registered only when its parent is the request's
-        own previous block. NOTE: vLLM would register such duplicates; refusing them keeps the invariant that
-        a request that holds a block holds its parent, so a request that frees its blocks together leaves no free
-        block behind an in-use descendant. A refused call (a block not in use, a hash of ``None``, a block that
+        A block whose hash is already cached in another block (content two running requests both computed) is
+        registered too, as a copy (:attr:`copies`; lookups find the first block, as vLLM's), and so are the blocks
+        after it, as vLLM registers them. A block after one of its request's that holds no hash stays unhashed.
+        For ``leaf_only`` policies a block's parent link is its request's own previous block, which must be the
+        block lookups find for that hash: a block after a copy stays unhashed there (a lookup would reach it
+        through the other copy, and the requests holding it would not hold its parent). So the invariant that a
+        request that holds a block holds its parent stands, and a request that frees its blocks together leaves
+        no free block behind an in-use descendant. A refused call (a block not in use, a hash of ``None``, a block that
         holds another hash, an id out of range) registers nothing: the policy hears of the registrations after
         the loop.
         """
@@ -320,7 +350,7 @@ class BlockPool:
         # after a new one) and the free parents a registered child takes out of the order
         reg: list[int] = []
         taken: list[int] = []
-        prev_registered = False  # block i-1 was registered by this call (so it is the cached parent)
+        copies = self.copies
         try:
             for i in range(start, end):
                 bid = block_ids[i]
@@ -336,18 +366,22 @@ class BlockPool:
                 if cur is not None:
                     if cur != h:
                         raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
-                    prev_registered = False
-                    continue
-                if h in cached:
-                    prev_registered = False
                     continue
                 parent = NO_PARENT
                 if i > 0:
                     parent = block_ids[i - 1]
-                    if not prev_registered and cached.get(hashes[i - 1]) != parent:
-                        continue
-                prev_registered = True
-                cached[h] = bid
+                    if blocks[parent].block_hash != hashes[i - 1]:
+                        continue  # (its request holds no registered parent for it)
+                    if leaf_only and cached[hashes[i - 1]] != parent:
+                        continue  # a parent link to a copy: lookups reach this block through another parent
+                if h in cached:
+                    more = copies.get(h)
+                    if more is None:
+                        copies[h] = [bid]
+                    else:
+                        more.append(bid)
+                else:
+                    cached[h] = bid
                 blk.block_hash = h
                 reg.append(i)
                 if leaf_only and parent != NO_PARENT:
@@ -360,8 +394,9 @@ class BlockPool:
         except (ValueError, IndexError, TypeError) as e:
             # undo the registrations (nothing else changed; the policy has heard of none of them)
             for i in reversed(reg):
-                blk = blocks[block_ids[i]]
-                del cached[hashes[i]]
+                bid = block_ids[i]
+                blk = blocks[bid]
+                self._uncache(hashes[i], bid)  # (the last registration of its hash: undone first)
                 blk.block_hash = None
                 p = blk.parent
                 if p != NO_PARENT:
@@ -484,15 +519,18 @@ class BlockPool:
             bid = self.policy.pop(now)
             assert bid is not None
             blocks[bid].evictable = False
-        for h, bid in list(self.cached.items()):
+        dropped = [(h, bid) for h, bid in self.cached.items()]
+        dropped += [(h, bid) for h, more in self.copies.items() for bid in more]
+        for h, bid in dropped:
             self.policy.on_evicted(bid, h)
             if self.on_evict is not None:
                 self.on_evict(bid, h)
-        if self.on_evict_batch is not None and self.cached:
-            self.on_evict_batch(list(self.cached.values()), list(self.cached))
+        if self.on_evict_batch is not None and dropped:
+            self.on_evict_batch([bid for _, bid in dropped], [h for h, _ in dropped])
         # (dropped from the cache: the observers heard each as an eviction)
-        self.num_evictions += len(self.cached)
+        self.num_evictions += len(dropped)
         self.cached.clear()
+        self.copies.clear()
         for b in blocks:  # in place: the objects may be shared with the policy (block_states)
             b.ref_cnt = 0
             b.block_hash = None
@@ -531,7 +569,13 @@ class BlockPool:
         for h, b in self.cached.items():
             if block_hash[b] != h:
                 fail(f"hash index points to block {b} which holds another hash")
-        if sum(1 for b in range(n) if block_hash[b] is not None) != len(self.cached):
+        for h, more in self.copies.items():
+            if not more or h not in self.cached:
+                fail(f"copies of hash {h!r} without a block in the hash index, or an empty list")
+            if any(block_hash[b] != h for b in more) or len(set(more) | {self.cached[h]}) != len(more) + 1:
+                fail(f"a copy of hash {h!r} holds another hash, or a block is listed twice")
+        indexed = len(self.cached) + sum(len(more) for more in self.copies.values())
+        if sum(1 for b in range(n) if block_hash[b] is not None) != indexed:
             fail("a hashed block is missing from the hash index")
         children = [0] * n
         for b in range(n):
