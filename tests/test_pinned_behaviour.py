@@ -200,6 +200,12 @@ def test_merge_sums_and_leaves_inputs_alone():
 def test_rates():
     s = ClassStats()
     assert s.hit_rate == 0.0 and s.resume_hit_rate == 0.0
+    # JSON: no lookup (or no resume) is no ratio, null; `kvretain replay --json` read resume_hit_rate 0.0
+    # on a run without a single resume (review 34)
+    assert (s.to_json()["hit_rate"], s.to_json()["resume_hit_rate"]) == (None, None)
+    s.record_lookup(300, 100, False)
+    assert s.to_json()["resume_hit_rate"] is None and s.to_json()["hit_rate"] == 0.333333
+    s = ClassStats()
     s.record_lookup(100, 40, True)
     s.record_lookup(300, 100, False)
     assert s.resume_hit_rate == 0.4 and s.hit_rate == pytest.approx(1 / 3)

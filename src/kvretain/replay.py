@@ -114,7 +114,7 @@ class ReplayResult:
             "requests": self.requests,
             "blocks": self.blocks,
             "hit_blocks": self.hit_blocks,
-            "hit_rate": round(self.hit_rate, 6),
+            "hit_rate": round(self.hit_rate, 6) if self.blocks else None,  # (no lookup: no ratio)
             "classes": {
                 str(k): {
                     **v.to_json(),

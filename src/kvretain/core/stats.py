@@ -76,8 +76,9 @@ class ClassStats:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["hit_rate"] = round(self.hit_rate, 6)
-        out["resume_hit_rate"] = round(self.resume_hit_rate, 6)
+        # (no lookup, or no resume: no ratio, null rather than a 0 that reads as "missed everything")
+        out["hit_rate"] = round(self.hit_rate, 6) if self.query_tokens else None
+        out["resume_hit_rate"] = round(self.resume_hit_rate, 6) if self.resume_query_tokens else None
         return out
 
 
