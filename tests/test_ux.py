@@ -171,7 +171,12 @@ def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         _fake_result("unified-b0.2", 0.2, 2.5, 1_050_000),  # same result as 0.1: one shared label
         _fake_result("unified-b0.8", 0.8, 1.5, 1_300_000),
     ]
-    assert _plots(tmp_path, results, {}, ["lru", "unified"]) == ["ttft_by_class.png", "frontier.png"]
+    ttfts = {"lru": {"0": [0.5, 0.1, 0.3]}, "unified": {"0": [0.2, 0.4]}}
+    assert _plots(tmp_path, results, ttfts, ["lru", "unified"]) == ["ttft_by_class.png", "frontier.png"]
+    # the TTFT CDF is drawn in steps (a sloped line between two samples showed TTFTs no request had)
+    cdf = [line for line in figures[0].axes[0].get_lines() if line.get_label() == "lru"]
+    assert len(cdf) == 1 and cdf[0].get_drawstyle() == "steps-post"
+    assert list(cdf[0].get_xdata()) == [0.1, 0.3, 0.5]
     left, mid, right = figures[-1].axes
     for ax in (left, mid, right):
         for axis in (ax.xaxis, ax.yaxis):

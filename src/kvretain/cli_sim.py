@@ -613,10 +613,9 @@ def _plots(
     for ax, c in zip(axes[0], classes, strict=True):
         for i, label in enumerate(policies):
             v = sorted(ttfts.get(label, {}).get(c, []))
-            if v:
-                ax.plot(
-                    v, [(k + 1) / len(v) for k in range(len(v))], label=label, color=colors[i % len(colors)]
-                )
+            if v:  # the empirical CDF: a step at each request, flat between (no TTFT between two samples)
+                ys = [(k + 1) / len(v) for k in range(len(v))]
+                ax.step(v, ys, where="post", label=label, color=colors[i % len(colors)])
         ax.set_xscale("log")
         ax.set_title(f"class {c}: TTFT CDF")
         ax.set_xlabel("TTFT (s, log scale; further left is better)")
