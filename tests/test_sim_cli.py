@@ -198,3 +198,14 @@ def test_a_class_without_a_figure_gets_no_bar_not_a_zero() -> None:
     assert rel[0] == 1.0 and math.isnan(rel[1])
     assert all(math.isnan(v) for v in _bar_values([lru, uni], lru, "1", "ttft_mean_s"))
     assert _bar_values([lru, uni], None, "1", "ttft_mean_s")[1] == 1.0
+
+
+def test_the_class_table_says_its_requests_are_the_finished_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    # the JSON's per-class "requests" counts finished requests (rejected ones apart); the table's header said
+    # "requests", which read as every request sent (review 34)
+    assert main(["simulate", "--policy", "lru", *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("class"))
+    assert header.split()[:3] == ["class", "finished", "rejected"]
+    rows = [ln.split() for ln in lines[lines.index(header) + 2 :] if ln.strip()]
+    assert sum(int(r[1]) for r in rows) == 60  # every request of the run finished, none rejected
