@@ -375,9 +375,9 @@ def print_table(obj: dict[str, Any]) -> None:
     cols += ["e2e_p99_s", "queue_p99_s", "hit_rate", "recomputed_tokens", "evicted_blocks", "slo_attainment"]
     rows = [{"class": c, **{k: _cell(v, k) for k in cols[1:]}} for c, v in obj["classes"].items()]
     # (the JSON's "requests" are the finished ones: sent = finished + rejected; the header says which)
-    shown = {"requests": "finished"}
-    rows = [{shown.get(k, k): v for k, v in row.items()} for row in rows]
-    print(format_table(rows, [shown.get(k, k) for k in cols]))
+    heads = {"requests": "finished"}
+    rows = [{heads.get(k, k): v for k, v in row.items()} for row in rows]
+    print(format_table(rows, [heads.get(k, k) for k in cols]))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -617,8 +617,8 @@ def _plots(
         for i, label in enumerate(policies):
             v = sorted(ttfts.get(label, {}).get(c, []))
             if v:  # the empirical CDF: a step at each request, flat between (no TTFT between two samples)
-                ys = [(k + 1) / len(v) for k in range(len(v))]
-                ax.step(v, ys, where="post", label=label, color=colors[i % len(colors)])
+                shares = [(k + 1) / len(v) for k in range(len(v))]
+                ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)])
         ax.set_xscale("log")
         ax.set_title(f"class {c}: TTFT CDF")
         ax.set_xlabel("TTFT (s, log scale; further left is better)")
