@@ -358,3 +358,57 @@ def test_azure_lengths_are_plain_decimal_integers(tmp_path: Path, cell: str) -> 
     )
     with pytest.raises(WorkloadError, match="ContextTokens"):
         load_azure(csv, random.Random(0))
+
+
+def test_a_gzip_compressed_trace_reads_as_the_plain_one(tmp_path: Path) -> None:
+    # published traces ship as .gz; it was refused as "not UTF-8 text (byte 0x8b at column 2)"
+    import gzip
+
+    from kvretain.workloads import read_trace
+
+    text = "".join(line(timestamp=t) + "\n" for t in (2, 0, 1))
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    assert read_trace(packed) == read_trace(plain)
+    assert [r.timestamp_ms for r in read_trace(packed, limit=2)] == [0.0, 2.0]
+
+
+def test_a_cut_or_corrupt_gzip_trace_is_one_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    data = gzip.compress("".join(line() + "\n" for _ in range(50)).encode())
+    cut, bad = tmp_path / "cut.jsonl.gz", tmp_path / "bad.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    bad.write_bytes(data[:10] + b"\x00" * 20 + data[30:])
+    for p in (cut, bad):
+        assert main(["replay", str(p), "--capacity-blocks", "8"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{p}: cannot read the trace" in err[0], err
+
+
+def test_a_trace_from_a_pipe_is_read(tmp_path: Path) -> None:
+    # `kvretain workload export ... --out /dev/stdout | kvretain replay /dev/stdin`, `<(zcat T.gz)`: a pipe was
+    # refused as "not a regular file"
+    import gzip
+    import threading
+
+    from kvretain.workloads import read_trace
+
+    text = "".join(line(timestamp=t) + "\n" for t in range(3))
+    for payload in (text.encode(), gzip.compress(text.encode())):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+
+        def feed(data: bytes = payload, path: Path = fifo) -> None:
+            with open(path, "wb") as fh:
+                fh.write(data)
+
+        writer = threading.Thread(target=feed)
+        writer.start()
+        got = read_trace(fifo)
+        writer.join(10)
+        fifo.unlink()
+        assert [r.timestamp_ms for r in got] == [0.0, 1.0, 2.0]

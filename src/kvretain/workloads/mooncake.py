@@ -1,7 +1,8 @@
 """The Mooncake (FAST'25) JSONL trace format: the one schema and parser of ``kvretain replay`` and
 ``kvretain simulate``.
 
-One JSON object a line (blank lines are skipped)::
+One JSON object a line (blank lines are skipped), in a file or a pipe, plain or gzip-compressed (``.gz``, told
+by its first bytes)::
 
     {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...],   # required
      "priority": int, "retention": [...] or {...}, "retention_directives": [...], "retention_scope": str,
@@ -34,11 +35,14 @@ chunk is truncated so that the prompt has exactly ``input_length`` tokens.
 from __future__ import annotations
 
 import difflib
+import gzip
+import io
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig
 from kvretain.workloads.request import (
@@ -123,6 +127,10 @@ class TraceRecord:
         return self.output_length
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first two bytes of a gzip stream: such a trace is read through gzip (published traces ship as ``.gz``)."""
+
+
 class _LineError(ValueError):
     """Raised inside the JSON hooks and field checks; becomes a ``TraceError`` with ``file:line``."""
 
@@ -142,11 +150,11 @@ def read_trace(
         raise TraceError(f"{p} is a directory, not a trace file (pass a Mooncake-format JSONL file)")
     if not p.exists():
         raise TraceError(f"trace file not found: {p} (pass the path of a Mooncake-format JSONL file)")
-    if not p.is_file():
-        raise TraceError(f"{p} is not a regular file (pass a Mooncake-format JSONL file)")
+    if not (p.is_file() or p.is_fifo() or p.is_char_device()):
+        raise TraceError(f"{p} is not a regular file or a pipe (pass a Mooncake-format JSONL file)")
     out: list[TraceRecord] = []
     try:
-        with p.open("rb") as fh:
+        with p.open("rb") as f, _decompressed(f) as fh:
             lineno = 0
             while limit is None or len(out) < limit:
                 raw = fh.readline(MAX_LINE_BYTES + 1)
@@ -156,12 +164,26 @@ def read_trace(
                 rec = parse_trace_line(raw, lineno, str(p), block_tokens)
                 if rec is not None:
                     out.append(rec)
-    except OSError as e:
-        raise TraceError(f"{p}: cannot read the trace: {e.strerror or e}") from None
+    except (
+        OSError,
+        EOFError,
+        zlib.error,
+    ) as e:  # (gzip: BadGzipFile is an OSError; a cut stream an EOFError)
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise TraceError(f"{p}: cannot read the trace: {why}") from None
     if not out:
         raise TraceError(f"{p}: no requests in the trace (the file is empty or holds only blank lines)")
     out.sort(key=lambda r: r.timestamp_ms)  # stable: equal timestamps keep the file's order
     return out
+
+
+def _decompressed(raw: io.BufferedReader) -> BinaryIO:
+    """The trace's bytes from ``raw`` (a file or a pipe: ``/dev/stdin``, ``<(zcat T.gz)``), through gzip when it
+    is gzip-compressed, told by its first two bytes, peeked without consuming them (a pipe is read once). The
+    caller closes ``raw`` (a ``GzipFile`` does not close the file it reads)."""
+    if raw.peek(2)[:2] == GZIP_MAGIC:
+        return cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
+    return raw
 
 
 def parse_trace_line(
