@@ -40,7 +40,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvretain.cli_args import Parser, check_output_file, fail, integer, path_arg, summary_of
+from kvretain.cli_args import (
+    DefaultsHelpFormatter,
+    Parser,
+    check_output_file,
+    fail,
+    integer,
+    path_arg,
+    summary_of,
+)
 from kvretain.cli_profile import int_list
 from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
 from kvretain.engine.sim.costmodel import CostModel, chunk_counts
@@ -431,37 +439,76 @@ def _time_step(dec: Decoder, st: Step, repeats: int, graph_tokens: int) -> tuple
     return statistics.median(times), graphed
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
         "--model", default="llama-3-8b", help="catalog model whose shapes are run (default llama-3-8b)"
     )
     ap.add_argument(
         "--gpu", default="h200", help="catalog GPU entry the measurement is set beside (default h200)"
     )
-    ap.add_argument("--catalog", type=path_arg("a catalog TOML file"), help="extra models and GPUs (TOML)")
+    ap.add_argument(
+        "--catalog",
+        type=path_arg("a catalog TOML file"),
+        help="extra models and GPUs (TOML file; default: the built-in catalog only)",
+    )
     ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu to try the script)")
-    ap.add_argument("--prefill", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument(
-        "--cached", type=int_list, default=[2048, 8192, 32768], help="cached lengths before a prefill"
+        "--prefill",
+        type=int_list,
+        default=[256, 512, 1024, 2048, 4096, 8192, 16384],
+        help="new tokens of the prefill steps timed from an empty cache (comma-separated token counts)",
     )
-    ap.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 128, 256])
-    ap.add_argument("--contexts", type=int_list, default=[1024, 4096])
     ap.add_argument(
-        "--mixed", type=int_list, default=[16, 64], help="decode batches run in one step with a prefill chunk"
+        "--cached",
+        type=int_list,
+        default=[2048, 8192, 32768],
+        help="cached tokens before a prefill of the middle --prefill size (comma-separated token counts)",
     )
-    ap.add_argument("--repeats", type=integer(1), default=10)
+    ap.add_argument(
+        "--batches",
+        type=int_list,
+        default=[1, 4, 16, 64, 128, 256],
+        help="sequences per decode step, each batch timed at each --contexts (comma-separated counts)",
+    )
+    ap.add_argument(
+        "--contexts",
+        type=int_list,
+        default=[1024, 4096],
+        help="context length of each decoding sequence (comma-separated token counts)",
+    )
+    ap.add_argument(
+        "--mixed",
+        type=int_list,
+        default=[16, 64],
+        help="decode batches run in one step with a prefill chunk (comma-separated sequence counts; 0: none)",
+    )
+    ap.add_argument(
+        "--repeats", type=integer(1), default=10, help="timed runs per step, the median counts (a count)"
+    )
     ap.add_argument(
         "--graph-tokens",
         type=integer(0),
         default=GRAPH_TOKENS,
         help=f"steps of at most this many tokens run as CUDA graph replays (default {GRAPH_TOKENS}; 0: none)",
     )
-    ap.add_argument("--seed", type=integer(0), default=0)
+    ap.add_argument("--seed", type=integer(0), default=0, help="seed of the random weights (an integer >= 0)")
     ap.add_argument(
-        "--out", help="write the fitted profile (TOML) here, for `kvretain simulate --cost-model`"
+        "--out",
+        help="write the fitted profile (TOML) here, for `kvretain simulate --cost-model` (a file; default: "
+        "not written)",
     )
-    ap.add_argument("--json", dest="json_out", help="write the rows and the summary as JSON here")
+    ap.add_argument(
+        "--json",
+        dest="json_out",
+        help="write the rows and the summary as JSON here (a file; default: not written)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         cat = load_catalog(args.catalog) if args.catalog else builtin_catalog()

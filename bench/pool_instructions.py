@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, summary_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "pool_instructions"
@@ -98,24 +98,36 @@ def export_revision(rev: str, into: Path) -> Path:
     return dest
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
         "--pools", nargs="+", choices=POOLS, default=["unified"], help="pools to count (default unified)"
     )
     ap.add_argument(
-        "--against", nargs="*", default=[], metavar="REV", help="git revisions to count side by side"
+        "--against",
+        nargs="*",
+        default=[],
+        metavar="REV",
+        help="git revisions to count side by side (default: this checkout alone)",
     )
     ap.add_argument(
-        "--size", type=integer(1, what=" (blocks)"), default=2000, help="pool size (default 2,000)"
+        "--size", type=integer(1, what=" (blocks)"), default=2000, help="pool size in blocks (default 2,000)"
     )
     ap.add_argument(
         "--ops", type=integer(1), default=1000, help="timed operations of the base run (default 1,000)"
     )
     ap.add_argument(
-        "--span", type=integer(1000), default=30_000, help="further timed operations counted (default 30,000)"
+        "--span",
+        type=integer(1000),
+        default=30_000,
+        help="further timed operations of the second run, >= 1,000 (default 30,000)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if shutil.which("valgrind") is None:
         return fail(PROG, "valgrind is not installed (Debian: apt-get install valgrind)")
     if "vllm" in args.pools:

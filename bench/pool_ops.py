@@ -39,7 +39,7 @@ from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
@@ -250,25 +250,43 @@ def replay_command_seconds(trace: Path, capacity: int, repeats: int) -> float:
 PROG = "pool_ops"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
-        "--sizes", type=integer(1, what=" (blocks)"), nargs="+", default=[10_000, 100_000, 1_000_000]
+        "--sizes",
+        type=integer(1, what=" (blocks)"),
+        nargs="+",
+        default=[10_000, 100_000, 1_000_000],
+        help="pool sizes to run, in blocks",
     )
     ap.add_argument(
         "--ops",
         type=integer(1),
         help="timed block operations per run (default 300,000; 20,000 with --count-opcodes)",
     )
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--repeats", type=integer(1), default=3, help="interleaved runs per pool; the fastest counts"
+        "--seed",
+        type=integer(0),
+        default=0,
+        help="seed of the generated operation sequence (an integer >= 0)",
     )
-    ap.add_argument("--pools", nargs="*", choices=[*POLICIES, "vllm"], help="pools to run (default: all)")
+    ap.add_argument(
+        "--repeats",
+        type=integer(1),
+        default=3,
+        help="interleaved runs per pool; the fastest counts (1 with --count-opcodes)",
+    )
+    ap.add_argument(
+        "--pools",
+        nargs="*",
+        choices=[*POLICIES, "vllm"],
+        help="pools to run (default: all; vllm only where it is importable)",
+    )
     ap.add_argument(
         "--perf-fifo",
         help="control fifo of `perf record -D -1 --control fifo:PATH`: sample only the timed parts "
-        "(bench/pool_ops_perf.py drives it)",
+        "(a path; bench/pool_ops_perf.py drives it; default: none)",
     )
     ap.add_argument(
         "--count-opcodes",
@@ -288,12 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         type=integer(1, what=" (blocks)"),
         nargs="*",
         default=[500, 5000, 32000],
-        help="pool sizes of the replay-command figure (none: skip it)",
+        help="pool sizes of the replay-command figure, in blocks (none: skip it)",
     )
     ap.add_argument(
-        "--command-repeats", type=integer(1), default=3, help="runs per size of that figure (median)"
+        "--command-repeats",
+        type=integer(1),
+        default=3,
+        help="runs per size of that figure, the median counts (a count)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     trace = DEFAULT_TRACE if args.trace is None else Path(args.trace)
     if args.trace is not None and not trace.is_file():
         why = "is a folder" if trace.is_dir() else "not found"

@@ -19,7 +19,6 @@ Last line: JSON ``{"<pool>": {"<blocks>": {"ns_per_op", "dict_lookup_ns", "other
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, summary_of
+
 ROOT = Path(__file__).resolve().parents[1]
+PROG = "pool_ops_perf"
+POOLS = ["lru", "lfu", "priority", "unified", "s3fifo", "arc", "vllm"]
+"""``bench/pool_ops.py``'s pools (``--pools``)."""
 
 
 def symbol_shares(data: str) -> dict[str, float]:
@@ -118,13 +124,35 @@ def chase(sizes: list[int], hops: int = 1_000_000, seed: int = 0) -> dict[str, d
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pools", nargs="*", default=["unified", "vllm"])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 1_000_000])
-    ap.add_argument("--ops", type=int, default=1_000_000, help="timed block operations per run")
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
+    ap.add_argument(
+        "--pools",
+        nargs="*",
+        choices=POOLS,
+        default=["unified", "vllm"],
+        help="bench/pool_ops.py pools to profile",
+    )
+    ap.add_argument(
+        "--sizes",
+        type=integer(1, what=" (blocks)"),
+        nargs="*",
+        default=[10_000, 1_000_000],
+        help="pool sizes in blocks (--chase: objects chased among)",
+    )
+    ap.add_argument(
+        "--ops",
+        type=integer(1),
+        default=1_000_000,
+        help="timed block operations per profiled run (a count; not used by --chase)",
+    )
     ap.add_argument("--chase", action="store_true", help="measure the cost of a dependent cold read instead")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.chase:
         print(json.dumps(chase(args.sizes)))
         return

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, fail, integer, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayResult, TraceError, load_trace, replay
 from kvretain.workloads.priority import make_rule
@@ -51,12 +51,30 @@ def _cell(x: float | None) -> str:
     return f"{x:>8.4f}" if x is not None else f"{'n/a':>8}"
 
 
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
+    ap.add_argument(
+        "--trace",
+        type=path_arg("a Mooncake-format JSONL file"),
+        default=str(DEFAULT_TRACE),
+        help="a Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation.jsonl)",
+    )
+    ap.add_argument(
+        "--capacities",
+        type=integer(1, what=" (blocks)"),
+        nargs="+",
+        default=[875, 5000, 20000],
+        help="pool sizes to replay at, in blocks of 512 tokens (one trace hash id each)",
+    )
+    ap.add_argument(
+        "--no-frontier", action="store_true", help="skip the sweep of unified's protection budget"
+    )
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
-    ap.add_argument("--trace", type=path_arg("a Mooncake-format JSONL file"), default=str(DEFAULT_TRACE))
-    ap.add_argument("--capacities", type=integer(1, what=" (blocks)"), nargs="+", default=[875, 5000, 20000])
-    ap.add_argument("--no-frontier", action="store_true")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         reqs = load_trace(args.trace, rule=make_rule("reference"))
     except TraceError as exc:

@@ -69,7 +69,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import Parser, check_output_file, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, check_output_file, integer, path_arg, summary_of
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayRequest, ReplayResult, TraceError, replay, replay_requests
@@ -706,31 +706,50 @@ def write_json(path: str, doc: Any) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = Parser(prog="robustness", description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog="robustness", description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
         "--mooncake",
         type=path_arg("a Mooncake-format JSONL file"),
         default=None,
         help=f"the Mooncake conversation trace (default {DEFAULT_MOONCAKE}, skipped when it is missing)",
     )
-    ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
+    ap.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        help="use this Mooncake-format JSONL file instead of the grid's traces (repeatable; default: the grid's)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 traces, 2 rules, 3 capacities")
     ap.add_argument(
         "--held-out",
         action="store_true",
         help="the generated traces no development step looked at (HELD_OUT) instead of the default set",
     )
-    ap.add_argument("--capacities", type=int, nargs="+", default=None, help="override the capacities")
+    ap.add_argument(
+        "--capacities",
+        type=integer(1, what=" (blocks)"),
+        nargs="+",
+        default=None,
+        help="override the capacities: pool sizes in blocks of 512 tokens (default: the grid's 8, 3 with --quick)",
+    )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a PolicyConfig field for unified in every cell (repeatable)",
+        help="a PolicyConfig field for unified in every cell (repeatable; default: none, the defaults)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument(
+        "--seed", type=integer(0), default=0, help="seed of the random session rules, >= 0 (default 0)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=integer(1),
+        default=os.cpu_count() or 1,
+        help="worker processes, >= 1 (default: this machine's CPU count)",
+    )
     ap.add_argument(
         "--ray",
         default=None,
@@ -738,31 +757,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run the jobs as Ray tasks instead of local processes: 'local' starts Ray on this machine with "
         "--jobs CPUs, 'auto' joins the cluster this node belongs to, or a cluster address (ray://HOST:10001). "
         "The traces are read here and shipped through Ray's object store; the workers need kvretain installed "
-        "(pip install -e '.[ray]')",
+        "(pip install -e '.[ray]'). Default: local processes",
     )
     ap.add_argument(
         "--out",
         type=path_arg("a folder name"),
         default="reports/robustness",
-        help="folder for the PNGs and generated traces",
+        help="folder for the PNGs and generated traces (default reports/robustness)",
     )
     ap.add_argument(
-        "--json", type=path_arg("a file name"), default=None, metavar="FILE", help="write every cell to FILE"
+        "--json",
+        type=path_arg("a file name"),
+        default=None,
+        metavar="FILE",
+        help="write every cell to FILE as JSON (default: not written)",
     )
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--no-plots", action="store_true", help="draw no frontier PNGs")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar of the jobs on stderr")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         overrides = parse_sets(args.set)
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         caps = args.capacities or (QUICK_CAPACITIES if args.quick else CAPACITIES)
-        if any(c < 1 for c in caps):
-            raise ValueError("--capacities must be positive")
         out_dir = Path(args.out)
         # the outputs, before the grid runs: a folder that cannot be made fails now, not after the grid
         if args.json:

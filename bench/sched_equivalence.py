@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer, number
+
+PROG = "sched_equivalence"
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
@@ -332,29 +335,75 @@ def compare(k: Trace, v: Trace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--policy", default="lru", choices=["lru", "unified"])
+def build_parser() -> Parser:
+    """The command line (``--help``: the whole docstring, then every option with its default)."""
+    ap = Parser(prog=PROG, description=__doc__, formatter_class=RawDefaultsHelpFormatter)
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="a Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation.jsonl)",
+    )
+    ap.add_argument(
+        "--requests", type=integer(1), default=1000, help="the trace's first N requests are replayed, >= 1"
+    )
+    ap.add_argument(
+        "--policy", default="lru", choices=["lru", "unified"], help="eviction policy of both sides"
+    )
     ap.add_argument(
         "--granularity",
         default="run",
         choices=["run", "block"],
-        help="the plugin's unified (KVRETAIN_GRANULARITY)",
+        help="with --policy unified: what the plugin ranks inside vLLM (KVRETAIN_GRANULARITY), runs or single blocks",
     )
-    ap.add_argument("--queue", default="both", choices=["fcfs", "priority", "both"])
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
-        "--pool-blocks", type=int, default=2048, help="KV blocks (vLLM's count, null block included)"
+        "--queue",
+        default="both",
+        choices=["fcfs", "priority", "both"],
+        help="scheduling queue policy of both sides (both: one run each)",
     )
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-prompt", type=int, default=16384, help="prompt tokens kept per request")
-    ap.add_argument("--max-output", type=int, default=64)
-    ap.add_argument("--step-ms", type=float, default=250.0, help="trace milliseconds per scheduler step")
-    ap.add_argument("--max-steps", type=int, default=200_000)
-    args = ap.parse_args()
+    ap.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block, >= 1")
+    ap.add_argument(
+        "--pool-blocks",
+        type=integer(2, what=" (vLLM's count, its null block included)"),
+        default=2048,
+        help="KV blocks (vLLM's count, null block included), >= 2",
+    )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=integer(1),
+        default=32,
+        help="most requests running at once (max_num_seqs), >= 1",
+    )
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=integer(1),
+        default=2048,
+        help="token budget per scheduler step (max_num_batched_tokens), >= 1",
+    )
+    ap.add_argument(
+        "--max-prompt", type=integer(1), default=16384, help="prompt tokens kept per request, >= 1"
+    )
+    ap.add_argument(
+        "--max-output", type=integer(1), default=64, help="cap on generated tokens per request, >= 1"
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=number(0.0, lo_open=True),
+        default=250.0,
+        help="trace milliseconds per scheduler step, > 0",
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=integer(1),
+        default=200_000,
+        help="scheduler steps after which a side that has not finished is an error, >= 1",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not args.trace.is_file():
         sys.exit(f"trace not found: {args.trace} (pass --trace)")
     args.max_model_len = args.max_prompt + args.max_output

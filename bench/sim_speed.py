@@ -15,7 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-from kvretain.cli_args import Parser, add_limit_option, fail, integer, path_arg, summary_of
+from kvretain.cli_args import (
+    DefaultsHelpFormatter,
+    Parser,
+    add_limit_option,
+    fail,
+    integer,
+    path_arg,
+    summary_of,
+)
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS
 from kvretain.core.policy import make_policy, policy_names
 from kvretain.engine.sim.router import ROUTERS
@@ -26,8 +34,9 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "moo
 PROG = "sim_speed"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog=PROG, description=summary_of(__doc__))
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
         "trace",
         nargs="?",
@@ -38,15 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--policy", default="unified", choices=policy_names(), help="eviction policy (default unified)"
     )
-    ap.add_argument("--replicas", type=integer(1), default=6, help="replicas (default 6)")
+    ap.add_argument(
+        "--replicas", type=integer(1), default=6, help="serving replicas behind the router (default 6)"
+    )
     ap.add_argument(
         "--router",
         default="prefix-affinity",
         choices=ROUTERS.names(),
         help="router (default prefix-affinity)",
     )
-    add_limit_option(ap)
-    args = ap.parse_args(argv)
+    add_limit_option(ap, "only the first N requests of the trace (default: all)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     cfg = SimConfig(
         policy=args.policy,
         replicas=args.replicas,

@@ -83,6 +83,9 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer, number
+
+PROG = "vllm_plugin"
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -579,13 +582,20 @@ def run_lockstep(argv: list[str]) -> dict[str, tuple[Result, dict[str, Any]]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=2000)
+def build_parser() -> Parser:
+    """The command line (``--help``: the whole docstring, then every option with its default)."""
     from kvretain.workloads.priority import rule_choices
+
+    ap = Parser(prog=PROG, description=__doc__, formatter_class=RawDefaultsHelpFormatter, allow_abbrev=False)
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="a Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation.jsonl)",
+    )
+    ap.add_argument(
+        "--requests", type=integer(1), default=2000, help="the trace's first N requests are replayed, >= 1"
+    )
 
     ap.add_argument(
         "--priority-rule",
@@ -594,16 +604,37 @@ def main() -> None:
         help="how requests get their priority: a rule of kvretain.workloads.priority, or keep (the trace's own, "
         "e.g. a `kvretain workload export` file's; default: reference)",
     )
-    ap.add_argument("--block-size", type=int, default=16, help="vLLM tokens per KV block")
+    ap.add_argument("--block-size", type=integer(1), default=16, help="vLLM tokens per KV block, >= 1")
     ap.add_argument(
-        "--pool-blocks", type=int, default=65536, help="KV cache size in vLLM blocks (incl. null)"
+        "--pool-blocks",
+        type=integer(2, what=" (vLLM's count, its null block included)"),
+        default=65536,
+        help="KV cache size in vLLM blocks (incl. null), >= 2",
     )
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget per scheduler step")
-    ap.add_argument("--step-ms", type=float, default=100.0, help="trace milliseconds per scheduler step")
-    ap.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
-    ap.add_argument("--options", default="", help="KVRETAIN_POLICY_OPTIONS for the plugin run")
-    ap.add_argument("--policy", default="unified")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=integer(1),
+        default=64,
+        help="most requests running at once (max_num_seqs), >= 1",
+    )
+    ap.add_argument(
+        "--max-batched-tokens", type=integer(1), default=8192, help="token budget per scheduler step, >= 1"
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=number(0.0, lo_open=True),
+        default=100.0,
+        help="trace milliseconds per scheduler step, > 0",
+    )
+    ap.add_argument(
+        "--max-output", type=integer(1), default=32, help="cap on generated tokens per request, >= 1"
+    )
+    ap.add_argument(
+        "--options",
+        default="",
+        help="KVRETAIN_POLICY_OPTIONS for the plugin run (default: none, the defaults)",
+    )
+    ap.add_argument("--policy", default="unified", help="the plugin run's eviction policy (KVRETAIN_POLICY)")
     ap.add_argument(
         "--granularity",
         default="run",
@@ -612,7 +643,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--repeats",
-        type=int,
+        type=integer(1),
         default=3,
         help="pairs of runs (lockstep: the median pair counts; --sequential: interleaved, the fastest of each)",
     )
@@ -634,12 +665,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--turn-steps",
-        type=int,
+        type=integer(1),
         default=64,
-        help="lockstep: scheduler steps a process runs before the other takes its turn (default 64)",
+        help="lockstep: scheduler steps a process runs before the other takes its turn, >= 1 (default 64)",
     )
     ap.add_argument("--child", choices=["stock", "plugin"], help=argparse.SUPPRESS)
     ap.add_argument("--gate-fd", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
 
     if not args.trace.is_file():
@@ -652,8 +688,6 @@ def main() -> None:
     from kvretain.integrations.vllm.config import PluginConfigError, parse_options
     from kvretain.workloads.mooncake import TraceError
 
-    if args.turn_steps < 1:
-        ap.error(f"--turn-steps must be at least 1 (got {args.turn_steps})")
     try:
         parse_options(args.options)  # (checked here, before any child starts)
     except PluginConfigError as e:

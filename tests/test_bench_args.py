@@ -5,6 +5,8 @@ the end. Each case runs the script as a process on the smallest inputs (seconds)
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import random
 import shutil
@@ -287,3 +289,153 @@ def test_gpu_roofline_refuses_a_profile_from_fewer_steps_than_its_coefficients(t
     )
     _refused(res, "gpu_roofline", "argument --out: a profile fits 4 coefficients; 2 steps are too few")
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ every script's --help
+SCRIPTS = [
+    "robustness",
+    "sensitivity",
+    "replay_table",
+    "sim_speed",
+    "sim_fidelity",
+    "pool_ops",
+    "pool_ops_perf",
+    "pool_instructions",
+    "sched_equivalence",
+    "vllm_plugin",
+    "vllm_serve",
+    "gpu_roofline",
+]
+PROGS = {"sim_fidelity": "bench/sim_fidelity.py"}
+"""A script's ``prog`` where it is not its name (the prefix of its error lines)."""
+
+
+def _parser(script: str) -> argparse.ArgumentParser:
+    """``bench/SCRIPT.py``'s command line, as its ``main`` builds it (skipped where importing it needs vLLM)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    try:
+        mod = importlib.import_module(script)
+    except ModuleNotFoundError as exc:  # pragma: no cover - every script imports vLLM lazily today
+        if (exc.name or "").split(".")[0] == "vllm":
+            pytest.skip(f"importing bench/{script}.py needs vLLM")
+        raise
+    return mod.build_parser()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_of_a_bench_script_says_what_it_is_and_its_default(script: str) -> None:
+    """Every option but -h has a help text (hidden ones, ``SUPPRESS``, aside), and ``--help`` shows the default
+    of every option that has one to show (not ``None``, not a flag's)."""
+    ap = _parser(script)
+    formatter = ap.formatter_class(prog=ap.prog)
+    options = [
+        a for a in ap._actions if not isinstance(a, argparse._HelpAction) and a.help is not argparse.SUPPRESS
+    ]
+    assert options
+    bare = [a.option_strings or a.dest for a in options if not (a.help or "").strip()]
+    assert not bare, f"bench/{script}.py: no help text for {bare}"
+    hidden = [
+        a.option_strings
+        for a in options
+        if a.option_strings
+        and a.nargs != 0
+        and a.default is not None
+        and "default" not in (formatter._get_help_string(a) or "")
+    ]
+    assert not hidden, f"bench/{script}.py: --help does not show the default of {hidden}"
+
+
+def _parse(
+    script: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` through the script's parser, in this process, as a finished process would report it."""
+    ap = _parser(script)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ap.parse_args(argv)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, exc.value.code, out.out, out.err)
+
+
+RANGES = [
+    ("robustness", "--capacities", "0", "must be an integer >= 1 (blocks)"),
+    ("robustness", "--jobs", "0", "must be an integer >= 1"),
+    ("robustness", "--seed", "-1", "must be an integer >= 0"),
+    ("sensitivity", "--capacities", "-5", "must be an integer >= 1 (blocks)"),
+    ("sensitivity", "--jobs", "0", "must be an integer >= 1"),
+    ("sensitivity", "--seed", "1.5", "expected an integer"),
+    ("pool_ops", "--seed", "-1", "must be an integer >= 0"),
+    ("pool_ops_perf", "--sizes", "0", "must be an integer >= 1 (blocks)"),
+    ("pool_ops_perf", "--ops", "0", "must be an integer >= 1"),
+    ("sim_fidelity", "--sessions", "0", "must be an integer >= 1"),
+    ("sim_fidelity", "--turns", "0", "must be an integer >= 1"),
+    ("sim_fidelity", "--one-shot", "-1", "must be an integer >= 0"),
+    ("sim_fidelity", "--seed", "-1", "must be an integer >= 0"),
+    ("sim_fidelity", "--blocks", "1", "must be an integer >= 2"),
+    ("sim_fidelity", "--max-num-seqs", "0", "must be an integer >= 1"),
+    ("sim_fidelity", "--max-num-batched-tokens", "0", "must be an integer >= 1"),
+    ("sim_fidelity", "--horizon-s", "0", "must be a finite number > 0"),
+    ("sim_fidelity", "--think-s", "-1", "must be a finite number >= 0"),
+    ("sim_fidelity", "--utilization", "1.5", "must be a finite number in [0, 1]"),
+    ("sched_equivalence", "--requests", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--block-size", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--pool-blocks", "1", "must be an integer >= 2"),
+    ("sched_equivalence", "--max-num-seqs", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--max-batched-tokens", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--max-prompt", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--max-output", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--step-ms", "0", "must be a finite number > 0"),
+    ("sched_equivalence", "--max-steps", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--requests", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--block-size", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--pool-blocks", "1", "must be an integer >= 2"),
+    ("vllm_plugin", "--max-num-seqs", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--max-batched-tokens", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--step-ms", "nan", "must be a finite number > 0"),
+    ("vllm_plugin", "--max-output", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--repeats", "0", "must be an integer >= 1"),
+    ("vllm_plugin", "--turn-steps", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--seed", "-1", "must be an integer >= 0"),
+    ("vllm_serve", "--sessions", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--turns", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--think-s", "-1", "must be a finite number >= 0"),
+    ("vllm_serve", "--system-words", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--question-words", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--max-tokens", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--flood-rate", "0", "must be a finite number > 0"),
+    ("vllm_serve", "--flood-words", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--flood-max-tokens", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--blocks", "1", "must be an integer >= 2"),
+    ("vllm_serve", "--max-model-len", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--max-num-seqs", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--max-num-batched-tokens", "0", "must be an integer >= 1"),
+    ("vllm_serve", "--logs", "", "an empty path"),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "option", "value", "says"), RANGES, ids=[f"{s}{o}={v}" for s, o, v, _ in RANGES]
+)
+def test_bench_numbers_out_of_range_are_refused_as_the_command_line_is_read(
+    script: str, option: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    res = _parse(script, [option, value], capsys)
+    _refused(res, f"{PROGS.get(script, script)}: error", f"argument {option}: {says}")
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "says"),
+    [
+        ("sim_fidelity", ["--sessions", "0"], "argument --sessions: must be an integer >= 1, got 0"),
+        ("vllm_serve", ["--flood-rate", "0"], "argument --flood-rate: must be a finite number > 0, got 0"),
+        ("sched_equivalence", ["--step-ms", "0"], "argument --step-ms: must be a finite number > 0, got 0"),
+        ("pool_ops_perf", ["--ops", "0"], "argument --ops: must be an integer >= 1, got 0"),
+    ],
+)
+def test_bench_scripts_refuse_a_number_out_of_range_before_they_start(
+    script: str, argv: list[str], says: str
+) -> None:
+    """The script itself (a process): one line, exit status 2, before it needs a model, a server or perf."""
+    res = _run(f"{script}.py", *argv)
+    _refused(res, f"{PROGS.get(script, script)}: error", says)

@@ -142,6 +142,35 @@ def test_the_simulator_side_and_the_json_last_line(tmp_path: Path) -> None:
     assert "sim/real" in got.stdout
 
 
+def test_sim_only_prints_a_table_with_units(tmp_path: Path) -> None:
+    """``--sim-only``: the simulated figures per policy and class as a table whose columns name their units (it
+    printed raw dicts of seconds)."""
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
+    small = ["--sessions", "2", "--turns", "2", "--one-shot", "4", "--utilization", "0", "--horizon-s", "20"]
+    args = ["--sim-only", "--cost-model", str(cost), "--out", str(tmp_path / "out"), *small]
+    got = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    head = lines.index(next(line for line in lines if line.lstrip().startswith("policy")))
+    cols = [
+        "policy",
+        "class",
+        "requests",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "TPOT p50 ms",
+        "e2e mean ms",
+        "hit ratio",
+    ]
+    assert [c.strip() for c in lines[head].split("  ") if c.strip()] == cols
+    rows = [line.split() for line in lines[head + 2 :]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (p, c, n) for p in sf.POLICIES for c, n in (("0", "4"), ("1", "4"))
+    ]
+    assert "{" not in got.stdout and "ClassFigures" not in got.stdout
+
+
 # ---------------------------------------------------------------------------------------------- in-run fit
 KNOWN = StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)
 BUSY = replace(SMALL, horizon_s=1.0, think_s=0.05)

@@ -113,7 +113,7 @@ def test_bad_options_are_a_usage_error_before_any_child_starts() -> None:
     assert res.returncode == 2 and "--options" in res.stderr and "bogus" in res.stderr
     assert "Traceback" not in res.stderr
     res = _run("--turn-steps", "0", "--trace", str(SCRIPT))
-    assert res.returncode == 2 and "--turn-steps must be at least 1" in res.stderr
+    assert res.returncode == 2 and "argument --turn-steps: must be an integer >= 1" in res.stderr
 
 
 def test_stock_arrival_work_leaves_stock_replaying_what_it_replays(tmp_path: Path) -> None:

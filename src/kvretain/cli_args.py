@@ -36,6 +36,36 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows each option's default, as ``ArgumentDefaultsHelpFormatter`` does, unless its help
+    already says it (the word ``default``) or there is none to show (``None``, a flag): a list as ``a,b,c``,
+    a float as ``%g``, an empty list or string as ``none``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if (
+            "default" in text
+            or d is None
+            or d is argparse.SUPPRESS
+            or action.nargs == 0
+            or not action.option_strings
+        ):
+            return text
+        shown = (
+            ",".join(map(str, d))
+            if isinstance(d, list | tuple)
+            else f"{d:g}"
+            if isinstance(d, float)
+            else str(d)
+        )
+        return f"{text} (default: {shown.replace('%', '%%') or 'none'})"
+
+
+class RawDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:class:`DefaultsHelpFormatter` that keeps the description's line breaks (a script's whole docstring)."""
+
+
 def summary_of(doc: str | None) -> str:
     """A script's ``--help`` description: its docstring's first paragraph as one line (a first line cut at the
     docstring's wrap would end mid-sentence)."""
