@@ -509,3 +509,57 @@ def test_protection_falls_where_plain_lru_gives_every_class_more() -> None:
     assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0).level > 0.0
     # protected traffic above what LRU gives it but short of the goal: rises as before
     assert _steered(a=99.0, e=100.0, ap=40.0, ep=60.0, lp=35.0).level > 0.0
+
+
+# --- review 34: the control law as its docstring states it ------------------------------------------------
+
+
+def _stepped(
+    a: float, e: float, ap: float, ep: float, lp: float, cfg: PolicyConfig | None = None
+) -> ProtectionController:
+    """One steer from level 0 over a whole window, with the sums set (confidence 1: no paired noise)."""
+    c = ProtectionController(1000, cfg or PolicyConfig(adapt_frequency=False))
+    c.level = 0.0
+    c._acc[:] = [a, e, ap, ep, 100.0, 100.0, lp, 0.0]  # A, E, A_p, E_p, refs, protected refs, L_p, D
+    c._steer(100, 1000.0, None)
+    return c
+
+
+def test_the_reuse_floor_caps_a_rise_never_speeds_it_up() -> None:
+    # short of the goal by 10%; with 6.7% of room above the floor the level rose 0.333 a step, 3.3x what 18% of
+    # room gives (the terms were compared as errors, then applied at their own gains: 50 x 0.067 > 10 x 0.1)
+    roomy = _stepped(1.20, 1.0, 0.8, 1.0, 0.0)  # slack 0.183 > gap 0.1
+    tight = _stepped(1.05, 1.0, 0.8, 1.0, 0.0)  # slack 0.067
+    close = _stepped(0.99, 1.0, 0.8, 1.0, 0.0)  # slack 0.01: the floor's move, 50 x 0.01, is the smaller
+    # a tenth of a window at gain 10 and gap 0.1: 0.1; the floor's move at gain 50 and slack 0.01: 0.05
+    assert roomy.level == pytest.approx(0.1) and tight.level == pytest.approx(0.1)
+    assert close.level == pytest.approx(0.1 * 50 * (0.99 - 0.98))
+    assert close.level < roomy.level
+    assert close.stats()["reuse_floor_binds"] == 1.0  # (it read 0: the floor held the rise back unreported)
+    assert roomy.stats()["reuse_floor_binds"] == 0.0 and roomy.stats()["isolation_goal_met"] == 0.0
+
+
+def test_isolation_goal_met_is_reported_apart_from_the_floor() -> None:
+    # protected traffic at its goal while overall reuse is below its floor: both hold, and both are reported
+    # (the goal read 0 whenever the floor was reported); no protected traffic: the goal is not reported met
+    c = _stepped(0.9, 1.0, 1.0, 1.0, 1.0)
+    s = c.stats()
+    assert s["isolation_goal_met"] == 1.0 and s["reuse_floor_binds"] == 1.0
+    c = ProtectionController(1000, PolicyConfig(adapt_frequency=False))
+    c._acc[:] = [1.0, 1.0, 0.0, 0.0, 100.0, 0.0, 0.0, 0.0]
+    c._steer(100, 1000.0, None)
+    assert c.stats()["isolation_goal_met"] == 0.0
+
+
+@pytest.mark.parametrize(("goal", "loss"), [(0.9, 0.02), (0.99, 0.02), (0.9, 0.2)])
+def test_the_goals_gain_is_its_tolerance_and_never_above_the_floors(goal: float, loss: float) -> None:
+    c = ProtectionController(1000, PolicyConfig(isolation_goal=goal, max_reuse_loss=loss))
+    assert c._gain == pytest.approx(1.0 / max(1.0 - goal, loss)) and c._gain <= c._gain_floor
+
+
+def test_a_direct_lookup_hits_at_most_its_blocks() -> None:
+    # on_lookup without an arrival took num_hits as it came: 5 hits of 2 blocks read a hit ratio of 2.5
+    c = ProtectionController(64, PolicyConfig())
+    for _ in range(20):
+        c.on_lookup([1, 2], 5, 35)
+    assert c.stats()["hit_ratio_window"] == 1.0

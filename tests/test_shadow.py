@@ -33,7 +33,8 @@ def _reference_sample(
 ) -> tuple[list[BlockHash], int, list[BlockHash] | None]:
     picked = [i for i, h in enumerate(hashes) if cut is None or spatial_key(h) < cut]
     sampled = [hashes[i] for i in picked]
-    hits = num_hits if cut is None else sum(1 for i in picked if i < num_hits)
+    # (a lookup hits between none and all of its blocks: a count outside is clamped, sampled or not)
+    hits = min(max(num_hits, 0), len(hashes)) if cut is None else sum(1 for i in picked if i < num_hits)
     sub = None if sub_cut is None else [h for h in sampled if spatial_key(h) < sub_cut]
     return sampled, hits, sub
 

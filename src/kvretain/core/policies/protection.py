@@ -29,8 +29,9 @@ of 0.9 of them would otherwise let the controller give protected traffic less th
 
 and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
 
-- while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, ``min(g, s)``
-  (it rises while overall reuse has room above its floor, falls as soon as the floor is crossed). Unless plain
+- while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, each at its
+  gain (below) (it rises while overall reuse has room above its floor, more slowly close to it, and falls as
+  soon as the floor is crossed). Unless plain
   LRU would give both sides more (``A < E`` and ``A_p < L_p``): protection is then spending reuse without
   delivering protected hits (no protection at all would give protected traffic more, and every request more),
   and the level falls by the smaller of the two relative shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) /
@@ -86,8 +87,11 @@ passed):
 - the gain lets the level cross half its range in one window at an error as large as the constraint's own
   tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
   ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
-  level as fast as an error of the goal's size); while the window holds less than (b) asks (a cold start),
-  the step is scaled down by that share (the confidence).
+  level as fast as an error of the goal's size). The goal's gain is never above the floor's (its tolerance is
+  at least ``max_reuse_loss``): a goal closer to 1 than the floor's margin would otherwise raise the level
+  faster than the floor pulls it back. The two terms compete as moves (error x gain), so the floor caps a
+  rise, never speeds it up. While the window holds less than (b) asks (a cold start), the step is scaled down
+  by that share (the confidence).
 """
 
 from __future__ import annotations
@@ -245,8 +249,10 @@ def spatial_sample(
     one expression, no call. A list that mixes ints and digests takes ``spatial_key`` block by block.
     """
     k = num_hits if num_hits > 0 else 0
+    if k > len(hashes):
+        k = len(hashes)  # (a lookup hits at most its blocks: the arrival path's sampled_hits clamps alike)
     sampled: Sequence[BlockHash] = hashes
-    hits = num_hits
+    hits = k
     sub: list[BlockHash] | None = None
     try:
         if isinstance(hashes[0], int):
@@ -346,6 +352,7 @@ class ProtectionController:
         "balance",
         "binding",
         "frequency",
+        "goal_met",
         "level",
         "max_target",
         "rate",
@@ -416,6 +423,7 @@ class ProtectionController:
         # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
         self._acc = [0.0] * 8
         self.binding = "none"
+        self.goal_met = False
         self._lock = threading.Lock()  # (the shadows: on_arrival may run on an engine's input thread)
         self._lookups = 0  # first lookups the controller took; of them, with their arrival's sighting
         self._sighted = 0
@@ -586,9 +594,14 @@ class ProtectionController:
                 cost = (a - e) / m
                 u = gap if gap < cost else cost
         gain = self._gain
-        if slack < u:  # the floor caps every move, at its own gain
+        # the floor caps every move at its own gain: compared as moves (each error at its gain), the floor's is
+        # the smaller; compared as errors, a slack between a fifth of the gap and the gap (at the default gains,
+        # 50 and 10) moved the level up to 5x faster than the gap alone asks, just short of the floor
+        floor = self._gain_floor * slack < gain * u
+        if floor:
             u, gain = slack, self._gain_floor
-        self.binding = "reuse" if slack <= 0.0 and slack <= gap else ("isolation" if gap <= 0.0 else "none")
+        self.binding = "reuse" if floor or slack <= 0.0 else ("isolation" if gap <= 0.0 else "none")
+        self.goal_met = gap <= 0.0 and acc[5] > 0.0  # (independent of which term moved the level)
         # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
         conf = confidence(acc[7], a, e, self._margin)
         lam = self.level
@@ -606,8 +619,10 @@ class ProtectionController:
         return True
 
     def stats(self) -> dict[str, float]:
-        """The controller's state: the target, both estimates (hit ratios over the window), which constraint
-        binds (``reuse_floor_binds`` 1: the overall-reuse floor, 0: the isolation goal), the balance's frequency
+        """The controller's state: the target, both estimates (hit ratios over the window), whether the
+        overall-reuse floor binds (``reuse_floor_binds`` 1: the floor's term moved the level last, or the pool is
+        at or below its floor), whether protected traffic meets its goal (``isolation_goal_met`` 1: at or above
+        it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the balance's frequency
         exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``) and the share of
         first lookups whose shadows' work ran at the request's arrival (``lookups_seen_at_arrival``)."""
         acc = self._acc
@@ -623,6 +638,6 @@ class ProtectionController:
             "reuse_floor_binds": 1.0 if self.binding == "reuse" else 0.0,
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
-            "isolation_goal_met": 1.0 if self.binding == "isolation" else 0.0,
+            "isolation_goal_met": 1.0 if self.goal_met else 0.0,
             "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,
         }
