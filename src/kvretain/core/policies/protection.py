@@ -290,7 +290,7 @@ class Sighting:
     isolation goal) and, on the balance's share of the sample (``balanced`` blocks), its recency and frequency
     candidates'."""
 
-    __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "protected")
+    __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "owner", "protected")
 
     def __init__(
         self,
@@ -313,6 +313,7 @@ class Sighting:
         self.balanced = balanced
         self.e_hits = e_hits
         self.g_hits = g_hits
+        self.owner: object = None  # the controller whose shadows made it
 
 
 class ProtectionController:
@@ -466,7 +467,7 @@ class ProtectionController:
         if not hashes or (self._goal is None and self.balance is None):
             return False
         self._lookups += 1
-        if seen is not None and seen.blocks == len(hashes):
+        if seen is not None and seen.owner is self and seen.blocks == len(hashes):
             self._sighted += 1
             protected = seen.protected
             hits = sampled_hits(seen.mask, seen.blocks, num_hits)
@@ -507,6 +508,18 @@ class ProtectionController:
         protected: bool,
     ) -> Sighting:
         """Reference a request's ``sampled`` blocks (``sub``: the balance's share of them) in every shadow."""
+        seen = self._see_locked(sampled, mask, blocks, sub, protected)
+        seen.owner = self
+        return seen
+
+    def _see_locked(
+        self,
+        sampled: Sequence[BlockHash],
+        mask: bytes | bytearray | None,
+        blocks: int,
+        sub: Sequence[BlockHash] | None,
+        protected: bool,
+    ) -> Sighting:
         with self._lock:
             if not sampled:
                 return Sighting(blocks, mask, protected, 0, 0, 0, 0, 0)

@@ -154,7 +154,10 @@ def _make_reset(orig: Callable[..., Any]) -> Callable[..., Any]:
         ok = bool(orig(self))
         q = _queue(self)
         if ok and q is not None:
-            q.drain()
+            try:
+                q.drain()
+            except Exception:  # (vLLM has dropped every hash: a block the queue still ranks evicts as empty)
+                _hook_failed("reset", "kvretain: reset_prefix_cache hook failed (ignored)")
         return ok
 
     return reset_prefix_cache
@@ -167,14 +170,20 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             orig(self, block_ids)
             return
         moved = []
-        for bid in block_ids:
-            if 0 <= bid < len(self.blocks):
-                blk = self.blocks[bid]
-                if blk.block_hash is not None and q.forget(blk):
-                    moved.append(blk)
+        try:
+            for bid in block_ids:
+                if 0 <= bid < len(self.blocks):
+                    blk = self.blocks[bid]
+                    if blk.block_hash is not None and q.forget(blk):
+                        moved.append(blk)
+        except Exception:  # (vLLM's own eviction still runs: vLLM calls this from its step, which must not die)
+            _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
         orig(self, block_ids)
         if moved:
-            q.put_unhashed(moved)
+            try:
+                q.put_unhashed(moved)
+            except Exception:
+                _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
 
     return evict_blocks
 

@@ -70,6 +70,8 @@ class PriorityLabels:
         if label in self.seen:
             return label
         with self._lock:
+            if label in self.seen:  # (another thread labelled it between the test above and the lock)
+                return label
             if len(self.seen) >= self.limit:
                 return OTHER_PRIORITY
             self.seen.add(label)
