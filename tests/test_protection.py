@@ -563,3 +563,43 @@ def test_a_direct_lookup_hits_at_most_its_blocks() -> None:
     for _ in range(20):
         c.on_lookup([1, 2], 5, 35)
     assert c.stats()["hit_ratio_window"] == 1.0
+
+
+def _serve_whole_block_prompts(policy: str, n: int = 200) -> tuple[float, dict[str, float]]:
+    """Two 16-token prompts (4 full blocks of 4 tokens) sent alternately through the core's manager: the last
+    block of each is cached but never usable (the last token is computed)."""
+    from dataclasses import dataclass, field
+
+    from kvretain.core.hashing import ExtraKeys
+    from kvretain.core.kv_cache_manager import KVCacheManager
+
+    @dataclass
+    class Req:
+        request_id: str
+        all_token_ids: list[int]
+        extra_keys: ExtraKeys = field(default_factory=ExtraKeys)
+        priority: int = 0
+        retention: object = None
+        num_preemptions: int = 0
+
+    kv = KVCacheManager(64, block_size=4, policy=policy)
+    hit = total = 0
+    for i in range(n):
+        r = Req(f"r{i}", [i % 2 + 10, *range(15)])
+        kv.on_arrival(r)
+        hits, k = kv.get_computed_blocks(r)
+        assert kv.allocate_slots(r, 16 - k, k, hits) is not None
+        kv.free(r)
+        hit += len(hits)
+        total += 4
+    return hit / total, kv.pool.policy.stats()
+
+
+def test_the_pool_is_measured_on_the_blocks_it_holds_not_on_the_last_token_cap() -> None:
+    # the pool hits 3 of 4 blocks of a repeated whole-block prompt (the cap), exactly as lru; the LRU shadow
+    # counted 4: the controller read a 25% reuse loss, the floor bound and the level fell to -1 (review 34)
+    lru_ratio, _ = _serve_whole_block_prompts("lru")
+    ratio, st = _serve_whole_block_prompts("unified")
+    assert ratio == pytest.approx(lru_ratio) == pytest.approx(0.7425)
+    assert st["hit_ratio_window"] == pytest.approx(st["lru_hit_ratio_estimate"], abs=0.02)
+    assert st["reuse_floor_binds"] == 0.0 and st["protection_level"] > -1.0

@@ -162,3 +162,35 @@ def test_priority_labels_gives_one_label_per_priority_under_concurrent_first_use
     t1.join()
     assert out == {"T1": "y", "T2": "y"}, out  # (T1 got "other")
     assert OTHER_PRIORITY not in out.values()
+
+
+def _arrive_tokens(core: Any, rid: str, tokens: list[int]) -> Any:
+    ecr = EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+    return EngineCore.preprocess_add_request(core, ecr)[0]
+
+
+@GRANULARITY
+def test_the_controller_measures_the_blocks_vllm_holds_not_its_last_token_cap(
+    model_dir: str, granularity: str
+) -> None:
+    # two prompts of exactly 4 blocks, alternating: vLLM hits 3 (it computes the last token), the LRU shadow
+    # counts 4; the controller read a 25% reuse loss that no pool could avoid (review 34)
+    sched, core, q = _engine(model_dir, granularity)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 1000) for _ in range(4 * BLOCK)] for _ in range(2)]
+    for i in range(40):
+        assert _drive(sched, _arrive_tokens(core, f"r{i}", prompts[i % 2])) in (0, 3 * BLOCK)
+    st = _ctl(q, granularity).stats()
+    assert st["hit_ratio_window"] == pytest.approx(st["lru_hit_ratio_estimate"], abs=0.02)
+    assert st["reuse_floor_binds"] == 0.0
+    q.check()

@@ -75,6 +75,7 @@ class _ReqState:
     num_cached: int = 0
     looked_up: bool = False  # admitted: its lookup is counted (a later lookup is not, until a resume)
     hit_blocks: int = -1  # the hits of its latest lookup before admission (-1: none yet)
+    resident: int = 0  # of them, with the last full block when it is cached too (the cap below: the policy's)
     seen: object | None = None  # the policy's work at arrival, for the first lookup (on_arrival)
 
 
@@ -225,7 +226,14 @@ class KVCacheManager:
                 break
             hits.append(bid)
         if not st.looked_up:
-            st.hit_blocks = len(hits)
+            st.hit_blocks = st.resident = len(hits)
+            # NOTE: the cap is the scheduler's (the last token's logits), not the cache's: a prompt of whole blocks
+            # repeated finds its last block cached but cannot use it. The policy compares the pool with shadow
+            # caches that count every cached block (unified's LRU estimate): it is told the blocks the pool held,
+            # so that a pool that holds exactly what LRU holds reads as LRU (it read up to 1/n short for a
+            # repeated n-block prompt, a reuse loss that was not one)
+            if len(hits) == max_blocks < len(st.hashes) and st.hashes[max_blocks] in cached:
+                st.resident += 1
         return hits, len(hits) * self.block_size
 
     def _admit(self, req: CacheRequest, st: _ReqState) -> None:
@@ -240,7 +248,7 @@ class KVCacheManager:
         self.on_admitted(req, hit_blocks)
         seen, st.seen = st.seen, None
         if not resumed:
-            self.pool.policy.lookup(st.hashes, hit_blocks, self.mapping.retention_for(req.priority), seen)
+            self.pool.policy.lookup(st.hashes, st.resident, self.mapping.retention_for(req.priority), seen)
 
     def on_admitted(self, req: CacheRequest, hit_blocks: int) -> None:
         """Called once per admission (first or resume) with the blocks it hit; for subclasses (the simulator

@@ -290,7 +290,18 @@ class Sighting:
     isolation goal) and, on the balance's share of the sample (``balanced`` blocks), its recency and frequency
     candidates'."""
 
-    __slots__ = ("balanced", "blocks", "e_hits", "g_hits", "iso_hits", "lru_hits", "mask", "n", "owner", "protected")
+    __slots__ = (
+        "balanced",
+        "blocks",
+        "e_hits",
+        "g_hits",
+        "iso_hits",
+        "lru_hits",
+        "mask",
+        "n",
+        "owner",
+        "protected",
+    )
 
     def __init__(
         self,

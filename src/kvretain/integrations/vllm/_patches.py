@@ -176,7 +176,9 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
                     blk = self.blocks[bid]
                     if blk.block_hash is not None and q.forget(blk):
                         moved.append(blk)
-        except Exception:  # (vLLM's own eviction still runs: vLLM calls this from its step, which must not die)
+        except (
+            Exception
+        ):  # (vLLM's own eviction still runs: vLLM calls this from its step, which must not die)
             _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
         orig(self, block_ids)
         if moved:
@@ -359,6 +361,19 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
     return _remove_blocks_in_range
 
 
+def _resident_tokens(manager: Any, request: Any, num_hits: int, block_size: int) -> int:
+    """The hit tokens the controller is told: ``num_hits``, and the request's last full block when vLLM's cap on a
+    hit (the last token is computed: ``num_tokens - 1``) is what ended the hit and that block is cached too (the
+    controller compares the pool with shadow caches that count every cached block; see
+    ``KVCacheManager.get_computed_blocks`` in kvretain's core for the same rule)."""
+    hashes = request.block_hashes
+    k = num_hits // block_size
+    if k >= len(hashes) or k != (request.num_tokens - 1) // block_size:
+        return num_hits
+    groups = list(range(len(manager.coordinator.single_type_managers)))
+    return num_hits + block_size if manager.block_pool.get_cached_block(hashes[k], groups) else num_hits
+
+
 def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
     def record_prefix_cache_stats(self: Any, request: Any, num_hits: int) -> None:
         orig(self, request, num_hits)
@@ -366,7 +381,8 @@ def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:
         q = pool.free_block_queue
         if type(q) in QUEUE_TYPES and self.prefix_cache_lookup_enabled(request):
             try:
-                q.on_lookup(request, num_hits, int(pool.hash_block_size))
+                bs = int(pool.hash_block_size)
+                q.on_lookup(request, num_hits, bs, _resident_tokens(self, request, num_hits, bs))
             except Exception:
                 _hook_failed("lookup", "kvretain: lookup hook failed (ignored)")
 

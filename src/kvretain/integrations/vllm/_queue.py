@@ -357,12 +357,16 @@ class RetentionFreeQueue(HookedFreeQueue):
         if hashes and self._tracks:
             self._sighted(request, self.policy.on_arrival(hashes, self._arrival_retention(request)))
 
-    def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
-        """At admission (``record_prefix_cache_stats``): per-priority counters and the policy's lookup hook."""
+    def on_lookup(
+        self, request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None = None
+    ) -> None:
+        """At admission (``record_prefix_cache_stats``): per-priority counters (``num_hit_tokens``) and the
+        policy's lookup hook (``resident_tokens``, as :meth:`RunFreeQueue.on_lookup`)."""
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None and self._tracks:
             hashes = request.block_hashes
-            k = min(len(hashes), num_hit_tokens // max(1, hash_block_size))
+            held = num_hit_tokens if resident_tokens is None else resident_tokens
+            k = min(len(hashes), held // max(1, hash_block_size))
             self.policy.lookup(hashes, k, mapped, self._take_sighting(request))
 
     def forget(self, block: KVCacheBlock) -> bool:

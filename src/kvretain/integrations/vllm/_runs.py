@@ -1349,15 +1349,20 @@ class RunFreeQueue(HookedFreeQueue):
         if hashes:  # (vLLM's block hashes are one hash function's digests: one length)
             self._sighted(request, self._ctl.on_arrival(hashes, self._arrival_retention(request), True))
 
-    def on_lookup(self, request: Any, num_hit_tokens: int, hash_block_size: int) -> None:
-        """At admission (``record_prefix_cache_stats``): per-priority counters and the protection controller."""
+    def on_lookup(
+        self, request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None = None
+    ) -> None:
+        """At admission (``record_prefix_cache_stats``): per-priority counters (``num_hit_tokens``, vLLM's) and
+        the protection controller (``resident_tokens``: with the last full block when only vLLM's cap on a hit
+        kept it out; ``_patches._resident_tokens``)."""
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None:
             hashes = request.block_hashes
+            held = num_hit_tokens if resident_tokens is None else resident_tokens
             # (vLLM's block hashes are one hash function's digests: one length)
             if self._ctl.on_lookup(
                 hashes,
-                min(len(hashes), num_hit_tokens // max(1, hash_block_size)),
+                min(len(hashes), held // max(1, hash_block_size)),
                 mapped,
                 True,
                 seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
