@@ -890,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in one_bad:
         print(
             f"  {c['trace']} {c['capacity']}: unified {c['unified']['overall']:.4f} vs lru "
-            f"{c['lru']['overall']:.4f} ({c['vs_lru']:.3f}x); {shortfall(c.get('paired'))}"
+            f"{c['lru']['overall']:.4f} ({c['vs_lru']:.4f}x); {shortfall(c.get('paired'))}"
         )
     if args.json:
         doc = {
