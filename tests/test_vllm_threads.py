@@ -65,11 +65,11 @@ def _engine(model_dir: str, granularity: str) -> tuple[Any, Any, Any]:
     return sched, core, sched.kv_cache_manager.block_pool.free_block_queue
 
 
-def _arrive(core: Any, rid: str) -> Any:
+def _arrive(core: Any, rid: str, tokens: list[int] | None = None) -> Any:
     """EngineCore.preprocess_add_request, as vLLM's input thread runs it (patched by the plugin)."""
     ecr = EngineCoreRequest(
         request_id=rid,
-        prompt_token_ids=_prompt(),
+        prompt_token_ids=_prompt() if tokens is None else tokens,
         mm_features=None,
         sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
         pooling_params=None,
@@ -164,21 +164,6 @@ def test_priority_labels_gives_one_label_per_priority_under_concurrent_first_use
     assert OTHER_PRIORITY not in out.values()
 
 
-def _arrive_tokens(core: Any, rid: str, tokens: list[int]) -> Any:
-    ecr = EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
-        pooling_params=None,
-        arrival_time=0.0,
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
-    return EngineCore.preprocess_add_request(core, ecr)[0]
-
-
 @GRANULARITY
 def test_the_controller_measures_the_blocks_vllm_holds_not_its_last_token_cap(
     model_dir: str, granularity: str
@@ -189,7 +174,7 @@ def test_the_controller_measures_the_blocks_vllm_holds_not_its_last_token_cap(
     rng = random.Random(1)
     prompts = [[rng.randrange(1, 1000) for _ in range(4 * BLOCK)] for _ in range(2)]
     for i in range(40):
-        assert _drive(sched, _arrive_tokens(core, f"r{i}", prompts[i % 2])) in (0, 3 * BLOCK)
+        assert _drive(sched, _arrive(core, f"r{i}", prompts[i % 2])) in (0, 3 * BLOCK)
     st = _ctl(q, granularity).stats()
     assert st["hit_ratio_window"] == pytest.approx(st["lru_hit_ratio_estimate"], abs=0.02)
     assert st["reuse_floor_binds"] == 0.0

@@ -518,22 +518,13 @@ class ProtectionController:
         sub: Sequence[BlockHash] | None,
         protected: bool,
     ) -> Sighting:
-        """Reference a request's ``sampled`` blocks (``sub``: the balance's share of them) in every shadow."""
-        seen = self._see_locked(sampled, mask, blocks, sub, protected)
-        seen.owner = self
-        return seen
-
-    def _see_locked(
-        self,
-        sampled: Sequence[BlockHash],
-        mask: bytes | bytearray | None,
-        blocks: int,
-        sub: Sequence[BlockHash] | None,
-        protected: bool,
-    ) -> Sighting:
+        """Reference a request's ``sampled`` blocks (``sub``: the balance's share of them) in every shadow. The
+        sighting names this controller: one built since (vLLM's ``reset_prefix_cache``) does not take it."""
         with self._lock:
             if not sampled:
-                return Sighting(blocks, mask, protected, 0, 0, 0, 0, 0)
+                seen = Sighting(blocks, mask, protected, 0, 0, 0, 0, 0)
+                seen.owner = self
+                return seen
             if not protected and self._iso_is_lru:
                 self._iso = self._lru.copy()
                 self._iso_is_lru = False
@@ -548,9 +539,11 @@ class ProtectionController:
                 e_hits, g_hits = self.balance.see(balanced, lru_hits if self._balance_takes_lru else None)
             else:
                 balanced = ()
-            return Sighting(
+            seen = Sighting(
                 blocks, mask, protected, len(sampled), lru_hits, iso_hits, len(balanced), e_hits, g_hits
             )
+            seen.owner = self
+            return seen
 
     def _observe(self, n: int, hits: int, lru_hits: int) -> tuple[float, float]:
         """Decay the sums over ``n`` more sampled references and add all traffic's: the pool's ``hits``, the LRU
