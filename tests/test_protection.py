@@ -603,3 +603,14 @@ def test_the_pool_is_measured_on_the_blocks_it_holds_not_on_the_last_token_cap()
     assert ratio == pytest.approx(lru_ratio) == pytest.approx(0.7425)
     assert st["hit_ratio_window"] == pytest.approx(st["lru_hit_ratio_estimate"], abs=0.02)
     assert st["reuse_floor_binds"] == 0.0 and st["protection_level"] > -1.0
+
+
+def test_nothing_binds_while_nothing_hits() -> None:
+    # no hit in the pool nor in the LRU shadow: the slack reads 0 (full room is no room to measure), and the
+    # floor was reported binding (the first version of the separate report, review 34)
+    c = ProtectionController(64, PolicyConfig(adapt_frequency=False))
+    for i in range(200):
+        c.on_lookup([10_000 + 2 * i, 10_001 + 2 * i], 0, 45)  # every lookup new content, protected
+    st = c.stats()
+    assert st["hit_ratio_window"] == 0.0 and st["lru_hit_ratio_estimate"] == 0.0
+    assert st["reuse_floor_binds"] == 0.0

@@ -525,3 +525,39 @@ def test_the_plugin_counts_with_the_cores_one_per_class_type() -> None:
         "released_blocks",
         "evicted_blocks",
     }
+
+
+def test_the_controller_is_told_the_last_block_only_when_the_pool_held_it() -> None:
+    # a prompt of two whole blocks, again: vLLM's cap hits one (the last token is computed); the controller is
+    # told two when the pool held the second at the lookup, one when it had been evicted. vLLM records the
+    # lookup after allocate_slots has registered the request's own copy: that one does not count (it did, in
+    # the first version of the rule: the pool looked as if it held every such block; review 34)
+    from kvretain.integrations.vllm import _patches
+
+    init_none_hash(sha256)
+    plugin.enable(PluginConfig(policy="unified"))
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+
+    def run(evict_last: bool) -> tuple[int, int]:
+        kvm = KVCacheManager(
+            cfg,
+            max_model_len=256,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            enable_caching=True,
+            log_stats=True,
+        )
+        a = make_request("a", list(range(32)))
+        assert kvm.allocate_slots(a, 32) is not None
+        last = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][1]
+        kvm.free(a)
+        if evict_last:
+            kvm.block_pool.evict_blocks({last.block_id})
+        b = make_request("b", list(range(32)))
+        blocks, hits, *_ = kvm.get_computed_blocks(b)
+        assert kvm.allocate_slots(b, 32 - hits, hits, blocks) is not None
+        return hits, _patches._resident_tokens(kvm, b, hits, 16)
+
+    assert run(evict_last=False) == (16, 32)
+    assert run(evict_last=True) == (16, 16)

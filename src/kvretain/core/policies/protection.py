@@ -617,7 +617,10 @@ class ProtectionController:
         floor = self._gain_floor * slack < gain * u
         if floor:
             u, gain = slack, self._gain_floor
-        self.binding = "reuse" if floor or slack <= 0.0 else ("isolation" if gap <= 0.0 else "none")
+        # (nothing hit, in the pool or the shadow: no reuse to hold a floor on, nothing binds)
+        self.binding = (
+            "reuse" if m > 0.0 and (floor or slack <= 0.0) else ("isolation" if gap <= 0.0 else "none")
+        )
         self.goal_met = gap <= 0.0 and acc[5] > 0.0  # (independent of which term moved the level)
         # confidence: the share of the needed window the sums hold (1 once the paired noise is below the margin)
         conf = confidence(acc[7], a, e, self._margin)

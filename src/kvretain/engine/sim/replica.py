@@ -39,8 +39,11 @@ class TrackingKVCacheManager(KVCacheManager):
         self.recomputed_tokens: dict[int, int] = {}
         inner = self.pool.on_evict_batch
 
+        cached = self.pool.cached
+
         def on_evict(block_ids: list[int], block_hashes: list[BlockHash]) -> None:
-            self.evicted.update(block_hashes)
+            # (a copy of content another block still holds is no loss: lookups find that block)
+            self.evicted.update(h for h in block_hashes if h not in cached)
             if inner is not None:
                 inner(block_ids, block_hashes)
 

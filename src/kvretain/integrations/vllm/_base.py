@@ -316,6 +316,15 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             setattr(request, SIGHTING, None)
         return seen
 
+    @staticmethod
+    def _held_blocks(
+        request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None
+    ) -> int:
+        """The leading blocks of ``request`` the policy is told the pool held at its lookup: vLLM's hit, or
+        ``resident_tokens`` (with the last full block vLLM's cap kept out: ``_patches._resident_tokens``)."""
+        held = num_hit_tokens if resident_tokens is None else resident_tokens
+        return min(len(request.block_hashes), held // max(1, hash_block_size))
+
     def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
         after preemption (its hits are counted apart, as vLLM does, and it is no new lookup)."""

@@ -363,15 +363,26 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
 
 def _resident_tokens(manager: Any, request: Any, num_hits: int, block_size: int) -> int:
     """The hit tokens the controller is told: ``num_hits``, and the request's last full block when vLLM's cap on a
-    hit (the last token is computed: ``num_tokens - 1``) is what ended the hit and that block is cached too (the
-    controller compares the pool with shadow caches that count every cached block; see
-    ``KVCacheManager.get_computed_blocks`` in kvretain's core for the same rule)."""
+    hit (the last token is computed: ``num_tokens - 1``) is what ended the hit and the pool held that block at
+    the lookup (kvretain's ``KVCacheManager.get_computed_blocks`` applies the same rule): the controller compares
+    the pool with shadow caches that count every cached block.
+
+    vLLM records the lookup after ``allocate_slots`` has registered the request's own blocks: the block found
+    must be another one (the first registered under the hash, held since before). Only on one KV cache group
+    whose block size is the hash block size (a hybrid model's groups key their blocks at their own sizes: the
+    hit is told as vLLM counts it)."""
     hashes = request.block_hashes
     k = num_hits // block_size
     if k >= len(hashes) or k != (request.num_tokens - 1) // block_size:
         return num_hits
-    groups = list(range(len(manager.coordinator.single_type_managers)))
-    return num_hits + block_size if manager.block_pool.get_cached_block(hashes[k], groups) else num_hits
+    groups = manager.coordinator.single_type_managers
+    if len(groups) != 1 or int(groups[0].block_size) != block_size:
+        return num_hits
+    found = manager.block_pool.get_cached_block(hashes[k], [0])
+    if not found:
+        return num_hits
+    own = groups[0].req_to_blocks.get(request.request_id, ())
+    return num_hits if k < len(own) and own[k] is found[0] else num_hits + block_size
 
 
 def _make_record_stats(orig: Callable[..., Any]) -> Callable[..., Any]:

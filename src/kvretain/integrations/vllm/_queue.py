@@ -365,8 +365,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None and self._tracks:
             hashes = request.block_hashes
-            held = num_hit_tokens if resident_tokens is None else resident_tokens
-            k = min(len(hashes), held // max(1, hash_block_size))
+            k = self._held_blocks(request, num_hit_tokens, hash_block_size, resident_tokens)
             self.policy.lookup(hashes, k, mapped, self._take_sighting(request))
 
     def forget(self, block: KVCacheBlock) -> bool:

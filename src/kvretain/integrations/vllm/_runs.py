@@ -1358,11 +1358,10 @@ class RunFreeQueue(HookedFreeQueue):
         mapped = self._count_lookup(request, num_hit_tokens)
         if mapped is not None:
             hashes = request.block_hashes
-            held = num_hit_tokens if resident_tokens is None else resident_tokens
             # (vLLM's block hashes are one hash function's digests: one length)
             if self._ctl.on_lookup(
                 hashes,
-                min(len(hashes), held // max(1, hash_block_size)),
+                self._held_blocks(request, num_hit_tokens, hash_block_size, resident_tokens),
                 mapped,
                 True,
                 seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
