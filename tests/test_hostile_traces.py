@@ -412,3 +412,31 @@ def test_a_trace_from_a_pipe_is_read(tmp_path: Path) -> None:
         writer.join(10)
         fifo.unlink()
         assert [r.timestamp_ms for r in got] == [0.0, 1.0, 2.0]
+
+
+def test_a_gzip_trace_from_a_pipe_that_writes_one_byte_first_is_read(tmp_path: Path) -> None:
+    # a peek at a pipe returns what its first write brought: one byte of the gzip magic read as "not UTF-8 text"
+    # (the first version of the pipe reading, review 34)
+    import gzip
+    import threading
+    import time
+
+    from kvretain.workloads import read_trace
+
+    text = "".join(line(timestamp=t) + "\n" for t in range(3))
+    for payload in (gzip.compress(text.encode()), text.encode()):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+
+        def feed(data: bytes = payload, path: Path = fifo) -> None:
+            with open(path, "wb", buffering=0) as fh:
+                fh.write(data[:1])
+                time.sleep(0.3)
+                fh.write(data[1:])
+
+        writer = threading.Thread(target=feed)
+        writer.start()
+        got = read_trace(fifo)
+        writer.join(10)
+        fifo.unlink()
+        assert [r.timestamp_ms for r in got] == [0.0, 1.0, 2.0]

@@ -209,3 +209,18 @@ def test_the_class_table_says_its_requests_are_the_finished_ones(capsys: pytest.
     assert header.split()[:3] == ["class", "finished", "rejected"]
     rows = [ln.split() for ln in lines[lines.index(header) + 2 :] if ln.strip()]
     assert sum(int(r[1]) for r in rows) == 60  # every request of the run finished, none rejected
+
+
+def test_simulate_tells_a_gzip_mooncake_trace_by_its_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the trace reader reads .jsonl.gz; simulate's format guess knew .jsonl and .csv only (review 34)
+    import gzip
+
+    line = '{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n'
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(gzip.compress((line * 3).encode()))
+    assert main(["simulate", str(trace), "--kv-blocks", "200", "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 3
+    assert main(["simulate", str(tmp_path / "t.csv.gz"), "--no-progress"]) == 2
+    assert "cannot tell the trace format" in capsys.readouterr().err

@@ -428,3 +428,29 @@ def test_re_exporting_a_trace_replays_as_the_trace(tmp_path: Path) -> None:
     ]
     assert main(argv) == 0
     assert replay(load_trace(small, block_tokens=8), 1000, "lru", block_tokens=8).hit_blocks == 75
+
+
+def test_re_exporting_at_another_block_size_keys_blocks_by_their_tokens(tmp_path: Path) -> None:
+    # at 400 tokens a block, the first block of [7, 8] (600 tokens) and of [7, 9, 10] (1,500) are the same 400
+    # tokens of id 7; keying by the trace's id where the count of blocks happened to match numbered them apart
+    # (the first version of the trace-id rule, review 34)
+    trace, out = tmp_path / "t.jsonl", tmp_path / "o.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [7, 8]},
+        {"timestamp": 1, "input_length": 1500, "output_length": 1, "hash_ids": [7, 9, 10]},
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = [
+        "workload",
+        "export",
+        "mooncake",
+        "--trace",
+        str(trace),
+        "--block-tokens",
+        "400",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    a, b = (json.loads(line)["hash_ids"] for line in out.read_text().splitlines())
+    assert a[0] == b[0] and a[1] != b[1]

@@ -87,7 +87,7 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         "trace",
         nargs="?",
         type=path_arg("a trace file, or omit it for a generated workload"),
-        help="trace file (Mooncake .jsonl or Azure .csv); omit for --workload",
+        help="trace file (Mooncake .jsonl, .jsonl.gz or Azure .csv); omit for --workload",
     )
     p.add_argument(
         "--workload",
@@ -210,12 +210,23 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     )
 
 
+def _trace_workload(path: str) -> str | None:
+    """The workload a trace file's name says it is (``.jsonl``, ``.jsonl.gz``: Mooncake; ``.csv``: Azure)."""
+    p = Path(path)
+    suffix = Path(p.stem).suffix if p.suffix == ".gz" else p.suffix
+    name = _SUFFIX_WORKLOAD.get(suffix)
+    return None if name == "azure" and p.suffix == ".gz" else name  # (the Azure reader takes plain CSV)
+
+
 def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
     name = args.workload
     if name is None:
-        name = "multi-tenant" if args.trace is None else _SUFFIX_WORKLOAD.get(Path(args.trace).suffix)
+        name = "multi-tenant" if args.trace is None else _trace_workload(args.trace)
         if name is None:
-            raise ValueError(f"cannot tell the trace format of {args.trace!r}: pass --workload")
+            raise ValueError(
+                f"cannot tell the trace format of {args.trace!r} (.jsonl or .jsonl.gz: mooncake, .csv: azure): "
+                "pass --workload"
+            )
     options: dict[str, Any] = {}
     if args.block_tokens is not None:
         if name != "mooncake":

@@ -77,13 +77,19 @@ class BlockIds:
         parent: object = ("salt", request.cache_salt)
         out: list[int] = []
         ids = self._ids
-        trace_ids = request.block_ids  # (a trace's request: its ids, one per block of the trace's size)
-        if trace_ids is not None and len(trace_ids) != -(-request.prompt_len // block_size):
-            trace_ids = None  # written at another block size: the blocks are not the trace's
+        trace_ids = (
+            request.block_ids
+        )  # (a trace's request: its ids, one per chunk, each a block of the trace)
+        chunks = request.prompt.chunks
         for i, pieces in enumerate(block_pieces(request.prompt, block_size)):
             key: tuple[object, ...] = (parent, pieces)
-            if trace_ids is not None and len(pieces) == 1 and pieces[0][:2] == (trace_ids[i], 0):
-                # the trace's block i: its id is the block, whole or partial
+            if (
+                trace_ids is not None
+                and i < len(trace_ids)
+                and pieces == ((trace_ids[i], 0, chunks[i].length),)
+            ):
+                # the trace's block i, exactly (written at the trace's own block size): its id is the block,
+                # whole or partial, as the replay keys it; at another size the pieces are the identity
                 key = (parent, ("id", trace_ids[i]))
             bid = ids.get(key)
             if bid is None:

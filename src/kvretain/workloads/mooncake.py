@@ -150,7 +150,7 @@ def read_trace(
         raise TraceError(f"{p} is a directory, not a trace file (pass a Mooncake-format JSONL file)")
     if not p.exists():
         raise TraceError(f"trace file not found: {p} (pass the path of a Mooncake-format JSONL file)")
-    if not (p.is_file() or p.is_fifo() or p.is_char_device()):
+    if not (p.is_file() or p.is_fifo()):  # (not a device: /dev/zero never ends, a terminal waits for input)
         raise TraceError(f"{p} is not a regular file or a pipe (pass a Mooncake-format JSONL file)")
     out: list[TraceRecord] = []
     try:
@@ -179,11 +179,40 @@ def read_trace(
 
 def _decompressed(raw: io.BufferedReader) -> BinaryIO:
     """The trace's bytes from ``raw`` (a file or a pipe: ``/dev/stdin``, ``<(zcat T.gz)``), through gzip when it
-    is gzip-compressed, told by its first two bytes, peeked without consuming them (a pipe is read once). The
-    caller closes ``raw`` (a ``GzipFile`` does not close the file it reads)."""
-    if raw.peek(2)[:2] == GZIP_MAGIC:
-        return cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
-    return raw
+    is gzip-compressed, told by its first two bytes. The caller closes ``raw`` (a ``GzipFile`` does not close the
+    file it reads).
+
+    A file's first bytes are peeked. A pipe is read once and may hand its first bytes over one at a time (a peek
+    can return one byte): its first two are read, then put back in front of the rest."""
+    stream: io.BufferedReader = raw
+    if len(head := raw.peek(2)[:2]) < 2:  # (a pipe's first write was one byte, or the stream is that short)
+        head = raw.read(2)
+        stream = io.BufferedReader(_Prefixed(head, raw))
+    if head == GZIP_MAGIC:
+        return cast(BinaryIO, gzip.GzipFile(fileobj=stream, mode="rb"))
+    return stream
+
+
+class _Prefixed(io.RawIOBase):
+    """``head``, then the rest of ``rest``: bytes read ahead, put back."""
+
+    def __init__(self, head: bytes, rest: io.BufferedReader) -> None:
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if self._head:
+            n = min(len(view), len(self._head))
+            view[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._rest.read1(len(view))
+        view[: len(data)] = data
+        return len(data)
 
 
 def parse_trace_line(
