@@ -9,12 +9,15 @@ decoding, as vLLM's runner reports them). Imports vLLM lazily, so importing this
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from kvretain.cli_args import integer, number
 
 SAMPLED_TOKEN = 7
 """The token every fake runner step samples."""
@@ -157,4 +160,45 @@ def runner_output(sched: Any, out: Any) -> Any:
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=sampled,
+    )
+
+
+def add_engine_options(
+    ap: argparse.ArgumentParser,
+    *,
+    pool_blocks: int,
+    max_num_seqs: int,
+    max_batched_tokens: int,
+    step_ms: float,
+    max_output: int,
+) -> None:
+    """The engine limits and the trace clock that both lockstep benches (sched_equivalence.py, vllm_plugin.py)
+    take, each with its own defaults (its workload's)."""
+    ap.add_argument("--block-size", type=integer(1), default=16, help="vLLM tokens per KV block, >= 1")
+    ap.add_argument(
+        "--pool-blocks",
+        type=integer(2, what=" (vLLM's count, its null block included)"),
+        default=pool_blocks,
+        help="KV cache size in vLLM blocks (its null block included), >= 2",
+    )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=integer(1),
+        default=max_num_seqs,
+        help="most requests running at once (max_num_seqs), >= 1",
+    )
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=integer(1),
+        default=max_batched_tokens,
+        help="token budget per scheduler step (max_num_batched_tokens), >= 1",
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=number(0.0, lo_open=True),
+        default=step_ms,
+        help="trace milliseconds per scheduler step, > 0",
+    )
+    ap.add_argument(
+        "--max-output", type=integer(1), default=max_output, help="cap on generated tokens per request, >= 1"
     )

@@ -706,6 +706,19 @@ def write_json(path: str, doc: Any) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """``--seed`` and ``--jobs``, as this grid and bench/sensitivity.py take them."""
+    ap.add_argument(
+        "--seed", type=integer(0), default=0, help="seed of the random session rules, >= 0 (default 0)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=integer(1),
+        default=os.cpu_count() or 1,
+        help="worker processes, >= 1 (default: this machine's CPU count)",
+    )
+
+
 def build_parser() -> Parser:
     """The command line (``--help`` shows every option's default)."""
     ap = Parser(prog="robustness", description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
@@ -741,15 +754,7 @@ def build_parser() -> Parser:
         metavar="KEY=VALUE",
         help="a PolicyConfig field for unified in every cell (repeatable; default: none, the defaults)",
     )
-    ap.add_argument(
-        "--seed", type=integer(0), default=0, help="seed of the random session rules, >= 0 (default 0)"
-    )
-    ap.add_argument(
-        "--jobs",
-        type=integer(1),
-        default=os.cpu_count() or 1,
-        help="worker processes, >= 1 (default: this machine's CPU count)",
-    )
+    add_run_options(ap)
     ap.add_argument(
         "--ray",
         default=None,

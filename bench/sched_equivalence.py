@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
-from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer, number
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer
 
 PROG = "sched_equivalence"
 
@@ -362,36 +362,11 @@ def build_parser() -> Parser:
         choices=["fcfs", "priority", "both"],
         help="scheduling queue policy of both sides (both: one run each)",
     )
-    ap.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block, >= 1")
-    ap.add_argument(
-        "--pool-blocks",
-        type=integer(2, what=" (vLLM's count, its null block included)"),
-        default=2048,
-        help="KV blocks (vLLM's count, null block included), >= 2",
-    )
-    ap.add_argument(
-        "--max-num-seqs",
-        type=integer(1),
-        default=32,
-        help="most requests running at once (max_num_seqs), >= 1",
-    )
-    ap.add_argument(
-        "--max-batched-tokens",
-        type=integer(1),
-        default=2048,
-        help="token budget per scheduler step (max_num_batched_tokens), >= 1",
+    harness.add_engine_options(
+        ap, pool_blocks=2048, max_num_seqs=32, max_batched_tokens=2048, step_ms=250.0, max_output=64
     )
     ap.add_argument(
         "--max-prompt", type=integer(1), default=16384, help="prompt tokens kept per request, >= 1"
-    )
-    ap.add_argument(
-        "--max-output", type=integer(1), default=64, help="cap on generated tokens per request, >= 1"
-    )
-    ap.add_argument(
-        "--step-ms",
-        type=number(0.0, lo_open=True),
-        default=250.0,
-        help="trace milliseconds per scheduler step, > 0",
     )
     ap.add_argument(
         "--max-steps",

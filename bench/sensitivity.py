@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -330,15 +329,7 @@ def build_parser() -> Parser:
         action="store_true",
         help=f"one-class runs for every setting (default: the default and {', '.join(ONE_CLASS_KNOBS)})",
     )
-    ap.add_argument(
-        "--seed", type=integer(0), default=0, help="seed of the random session rules, >= 0 (default 0)"
-    )
-    ap.add_argument(
-        "--jobs",
-        type=integer(1),
-        default=os.cpu_count() or 1,
-        help="worker processes, >= 1 (default: this machine's CPU count)",
-    )
+    grid.add_run_options(ap)
     ap.add_argument(
         "--ray",
         default=None,

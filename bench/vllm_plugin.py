@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
-from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer, number
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer
 
 PROG = "vllm_plugin"
 
@@ -604,30 +604,8 @@ def build_parser() -> Parser:
         help="how requests get their priority: a rule of kvretain.workloads.priority, or keep (the trace's own, "
         "e.g. a `kvretain workload export` file's; default: reference)",
     )
-    ap.add_argument("--block-size", type=integer(1), default=16, help="vLLM tokens per KV block, >= 1")
-    ap.add_argument(
-        "--pool-blocks",
-        type=integer(2, what=" (vLLM's count, its null block included)"),
-        default=65536,
-        help="KV cache size in vLLM blocks (incl. null), >= 2",
-    )
-    ap.add_argument(
-        "--max-num-seqs",
-        type=integer(1),
-        default=64,
-        help="most requests running at once (max_num_seqs), >= 1",
-    )
-    ap.add_argument(
-        "--max-batched-tokens", type=integer(1), default=8192, help="token budget per scheduler step, >= 1"
-    )
-    ap.add_argument(
-        "--step-ms",
-        type=number(0.0, lo_open=True),
-        default=100.0,
-        help="trace milliseconds per scheduler step, > 0",
-    )
-    ap.add_argument(
-        "--max-output", type=integer(1), default=32, help="cap on generated tokens per request, >= 1"
+    harness.add_engine_options(
+        ap, pool_blocks=65536, max_num_seqs=64, max_batched_tokens=8192, step_ms=100.0, max_output=32
     )
     ap.add_argument(
         "--options",
