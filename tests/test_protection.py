@@ -212,6 +212,8 @@ def test_unified_reports_the_controller_state() -> None:
         "protected_target",
         "lru_hit_ratio_estimate",
         "isolated_hit_ratio_estimate",
+        "lru_protected_hit_ratio_estimate",
+        "top_protected_hit_ratio_estimate",
         "reuse_floor_binds",
         "isolation_goal_met",
         "sample_rate",
@@ -473,8 +475,7 @@ def test_short_of_what_lru_gives_is_short_when_the_pool_and_isolation_hit_nothin
     # document out before its next read (isolated hits 0); in the shared LRU pool the other tenant brings it
     # back just in time (2 hits a round); the pool gives it none. It is short of what plain LRU gives it: the
     # gap is relative to the largest of the three counts (it was relative to the larger of the pool's and the
-    # isolated count, both 0, and read as "beyond the goal"); once overall reuse is back above its floor (the
-    # cold start's first lookups crossed it) the level no longer falls
+    # isolated count, both 0, and read as "beyond the goal")
     ctl = _ctl(n=4)
     levels = []
     for i in range(600):
@@ -486,29 +487,54 @@ def test_short_of_what_lru_gives_is_short_when_the_pool_and_isolation_hit_nothin
     assert st["isolated_hit_ratio_estimate"] == 0.0 == st["protected_hit_ratio_window"]
     assert st["lru_hit_ratio_estimate"] > 0.0
     assert st["isolation_goal_met"] == 0.0 and st["reuse_floor_binds"] == 0.0
-    assert levels[-1] >= levels[100]
+    # (session 35) and which way to move is measured: protection at its top keeps three of the one-off blocks
+    # and loses half the document to them (1 hit a round), plain LRU keeps the document (2): the level falls
+    # towards LRU, the end that gives protected traffic more
+    assert st["top_protected_hit_ratio_estimate"] == pytest.approx(
+        st["lru_protected_hit_ratio_estimate"] / 2, 0.01
+    )
+    assert levels[-1] < levels[100] < 0.0
 
 
-def _steered(a: float, e: float, ap: float, ep: float, lp: float) -> ProtectionController:
+def _steered(
+    a: float, e: float, ap: float, ep: float, lp: float, tp: float | None = None
+) -> ProtectionController:
     """A controller at level 0 after one step of its control law on these sums (the pool's and the LRU
-    shadow's hits over 1,000 references; protected traffic's in the pool, alone and under plain LRU over 300)."""
+    shadow's hits over 1,000 references; protected traffic's in the pool, alone, under plain LRU and with
+    protection at its top (``tp``; None: as many as the pool gives it) over 300)."""
     ctl = _ctl()
     ctl.level = ctl.target = 0.0
-    ctl._acc[:] = [a, e, ap, ep, 1000.0, 300.0, lp, 0.0]
+    ctl._acc[:] = [a, e, ap, ep, 1000.0, 300.0, lp, 0.0, ap if tp is None else tp]
     ctl._steer(10, 100.0, None)
     return ctl
 
 
 def test_protection_falls_where_plain_lru_gives_every_class_more() -> None:
     # the pool hits 1% less than LRU overall (within the 2% floor) and protected traffic less than LRU gives it
-    # (40 against 50; alone 45): plain LRU is better on both counts, so protection is costing reuse without
-    # delivering protected hits, and the level falls (before this rule it rose: short of the goal, room above
-    # the floor)
+    # (40 against 50; alone 45), and protection at its top would give it no more than the pool does: protection
+    # is costing reuse without delivering protected hits, and the level falls
     assert _steered(a=99.0, e=100.0, ap=40.0, ep=45.0, lp=50.0).level < 0.0
-    # the same shortfall while the pool hits more than LRU overall: a trade, protection rises as before
-    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0).level > 0.0
-    # protected traffic above what LRU gives it but short of the goal: rises as before
-    assert _steered(a=99.0, e=100.0, ap=40.0, ep=60.0, lp=35.0).level > 0.0
+    # protected traffic above what LRU gives it but short of the goal, and more protection would give more:
+    # rises
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=60.0, lp=35.0, tp=50.0).level > 0.0
+
+
+def test_the_rise_asks_whether_more_protection_would_give_more() -> None:
+    # session 35: the rise assumed that more protection means more protected hits. Where protected traffic's
+    # hits come from blocks other traffic brings in (the multi-tenant grid's longest-conversations rule),
+    # protection at its top gives it fewer than plain LRU; the level rose while the pool hit more than LRU
+    # overall and held class 0 below lru's. Now the tiered shadow (protection at its top) decides the sign:
+    # short of what LRU gives it, and the top would give no more than the pool does: fall towards LRU, even
+    # while the pool hits more than LRU overall (before: rose)
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=38.0).level < 0.0
+    # the same shortfall, and the top would give more: rise as far as the floor allows, even while the pool
+    # hits less than LRU overall (before: fell, the LRU shadow's "better on both counts")
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=55.0).level > 0.0
+    # short of the isolation goal only (LRU gives protected traffic less than the pool does) and the top gives
+    # no more: nothing to gain either way, the level holds
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=60.0, lp=35.0, tp=40.0).level == 0.0
+    # both ends give more than the pool, the bottom (plain LRU) the most: towards it
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=45.0).level < 0.0
 
 
 # --- review 34: the control law as its docstring states it ------------------------------------------------
@@ -520,7 +546,8 @@ def _stepped(
     """One steer from level 0 over a whole window, with the sums set (confidence 1: no paired noise)."""
     c = ProtectionController(1000, cfg or PolicyConfig(adapt_frequency=False))
     c.level = 0.0
-    c._acc[:] = [a, e, ap, ep, 100.0, 100.0, lp, 0.0]  # A, E, A_p, E_p, refs, protected refs, L_p, D
+    # A, E, A_p, E_p, refs, protected refs, L_p, D, T_p (protection at its top: more than the pool gives)
+    c._acc[:] = [a, e, ap, ep, 100.0, 100.0, lp, 0.0, ap + 1.0]
     c._steer(100, 1000.0, None)
     return c
 
@@ -546,7 +573,7 @@ def test_isolation_goal_met_is_reported_apart_from_the_floor() -> None:
     s = c.stats()
     assert s["isolation_goal_met"] == 1.0 and s["reuse_floor_binds"] == 1.0
     c = ProtectionController(1000, PolicyConfig(adapt_frequency=False))
-    c._acc[:] = [1.0, 1.0, 0.0, 0.0, 100.0, 0.0, 0.0, 0.0]
+    c._acc[:] = [1.0, 1.0, 0.0, 0.0, 100.0, 0.0, 0.0, 0.0, 0.0]
     c._steer(100, 1000.0, None)
     assert c.stats()["isolation_goal_met"] == 0.0
 

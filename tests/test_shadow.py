@@ -24,7 +24,7 @@ from kvretain.core.policies.protection import (
     spatial_mask,
     spatial_sample,
 )
-from kvretain.core.policies.shadow import GDShadow, LRUShadow, _remember
+from kvretain.core.policies.shadow import GDShadow, LRUShadow, TieredShadow, _remember
 from kvretain.core.policy import PolicyConfig
 
 
@@ -314,3 +314,87 @@ def test_controller_shortcuts_equal_separate_shadows(
         hits = min(hits, len(blocks))
         assert fast.on_lookup(blocks, hits, retention) == ref.on_lookup(blocks, hits, retention)
         assert _controller_state(fast) == _controller_state(ref)
+
+
+def test_tiered_shadow_keeps_protected_blocks_and_evicts_unprotected_first() -> None:
+    # 4 entries, at most 3 protected before the tiers compete: a protected request's two blocks, an
+    # unprotected one's two (a document), two more protected (each request's blocks used deepest first, so its
+    # prefix is its most recent): above the cap the least recent of both tiers leaves (block 2), then, the
+    # protected back at the cap, the unprotected document's least recent block goes first (51)
+    t = TieredShadow(4, 3.0)
+    assert t.reference([1, 2], True) == 0
+    assert t.reference([50, 51], False) == 0
+    assert t.reference([3, 4], True) == 0
+    assert list(t.protected) == [1, 4, 3] and list(t.unprotected) == [50]
+    assert t.reference([50, 51], False) == 1
+    # plain LRU on the same references keeps the document: it was used after blocks 1 and 2
+    lru = LRUShadow(4)
+    for blocks in ([1, 2], [50, 51], [3, 4]):
+        lru.reference(blocks)
+    assert lru.reference([50, 51]) == 2
+    # an unprotected use leaves a protected block protected (the highest retention wins); a protected use
+    # moves an unprotected block into the protected tier
+    assert t.reference([3], False) == 1 and 3 in t.protected
+    assert t.reference([50], True) == 1 and 50 in t.protected and 50 not in t.unprotected
+
+
+@settings(max_examples=200, deadline=None)
+@given(lookups=LOOKUPS, capacity=st.integers(1, 90), protected=st.booleans())
+def test_tiered_shadow_of_one_class_is_lru(lookups: list[list[int]], capacity: int, protected: bool) -> None:
+    # every lookup protected, or none: one tier, plain LRU; ``of`` continues an LRU shadow's state
+    tiered, lru = TieredShadow(capacity, 0.5 * capacity), LRUShadow(capacity)
+    half = len(lookups) // 2
+    for blocks in lookups[:half]:
+        lru.reference(blocks)
+    if protected:
+        tiered = TieredShadow.of(lru, 0.5 * capacity)
+    else:
+        for blocks in lookups[:half]:
+            tiered.reference(blocks, False)
+    for blocks in lookups[half:]:
+        assert tiered.reference(blocks, protected) == lru.reference(blocks)
+        assert list(tiered.protected if protected else tiered.unprotected) == list(lru.entries)
+
+
+class _ReferenceTiered:
+    """:class:`TieredShadow` as one loop per block and one eviction at a time."""
+
+    def __init__(self, capacity: int, cap: float) -> None:
+        self.capacity, self.cap, self.t = capacity, cap, 0
+        self.protected: OrderedDict[int, int] = OrderedDict()
+        self.unprotected: OrderedDict[int, int] = OrderedDict()
+
+    def reference(self, blocks: Sequence[int], protected: bool) -> int:
+        prot, unprot = self.protected, self.unprotected
+        hits = sum(1 for h in blocks if h in prot or h in unprot)
+        for h in reversed(blocks):
+            self.t += 1
+            if protected or h in prot:
+                prot.pop(h, None)
+                unprot.pop(h, None)
+                prot[h] = self.t
+            else:
+                unprot.pop(h, None)
+                unprot[h] = self.t
+        while len(prot) + len(unprot) > self.capacity:
+            if unprot and (len(prot) <= self.cap or next(iter(unprot.values())) < next(iter(prot.values()))):
+                unprot.popitem(last=False)
+            else:
+                prot.popitem(last=False)
+        return hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lookups=st.lists(st.tuples(LOOKUPS.map(lambda x: x[0]), st.booleans()), min_size=1, max_size=60),
+    capacity=st.integers(1, 60),
+    share=st.sampled_from([0.0, 0.3, 0.5, 0.95, 1.0]),
+)
+def test_tiered_shadow_equals_one_loop_per_block(
+    lookups: list[tuple[list[int], bool]], capacity: int, share: float
+) -> None:
+    fast, ref = TieredShadow(capacity, share * capacity), _ReferenceTiered(capacity, share * capacity)
+    for blocks, protected in lookups:
+        assert fast.reference(blocks, protected) == ref.reference(blocks, protected)
+        assert list(fast.protected.items()) == list(ref.protected.items())
+        assert list(fast.unprotected.items()) == list(ref.unprotected.items())

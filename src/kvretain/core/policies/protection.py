@@ -7,9 +7,11 @@ cannot reuse. The controller measures both sides online and moves the protected 
 - **what protected traffic would hit alone**: an LRU shadow directory of the protected requests' lookups,
   as large as the pool (the isolation reference: the hits they would get with the pool to themselves);
 - **what all traffic would hit under plain LRU**: an LRU shadow directory of every request's lookups, as
-  large as the pool (vLLM's own order: the reuse a stock engine would get from this pool).
+  large as the pool (vLLM's own order: the reuse a stock engine would get from this pool);
+- **which way protection moves protected hits**: a tiered shadow of every request's lookups, protected blocks
+  kept first (protection at its top; below).
 
-Both shadows are *spatially sampled* as SHARDS (Waldspurger et al., FAST'15) samples for miss-ratio curves: a
+The shadows are *spatially sampled* as SHARDS (Waldspurger et al., FAST'15) samples for miss-ratio curves: a
 block is tracked when a hash of its identity falls below ``rate``, and each shadow holds ``rate`` x the pool.
 The rate is ``min(1, SHARDS_SAMPLE / pool)``: exact for pools up to 8,192 blocks, 8,192 tracked blocks above
 (SHARDS's fixed-size variant, whose published error at that size is well under 1% of the miss ratio). The
@@ -17,7 +19,8 @@ pool's own hits are counted on the same sample, so each comparison is between tw
 sampled blocks.
 
 Per block reference the controller keeps decayed sums of: the pool's hits ``A`` and the LRU shadow's hits
-``E`` over all traffic, and the pool's hits ``A_p`` and the isolated shadow's hits ``E_p`` over protected
+``E`` over all traffic, and the pool's hits ``A_p``, the isolated shadow's hits ``E_p``, the LRU shadow's
+``L_p`` and the tiered shadow's ``T_p`` over protected
 traffic. Two relative errors follow::
 
     reuse slack   s = (A - (1 - max_reuse_loss) * E) / max(A, E)      # > 0: overall reuse above its floor
@@ -29,16 +32,24 @@ of 0.9 of them would otherwise let the controller give protected traffic less th
 
 and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
 
-- while protected traffic is short of its goal (``g > 0``): the tighter of the gap and the slack, each at its
-  gain (below) (it rises while overall reuse has room above its floor, more slowly close to it, and falls as
-  soon as the floor is crossed). Unless plain
-  LRU would give both sides more (``A < E`` and ``A_p < L_p``): protection is then spending reuse without
-  delivering protected hits (no protection at all would give protected traffic more, and every request more),
-  and the level falls by the smaller of the two relative shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) /
-  L_p)``. The rise assumes more protection means more protected hits; where protected traffic's hits come
-  partly from blocks other traffic brings in (the multi-tenant grid's longest-conversations rule) it means
-  fewer, and the rise held the pool where LRU dominated it: class 0 below lru's by 2.4-3.2 standard errors on
-  three grid and held-out cells, none beyond 2 with this rule (docs/history.md, session 23);
+- while protected traffic is short of its goal (``g > 0``), the sign of the move comes from a third shadow,
+  the *tiered* one (:class:`~kvretain.core.policies.shadow.TieredShadow`: every request's lookups, protected
+  blocks kept before unprotected ones up to the budget; ``unified`` at its full protection level), whose hits of
+  protected traffic ``T_p`` tell what protection at its top would give it:
+
+  - towards the end of the actuator that gives protected traffic more, while that end gives it more than the
+    pool does now: the top (``T_p``) while ``T_p > A_p`` and ``T_p >= L_p``, the level rising by the tighter of
+    the gap and the slack, each at its gain (below): it rises while overall reuse has room above its floor,
+    more slowly close to it, and falls as soon as the floor is crossed; else the bottom (level -1, no bias:
+    plain LRU's ``L_p`` where the base order is recency) while ``L_p > A_p``, the level falling by the relative
+    shortfall ``(A_p - L_p) / L_p``;
+  - else (the pool already gives protected traffic more than either end) the level holds.
+
+  Where protected traffic's hits come partly from blocks other traffic brings in (the multi-tenant grid's
+  longest-conversations rule) more protection means fewer of them. Until session 23 the level rose regardless
+  and held the pool where LRU dominated it; sessions 23-34 let it fall only where the pool also hit less than
+  LRU overall (``A < E``), so where it hit more the rise went on and class 0 ended 0.02-0.25% below lru's on
+  six grid cells. The tiered shadow measures the sign instead of assuming it (docs/history.md, session 35);
 - beyond the goal (``g <= 0``): while the pool hits less than the LRU shadow (protection costs reuse), the
   larger of the excess and that cost, ``min(g, (A - E) / max(A, E))``, so protection nobody needs is given
   back; while the pool hits at least as much as LRU, nothing (protection that costs no reuse is kept: giving it
@@ -106,7 +117,7 @@ from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
 from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs
 from kvretain.core.policies.rules import frequency_terms, retention_weights
-from kvretain.core.policies.shadow import LRUShadow
+from kvretain.core.policies.shadow import LRUShadow, TieredShadow
 from kvretain.core.policy import PolicyConfig
 
 SHARDS_SAMPLE = 8192
@@ -301,6 +312,7 @@ class Sighting:
         "n",
         "owner",
         "protected",
+        "top_hits",
     )
 
     def __init__(
@@ -324,6 +336,7 @@ class Sighting:
         self.balanced = balanced
         self.e_hits = e_hits
         self.g_hits = g_hits
+        self.top_hits = 0  # the tiered shadow's (protection at its top), for a protected request
         self.owner: object = None  # the controller whose shadows made it
 
 
@@ -361,6 +374,7 @@ class ProtectionController:
         "_rate_cut",
         "_sighted",
         "_sub_cut",
+        "_top",
         "balance",
         "binding",
         "frequency",
@@ -391,6 +405,7 @@ class ProtectionController:
         tracked = max(1, round(rate * num_blocks))
         self._lru = LRUShadow(tracked)
         self._iso = LRUShadow(tracked)
+        self._top = TieredShadow(tracked, cfg.budget * tracked)
         self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
         self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
@@ -433,7 +448,7 @@ class ProtectionController:
         # decayed sums: pool hits and LRU-shadow hits (all traffic); pool hits and isolated-shadow hits
         # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic; the sum of
         # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
-        self._acc = [0.0] * 8
+        self._acc = [0.0] * 9
         self.binding = "none"
         self.goal_met = False
         self._lock = threading.Lock()  # (the shadows: on_arrival may run on an engine's input thread)
@@ -503,6 +518,7 @@ class ProtectionController:
             acc[3] += seen.iso_hits
             acc[5] += n
             acc[6] += lru_hits
+            acc[8] += seen.top_hits
         if protected_blocks is not None:
             held = self._held * d
             self._held = held = protected_blocks if protected_blocks > held else held
@@ -527,11 +543,17 @@ class ProtectionController:
                 return seen
             if not protected and self._iso_is_lru:
                 self._iso = self._lru.copy()
+                self._top = TieredShadow.of(self._lru, self._top.protected_cap)
                 self._iso_is_lru = False
             lru_hits = self._lru.reference(sampled)
-            iso_hits = 0
-            if protected and self._goal is not None:
-                iso_hits = lru_hits if self._iso_is_lru else self._iso.reference(sampled)
+            iso_hits = top_hits = 0
+            if self._goal is not None:
+                if self._iso_is_lru:
+                    iso_hits = top_hits = lru_hits  # (every lookup so far protected: all three alike)
+                else:
+                    top_hits = self._top.reference(sampled, protected)
+                    if protected:
+                        iso_hits = self._iso.reference(sampled)
             balanced = sampled if sub is None else sub
             e_hits = 0
             g_hits: tuple[int, ...] = ()
@@ -542,6 +564,7 @@ class ProtectionController:
             seen = Sighting(
                 blocks, mask, protected, len(sampled), lru_hits, iso_hits, len(balanced), e_hits, g_hits
             )
+            seen.top_hits = top_hits if protected else 0
             seen.owner = self
             return seen
 
@@ -555,7 +578,7 @@ class ProtectionController:
         if need > window:
             window = need
         d = math.exp(-n / window)
-        for i in range(8):
+        for i in range(9):
             acc[i] *= d
         acc[0] += hits
         acc[1] += lru_hits
@@ -583,7 +606,7 @@ class ProtectionController:
         more references of a ``window`` (``held``: the pool's protected blocks, decayed peak; None: not known); set
         the target and the retention weights from it. True when the weights changed."""
         acc = self._acc
-        a, e, ap, ep, lp = acc[0], acc[1], acc[2], acc[3], acc[6]
+        a, e, ap, ep, lp, tp = acc[0], acc[1], acc[2], acc[3], acc[6], acc[8]
         # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
         # LRU gives it in the shared pool (protection must not leave it worse off than no protection at all)
         goal = self._goal
@@ -600,11 +623,16 @@ class ProtectionController:
         if want > mp:
             mp = want
         gap = (want - ap) / mp if mp > 0.0 else -1.0
-        if gap > 0.0 and a < e and ap < lp:
-            # short, but plain LRU would give every request and protected traffic more: fall
-            u = max((a - e) / m, (ap - lp) / lp)
-        elif gap > 0.0:  # short of the goal: rise as far as the floor allows
-            u = gap
+        if gap > 0.0:
+            # short: towards the end of the actuator that gives protected traffic more, as long as it gives more
+            # than the pool does now (the top: protection at its full level, the tiered shadow; the bottom: no
+            # bias, plain LRU), else hold
+            if tp > ap and tp >= lp:
+                u = gap  # (as far as the floor allows)
+            elif lp > ap:
+                u = (ap - lp) / lp
+            else:
+                u = 0.0
         else:  # beyond the goal: give back while protection costs reuse against LRU (excess or cost), else hold
             u = 0.0
             if a < e:
@@ -655,6 +683,8 @@ class ProtectionController:
             "lru_hit_ratio_estimate": acc[1] / acc[4] if acc[4] else 0.0,
             "protected_hit_ratio_window": acc[2] / acc[5] if acc[5] else 0.0,
             "isolated_hit_ratio_estimate": acc[3] / acc[5] if acc[5] else 0.0,
+            "lru_protected_hit_ratio_estimate": acc[6] / acc[5] if acc[5] else 0.0,
+            "top_protected_hit_ratio_estimate": acc[8] / acc[5] if acc[5] else 0.0,
             "reuse_floor_binds": 1.0 if self.binding == "reuse" else 0.0,
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,

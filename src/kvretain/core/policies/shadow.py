@@ -1,6 +1,7 @@
 """Shadow directories: block identities kept in a policy's order without their data, to tell what that policy
 would hit on the same references (SHARDS-style estimates, :mod:`kvretain.core.policies.protection`). ``LRUShadow``
-is stock LRU (vLLM's order); ``GDShadow`` is GreedyDual-Frequency (the frequency candidate of
+is stock LRU (vLLM's order); ``TieredShadow`` is LRU with a protected tier (``unified`` at its full protection
+level, flat weights, recency); ``GDShadow`` is GreedyDual-Frequency (the frequency candidate of
 :mod:`kvretain.core.policies.balance`).
 
 NOTE: both run on every sampled block of every request (the controller's hot path: at its arrival, on vLLM's
@@ -12,9 +13,10 @@ methods where the order of operations allows it, with the same result as one Pyt
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import filterfalse, islice, repeat
+from itertools import compress, filterfalse, islice, repeat, takewhile
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.lfu import GhostTable
@@ -74,6 +76,101 @@ class LRUShadow:
         if extra > 0:
             _consume(map(entries.popitem, repeat(False, extra)))
         return len(sampled) - len(absent)
+
+
+class TieredShadow:
+    """A directory of block identities in two LRU tiers, ``capacity`` entries: a block a protected request has
+    referenced is protected until it leaves (the highest retention wins). Unprotected blocks leave first, least
+    recent first, while the protected ones number at most ``protected_cap``; above it the two tiers compete on
+    recency (the least recent of both leaves). This is the order of ``unified`` at its full protection level with
+    flat weights and recency, block by block (without its rule that a block never goes before its cached
+    descendants): what protected traffic would hit with protection at its top
+    (:mod:`kvretain.core.policies.protection`)."""
+
+    __slots__ = ("_clock", "capacity", "protected", "protected_cap", "unprotected")
+
+    def __init__(self, capacity: int, protected_cap: float) -> None:
+        self.capacity = max(1, capacity)
+        self.protected_cap = protected_cap
+        # hash -> the stamp of its last use, least recent first
+        self.protected: OrderedDict[BlockHash, int] = OrderedDict()
+        self.unprotected: OrderedDict[BlockHash, int] = OrderedDict()
+        self._clock = 0
+
+    @classmethod
+    def of(cls, lru: LRUShadow, protected_cap: float) -> TieredShadow:
+        """The tiered shadow of references that have all been protected (``lru`` saw them): the same blocks in
+        the same order, every one protected."""
+        out = cls(lru.capacity, protected_cap)
+        out.protected = OrderedDict(zip(lru.entries, range(len(lru.entries)), strict=True))
+        out._clock = len(lru.entries)
+        return out
+
+    def reference(self, sampled: Sequence[BlockHash], protected: bool) -> int:
+        """Look up ``sampled`` (a request's tracked blocks, prefix order), count those resident, then make them
+        the most recent of their tier, deepest first (as :meth:`LRUShadow.reference`): a protected request's
+        blocks move to the protected tier, an unprotected request's stay in the tier they are in. Evicts beyond
+        ``capacity``.
+
+        NOTE: C-level iterators as in :meth:`LRUShadow.reference`: each block's stamp is its place in the
+        request's deepest-first order (``update`` keeps a repeated identity's last, ``move_to_end`` in that order
+        leaves it where it was last used), the same as one loop that moves or inserts each block in turn."""
+        prot = self.protected
+        unprot = self.unprotected
+        hits = sum(map(prot.__contains__, sampled)) + sum(map(unprot.__contains__, sampled))
+        rev = sampled[::-1]
+        t = self._clock
+        stamps = range(t + 1, t + 1 + len(rev))
+        self._clock = t + len(rev)
+        if protected:
+            _consume(map(unprot.pop, rev, repeat(None)))
+            prot.update(zip(rev, stamps, strict=True))
+            _consume(map(prot.move_to_end, rev))
+        else:
+            # (no block changes tier during an unprotected request: which tier each is in is known up front)
+            mask = bytes(map(prot.__contains__, rev))
+            rest: Sequence[BlockHash]
+            if 1 in mask:
+                kept = list(compress(rev, mask))
+                prot.update(zip(kept, compress(stamps, mask), strict=True))
+                _consume(map(prot.move_to_end, kept))
+                mask = mask.translate(_FLIP)
+                rest = list(compress(rev, mask))
+                unprot.update(zip(rest, compress(stamps, mask), strict=True))
+            else:
+                rest = rev
+                unprot.update(zip(rest, stamps, strict=True))
+            _consume(map(unprot.move_to_end, rest))
+        extra = len(prot) + len(unprot) - self.capacity
+        cap = self.protected_cap
+        while extra > 0:
+            over = len(prot) - cap
+            if over > 0.0 and unprot:
+                # above the cap the tiers compete on recency: the least recent leaves, taken in runs (the blocks of
+                # one tier older than the other's least recent, the protected ones down to the cap at most)
+                hp = next(iter(prot.values()))
+                hu = next(iter(unprot.values()))
+                if hp < hu:
+                    k = math.ceil(over)
+                    n = len(list(takewhile(hu.__gt__, islice(prot.values(), k if k < extra else extra))))
+                    _consume(map(prot.popitem, repeat(False, n)))
+                else:
+                    n = len(list(takewhile(hp.__gt__, islice(unprot.values(), extra))))
+                    _consume(map(unprot.popitem, repeat(False, n)))
+                extra -= n
+            elif over > 0.0:
+                _consume(map(prot.popitem, repeat(False, extra)))
+                extra = 0
+            else:  # unprotected first
+                k = extra if extra < len(unprot) else len(unprot)
+                _consume(map(unprot.popitem, repeat(False, k)))
+                _consume(map(prot.popitem, repeat(False, extra - k)))
+                extra = 0
+        return hits
+
+
+_FLIP = bytes([1, 0]) + bytes(254)
+"""``bytes.translate`` table swapping the bytes 0 and 1 (a mask's complement)."""
 
 
 class GDShadow:
