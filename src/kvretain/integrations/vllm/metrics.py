@@ -25,9 +25,12 @@ priority, lower = more important; the first 64 priorities seen get their own lab
     the protection controller's target and its ceiling (``budget`` x pool);
 ``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
 ``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``,
+``kvretain:lru_protected_hit_ratio_estimate`` / ``kvretain:top_protected_hit_ratio_estimate``,
 ``kvretain:lookups_seen_at_arrival``
     the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds,
-    and the share of first lookups whose shadows saw the request at vLLM's input processing;
+    what protected traffic would hit at either end of the level (plain LRU, protection at its top: which way
+    the level moves while protected traffic is short) and the share of first lookups whose shadows saw the
+    request at vLLM's input processing;
 ``kvretain:frequency_exponent_now``, ``kvretain:balance_one_class``
     the recency/frequency balance: its exponent now (0: LRU order) and whether its one-class rule holds.
 
@@ -95,6 +98,14 @@ GAUGE_KEYS = (
         "isolated_hit_ratio_estimate",
         "what protected traffic would hit alone in the pool (the goal's reference)",
     ),
+    (
+        "lru_protected_hit_ratio_estimate",
+        "what protected traffic would hit under plain LRU in the shared pool (the level's bottom end)",
+    ),
+    (
+        "top_protected_hit_ratio_estimate",
+        "what protected traffic would hit with protection at its top (the level's top end)",
+    ),
     ("reuse_floor_binds", "1 when the overall-reuse floor is what holds protection back"),
     (
         "frequency_exponent_now",
@@ -115,6 +126,8 @@ _CONTROLLER_KEYS = (
     "lru_hit_ratio_estimate",
     "protected_hit_ratio_window",
     "isolated_hit_ratio_estimate",
+    "lru_protected_hit_ratio_estimate",
+    "top_protected_hit_ratio_estimate",
     "reuse_floor_binds",
     "frequency_exponent_now",
     "balance_one_class",
