@@ -535,6 +535,26 @@ def test_the_rise_asks_whether_more_protection_would_give_more() -> None:
     assert _steered(a=101.0, e=100.0, ap=40.0, ep=60.0, lp=35.0, tp=40.0).level == 0.0
     # both ends give more than the pool, the bottom (plain LRU) the most: towards it
     assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=45.0).level < 0.0
+    # the ends tied (the shadows cannot tell them apart): towards the bottom, the order with no bias
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0).level < 0.0
+
+
+def test_with_no_protected_share_the_level_falls_where_plain_lru_gives_protected_traffic_more() -> None:
+    # budget 0: the tiered shadow has no protected tier, so it is plain LRU (T_p == L_p on every lookup), while
+    # the pool's top still biases the order by retention weight. Protected traffic gets 2 hits a round from plain
+    # LRU and none from the pool, which hits one more unprotected block a round than LRU would: the level fell to
+    # -1 at budget 0.8 and rose to 1 at budget 0 (the tie went to the top; review of session 35)
+    for budget in (0.8, 0.0):
+        ctl = ProtectionController(4, PolicyConfig(budget=budget, isolation_goal=0.9, adapt_frequency=False))
+        for i in range(600):
+            ctl.on_lookup([50, 51], 2, 25)
+            ctl.on_lookup([50, 51], 0, 80)
+            ctl.on_lookup([1000 + 4 * i + j for j in range(4)], 0, 80)
+            ctl.on_lookup([5000 + i], 1, 25)  # the pool hits it, LRU would not
+        st = ctl.stats()
+        assert st["protected_hit_ratio_window"] == 0.0 < st["lru_protected_hit_ratio_estimate"]
+        assert ctl.level < 0.0, budget
+    assert st["top_protected_hit_ratio_estimate"] == st["lru_protected_hit_ratio_estimate"]
 
 
 # --- review 34: the control law as its docstring states it ------------------------------------------------

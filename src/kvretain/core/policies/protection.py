@@ -38,12 +38,20 @@ and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
   protected traffic ``T_p`` tell what protection at its top would give it:
 
   - towards the end of the actuator that gives protected traffic more, while that end gives it more than the
-    pool does now: the top (``T_p``) while ``T_p > A_p`` and ``T_p >= L_p``, the level rising by the tighter of
+    pool does now: the top (``T_p``) while ``T_p > A_p`` and ``T_p > L_p``, the level rising by the tighter of
     the gap and the slack, each at its gain (below): it rises while overall reuse has room above its floor,
     more slowly close to it, and falls as soon as the floor is crossed; else the bottom (level -1, no bias:
     plain LRU's ``L_p`` where the base order is recency) while ``L_p > A_p``, the level falling by the relative
     shortfall ``(A_p - L_p) / L_p``;
-  - else (the pool already gives protected traffic more than either end) the level holds.
+  - else (the pool already gives protected traffic more than either end) the level holds (the floor, ``s``,
+    still pulls it down once overall reuse is below its floor).
+
+  The tiered shadow models the top's protected tier, not the retention weights that also bias the order
+  above level 0, so where the shadows cannot tell the ends apart (``T_p == L_p``: always with ``budget`` 0,
+  whose top shadow is plain LRU) the bottom is taken. The sign is read from the two estimates as they stand:
+  the window is sized for the pool-vs-LRU difference, not for ``T_p - L_p``, so where the two ends are within
+  that difference's noise of each other (the grid's last cells below lru) the direction can change from one
+  lookup to the next.
 
   Where protected traffic's hits come partly from blocks other traffic brings in (the multi-tenant grid's
   longest-conversations rule) more protection means fewer of them. Until session 23 the level rose regardless
@@ -626,8 +634,9 @@ class ProtectionController:
         if gap > 0.0:
             # short: towards the end of the actuator that gives protected traffic more, as long as it gives more
             # than the pool does now (the top: protection at its full level, the tiered shadow; the bottom: no
-            # bias, plain LRU), else hold
-            if tp > ap and tp >= lp:
+            # bias, plain LRU), else hold; a tie goes to the bottom (the shadows cannot tell the ends apart: with
+            # ``budget`` 0 the tiered shadow is plain LRU)
+            if tp > ap and tp > lp:
                 u = gap  # (as far as the floor allows)
             elif lp > ap:
                 u = (ap - lp) / lp

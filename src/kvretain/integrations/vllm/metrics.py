@@ -100,11 +100,11 @@ GAUGE_KEYS = (
     ),
     (
         "lru_protected_hit_ratio_estimate",
-        "what protected traffic would hit under plain LRU in the shared pool (the level's bottom end)",
+        "what protected traffic would hit under plain LRU in the shared pool (the level's bottom end, recency)",
     ),
     (
         "top_protected_hit_ratio_estimate",
-        "what protected traffic would hit with protection at its top (the level's top end)",
+        "what protected traffic would hit with protection's tier at its top (the level's top end, weights aside)",
     ),
     ("reuse_floor_binds", "1 when the overall-reuse floor is what holds protection back"),
     (
