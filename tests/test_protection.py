@@ -535,26 +535,37 @@ def test_the_rise_asks_whether_more_protection_would_give_more() -> None:
     assert _steered(a=101.0, e=100.0, ap=40.0, ep=60.0, lp=35.0, tp=40.0).level == 0.0
     # both ends give more than the pool, the bottom (plain LRU) the most: towards it
     assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=45.0).level < 0.0
-    # the ends tied (the shadows cannot tell them apart): towards the bottom, the order with no bias
-    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0).level < 0.0
+    # the ends tied (the shadows cannot tell them apart: a cold pool, or budget 0): the rule before the sign was
+    # measured, rise unless plain LRU gives every request and protected traffic more (then fall)
+    assert _steered(a=101.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0).level > 0.0
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0).level < 0.0
 
 
-def test_with_no_protected_share_the_level_falls_where_plain_lru_gives_protected_traffic_more() -> None:
+def test_with_no_protected_share_the_ends_tie_and_the_prior_rule_decides() -> None:
     # budget 0: the tiered shadow has no protected tier, so it is plain LRU (T_p == L_p on every lookup), while
     # the pool's top still biases the order by retention weight. Protected traffic gets 2 hits a round from plain
-    # LRU and none from the pool, which hits one more unprotected block a round than LRU would: the level fell to
-    # -1 at budget 0.8 and rose to 1 at budget 0 (the tie went to the top; review of session 35)
-    for budget in (0.8, 0.0):
+    # LRU and none from the pool. At budget 0.8 the tiered shadow shows protection at its top losing the shared
+    # document: the level falls. At budget 0 the shadows cannot tell the ends apart and the prior rule decides:
+    # it falls where plain LRU also gives every request more; where the pool hits one more unprotected block a
+    # round than LRU would, it rises (before the review the tie always took the rise; review of session 35)
+    def run(budget: float, pool_ahead: bool) -> ProtectionController:
         ctl = ProtectionController(4, PolicyConfig(budget=budget, isolation_goal=0.9, adapt_frequency=False))
         for i in range(600):
             ctl.on_lookup([50, 51], 2, 25)
             ctl.on_lookup([50, 51], 0, 80)
             ctl.on_lookup([1000 + 4 * i + j for j in range(4)], 0, 80)
-            ctl.on_lookup([5000 + i], 1, 25)  # the pool hits it, LRU would not
+            ctl.on_lookup([5000 + i], 1 if pool_ahead else 0, 25)  # the pool hits it, LRU would not
         st = ctl.stats()
         assert st["protected_hit_ratio_window"] == 0.0 < st["lru_protected_hit_ratio_estimate"]
-        assert ctl.level < 0.0, budget
-    assert st["top_protected_hit_ratio_estimate"] == st["lru_protected_hit_ratio_estimate"]
+        return ctl
+
+    assert run(0.8, True).level < 0.0
+    tied = run(0.0, False)
+    assert (
+        tied.stats()["top_protected_hit_ratio_estimate"] == tied.stats()["lru_protected_hit_ratio_estimate"]
+    )
+    assert tied.level < 0.0
+    assert run(0.0, True).level > 0.0
 
 
 # --- review 34: the control law as its docstring states it ------------------------------------------------

@@ -46,9 +46,13 @@ and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
   - else (the pool already gives protected traffic more than either end) the level holds (the floor, ``s``,
     still pulls it down once overall reuse is below its floor).
 
-  The tiered shadow models the top's protected tier, not the retention weights that also bias the order
-  above level 0, so where the shadows cannot tell the ends apart (``T_p == L_p``: always with ``budget`` 0,
-  whose top shadow is plain LRU) the bottom is taken. The sign is read from the two estimates as they stand:
+  Where the shadows cannot tell the ends apart (``T_p == L_p``: a cold pool, whose shadows have evicted
+  nothing that protected traffic comes back for; always with ``budget`` 0, whose tiered shadow is plain LRU,
+  since it models the top's protected tier and not the retention weights that also bias the order above level
+  0) the rule the level had before it measured the sign applies: it rises, unless plain LRU gives every request
+  and protected traffic more (``A < E`` and ``A_p < L_p``), and then falls by the smaller of the two relative
+  shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) / L_p)`` (the level starts at 1 for the same reason:
+  without evidence a client's priorities are honoured). The sign is read from the two estimates as they stand:
   the window is sized for the pool-vs-LRU difference, not for ``T_p - L_p``, so where the two ends are within
   that difference's noise of each other (the grid's last cells below lru) the direction can change from one
   lookup to the next.
@@ -634,9 +638,12 @@ class ProtectionController:
         if gap > 0.0:
             # short: towards the end of the actuator that gives protected traffic more, as long as it gives more
             # than the pool does now (the top: protection at its full level, the tiered shadow; the bottom: no
-            # bias, plain LRU), else hold; a tie goes to the bottom (the shadows cannot tell the ends apart: with
-            # ``budget`` 0 the tiered shadow is plain LRU)
-            if tp > ap and tp > lp:
+            # bias, plain LRU), else hold. Where the shadows cannot tell the ends apart (a cold pool; with
+            # ``budget`` 0 the tiered shadow is plain LRU) the prior rule: rise, unless plain LRU gives every
+            # request and protected traffic more
+            if tp == lp:
+                u = max((a - e) / m, (ap - lp) / lp) if a < e and ap < lp else gap
+            elif tp > ap and tp > lp:
                 u = gap  # (as far as the floor allows)
             elif lp > ap:
                 u = (ap - lp) / lp
