@@ -389,54 +389,54 @@ def test_a_cut_or_corrupt_gzip_trace_is_one_clear_error(
         assert len(err) == 1 and f"{p}: cannot read the trace" in err[0], err
 
 
-def test_a_trace_from_a_pipe_is_read(tmp_path: Path) -> None:
-    # `kvretain workload export ... --out /dev/stdout | kvretain replay /dev/stdin`, `<(zcat T.gz)`: a pipe was
-    # refused as "not a regular file"
-    import gzip
+def _read_through_fifo(tmp_path: Path, feed: Callable[[Any], None]) -> list[Any]:
+    """``read_trace`` of a named pipe that a thread writes with ``feed(file)`` (unbuffered binary)."""
     import threading
 
     from kvretain.workloads import read_trace
 
-    text = "".join(line(timestamp=t) + "\n" for t in range(3))
-    for payload in (text.encode(), gzip.compress(text.encode())):
-        fifo = tmp_path / "fifo"
-        os.mkfifo(fifo)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
 
-        def feed(data: bytes = payload, path: Path = fifo) -> None:
-            with open(path, "wb") as fh:
-                fh.write(data)
+    def write() -> None:
+        with open(fifo, "wb", buffering=0) as fh:
+            feed(fh)
 
-        writer = threading.Thread(target=feed)
-        writer.start()
-        got = read_trace(fifo)
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        return list(read_trace(fifo))
+    finally:
         writer.join(10)
         fifo.unlink()
-        assert [r.timestamp_ms for r in got] == [0.0, 1.0, 2.0]
+
+
+def test_a_trace_from_a_pipe_is_read(tmp_path: Path) -> None:
+    # `kvretain workload export ... --out /dev/stdout | kvretain replay /dev/stdin`, `<(zcat T.gz)`: a pipe was
+    # refused as "not a regular file"
+    import gzip
+
+    text = "".join(line(timestamp=t) + "\n" for t in range(3))
+    for payload in (text.encode(), gzip.compress(text.encode())):
+
+        def feed(fh: Any, data: bytes = payload) -> None:
+            fh.write(data)
+
+        assert [r.timestamp_ms for r in _read_through_fifo(tmp_path, feed)] == [0.0, 1.0, 2.0]
 
 
 def test_a_gzip_trace_from_a_pipe_that_writes_one_byte_first_is_read(tmp_path: Path) -> None:
     # a peek at a pipe returns what its first write brought: one byte of the gzip magic read as "not UTF-8 text"
     # (the first version of the pipe reading, review 34)
     import gzip
-    import threading
     import time
-
-    from kvretain.workloads import read_trace
 
     text = "".join(line(timestamp=t) + "\n" for t in range(3))
     for payload in (gzip.compress(text.encode()), text.encode()):
-        fifo = tmp_path / "fifo"
-        os.mkfifo(fifo)
 
-        def feed(data: bytes = payload, path: Path = fifo) -> None:
-            with open(path, "wb", buffering=0) as fh:
-                fh.write(data[:1])
-                time.sleep(0.3)
-                fh.write(data[1:])
+        def feed(fh: Any, data: bytes = payload) -> None:
+            fh.write(data[:1])
+            time.sleep(0.3)
+            fh.write(data[1:])
 
-        writer = threading.Thread(target=feed)
-        writer.start()
-        got = read_trace(fifo)
-        writer.join(10)
-        fifo.unlink()
-        assert [r.timestamp_ms for r in got] == [0.0, 1.0, 2.0]
+        assert [r.timestamp_ms for r in _read_through_fifo(tmp_path, feed)] == [0.0, 1.0, 2.0]

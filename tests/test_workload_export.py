@@ -402,6 +402,11 @@ def test_a_bad_block_size_option_is_named_as_that_option(
     assert "(--option block_size)" in err and "(--block-tokens)" not in err, err
 
 
+def _export_trace(trace: Path, out: Path, *options: str) -> int:
+    """``kvretain workload export mooncake --trace TRACE [OPTIONS] --out OUT``: its exit status."""
+    return main(["workload", "export", "mooncake", "--trace", str(trace), *options, "--out", str(out)])
+
+
 def test_re_exporting_a_trace_replays_as_the_trace(tmp_path: Path) -> None:
     # hash id 2 is request 1's partial last block and request 2's full block under the same parent: one block
     # to `kvretain replay` (a block is its chain of ids); the re-export numbered them apart (1 hit, not 2)
@@ -411,22 +416,11 @@ def test_re_exporting_a_trace_replays_as_the_trace(tmp_path: Path) -> None:
         {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
     ]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["workload", "export", "mooncake", "--trace", str(trace), "--out", str(again)]) == 0
+    assert _export_trace(trace, again) == 0
     before, after = (replay(load_trace(p), 10, "lru") for p in (trace, again))
     assert after.hit_blocks == before.hit_blocks == 2
     # at another block size the blocks are the tokens' (88 tokens of id 2 are not its 512): 600 // 8 = 75 shared
-    argv = [
-        "workload",
-        "export",
-        "mooncake",
-        "--trace",
-        str(trace),
-        "--block-tokens",
-        "8",
-        "--out",
-        str(small),
-    ]
-    assert main(argv) == 0
+    assert _export_trace(trace, small, "--block-tokens", "8") == 0
     assert replay(load_trace(small, block_tokens=8), 1000, "lru", block_tokens=8).hit_blocks == 75
 
 
@@ -440,17 +434,6 @@ def test_re_exporting_at_another_block_size_keys_blocks_by_their_tokens(tmp_path
         {"timestamp": 1, "input_length": 1500, "output_length": 1, "hash_ids": [7, 9, 10]},
     ]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    argv = [
-        "workload",
-        "export",
-        "mooncake",
-        "--trace",
-        str(trace),
-        "--block-tokens",
-        "400",
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 0
+    assert _export_trace(trace, out, "--block-tokens", "400") == 0
     a, b = (json.loads(line)["hash_ids"] for line in out.read_text().splitlines())
     assert a[0] == b[0] and a[1] != b[1]
