@@ -226,6 +226,7 @@ def test_result_json_shape(trace: list[ReplayRequest]) -> None:
         "hit_blocks",
         "hit_rate",
         "classes",
+        "policy_stats",
     }
     assert out["policy"] == "unified" and out["capacity_blocks"] == 12
     assert out["requests"] == len(trace)
@@ -240,6 +241,7 @@ def test_result_json_shape(trace: list[ReplayRequest]) -> None:
     assert sum(c["requests"] for c in out["classes"].values()) == out["requests"]
     assert json.loads(json.dumps(out)) == out
     assert {"protected_blocks", "protected_target", "protected_budget"} <= set(res.policy_stats)
+    assert out["policy_stats"] == {k: round(v, 6) for k, v in res.policy_stats.items()}
 
 
 def test_empty_replay() -> None:
@@ -252,6 +254,7 @@ def test_empty_replay() -> None:
         "hit_blocks": 0,
         "hit_rate": None,  # (no lookup: no ratio, as the simulator's summary; it read 0.0)
         "classes": {},
+        "policy_stats": {},
     }
 
 

@@ -108,6 +108,36 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join([line, sep, *body])
 
 
+def controller_line(stats: dict[str, float]) -> str | None:
+    """Two lines of ``unified``'s protection controller's state (``stats``: the policy's ``stats()``), or None
+    for a policy without one: the level and target and which constraint binds; both sides' estimates."""
+    if "protection_level" not in stats:
+        return None
+    g = stats.get
+    binds = "the reuse floor binds" if g("reuse_floor_binds") else "the reuse floor has room"
+    protected = (
+        "protected_hit_ratio_window",
+        "isolated_hit_ratio_estimate",
+        "lru_protected_hit_ratio_estimate",
+    )
+    if g("isolation_goal_met"):
+        goal = "isolation goal met"
+    elif not any(g(k) for k in protected):
+        goal = "no protected hits measured yet"
+    else:
+        goal = "short of the isolation goal"
+    line = (
+        f"controller: protection level {g('protection_level', 0.0):+.3f}, target "
+        f"{g('protected_target', 0.0):,.0f} of {g('protected_budget', 0.0):,.0f} blocks; {binds}, {goal}\n"
+        f"  window hit ratio {g('hit_ratio_window', 0.0):.4f} (LRU estimate {g('lru_hit_ratio_estimate', 0.0):.4f}), "
+        f"protected {g('protected_hit_ratio_window', 0.0):.4f} (alone {g('isolated_hit_ratio_estimate', 0.0):.4f}, "
+        f"LRU {g('lru_protected_hit_ratio_estimate', 0.0):.4f}, full protection "
+        f"{g('top_protected_hit_ratio_estimate', 0.0):.4f})"
+    )
+    alpha = g("frequency_exponent_now", -1.0)
+    return line + (f"; frequency exponent {alpha:.3f}" if alpha >= 0.0 else "")
+
+
 def _result_rows(results: Sequence[ReplayResult]) -> list[dict[str, Any]]:
     rows = []
     for r in results:
@@ -199,6 +229,10 @@ def _replay_all(args: argparse.Namespace, requests: Sequence[ReplayRequest], sou
             row["wall_s"] = f"{wall:.2f}"
         cols = list(dict.fromkeys(k for row in rows for k in row))
         print(format_table(rows, cols))
+        for res, _ in results:
+            line = controller_line(res.policy_stats)
+            if line is not None:
+                print(f"{res.policy} {line}")
     return 0
 
 

@@ -379,8 +379,12 @@ def print_table(obj: dict[str, Any]) -> None:
         print(f"rejected at admission: {len(rej)} requests{shown}")
         for r in rej[:3]:
             print(f"  {r['reason']}")
-    from kvretain.cli import format_table
+    from kvretain.cli import controller_line, format_table
 
+    for i, st in enumerate(obj.get("policy_stats", ())):
+        line = controller_line(st)
+        if line is not None:
+            print(f"replica {i} {line}" if len(obj["policy_stats"]) > 1 else line)
     cols = ["class", "requests", "rejected", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"]
     cols += ["e2e_mean_s"]
     cols += ["e2e_p99_s", "queue_p99_s", "hit_rate", "recomputed_tokens", "evicted_blocks", "slo_attainment"]

@@ -123,6 +123,8 @@ class ReplayResult:
                 }
                 for k, v in sorted(self.classes.items())
             },
+            # the policy's own state at the end (``unified``: its controller's level, target and estimates)
+            "policy_stats": {k: round(v, 6) for k, v in self.policy_stats.items()},
         }
 
 

@@ -403,6 +403,11 @@ class Simulation:
                 for k, v in overall.items()
                 if k not in ("requests", "output_tokens_per_s", "preemptions")
             },
+            # each replica's policy state at the end (``unified``: its protection controller's level, target and
+            # estimates; one controller a replica)
+            "policy_stats": [
+                {k: round(v, 6) for k, v in rep.kv.pool.policy.stats().items()} for rep in self.replicas
+            ],
             "classes": {},
             "rejections": [
                 {"request_id": r.request_id, "priority": r.priority, "reason": r.rejection} for r in rejected
