@@ -1,0 +1,861 @@
+"""Adversarial traffic for ``unified`` (session 36): synthetic traces of shapes the robustness grid
+(bench/robustness.py) does not hold, each designed to break one of ``unified``'s claims against ``lru``:
+(a) overall hit ratio at least 0.98x lru's, (b) class 0's hit ratio at least lru's class 0, (c) with one class
+(every request at priority 0) overall at least lru's.
+
+    python bench/adversarial.py [NAME ...] [--fractions F ...] [--jobs N] [--no-one-class] [--json FILE]
+    python bench/adversarial.py --list          # the trace names, one line each
+    python bench/adversarial.py five-levels-s12 c0-follows-lag200 --no-progress
+
+Traces (``[NAME ...]``, default all; generators and seeds fixed when they were first run, in session 36,
+before the controller change that session made; priority 0 is the important class):
+  * ``c0-scan``: class 0 a scan (one-off documents behind a class prompt, 8% re-reads of its last 20);
+    class 1 re-uses a 150-doc zipf working set.
+  * ``swap``: class 0 re-uses set A and class 1 set B, swapped halfway; class 1 also sends one-off documents.
+  * ``c0-bursts``: class 0 in rare bursts (40 requests every ~600, over 25 docs); heavy class 1 in between.
+  * ``shared-sys``: a 24-block system prompt shared by both classes; class 0 flat over 1,500 docs (little
+    reuse), class 1 zipf over 60 (much reuse).
+  * ``five-levels``: priorities 0..4, equal shares, reuse increasing with the priority number (class 0 least).
+  * ``five-levels-s11`` .. ``-s14``: five levels at seeds 11..14 (the variants' generator).
+  * ``five-levels-rev``: five levels with reuse decreasing with the priority number (class 0 the most).
+  * ``five-levels-c0rare`` / ``five-levels-c0heavy``: five levels with class 0 5% / 40% of the requests.
+  * ``c0-follows-lag50`` / ``-lag200`` / ``-lag800`` (and ``-lag200-s31``, ``-s32``, ``-lag800-s31``, ``-s32``):
+    class 0 reads, once, a document class 1 read about LAG requests earlier: its hits come only from
+    content class 1 brought in.
+  * ``c0-scan-heavy`` (and ``-s21``, ``-s22``): class 0 a heavy scan (60% of requests, 20-40 block one-offs);
+    class 1 a zipf working set.
+  * ``oneclass-stack``: one class: an LRU-stack-model stream plus hot-then-dead documents.
+  * ``oneclass-phases``: one class: a 120-doc working set, 70% replaced every 600 requests.
+  * ``oneclass-alt100`` / ``-alt300`` / ``-alt800`` (and ``-alt100-s41``, ``-s42``, ``-alt800-s41``, ``-s42``):
+    one class alternating phases of 100/300/800 requests: frequency's traffic, then recency's.
+
+Each trace is replayed with ``lru``, ``unified`` (defaults), ``s3fifo`` and ``arc`` at pools sized as
+``--fractions`` of its distinct blocks (``max(64, round(f * distinct))``). A trace with several classes is
+also replayed relabelled to one class (``unified`` and ``lru``; ``--no-one-class`` skips it); a one-class
+trace's own run is its one-class figure.
+
+Printed per trace, one row per pool: overall ``unified`` / ``lru`` and the hit-block difference with its
+paired z over requests (:func:`kvretain.core.policies.evidence.paired_difference`); class 0's ``unified`` /
+``lru``, hit-block difference, requests that differ and z; the one-class ratio; ``s3fifo`` and ``arc``
+overall; ``unified``'s ``protection_level`` at the end; the claims the cell misses. Then every miss, and
+whether it is resolved (z <= -1.96) or inside the noise: for (b) and (c) the paired difference against
+``lru``, for (a) the per-request difference ``unified - 0.98 x lru``. Last stdout line, JSON:
+``{"cells": n, "min_overall_vs_lru": r, "cells_below_floor": k, "cells_class0_below_lru": k,
+"cells_class0_below_lru_resolved": k, "one_class_min_vs_lru": r, "one_class_below_lru": k}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import robustness as grid
+from kvretain.cli_args import (
+    DefaultsHelpFormatter,
+    Parser,
+    check_output_file,
+    integer,
+    json_text,
+    number,
+    path_arg,
+    summary_of,
+)
+from kvretain.core.hashing import BlockIdHasher
+from kvretain.core.policies.evidence import paired_difference
+from kvretain.core.policy import PolicyConfig
+from kvretain.replay import ReplayRequest, ReplayResult, replay
+
+PROG = "adversarial"
+BLOCK_TOKENS = 512
+POLICIES = ("lru", "unified", "s3fifo", "arc")
+PAIRED = ("lru", "unified")
+FRACTIONS = (0.06, 0.2, 0.45, 0.8)
+"""Pool sizes as shares of a trace's distinct blocks: a small pool to a large one."""
+MIN_CAPACITY = 64
+REUSE_FLOOR = grid.REUSE_FLOOR  # claim (a): overall at least 0.98x lru's
+RESOLVED_Z = grid.RESOLVED_Z  # a shortfall is resolved at z <= -1.96
+
+Request = tuple[list[int], int, float]
+"""A generated request: its block ids, priority, timestamp in seconds."""
+
+
+# ------------------------------------------------------------------------------------------- generators
+# Each generator returns a list of (block ids, priority, timestamp_s), drawn from its own random.Random(seed).
+class Ids:
+    """Fresh block ids, counting from 1."""
+
+    def __init__(self) -> None:
+        self.n = 1
+
+    def take(self, k: int) -> list[int]:
+        out = list(range(self.n, self.n + k))
+        self.n += k
+        return out
+
+
+def zipf_sampler(rng: random.Random, n: int, s: float) -> Callable[[], int]:
+    cum = list(accumulate(1.0 / (i + 1) ** s for i in range(n)))
+    tot = cum[-1]
+    return lambda: min(n - 1, bisect_left(cum, rng.random() * tot))
+
+
+def docs(ids: Ids, rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
+    return [ids.take(rng.randint(lo, hi)) for _ in range(n)]
+
+
+def g_c0_scan(seed: int = 1) -> list[Request]:
+    """Class 0 is a scan (one-off documents behind a 2-block class prompt); class 1 re-uses a working set."""
+    rng = random.Random(seed)
+    ids = Ids()
+    s0, s1 = ids.take(2), ids.take(2)
+    work = docs(ids, rng, 150, 6, 16)
+    pick = zipf_sampler(rng, len(work), 0.9)
+    recent0: list[list[int]] = []
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(5000):
+        t += rng.expovariate(2.0)
+        if rng.random() < 0.35:
+            # mostly one-off; 8% re-read one of the last 20 class-0 documents
+            if recent0 and rng.random() < 0.08:
+                d = recent0[rng.randrange(len(recent0))]
+            else:
+                d = ids.take(rng.randint(8, 24))
+                recent0 = [*recent0, d][-20:]
+            out.append((s0 + d + ids.take(1), 0, t))
+        else:
+            out.append((s1 + work[pick()] + ids.take(rng.randint(1, 2)), 1, t))
+    return out
+
+
+def g_swap(seed: int = 2) -> list[Request]:
+    """Drift: class 0 re-uses set A and class 1 set B; halfway they swap (class 1 re-uses A, class 0 B).
+    Class 1 also sends one-off documents (30% of its requests)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sysp = ids.take(2)
+    set_a = docs(ids, rng, 100, 8, 16)
+    set_b = docs(ids, rng, 100, 8, 16)
+    pa, pb = zipf_sampler(rng, 100, 0.8), zipf_sampler(rng, 100, 0.8)
+    out: list[Request] = []
+    t, n = 0.0, 5000
+    for i in range(n):
+        t += rng.expovariate(2.0)
+        first = i < n // 2
+        if rng.random() < 0.4:
+            d = set_a[pa()] if first else set_b[pb()]
+            out.append((sysp + d + ids.take(rng.randint(1, 3)), 0, t))
+        elif rng.random() < 0.3:
+            out.append((sysp + ids.take(10), 1, t))
+        else:
+            d = set_b[pb()] if first else set_a[pa()]
+            out.append((sysp + d + ids.take(rng.randint(1, 3)), 1, t))
+    return out
+
+
+def g_c0_bursts(seed: int = 3) -> list[Request]:
+    """Class 0 in rare bursts (40 requests every ~600, over a 25-doc working set); heavy class-1 traffic in
+    between (zipf over 400 docs, 20% one-off 20-block scans)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    s0, s1 = ids.take(2), ids.take(2)
+    w0 = docs(ids, rng, 25, 10, 14)
+    w1 = docs(ids, rng, 400, 6, 14)
+    p0, p1 = zipf_sampler(rng, 25, 0.6), zipf_sampler(rng, 400, 0.9)
+    out: list[Request] = []
+    t = 0.0
+    while len(out) < 6000:
+        for _ in range(rng.randint(450, 750)):
+            t += rng.expovariate(2.0)
+            if rng.random() < 0.2:
+                out.append((s1 + ids.take(20), 1, t))
+            else:
+                out.append((s1 + w1[p1()] + ids.take(rng.randint(1, 2)), 1, t))
+        for _ in range(40):
+            t += rng.expovariate(10.0)
+            out.append((s0 + w0[p0()] + ids.take(1), 0, t))
+    return out[:6000]
+
+
+def g_shared_sys(seed: int = 4) -> list[Request]:
+    """A 24-block system prompt shared by both classes, a 4-block class prompt, then per-class suffixes:
+    class 0 from a flat 1,500-doc set (little reuse), class 1 from a 60-doc zipf set (much reuse)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sysp = ids.take(24)
+    c0p, c1p = ids.take(4), ids.take(4)
+    d0 = docs(ids, rng, 1500, 4, 10)
+    d1 = docs(ids, rng, 60, 4, 10)
+    p1 = zipf_sampler(rng, 60, 1.0)
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(4000):
+        t += rng.expovariate(2.0)
+        if rng.random() < 0.4:
+            out.append((sysp + c0p + d0[rng.randrange(1500)] + ids.take(rng.randint(1, 2)), 0, t))
+        else:
+            out.append((sysp + c1p + d1[p1()] + ids.take(rng.randint(1, 2)), 1, t))
+    return out
+
+
+def g_five_levels(seed: int = 5) -> list[Request]:
+    """Priorities 0..4, equal request shares, reuse increasing with the priority number (class 0 the least)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sizes, skews = [2000, 800, 300, 120, 50], [0.3, 0.6, 0.8, 1.0, 1.1]
+    sets = [docs(ids, rng, n, 8, 16) for n in sizes]
+    picks = [zipf_sampler(rng, n, s) for n, s in zip(sizes, skews, strict=True)]
+    prompts = [ids.take(2) for _ in range(5)]
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(5000):
+        t += rng.expovariate(2.0)
+        p = rng.randrange(5)
+        out.append((prompts[p] + sets[p][picks[p]()] + ids.take(1), p, t))
+    return out
+
+
+def g_one_class_shift(seed: int = 6) -> list[Request]:
+    """One class: an LRU-stack-model document stream (new documents, re-reads at geometric recency depth)
+    plus hot-then-dead documents (a few docs hammered for ~150 requests, then never used again)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    stack: list[list[int]] = []  # most recent last
+    hot: list[tuple[list[int], int]] = []
+    out: list[Request] = []
+    t = 0.0
+    for i in range(5000):
+        t += rng.expovariate(2.0)
+        hot = [(d, end) for d, end in hot if end > i]
+        while len(hot) < 3:
+            hot.append((ids.take(rng.randint(6, 20)), i + rng.randint(100, 200)))
+        u = rng.random()
+        if u < 0.3:
+            d = hot[rng.randrange(len(hot))][0]
+        elif u < 0.45 or not stack:
+            d = ids.take(rng.randint(6, 20))
+            stack.append(d)
+        else:
+            depth = min(len(stack) - 1, int(rng.expovariate(1.0 / 60.0)))
+            d = stack.pop(len(stack) - 1 - depth)
+            stack.append(d)
+        out.append((d + ids.take(1), 0, t))
+    return out
+
+
+def g_one_class_phases(seed: int = 7) -> list[Request]:
+    """One class: a working set of 120 docs that shifts phase by phase (every 600 requests 70% of it is
+    replaced), zipf popularity re-drawn each phase, so last phase's favourites have high counts and no future."""
+    rng = random.Random(seed)
+    ids = Ids()
+    ws = docs(ids, rng, 120, 6, 18)
+    out: list[Request] = []
+    t = 0.0
+    pick = zipf_sampler(rng, 120, 1.0)
+    for i in range(5000):
+        if i and i % 600 == 0:
+            rng.shuffle(ws)
+            ws = ws[:36] + docs(ids, rng, 84, 6, 18)
+            rng.shuffle(ws)
+        t += rng.expovariate(2.0)
+        out.append((ws[pick()] + ids.take(1), 0, t))
+    return out
+
+
+def g_five_levels_var(
+    seed: int = 5, reverse: bool = False, shares: tuple[float, ...] = (0.2, 0.2, 0.2, 0.2, 0.2)
+) -> list[Request]:
+    """Five levels (variants): seeds, shares per level; ``reverse``: reuse decreasing with the priority number."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sizes, skews = [2000, 800, 300, 120, 50], [0.3, 0.6, 0.8, 1.0, 1.1]
+    if reverse:
+        sizes, skews = sizes[::-1], skews[::-1]
+    sets = [docs(ids, rng, n, 8, 16) for n in sizes]
+    picks = [zipf_sampler(rng, n, s) for n, s in zip(sizes, skews, strict=True)]
+    prompts = [ids.take(2) for _ in range(5)]
+    cum = list(accumulate(shares))
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(5000):
+        t += rng.expovariate(2.0)
+        p = min(4, bisect_left(cum, rng.random() * cum[-1]))
+        out.append((prompts[p] + sets[p][picks[p]()] + ids.take(1), p, t))
+    return out
+
+
+def g_c0_follows(seed: int = 8, lag: float = 150.0, c0_share: float = 0.3) -> list[Request]:
+    """Class 0's hits come only from content class 1 brought in: class 1 reads new documents (and re-reads
+    recent ones), class 0 reads a document class 1 read about ``lag`` requests earlier, then never again."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sysp = ids.take(2)
+    hist: list[list[int]] = []  # docs in the order class 1 first read them
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(5000):
+        t += rng.expovariate(2.0)
+        if hist and rng.random() < c0_share:
+            back = min(len(hist) - 1, int(rng.expovariate(1.0 / lag * 2.0)))  # docs back (about lag/2 docs)
+            d = hist[len(hist) - 1 - back]
+            out.append((sysp + d + ids.take(rng.randint(1, 2)), 0, t))
+        else:
+            if rng.random() < 0.5 or not hist:
+                d = ids.take(rng.randint(8, 20))
+                hist.append(d)
+            else:
+                d = hist[len(hist) - 1 - min(len(hist) - 1, int(rng.expovariate(1.0 / 40.0)))]
+            out.append((sysp + d + ids.take(rng.randint(1, 2)), 1, t))
+    return out
+
+
+def g_one_class_alt(seed: int = 9, period: int = 300) -> list[Request]:
+    """One class alternating phases of ``period`` requests: F (a fresh 30-doc zipf hot set + one-off 20-block
+    scans, frequency's traffic) and R (hot-then-dead docs and an LRU stack model, recency's)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    out: list[Request] = []
+    t = 0.0
+    stack: list[list[int]] = []
+    hot: list[tuple[list[int], int]] = []
+    hotset = docs(ids, rng, 30, 6, 16)
+    pick = zipf_sampler(rng, 30, 1.0)
+    for i in range(5000):
+        t += rng.expovariate(2.0)
+        phase_f = (i // period) % 2 == 0
+        if i % period == 0 and phase_f:
+            hotset = docs(ids, rng, 30, 6, 16)
+        if phase_f:
+            d = ids.take(20) if rng.random() < 0.5 else hotset[pick()]
+        else:
+            hot = [(x, end) for x, end in hot if end > i]
+            while len(hot) < 3:
+                hot.append((ids.take(rng.randint(6, 20)), i + rng.randint(60, 120)))
+            u = rng.random()
+            if u < 0.35:
+                d = hot[rng.randrange(len(hot))][0]
+            elif u < 0.5 or not stack:
+                d = ids.take(rng.randint(6, 20))
+                stack.append(d)
+            else:
+                depth = min(len(stack) - 1, int(rng.expovariate(1.0 / 40.0)))
+                d = stack.pop(len(stack) - 1 - depth)
+                stack.append(d)
+        out.append((d + ids.take(1), 0, t))
+    return out
+
+
+def g_c0_scan_heavy(seed: int = 10) -> list[Request]:
+    """Class 0 a heavy scan (60% of requests, 20-40 block one-offs); class 1 a zipf working set."""
+    rng = random.Random(seed)
+    ids = Ids()
+    s0, s1 = ids.take(2), ids.take(2)
+    work = docs(ids, rng, 250, 6, 16)
+    pick = zipf_sampler(rng, len(work), 0.7)
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(4000):
+        t += rng.expovariate(2.0)
+        if rng.random() < 0.6:
+            out.append((s0 + ids.take(rng.randint(20, 40)), 0, t))
+        else:
+            out.append((s1 + work[pick()] + ids.take(1), 1, t))
+    return out
+
+
+Generator = Callable[[], list[Request]]
+
+TRACES: dict[str, tuple[Generator, str]] = {
+    # (the order of the first run, session 36: the default run's order)
+    "c0-scan": (
+        g_c0_scan,
+        "class 0 a scan (one-off docs, 8% re-reads of its last 20); class 1 re-uses a 150-doc zipf set",
+    ),
+    "swap": (
+        g_swap,
+        "class 0 re-uses set A, class 1 set B, swapped halfway; class 1 also sends 30% one-off docs",
+    ),
+    "c0-bursts": (
+        g_c0_bursts,
+        "class 0 in rare bursts (40 requests every ~600, 25 docs); heavy class 1 between (zipf 400 docs, 20% scans)",
+    ),
+    "shared-sys": (
+        g_shared_sys,
+        "a 24-block system prompt shared by both classes; class 0 flat over 1,500 docs, class 1 zipf over 60",
+    ),
+    "five-levels": (
+        g_five_levels,
+        "priorities 0..4, equal shares, reuse increasing with the priority number (class 0 the least)",
+    ),
+    "oneclass-stack": (
+        g_one_class_shift,
+        "one class: an LRU-stack-model stream plus hot-then-dead docs (hammered ~150 requests, then dead)",
+    ),
+    "oneclass-phases": (
+        g_one_class_phases,
+        "one class: a 120-doc zipf working set, 70% replaced every 600 requests, popularity re-drawn",
+    ),
+    **{
+        f"five-levels-s{k}": (
+            partial(g_five_levels_var, seed=k),
+            f"five levels (equal shares, class 0 the least reuse), seed {k}",
+        )
+        for k in range(11, 15)
+    },
+    "five-levels-rev": (
+        partial(g_five_levels_var, reverse=True),
+        "five levels with reuse decreasing with the priority number (class 0 the most)",
+    ),
+    "five-levels-c0rare": (
+        partial(g_five_levels_var, shares=(0.05, 0.2, 0.25, 0.25, 0.25)),
+        "five levels, class 0 5% of the requests (the least reuse)",
+    ),
+    "five-levels-c0heavy": (
+        partial(g_five_levels_var, shares=(0.4, 0.15, 0.15, 0.15, 0.15)),
+        "five levels, class 0 40% of the requests (the least reuse)",
+    ),
+    **{
+        f"c0-follows-lag{lag}": (
+            partial(g_c0_follows, lag=float(lag)),
+            f"class 0 reads once a doc class 1 read ~{lag} requests earlier (its only hits)",
+        )
+        for lag in (50, 200, 800)
+    },
+    **{
+        f"oneclass-alt{p}": (
+            partial(g_one_class_alt, period=p),
+            f"one class alternating {p}-request phases: zipf hot set + scans, then hot-then-dead + LRU stack",
+        )
+        for p in (100, 300, 800)
+    },
+    "c0-scan-heavy": (
+        g_c0_scan_heavy,
+        "class 0 a heavy scan (60% of requests, 20-40 block one-offs); class 1 a 250-doc zipf set",
+    ),
+    **{
+        f"c0-scan-heavy-s{k}": (partial(g_c0_scan_heavy, seed=k), f"c0-scan-heavy at seed {k}")
+        for k in (21, 22)
+    },
+    **{
+        f"c0-follows-lag200-s{k}": (
+            partial(g_c0_follows, seed=k, lag=200.0),
+            f"c0-follows-lag200 at seed {k}",
+        )
+        for k in (31, 32)
+    },
+    **{
+        f"c0-follows-lag800-s{k}": (
+            partial(g_c0_follows, seed=k, lag=800.0),
+            f"c0-follows-lag800 at seed {k}",
+        )
+        for k in (31, 32)
+    },
+    **{
+        f"oneclass-alt{p}-s{k}": (partial(g_one_class_alt, seed=k, period=p), f"oneclass-alt{p} at seed {k}")
+        for p in (100, 800)
+        for k in (41, 42)
+    },
+}
+"""Trace name -> (generator, one-line description)."""
+
+
+def generate(name: str) -> list[Request]:
+    """The named trace's requests (block ids, priority, timestamp_s), from its own seeded ``random.Random``."""
+    return TRACES[name][0]()
+
+
+def build(name: str, limit: int | None = None) -> list[ReplayRequest]:
+    """The named trace as replay requests (``limit``: its first that many requests only)."""
+    h = BlockIdHasher()
+    reqs = generate(name)[:limit]
+    return [
+        ReplayRequest(tuple(h.block_keys(ids)), ts, len(ids) * BLOCK_TOKENS, prio) for ids, prio, ts in reqs
+    ]
+
+
+# --------------------------------------------------------------------------------------- one cell
+@dataclass(frozen=True)
+class Job:
+    """One cell: a trace at one pool size."""
+
+    trace: str
+    index: int  # the trace's place in the run, for the output order
+    fraction: float
+    one_class: bool
+    limit: int | None
+
+
+_BUILT: dict[tuple[str, int | None], list[ReplayRequest]] = {}  # per process
+
+
+def _requests(name: str, limit: int | None) -> list[ReplayRequest]:
+    got = _BUILT.get((name, limit))
+    if got is None:
+        got = _BUILT[(name, limit)] = build(name, limit)
+    return got
+
+
+def floor_paired(a: Sequence[int], b: Sequence[int], floor: float = REUSE_FLOOR) -> dict[str, float]:
+    """``a`` against ``floor`` x ``b`` request by request (as :func:`paired_difference`, with the reference
+    scaled): ``diff_hits`` = sum(a) - floor x sum(b), its standard error and z; claim (a) is resolved as missed
+    when z <= -:data:`RESOLVED_Z`."""
+    d = [x - floor * y for x, y in zip(a, b, strict=True)]
+    n, total = len(d), sum(d)
+    se = 0.0
+    if n > 1:
+        mean = total / n
+        se = math.sqrt(n * sum((x - mean) ** 2 for x in d) / (n - 1))
+    return {
+        "requests": n,
+        "diff_hits": round(total, 3),
+        "se_hits": round(se, 3),
+        "z": round(total / se, 3) if se > 0 else 0.0,
+    }
+
+
+def _stats(res: ReplayResult) -> dict[str, float | None]:
+    """A policy's end state, a number JSON cannot hold as None."""
+    return {k: (v if math.isfinite(v) else None) for k, v in res.policy_stats.items()}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def run_cell(job: Job) -> dict[str, Any]:
+    """The cell's figures (every policy's, the paired differences, the one-class run)."""
+    reqs = _requests(job.trace, job.limit)
+    distinct = len({h for r in reqs for h in r.hashes})
+    cap = max(MIN_CAPACITY, round(job.fraction * distinct))
+    cfg = PolicyConfig(block_size=BLOCK_TOKENS)
+    runs = {
+        p: replay(reqs, cap, p, cfg, block_tokens=BLOCK_TOKENS, record_hits=p in PAIRED) for p in POLICIES
+    }
+    prios = sorted({r.priority for r in reqs})
+    u, lr = runs["unified"], runs["lru"]
+    assert u.request_hits is not None and lr.request_hits is not None
+    rec: dict[str, Any] = {
+        "trace": job.trace,
+        "index": job.index,
+        "fraction": job.fraction,
+        "requests": len(reqs),
+        "distinct": distinct,
+        "capacity": cap,
+        "classes": prios,
+        "overall": {p: r.hit_rate for p, r in runs.items()},
+        "hit_blocks": {p: r.hit_blocks for p, r in runs.items()},
+        "blocks": lr.blocks,
+        "overall_vs_lru": _ratio(u.hit_rate, lr.hit_rate),
+        "overall_diff_blocks": u.hit_blocks - lr.hit_blocks,
+        "unified_stats": _stats(u),
+        "paired_all": paired_difference(u.request_hits, lr.request_hits).to_json(),
+        "floor_paired": floor_paired(u.request_hits, lr.request_hits),
+    }
+    if len(prios) > 1:
+        c0i = [i for i, r in enumerate(reqs) if r.priority == 0]
+        rec["class0"] = {p: r.classes[0].hit_rate if 0 in r.classes else 0.0 for p, r in runs.items()}
+        rec["class0_hit_blocks"] = {
+            p: r.classes[0].hit_tokens // BLOCK_TOKENS if 0 in r.classes else 0 for p, r in runs.items()
+        }
+        rec["class0_vs_lru"] = _ratio(rec["class0"]["unified"], rec["class0"]["lru"])
+        rec["class0_paired"] = paired_difference(
+            [u.request_hits[i] for i in c0i], [lr.request_hits[i] for i in c0i]
+        ).to_json()
+        rec["per_class"] = {p: {c: round(r.classes[c].hit_rate, 5) for c in prios} for p, r in runs.items()}
+        if job.one_class:
+            one = [dataclasses.replace(r, priority=0, retention=None) for r in reqs]
+            ou = replay(one, cap, "unified", cfg, block_tokens=BLOCK_TOKENS, record_hits=True)
+            ol = replay(one, cap, "lru", cfg, block_tokens=BLOCK_TOKENS, record_hits=True)
+            assert ou.request_hits is not None and ol.request_hits is not None
+            rec["oneclass"] = {
+                "unified": ou.hit_rate,
+                "lru": ol.hit_rate,
+                "vs_lru": _ratio(ou.hit_rate, ol.hit_rate),
+                "diff_blocks": ou.hit_blocks - ol.hit_blocks,
+                "paired": paired_difference(ou.request_hits, ol.request_hits).to_json(),
+                "unified_stats": _stats(ou),
+            }
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ analysis
+MISS_FLOOR = "a"  # overall < 0.98x lru
+MISS_CLASS0 = "b"  # class 0 < lru's class 0
+MISS_ONE = "c"  # one class: overall < lru
+
+
+def resolved(p: dict[str, Any] | None) -> bool:
+    """A paired difference (``to_json`` form) standing :data:`RESOLVED_Z` standard errors below 0 (from the
+    hits and the standard error, not the rounded z)."""
+    return p is not None and p["se_hits"] > 0 and p["diff_hits"] / p["se_hits"] <= -RESOLVED_Z
+
+
+def one_class_of(c: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """A cell's one-class ratio to lru and its paired difference: the relabelled run's, or on a trace with one
+    class the cell's own (None: a relabelled run skipped, ``--no-one-class``)."""
+    if len(c["classes"]) <= 1:
+        return c["overall_vs_lru"], c["paired_all"]
+    one = c.get("oneclass")
+    return (None, None) if one is None else (one["vs_lru"], one["paired"])
+
+
+def analyse(c: dict[str, Any]) -> None:
+    """Adds ``misses`` (claims missed: a, b, c) and ``resolved`` (the missed claims whose shortfall is
+    resolved) to a cell."""
+    misses, real = [], []
+    if c["overall_vs_lru"] is not None and c["overall_vs_lru"] < REUSE_FLOOR:
+        misses.append(MISS_FLOOR)
+        if resolved(c["floor_paired"]):
+            real.append(MISS_FLOOR)
+    if c.get("class0_vs_lru") is not None and c["class0_vs_lru"] < 1.0:
+        misses.append(MISS_CLASS0)
+        if resolved(c["class0_paired"]):
+            real.append(MISS_CLASS0)
+    vs, paired = one_class_of(c)
+    if vs is not None and vs < 1.0:
+        misses.append(MISS_ONE)
+        if resolved(paired):
+            real.append(MISS_ONE)
+    c["misses"] = misses
+    c["resolved"] = real
+
+
+def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    def mn(xs: list[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return round(min(vals), 4) if vals else None
+
+    return {
+        "cells": len(cells),
+        "min_overall_vs_lru": mn([c["overall_vs_lru"] for c in cells]),
+        "cells_below_floor": sum(1 for c in cells if MISS_FLOOR in c["misses"]),
+        "cells_class0_below_lru": sum(1 for c in cells if MISS_CLASS0 in c["misses"]),
+        "cells_class0_below_lru_resolved": sum(1 for c in cells if MISS_CLASS0 in c["resolved"]),
+        "one_class_min_vs_lru": mn([one_class_of(c)[0] for c in cells]),
+        "one_class_below_lru": sum(1 for c in cells if MISS_ONE in c["misses"]),
+    }
+
+
+def _num(x: float | None, fmt: str = ".4f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def trace_table(cells: list[dict[str, Any]]) -> str:
+    """One trace's rows, one per pool."""
+    rows = []
+    for c in cells:
+        o, pa = c["overall"], c["paired_all"]
+        row = {
+            "pool": f"{c['capacity']} ({c['fraction']:g})",
+            "lru": f"{o['lru']:.4f}",
+            "unified": f"{o['unified']:.4f}",
+            "u/lru": _num(c["overall_vs_lru"]),
+            "diff blk": f"{c['overall_diff_blocks']:+d}",
+            "z": f"{pa['z']:+.2f}",
+        }
+        if "class0" in c:
+            c0, cp = c["class0"], c["class0_paired"]
+            row.update(
+                {
+                    "c0 lru": f"{c0['lru']:.4f}",
+                    "c0 uni": f"{c0['unified']:.4f}",
+                    "c0 u/lru": _num(c["class0_vs_lru"]),
+                    "c0 diff": f"{cp['diff_hits']:+d}",
+                    "c0 differ": f"{cp['differ']}/{cp['requests']}",
+                    "c0 z": f"{cp['z']:+.2f}",
+                }
+            )
+        else:
+            row.update(dict.fromkeys(("c0 lru", "c0 uni", "c0 u/lru", "c0 diff", "c0 differ", "c0 z"), "-"))
+        row["1cls u/lru"] = _num(one_class_of(c)[0])
+        row["s3fifo"] = f"{o['s3fifo']:.4f}"
+        row["arc"] = f"{o['arc']:.4f}"
+        row["level"] = _num(c["unified_stats"].get("protection_level"), "+.3f")
+        row["misses"] = (
+            " ".join(f"{m}:{'resolved' if m in c['resolved'] else 'noise'}" for m in c["misses"]) or "-"
+        )
+        rows.append(row)
+    return grid.format_table(rows)
+
+
+def _phrase(p: dict[str, Any], ref: str) -> str:
+    verdict = "resolved" if resolved(p) else "inside the noise"
+    differ = f", {p['differ']:,} of {p['requests']:,} requests differ" if "differ" in p else ""
+    return f"{p['diff_hits']:+,} hit blocks against {ref}, z {p['z']:+.2f}{differ}: {verdict}"
+
+
+def listing(cells: list[dict[str, Any]]) -> list[str]:
+    """Every missed claim, cell by cell, with whether it is resolved."""
+    out = []
+    claims = (
+        (MISS_FLOOR, f"(a) overall >= {REUSE_FLOOR:g}x lru's"),
+        (MISS_CLASS0, "(b) class 0 >= lru's class 0"),
+        (MISS_ONE, "(c) one class: overall >= lru's"),
+    )
+    for key, what in claims:
+        bad = [c for c in cells if key in c["misses"]]
+        real = sum(1 for c in bad if key in c["resolved"])
+        out.append(
+            f"{what}: missed on {len(bad)} of {len(cells)} cells, {real} resolved (z <= -{RESOLVED_Z}), "
+            f"{len(bad) - real} inside the noise"
+        )
+        for c in bad:
+            where = f"  {c['trace']} {c['capacity']} ({c['fraction']:g}):"
+            if key == MISS_FLOOR:
+                out.append(
+                    f"{where} unified {c['overall']['unified']:.4f} vs lru {c['overall']['lru']:.4f} "
+                    f"({c['overall_vs_lru']:.4f}x); {_phrase(c['floor_paired'], f'{REUSE_FLOOR:g}x lru')}"
+                )
+            elif key == MISS_CLASS0:
+                c0 = c["class0"]
+                out.append(
+                    f"{where} class 0 unified {c0['unified']:.4f} vs lru {c0['lru']:.4f} "
+                    f"({c['class0_vs_lru']:.4f}x); {_phrase(c['class0_paired'], 'lru')}"
+                )
+            else:
+                vs, paired = one_class_of(c)
+                assert vs is not None and paired is not None
+                src = "relabelled" if len(c["classes"]) > 1 else "native"
+                out.append(f"{where} one class ({src}) {vs:.4f}x lru; {_phrase(paired, 'lru')}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> Parser:
+    """The command line (``--help`` shows every option's default)."""
+    ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
+    ap.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="traces to run (default: all; --list names them)",
+    )
+    ap.add_argument(
+        "--fractions",
+        type=number(0.0, 1.0, lo_open=True, what=" (a share of the trace's distinct blocks)"),
+        nargs="+",
+        default=list(FRACTIONS),
+        help="pool sizes as shares of each trace's distinct blocks, in (0, 1] (at least 64 blocks)",
+    )
+    ap.add_argument("--jobs", type=integer(1), default=1, help="worker processes over the cells, >= 1")
+    ap.add_argument(
+        "--no-one-class",
+        action="store_true",
+        help="skip the one-class relabelling of traces with several classes (a one-class trace's own run "
+        "still counts for claim (c))",
+    )
+    ap.add_argument(
+        "--limit",
+        type=integer(1),
+        default=None,
+        metavar="N",
+        help="keep only the first N requests of each trace (quick checks; default: all)",
+    )
+    ap.add_argument(
+        "--json",
+        type=path_arg("a file name"),
+        default=None,
+        metavar="FILE",
+        help="write every cell and the summary to FILE as JSON (default: not written)",
+    )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
+    ap.add_argument(
+        "--list", action="store_true", help="print the trace names with their descriptions and exit"
+    )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        width = max(map(len, TRACES))
+        for name, (_, what) in TRACES.items():
+            print(f"{name:<{width}}  {what}")
+        return 0
+    try:
+        unknown = [n for n in args.names if n not in TRACES]
+        if unknown:
+            raise ValueError(f"unknown trace {unknown[0]!r} (see {PROG} --list)")
+        if args.json:
+            check_output_file(args.json, "--json")  # before the cells run, not after
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(args.names)) or list(TRACES)
+    fractions = list(dict.fromkeys(args.fractions))
+    jobs = [
+        Job(name, i, f, not args.no_one_class, args.limit) for i, name in enumerate(names) for f in fractions
+    ]
+    n_proc = min(args.jobs, len(jobs))
+    print(
+        f"{PROG}: {len(names)} traces x {len(fractions)} pools = {len(jobs)} cells on {n_proc} processes"
+        + (f" (first {args.limit} requests of each trace)" if args.limit else ""),
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    results = grid.run_all(jobs, n_proc, not args.no_progress and sys.stderr.isatty(), fn=run_cell)
+    wall = time.perf_counter() - t0
+    order = {f: k for k, f in enumerate(fractions)}
+    cells = sorted(results, key=lambda c: (c["index"], order[c["fraction"]]))
+    for c in cells:
+        del c["index"]
+        analyse(c)
+    traces: dict[str, dict[str, Any]] = {}
+    for name in names:
+        mine = [c for c in cells if c["trace"] == name]
+        first = mine[0]
+        traces[name] = {
+            "description": TRACES[name][1],
+            "requests": first["requests"],
+            "lookups": first["blocks"],
+            "distinct": first["distinct"],
+            "classes": first["classes"],
+        }
+        print(
+            f"\n== {name}: {TRACES[name][1]}\n   {first['requests']} requests, {first['blocks']} block lookups, "
+            f"{first['distinct']} distinct blocks, classes {','.join(map(str, first['classes']))}"
+        )
+        print(trace_table(mine))
+    print(f"\nclaims of unified against lru ({len(cells)} cells, {wall:.0f} s):")
+    for line in listing(cells):
+        print(line)
+    summary = summarise(cells)
+    if args.json:
+        doc = {
+            "config": {
+                "fractions": fractions,
+                "one_class": not args.no_one_class,
+                "limit": args.limit,
+                "policies": list(POLICIES),
+                "block_tokens": BLOCK_TOKENS,
+            },
+            "traces": traces,
+            "cells": cells,
+            "wall_s": round(wall, 1),
+            "summary": summary,
+        }
+        try:
+            Path(args.json).write_text(json_text(doc, indent=1) + "\n", encoding="utf-8")
+        except (ValueError, OSError) as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
