@@ -572,38 +572,60 @@ def test_with_no_protected_share_the_ends_tie_and_the_prior_rule_decides() -> No
 
 
 def _stepped(
-    a: float, e: float, ap: float, ep: float, lp: float, cfg: PolicyConfig | None = None
+    a: float,
+    e: float,
+    ap: float,
+    ep: float,
+    lp: float,
+    cfg: PolicyConfig | None = None,
+    level: float = 0.0,
 ) -> ProtectionController:
-    """One steer from level 0 over a whole window, with the sums set (confidence 1: no paired noise)."""
+    """One steer from ``level`` over a whole window, with the sums set (confidence 1: no paired noise)."""
     c = ProtectionController(1000, cfg or PolicyConfig(adapt_frequency=False))
-    c.level = 0.0
+    c.level = level
     # A, E, A_p, E_p, refs, protected refs, L_p, D, T_p (protection at its top: more than the pool gives)
     c._acc[:] = [a, e, ap, ep, 100.0, 100.0, lp, 0.0, ap + 1.0]
     c._steer(100, 1000.0, None)
     return c
 
 
-def test_the_reuse_floor_caps_a_rise_at_the_rises_gain_and_pulls_down_at_its_own() -> None:
-    # short of the goal by 10%. Above the floor, the room left caps a rise as an error at the rise's own gain
-    # (10): the level approaches the floor no faster than the gap alone moves it, slower the closer it is.
-    # Before session 36 the cap was the floor's move at the floor's gain (50 x the room): 5x the rise's rate
-    # close to the floor, whose cost shows a turnover later; on five priority levels whose most re-used traffic
-    # had the lowest retention the level overshot the floor cycle after cycle (overall 0.968x lru)
-    roomy = _stepped(1.20, 1.0, 0.8, 1.0, 0.0)  # slack 0.183 > gap 0.1: the gap's move
-    tight = _stepped(1.05, 1.0, 0.8, 1.0, 0.0)  # slack 0.067 < gap 0.1
-    close = _stepped(0.99, 1.0, 0.8, 1.0, 0.0)  # slack 0.01
-    below = _stepped(0.95, 1.0, 0.8, 1.0, 0.0)  # slack -0.03: below the floor
-    # a tenth of a window at gain 10: the gap 0.1 -> 0.01 a step ... the room 0.01 -> 0.001
-    assert roomy.level == pytest.approx(0.1 * 10 * 0.1)
-    assert tight.level == pytest.approx(0.1 * 10 * (1.05 - 0.98) / 1.05)  # (was 0.1: the gap's move)
-    assert close.level == pytest.approx(0.1 * 10 * (0.99 - 0.98))  # (was 0.1 x 50 x 0.01)
-    assert 0.0 < close.level < tight.level < roomy.level
-    # below the floor its own move at its own gain (50): the fall is as fast as before
-    assert below.level == pytest.approx(0.1 * 50 * (0.95 - 0.98))
-    # (reported: it read 0 where the floor held a rise back)
+def test_the_reuse_floor_caps_a_rise_never_speeds_it_up() -> None:
+    # short of the goal by 10%; with 6.7% of room above the floor the level rose 0.333 a step, 3.3x what 18% of
+    # room gives (the terms were compared as errors, then applied at their own gains: 50 x 0.067 > 10 x 0.1)
+    roomy = _stepped(1.20, 1.0, 0.8, 1.0, 0.0)  # slack 0.183 > gap 0.1
+    tight = _stepped(1.05, 1.0, 0.8, 1.0, 0.0)  # slack 0.067
+    close = _stepped(0.99, 1.0, 0.8, 1.0, 0.0)  # slack 0.01: the floor's move, 50 x 0.01, is the smaller
+    # a tenth of a window at gain 10 and gap 0.1: 0.1; the floor's move at gain 50 and slack 0.01: 0.05
+    assert roomy.level == pytest.approx(0.1) and tight.level == pytest.approx(0.1)
+    assert close.level == pytest.approx(0.1 * 50 * (0.99 - 0.98))
+    assert close.level < roomy.level
+    assert close.stats()["reuse_floor_binds"] == 1.0  # (it read 0: the floor held the rise back unreported)
+    assert roomy.stats()["reuse_floor_binds"] == 0.0 and roomy.stats()["isolation_goal_met"] == 0.0
+
+
+def test_while_the_level_moves_the_weights_the_room_caps_a_rise_at_the_rises_gain() -> None:
+    # session 36: below level 0 a rise re-keys the whole pool at once, and its cost shows a turnover later; a
+    # rise capped at the floor's gain (50 x the room) overshot the floor cycle after cycle (five request
+    # priorities whose most re-used traffic had the lowest retention: overall 0.968x lru). There the room caps a
+    # rise as an error at the rise's own gain (10): no faster than the gap alone, slower the closer to the floor
+    at = -0.5
+    roomy = _stepped(1.20, 1.0, 0.8, 1.0, 0.0, level=at)  # slack 0.183 > gap 0.1: the gap's move
+    tight = _stepped(1.05, 1.0, 0.8, 1.0, 0.0, level=at)  # slack 0.067
+    close = _stepped(0.99, 1.0, 0.8, 1.0, 0.0, level=at)  # slack 0.01
+    below = _stepped(0.95, 1.0, 0.8, 1.0, 0.0, level=at)  # slack -0.03: below the floor
+    # a tenth of a window at gain 10: the gap 0.1 -> +0.01 ... the room 0.01 -> +0.001
+    assert roomy.level - at == pytest.approx(0.1 * 10 * 0.1)
+    assert tight.level - at == pytest.approx(0.1 * 10 * (1.05 - 0.98) / 1.05)  # (was 0.1: the gap's move)
+    assert close.level - at == pytest.approx(0.1 * 10 * (0.99 - 0.98))  # (was 0.1 x 50 x 0.01)
+    assert 0.0 < close.level - at < tight.level - at < roomy.level - at
+    # below the floor the floor's own move at its own gain (50), as above level 0
+    assert below.level - at == pytest.approx(0.1 * 50 * (0.95 - 0.98))
+    # (reported: the floor binds wherever it held the rise back)
     for binding in (tight, close, below):
         assert binding.stats()["reuse_floor_binds"] == 1.0
-    assert roomy.stats()["reuse_floor_binds"] == 0.0 and roomy.stats()["isolation_goal_met"] == 0.0
+    assert roomy.stats()["reuse_floor_binds"] == 0.0
+    # above level 0 (the protected target, which the turnover paces) the floor's move at its gain, as before
+    assert _stepped(1.05, 1.0, 0.8, 1.0, 0.0, level=0.5).level - 0.5 == pytest.approx(0.1)
 
 
 def test_isolation_goal_met_is_reported_apart_from_the_floor() -> None:

@@ -39,8 +39,8 @@ and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
 
   - towards the end of the actuator that gives protected traffic more, while that end gives it more than the
     pool does now: the top (``T_p``) while ``T_p > A_p`` and ``T_p > L_p``, the level rising by the tighter of
-    the gap and the slack at the gap's gain (below): it rises while overall reuse has room above its floor,
-    more slowly close to it, and falls at the floor's gain as soon as the floor is crossed; else the bottom (level -1, no bias:
+    the gap and the slack, each at its gain (below): it rises while overall reuse has room above its floor,
+    more slowly close to it, and falls as soon as the floor is crossed; else the bottom (level -1, no bias:
     plain LRU's ``L_p`` where the base order is recency) while ``L_p > A_p``, the level falling by the relative
     shortfall ``(A_p - L_p) / L_p``;
   - else (the pool already gives protected traffic more than either end) the level holds (the floor, ``s``,
@@ -112,17 +112,19 @@ passed):
   ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
   level as fast as an error of the goal's size). The goal's gain is never above the floor's (its tolerance is
   at least ``max_reuse_loss``): a goal closer to 1 than the floor's margin would otherwise raise the level
-  faster than the floor pulls it back. The floor's gain is for pulling the level down: below the floor
-  (``s < 0``) the two terms compete as moves (error x gain) and the larger fall wins. Above it, the room left
-  caps a rise as an *error* at the rise's own gain (``min(g, s)`` x the goal's gain): the level approaches the
-  floor no faster than the gap alone would move it, and more slowly the closer it gets. Why the asymmetry: a
-  rise's cost shows in the hits a turnover later (the plant's delay, (a) above), so a rise at the floor's gain
-  (5x the goal's at the defaults) overshoots the floor by what it moved in that turnover, and the level
-  cycles about it with its mean below it (until session 36 the cap was the floor's move at the floor's gain:
-  five request priorities whose most re-used traffic had the lowest retention, 20% pool, overall 0.968x lru
-  with the level cycling between -1 and 0.3; docs/history.md, session 36). Moving up slowly and down fast is
-  the usual answer to a constraint that is costlier to break than to leave unused (TCP's additive increase
-  and multiplicative decrease). While the window holds less than (b) asks (a cold start), the step is scaled
+  faster than the floor pulls it back. The two terms compete as moves (error x gain), so the floor caps a
+  rise, never speeds it up; below the floor its move, at its own gain, pulls the level down. One exception, by
+  what the level moves: below level 0 it moves the retention weights, and a new weight table re-keys every cached
+  block at once, so the whole pool's order steps, and what the step costs shows in the hits a turnover later (the
+  plant's delay, (a) above); a rise there capped at the floor's gain (5x the goal's at the defaults) overshot the
+  floor by what it moved in that turnover, and the level cycled about the floor with its mean below it (five
+  request priorities whose most re-used traffic had the lowest retention, 20% pool: overall 0.968x lru; session
+  36, docs/history.md). So while the level is below 0 and above the floor, the room left caps a rise as an
+  *error* at the rise's own gain (``min(g, s)`` x the goal's gain): the weights approach the floor no faster
+  than the gap alone would move them, more slowly the closer they get. Above level 0 the level moves the
+  protected target, which the pool reaches only as blocks are released and evicted: the turnover already paces
+  it, and the same cap there cut ``bench/vllm_plugin.py``'s class-0 hit tokens from 2.55x to 1.91x stock's
+  (overall 1.077x -> 1.025x) and the simulator's class-0 p99 TTFT gain (seed 0: 0.599x -> 0.674x lru). While the window holds less than (b) asks (a cold start), the step is scaled
   down by that share (the confidence).
 """
 
@@ -664,14 +666,15 @@ class ProtectionController:
                 cost = (a - e) / m
                 u = gap if gap < cost else cost
         gain = self._gain
-        # the floor (module docstring, the gains): below it, its move at its own gain where that is the larger
-        # fall; above it, the room left caps a rise as an error at the rise's gain (a rise at the floor's gain
-        # overshot it by the turnover its cost takes to show)
-        if slack < 0.0:  # below the floor: its move, at its own gain, wherever it is the larger fall
+        # the floor (module docstring, the gains): its move at its own gain where that is the smaller; but while
+        # the level moves the weights (below 0) and the pool is above the floor, the room left caps a rise as an
+        # error at the rise's gain (a step of the weights re-keys the pool at once, and a rise at the floor's gain
+        # overshot the floor by the turnover its cost takes to show)
+        if slack < 0.0 or self.level >= 0.0:  # the floor's move at its own gain where it is the smaller
             floor = self._gain_floor * slack < gain * u
             if floor:
                 u, gain = slack, self._gain_floor
-        else:  # above it: the room left caps a rise, at the rise's own gain
+        else:  # above it, moving the weights: the room left caps a rise, at the rise's own gain
             floor = slack < u
             if floor:
                 u = slack
