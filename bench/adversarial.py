@@ -229,6 +229,37 @@ def g_five_levels(seed: int = 5) -> list[Request]:
     return out
 
 
+def _hot_or_stack(
+    rng: random.Random,
+    ids: Ids,
+    hot: list[tuple[list[int], int]],
+    stack: list[list[int]],
+    i: int,
+    life: tuple[int, int],
+    p_hot: float,
+    p_new: float,
+    depth_mean: float,
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Request ``i`` of recency's traffic: one of three hot documents (each hammered for ``life`` requests, then
+    dead; below ``p_hot``), a new document (below ``p_new``, or while the stack is empty), else a re-read from an
+    LRU stack model at a geometric depth of mean ``depth_mean``. Returns the live hot documents and the read one
+    (``stack``, most recent last, is updated in place)."""
+    hot = [(d, end) for d, end in hot if end > i]
+    while len(hot) < 3:
+        hot.append((ids.take(rng.randint(6, 20)), i + rng.randint(*life)))
+    u = rng.random()
+    if u < p_hot:
+        return hot, hot[rng.randrange(len(hot))][0]
+    if u < p_new or not stack:
+        d = ids.take(rng.randint(6, 20))
+        stack.append(d)
+        return hot, d
+    depth = min(len(stack) - 1, int(rng.expovariate(1.0 / depth_mean)))
+    d = stack.pop(len(stack) - 1 - depth)
+    stack.append(d)
+    return hot, d
+
+
 def g_one_class_shift(seed: int = 6) -> list[Request]:
     """One class: an LRU-stack-model document stream (new documents, re-reads at geometric recency depth)
     plus hot-then-dead documents (a few docs hammered for ~150 requests, then never used again)."""
@@ -240,19 +271,7 @@ def g_one_class_shift(seed: int = 6) -> list[Request]:
     t = 0.0
     for i in range(5000):
         t += rng.expovariate(2.0)
-        hot = [(d, end) for d, end in hot if end > i]
-        while len(hot) < 3:
-            hot.append((ids.take(rng.randint(6, 20)), i + rng.randint(100, 200)))
-        u = rng.random()
-        if u < 0.3:
-            d = hot[rng.randrange(len(hot))][0]
-        elif u < 0.45 or not stack:
-            d = ids.take(rng.randint(6, 20))
-            stack.append(d)
-        else:
-            depth = min(len(stack) - 1, int(rng.expovariate(1.0 / 60.0)))
-            d = stack.pop(len(stack) - 1 - depth)
-            stack.append(d)
+        hot, d = _hot_or_stack(rng, ids, hot, stack, i, (100, 200), 0.3, 0.45, 60.0)
         out.append((d + ids.take(1), 0, t))
     return out
 
@@ -342,19 +361,7 @@ def g_one_class_alt(seed: int = 9, period: int = 300) -> list[Request]:
         if phase_f:
             d = ids.take(20) if rng.random() < 0.5 else hotset[pick()]
         else:
-            hot = [(x, end) for x, end in hot if end > i]
-            while len(hot) < 3:
-                hot.append((ids.take(rng.randint(6, 20)), i + rng.randint(60, 120)))
-            u = rng.random()
-            if u < 0.35:
-                d = hot[rng.randrange(len(hot))][0]
-            elif u < 0.5 or not stack:
-                d = ids.take(rng.randint(6, 20))
-                stack.append(d)
-            else:
-                depth = min(len(stack) - 1, int(rng.expovariate(1.0 / 40.0)))
-                d = stack.pop(len(stack) - 1 - depth)
-                stack.append(d)
+            hot, d = _hot_or_stack(rng, ids, hot, stack, i, (60, 120), 0.35, 0.5, 40.0)
         out.append((d + ids.take(1), 0, t))
     return out
 

@@ -124,8 +124,8 @@ passed):
   than the gap alone would move them, more slowly the closer they get. Above level 0 the level moves the
   protected target, which the pool reaches only as blocks are released and evicted: the turnover already paces
   it, and the same cap there cut ``bench/vllm_plugin.py``'s class-0 hit tokens from 2.55x to 1.91x stock's
-  (overall 1.077x -> 1.025x) and the simulator's class-0 p99 TTFT gain (seed 0: 0.599x -> 0.674x lru). While the window holds less than (b) asks (a cold start), the step is scaled
-  down by that share (the confidence).
+  (overall 1.077x -> 1.025x) and the simulator's class-0 p99 TTFT gain (seed 0: 0.599x -> 0.674x lru). While
+  the window holds less than (b) asks (a cold start), the step is scaled down by that share (the confidence).
 """
 
 from __future__ import annotations
