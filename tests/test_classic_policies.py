@@ -331,3 +331,77 @@ def test_s3fifo_counts_under_random_traffic() -> None:
         s = pol.stats()
         assert s["small"] + s["main"] == len(sim.pool.cached)
         assert s["ghost"] <= pol.ghost_capacity
+
+
+# ---------------------------------------------------------------- copies (content computed twice)
+
+
+def _copy(sim: Sim, hashes: Sequence[int]) -> list[int]:
+    """A second request computes ``hashes`` again without a lookup (both were scheduled together): the pool
+    registers the blocks as copies of the cached ones (vLLM's duplicates); released at once."""
+    pool = sim.pool
+    ids = pool.get_new_blocks(len(hashes))
+    assert ids is not None
+    pool.cache_blocks(ids, hashes, 0, len(hashes))
+    pool.free_blocks(ids)
+    pool.check_integrity()
+    return ids
+
+
+def test_s3fifo_a_copy_evicted_while_its_content_stays_leaves_no_ghost() -> None:
+    # The ghost remembers content that left the cache. A copy evicted from the small queue while block 0 still
+    # holds the same content (promoted to main) left its hash in the ghost, so when the content itself left main
+    # (no ghost entry: main's victims are forgotten) and came back, it was taken for a ghost hit and entered main
+    sim = Sim("s3fifo", 10)  # small queue: 1 block
+    sim.run([1])
+    assert _copy(sim, [1]) == [1] and sim.pool.copies == {1: [1]}
+    sim.run([1], *singles(range(2, 10)))  # a hit on block 0 (the indexed copy), then the pool is full
+    assert sim.evict() == [1]  # block 0 (accessed) moves to main; the copy (never accessed) goes
+    assert sim.pool.cached[1] == 0  # the content is still cached
+    assert sim.policy.stats() == {"small": 8, "main": 1, "ghost": 0}
+    assert sim.evict_all() == [2, 3, 4, 5, 6, 7, 8, 9, 1]  # the small queue, then main: 1 leaves for good
+    assert sim.policy.stats()["ghost"] == 8  # 2..9 from the small queue; nothing from main
+    assert sim.run([1]) == 0
+    assert sim.policy.stats() == {"small": 1, "main": 0, "ghost": 8}  # a new insertion, not a ghost hit
+
+
+def test_s3fifo_content_leaves_the_cache_with_its_last_copy() -> None:
+    sim = Sim("s3fifo", 10)
+    sim.run([1])
+    _copy(sim, [1])
+    sim.run(*singles(range(2, 10)))
+    # both copies are one-hit wonders of the small queue: the first one evicted leaves a copy behind (no ghost
+    # entry), the second takes the content with it (a ghost entry)
+    assert sim.evict() == [1] and sim.policy.stats()["ghost"] == 0
+    assert sim.evict() == [1] and sim.policy.stats()["ghost"] == 1
+    assert 1 not in sim.pool.cached
+    assert sim.run([1]) == 0
+    assert sim.policy.stats()["main"] == 1  # the content's ghost hit
+
+
+def test_arc_a_copy_evicted_while_its_content_stays_leaves_no_ghost() -> None:
+    # A copy evicted from T1 while block 0 holds the same content in T2 put the hash in B1; when the content
+    # left T2 it went to B2 too: one hash in both ghost lists, and its return adapted p as a B1 hit (T1 too
+    # small) where ARC's history says B2 (it was last evicted from T2)
+    sim = Sim("arc", 10)
+    sim.run([1])
+    _copy(sim, [1])
+    sim.run([1], *singles(range(2, 10)))  # block 0 used twice: T2; the copy and 2..9 in T1
+    assert sim.evict() == [1]  # |T1| > p = 0: T1's LRU block, the copy
+    assert arc_stats(sim) == {"p": 0.0, "t1": 8, "t2": 1, "b1": 0, "b2": 0}
+    sim.evict_all()
+    s = arc_stats(sim)
+    assert (s["b1"], s["b2"]) == (8, 1)  # 2..9 from T1, 1 from T2: each hash in one list
+    assert sim.run([1]) == 0
+    assert arc_stats(sim)["p"] == 0.0  # a B2 hit lowers p (floored at 0); a B1 hit would have raised it
+
+
+def test_arc_content_leaves_the_cache_with_its_last_copy() -> None:
+    sim = Sim("arc", 10)
+    sim.run([1])
+    _copy(sim, [1])
+    sim.run(*singles(range(2, 10)))
+    assert sim.evict() == [1] and arc_stats(sim)["b1"] == 0
+    assert sim.evict() == [1] and arc_stats(sim)["b1"] == 1
+    assert sim.run([1]) == 0
+    assert arc_stats(sim)["p"] == 1.0  # a B1 hit: p += max(1, |B2| / |B1|)

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvretain.core import BlockHasher, BlockPool, BlockRetention, PolicyConfig, make_policy
 from kvretain.core.block_pool import NO_PARENT
 from kvretain.core.hashing import BlockHash
+from kvretain.core.policies import ARCPolicy, S3FIFOPolicy
 
 BLOCK_SIZE = 2
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # up to 6 blocks, prefixes often shared
@@ -231,6 +232,13 @@ class S3FIFOMachine(PoolMachine):
         assert s["small"] + s["main"] == _hashed(self.pool)
         assert s["ghost"] <= self.n - max(1, self.n // 10)
 
+    @invariant()
+    def the_ghost_remembers_only_content_that_left(self) -> None:
+        # (a copy evicted while its content stays cached is not a departure of the content)
+        pol = self.pool.policy
+        assert isinstance(pol, S3FIFOPolicy)
+        assert not set(pol._ghost) & set(self.pool.cached)
+
 
 class ARCMachine(PoolMachine):
     POLICY = "arc"
@@ -242,6 +250,13 @@ class ARCMachine(PoolMachine):
         assert s["t1"] + s["b1"] <= self.n
         assert s["t1"] + s["t2"] + s["b1"] + s["b2"] <= 2 * self.n
         assert 0 <= s["p"] <= self.n
+
+    @invariant()
+    def the_ghosts_remember_only_content_that_left_once(self) -> None:
+        pol = self.pool.policy
+        assert isinstance(pol, ARCPolicy)
+        assert not (set(pol._b1) | set(pol._b2)) & set(self.pool.cached)
+        assert not set(pol._b1) & set(pol._b2)
 
 
 TestLRU = LRUMachine.TestCase

@@ -25,6 +25,12 @@ request's own pending insertions: with requests of many blocks and a small pool 
 implementations access by access). A lookup whose request then caches nothing (longer than the pool) has still
 adapted ``arc``'s ``p`` on its ghost hits.
 
+A *copy* (content two requests computed at once, registered twice by the pool, as vLLM does) is a block of its
+own in the algorithm's queues, but the content leaves the cache only with its last copy: only then may a ghost
+list remember its hash (:meth:`ClassicPolicy._cache_content`, :meth:`ClassicPolicy._drop_content`). A ghost entry
+made while another block still held the content would turn the content's later return into a ghost hit that no
+eviction caused (and ARC's two ghost lists could hold one hash).
+
 Only *evictable* blocks may be popped: a block in use stays in the algorithm's bookkeeping (its queue, its
 counts) and is skipped until it is released. Both policies are not ``leaf_only``, like ``lru`` and the
 published algorithms, which know nothing of prefix chains: an evicted parent leaves its cached descendants
@@ -69,6 +75,23 @@ class ClassicPolicy(EvictionPolicy, Generic[B]):
         super().__init__(num_blocks, config)
         self._blocks = blocks  # one object per block, of the subclass's own ClassicBlock subclass
         self._n = 0  # offered blocks
+        self._held: dict[BlockHash, int] = {}  # resident blocks per content (more than one: copies)
+
+    def _cache_content(self, block_hash: BlockHash) -> None:
+        """A block now holds ``block_hash`` (``on_cached``)."""
+        held = self._held
+        held[block_hash] = held.get(block_hash, 0) + 1
+
+    def _drop_content(self, block_hash: BlockHash) -> bool:
+        """A block holding ``block_hash`` left the cache; True when it was the last one (the content left: a ghost
+        list may remember it), False when a copy still holds it."""
+        held = self._held
+        n = held[block_hash] - 1
+        if n:
+            held[block_hash] = n
+            return False
+        del held[block_hash]
+        return True
 
     @abstractmethod
     def _access(self, b: B) -> None:

@@ -82,6 +82,7 @@ class ARCPolicy(ClassicPolicy[_Block]):
         b = self._meta[block_id]
         b.content = block_hash
         b.fresh = True
+        self._cache_content(block_hash)
         b1 = self._b1
         b2 = self._b2
         size = self._size
@@ -167,7 +168,8 @@ class ARCPolicy(ClassicPolicy[_Block]):
         else:
             return None
         b = self._meta[bid]
-        ghost[b.content] = False  # type: ignore[index]
+        if self._drop_content(b.content):  # type: ignore[arg-type]  # (its last copy: the content leaves)
+            ghost[b.content] = False  # type: ignore[index]
         self._size[b.lst] -= 1
         self._n -= 1
         b.lst = _NONE
@@ -181,6 +183,7 @@ class ARCPolicy(ClassicPolicy[_Block]):
         b = self._meta[block_id]
         if b.lst == _NONE:
             return
+        self._drop_content(block_hash)
         if b.offered:
             del self._lists[b.lst][block_id]
             self._n -= 1

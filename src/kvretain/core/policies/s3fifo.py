@@ -91,6 +91,7 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
         b.freq = 0
         b.fresh = True
         b.pos = _UNPLACED
+        self._cache_content(block_hash)
         ghost = self._ghost
         if block_hash in ghost:
             del ghost[block_hash]
@@ -158,11 +159,12 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
                 self.n_main += 1
                 self._main[bid] = None
                 continue
-            ghost = self._ghost
-            ghost[b.content] = None  # type: ignore[index]
-            if len(ghost) > self.ghost_capacity:
-                ghost.popitem(last=False)
-            self._forget(b)
+            h = b.content
+            if self._forget(b):  # (the content's last copy: it leaves the cache)
+                ghost = self._ghost
+                ghost[h] = None  # type: ignore[index]
+                if len(ghost) > self.ghost_capacity:
+                    ghost.popitem(last=False)
             self._n -= 1
             return bid
         return None
@@ -186,14 +188,17 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
             return bid
         return None
 
-    @staticmethod
-    def _forget(b: _Block) -> None:
-        """``b`` (out of its queue and its queue's count) is no longer resident."""
+    def _forget(self, b: _Block) -> bool:
+        """``b`` (out of its queue and its queue's count) is no longer resident: True when it held its content's
+        last copy."""
+        assert b.content is not None
+        gone = self._drop_content(b.content)
         b.queue = _NONE
         b.content = None
         b.offered = False
         b.fresh = False
         b.pos = _UNPLACED
+        return gone
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         # dropped other than by pop (pop forgets its victims itself): no ghost entry
