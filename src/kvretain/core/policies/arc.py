@@ -16,7 +16,8 @@ at least twice: frequency). Two ghost lists remember the hashes evicted from eac
     access  (a hit's release)          T1 -> T2 (MRU end); a T2 block goes to T2's MRU end
     evict   (pop, ARC's REPLACE)       |T1| > p: T1's LRU block, its hash to B1's MRU end;
                                        otherwise T2's LRU block, its hash to B2 (the other list when the
-                                       chosen one has no evictable block)
+                                       chosen one has no evictable block); no ghost entry while a copy of
+                                       its content is still cached
 
 so that |T1| + |T2| <= c (the pool), |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (the directory)
 hold throughout. What insert, access and ghost hit mean in the pool, and that a block enters its list

@@ -9,6 +9,7 @@ frequency counter capped at 3 (two bits in the paper)::
     evict   (pop)         |S| >= 10% of the pool: from S, else from M (the other when that one is empty)
       from S: the oldest block of S, accessed at least once: moves to M (frequency cleared), try the next;
               never accessed (a one-hit wonder): evicted, its hash enters G (G drops its oldest past 90%)
+              unless a copy of its content is still cached (the content has not left)
       from M: the oldest block of M, frequency > 0: reinserted at M's new end with frequency - 1 (FIFO
               reinsertion), try the next; frequency 0: evicted (no ghost entry)
 
