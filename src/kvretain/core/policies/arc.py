@@ -169,8 +169,10 @@ class ARCPolicy(ClassicPolicy[_Block]):
         else:
             return None
         b = self._meta[bid]
-        if self._drop_content(b.content):  # type: ignore[arg-type]  # (its last copy: the content leaves)
-            ghost[b.content] = False  # type: ignore[index]
+        h = b.content
+        assert h is not None
+        if self._drop_content(h):  # (its last copy: the content leaves)
+            ghost[h] = False
         self._size[b.lst] -= 1
         self._n -= 1
         b.lst = _NONE

@@ -161,9 +161,10 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
                 self._main[bid] = None
                 continue
             h = b.content
+            assert h is not None
             if self._forget(b):  # (the content's last copy: it leaves the cache)
                 ghost = self._ghost
-                ghost[h] = None  # type: ignore[index]
+                ghost[h] = None
                 if len(ghost) > self.ghost_capacity:
                     ghost.popitem(last=False)
             self._n -= 1
