@@ -323,6 +323,46 @@ def test_middleware_rewrites_and_refuses():
     assert _asgi(AccessPolicy(), b"x" * 5000)[0] == 413
 
 
+def _refusal_after(policy, chunks, headers=()):
+    """The middleware on a body sent in ``chunks``: the status it answered and how many chunks it had read
+    when it started answering."""
+    read, events = [0], []
+    left = list(chunks)
+
+    async def app(scope, receive, send):  # (never reached: every case is refused)
+        raise AssertionError("the request reached the app")
+
+    async def receive():
+        read[0] += 1
+        part = left.pop(0)
+        return {"type": "http.request", "body": part, "more_body": bool(left)}
+
+    async def send(msg):
+        events.append((msg.get("status"), read[0]))
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": list(headers)}
+    asyncio.run(AccessLimits(app, policy, max_body_bytes=4096)(scope, receive, send))
+    return events[0]
+
+
+def test_a_refusal_reads_the_rest_of_the_body_before_answering():
+    # answering while the client still sends makes the server's close a reset that can destroy the answer (a
+    # 9 MiB body got "connection reset" instead of its 413 in the serve tests); the rest is read first, up to
+    # DRAIN_BYTES past which the connection is cut as before
+    from kvretain.integrations.vllm import middleware
+
+    big = [b"x" * 1024] * 12  # 12 KiB against a 4 KiB limit: over it at the 5th chunk
+    assert _refusal_after(AccessPolicy(), big) == (413, 12)
+    assert _refusal_after(POLICY, [b"{}"] * 3) == (401, 3)  # (a missing key, refused before the body is read)
+    assert _refusal_after(AccessPolicy(), [b"{bad"]) == (400, 1)  # (read whole: nothing more is asked for)
+    small = middleware.DRAIN_BYTES
+    try:
+        middleware.DRAIN_BYTES = 2048
+        assert _refusal_after(AccessPolicy(), big) == (413, 7)  # 5 read, then 2 KiB drained
+    finally:
+        middleware.DRAIN_BYTES = small
+
+
 GENERATING = [
     "/invocations",
     "/v1/responses",

@@ -54,6 +54,9 @@ HARMLESS_POSTS = frozenset({"/tokenize", "/detokenize"})
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """NOTE: a 2,048-directive list is ~100 KB and a 128k-token prompt as text ~600 KB; 8 MiB leaves room for
 token-id prompts of that length while bounding what one request makes the API server buffer and parse."""
+DRAIN_BYTES = MAX_BODY_BYTES
+"""What a refusal reads of a body it does not use before answering (:meth:`BodyReader.drain`): a body up to twice
+:data:`MAX_BODY_BYTES` gets its 413; a larger one is cut off, as a proxy's lingering close bounds what it reads."""
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -114,20 +117,50 @@ async def error_response(send: Send, status: int, message: str, param: str | Non
     await send({"type": "http.response.body", "body": body})
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ConnectionError("client disconnected")
-        part = msg.get("body", b"")
-        size += len(part)
-        if size > limit:
-            raise AccessDenied(413, f"request body over {limit} bytes")
-        chunks.append(part)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+class BodyReader:
+    """A request's ``receive``, remembering whether the client has sent its whole body (or gone): a refusal
+    answered before the body was read drains the rest first (:meth:`drain`)."""
+
+    __slots__ = ("done", "receive")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.done = False
+
+    async def __call__(self) -> Message:
+        msg = await self.receive()
+        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+            self.done = True
+        return msg
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body, or :class:`AccessDenied` (413) once it is over ``limit`` bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await self()
+            if msg["type"] == "http.disconnect":
+                raise ConnectionError("client disconnected")
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise AccessDenied(413, f"request body over {limit} bytes")
+            chunks.append(part)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+
+    async def drain(self, limit: int) -> None:
+        """Read and drop what is left of the body, up to ``limit`` bytes.
+
+        NOTE: a refusal sent while the client is still sending (a body over the limit, a bad key) is followed by
+        the server closing the connection; with the rest of the body unread in the socket, the kernel answers
+        the close with a reset, which can destroy the refusal before the client reads it (a client saw
+        "connection reset" instead of 413 for a 9 MiB body). Reading the rest first, as a lingering close does,
+        lets the refusal arrive; past ``limit`` (:data:`DRAIN_BYTES`) the connection is cut as before."""
+        left = limit
+        while not self.done and left > 0:
+            msg = await self()
+            left -= len(msg.get("body", b""))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -181,6 +214,7 @@ class AccessLimits:
             await self._websocket(path, scope, receive, send)
             return
         checked = path in CHECKED_PATHS
+        body_reader = BodyReader(receive)
         try:
             key = None if path in OPEN_PATHS else self.policy.authenticate(_header(scope, b"authorization"))
             if scope.get("method") != "POST" or path in HARMLESS_POSTS:
@@ -193,7 +227,7 @@ class AccessLimits:
                 if ctype in FORM_TYPES:
                     await self.app(scope, receive, send)
                     return
-            raw = await read_body(receive, self.max_body_bytes)
+            raw = await body_reader.read(self.max_body_bytes)
             decision: Decision | None
             try:
                 body = load_json(raw)
@@ -207,6 +241,7 @@ class AccessLimits:
                 else:
                     decision = check_elsewhere(self.policy, body, key)
         except AccessDenied as exc:
+            await body_reader.drain(DRAIN_BYTES)
             await error_response(send, exc.status, exc.message, exc.param)
             return
         except ConnectionError:
