@@ -270,6 +270,22 @@ def test_salts_are_bound_and_reserved():
     assert "cache_salt" not in POLICY.check({"priority": 1, "cache_salt": "salt-bob"}, CAROL).body
 
 
+def _client(chunks):
+    """A fake ASGI client sending ``chunks`` as one body: ``receive``, ``send``, the messages sent and how many
+    chunks had been read when each was sent."""
+    left, read, sent = list(chunks), [0], []
+
+    async def receive():
+        read[0] += 1
+        part = left.pop(0)
+        return {"type": "http.request", "body": part, "more_body": bool(left)}
+
+    async def send(msg):
+        sent.append((msg, read[0]))
+
+    return receive, send, sent
+
+
 def _asgi(policy, body, headers=(), path="/v1/chat/completions"):
     seen = {}
 
@@ -287,21 +303,12 @@ def _asgi(policy, body, headers=(), path="/v1/chat/completions"):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    sent = []
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    chunks = [raw[: len(raw) // 2], raw[len(raw) // 2 :]]
-
-    async def receive():
-        part = chunks.pop(0)
-        return {"type": "http.request", "body": part, "more_body": bool(chunks)}
-
-    async def send(msg):
-        sent.append(msg)
-
+    receive, send, sent = _client([raw[: len(raw) // 2], raw[len(raw) // 2 :]])
     scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers)}
     asyncio.run(AccessLimits(app, policy, max_body_bytes=4096)(scope, receive, send))
-    status = sent[0]["status"]
-    reply = json.loads(sent[1]["body"]) if status != 200 else None
+    status = sent[0][0]["status"]
+    reply = json.loads(sent[1][0]["body"]) if status != 200 else None
     return status, reply, seen
 
 
@@ -326,26 +333,17 @@ def test_middleware_rewrites_and_refuses():
 def _refusal_after(policy, chunks, headers=()):
     """The middleware on a body sent in ``chunks``: the status it answered and how many chunks it had read
     when it started answering."""
-    read, events = [0], []
-    left = list(chunks)
 
     async def app(scope, receive, send):  # (never reached: every case is refused)
         raise AssertionError("the request reached the app")
 
-    async def receive():
-        read[0] += 1
-        part = left.pop(0)
-        return {"type": "http.request", "body": part, "more_body": bool(left)}
-
-    async def send(msg):
-        events.append((msg.get("status"), read[0]))
-
+    receive, send, sent = _client(chunks)
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": list(headers)}
     asyncio.run(AccessLimits(app, policy, max_body_bytes=4096)(scope, receive, send))
-    return events[0]
+    return sent[0][0]["status"], sent[0][1]
 
 
-def test_a_refusal_reads_the_rest_of_the_body_before_answering():
+def test_a_refusal_reads_the_rest_of_the_body_before_answering(monkeypatch):
     # answering while the client still sends makes the server's close a reset that can destroy the answer (a
     # 9 MiB body got "connection reset" instead of its 413 in the serve tests); the rest is read first, up to
     # DRAIN_BYTES past which the connection is cut as before
@@ -355,12 +353,8 @@ def test_a_refusal_reads_the_rest_of_the_body_before_answering():
     assert _refusal_after(AccessPolicy(), big) == (413, 12)
     assert _refusal_after(POLICY, [b"{}"] * 3) == (401, 3)  # (a missing key, refused before the body is read)
     assert _refusal_after(AccessPolicy(), [b"{bad"]) == (400, 1)  # (read whole: nothing more is asked for)
-    small = middleware.DRAIN_BYTES
-    try:
-        middleware.DRAIN_BYTES = 2048
-        assert _refusal_after(AccessPolicy(), big) == (413, 7)  # 5 read, then 2 KiB drained
-    finally:
-        middleware.DRAIN_BYTES = small
+    monkeypatch.setattr(middleware, "DRAIN_BYTES", 2048)
+    assert _refusal_after(AccessPolicy(), big) == (413, 7)  # 5 read, then 2 KiB drained
 
 
 GENERATING = [

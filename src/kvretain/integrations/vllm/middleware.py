@@ -146,7 +146,7 @@ class BodyReader:
             if size > limit:
                 raise AccessDenied(413, f"request body over {limit} bytes")
             chunks.append(part)
-            if not msg.get("more_body", False):
+            if self.done:
                 return b"".join(chunks)
 
     async def drain(self, limit: int) -> None:
