@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Sequence
@@ -703,3 +704,83 @@ def test_nothing_binds_while_nothing_hits() -> None:
     st = c.stats()
     assert st["hit_ratio_window"] == 0.0 and st["lru_hit_ratio_estimate"] == 0.0
     assert st["reuse_floor_binds"] == 0.0
+
+
+# --- session 39: where the level starts -------------------------------------------------------------------
+
+
+def _scan_and_working_set(seed: int, n: int = 1500, docs: int = 60) -> list[ReplayRequest]:
+    """Class 0 a heavy scan (60% of requests: a shared 2-block prefix and 10-20 blocks nobody reads again);
+    class 1 re-reads a zipf set of ``docs`` documents (4-10 blocks, after its own 2-block prefix)."""
+    rng = random.Random(seed)
+    nxt = [10]
+
+    def take(k: int) -> list[int]:
+        nxt[0] += k
+        return list(range(nxt[0] - k, nxt[0]))
+
+    s0, s1 = take(2), take(2)
+    work = [take(rng.randint(4, 10)) for _ in range(docs)]
+    weights = [1.0 / (i + 1) ** 0.7 for i in range(docs)]
+    reqs = []
+    for i in range(n):
+        if rng.random() < 0.6:
+            ids, prio = s0 + take(rng.randint(10, 20)), 0
+        else:
+            ids, prio = s1 + rng.choices(work, weights)[0] + take(1), 1
+        reqs.append(ReplayRequest(tuple(ids), float(i), len(ids) * 16, prio))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_protected_scan_starts_at_the_bottom_and_keeps_the_reuse_floor(seed: int) -> None:
+    # session 39: the level started at the top. Class 0's one-off blocks then pushed class 1's working set out
+    # at the pool's first evictions, before the window measured the cost, and the loss lasted until the set was
+    # brought back by misses: 0.975-0.979x lru overall at 45% of the distinct blocks (below the 0.98 floor). The
+    # warm-up shadows (half size) have seen that protection at its top gives class 0 nothing more and every
+    # request less: the level starts at the bottom
+    reqs = _scan_and_working_set(seed)
+    cap = round(0.45 * len({h for r in reqs for h in r.hashes}))
+    cfg = PolicyConfig(block_size=16)
+    uni = replay(reqs, cap, "unified", cfg, block_tokens=16)
+    lru = replay(reqs, cap, "lru", cfg, block_tokens=16)
+    assert uni.policy_stats["start_level"] == -1.0
+    assert uni.hit_rate >= lru.hit_rate, (uni.hit_rate, lru.hit_rate)
+
+
+def test_protection_that_pays_starts_at_the_top() -> None:
+    # class 0: conversations that re-read their growing context; class 1: a stream of one-off documents that
+    # would push them out under plain LRU. The warm-up's tiered shadow gives class 0 more than its LRU shadow:
+    # the level starts at the top, and class 0 gets more than lru gives it from the first evictions
+    rng = random.Random(5)
+    reqs = []
+    nxt = 10**6
+    for i, conv in enumerate(_conversations(5, 1500)):
+        reqs.append(dataclasses.replace(conv, timestamp_s=2.0 * i, priority=0))
+        scan = tuple(range(nxt, nxt + rng.randint(2, 6)))
+        nxt += len(scan)
+        reqs.append(ReplayRequest(scan, 2.0 * i + 1.0, priority=1))
+    cfg = PolicyConfig(block_size=512)
+    uni = replay(reqs, 150, "unified", cfg, block_tokens=512)
+    lru = replay(reqs, 150, "lru", cfg, block_tokens=512)
+    assert uni.policy_stats["start_level"] == 1.0
+    assert uni.classes[0].hit_rate > lru.classes[0].hit_rate
+
+
+def test_the_start_is_chosen_once_at_the_pools_first_eviction() -> None:
+    # the warm-up shadows see every sampled reference until the pool tells the controller it has evicted
+    # (protected_blocks); then the level starts where they say, once, and they are dropped. A fixed share has
+    # no warm-up. Here protected traffic re-reads nothing and unprotected traffic re-reads a 2-block prefix that
+    # protection at its top (19 of the warm-up's 20 blocks) pushes out: the bottom dominates
+    ctl = _ctl(n=40, budget=0.95)
+    for i in range(40):
+        ctl.on_lookup([1000 + 10 * i + j for j in range(10)], 0, 80)
+        ctl.on_lookup([1, 2], 2 if i else 0, 25)
+    assert ctl._warmup is not None and ctl.level == 1.0 and ctl.stats()["start_level"] == 0.0
+    w = ctl._warmup
+    assert w.tp == w.lp == 0 and w.t < w.e
+    changed = ctl.on_lookup([1, 2], 2, 25, protected_blocks=4.0)
+    assert changed and ctl._warmup is None
+    assert ctl.stats()["start_level"] == -1.0 and ctl.level == pytest.approx(-1.0, abs=0.05)
+    assert ctl.target == 0.0 and ctl.weights[80] == pytest.approx(1.0, rel=0.1)
+    assert _ctl(isolation_goal=None)._warmup is None

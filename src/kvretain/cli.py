@@ -126,8 +126,9 @@ def controller_line(stats: dict[str, float]) -> str | None:
         goal = "no protected hits measured yet"
     else:
         goal = "short of the isolation goal"
+    start = {1.0: " (started at the top)", -1.0: " (started at the bottom)"}.get(g("start_level", 0.0), "")
     line = (
-        f"controller: protection level {g('protection_level', 0.0):+.3f}, target "
+        f"controller: protection level {g('protection_level', 0.0):+.3f}{start}, target "
         f"{g('protected_target', 0.0):,.0f} of {g('protected_budget', 0.0):,.0f} blocks; {binds}, {goal}\n"
         f"  window hit ratio {g('hit_ratio_window', 0.0):.4f} (LRU estimate {g('lru_hit_ratio_estimate', 0.0):.4f}), "
         f"protected {g('protected_hit_ratio_window', 0.0):.4f} (alone {g('isolated_hit_ratio_estimate', 0.0):.4f}, "

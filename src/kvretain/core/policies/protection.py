@@ -51,8 +51,8 @@ and one actuator, the *protection level* ``lam`` in [-1, 1], integrates:
   since it models the top's protected tier and not the retention weights that also bias the order above level
   0) the rule the level had before it measured the sign applies: it rises, unless plain LRU gives every request
   and protected traffic more (``A < E`` and ``A_p < L_p``), and then falls by the smaller of the two relative
-  shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) / L_p)`` (the level starts at 1 for the same reason:
-  without evidence a client's priorities are honoured). The sign is read from the two estimates as they stand:
+  shortfalls, ``max((A - E) / max(A, E), (A_p - L_p) / L_p)`` (the level starts at 1 for the same reason
+  unless the warm-up measured otherwise: "The start", below). The sign is read from the two estimates as they stand:
   the window is sized for the pool-vs-LRU difference, not for ``T_p - L_p``, so where the two ends are within
   that difference's noise of each other (the grid's last cells below lru) the direction can change from one
   lookup to the next.
@@ -82,8 +82,27 @@ the window (a dip, blocks in use released and evicted in between, is not taken f
 once it has evicted (before that it still grows towards the target), and the jump is scaled by the confidence
 as every step is. Measured (docs/history.md, session 15): Mooncake's second half at 32,000 blocks, where the level spent
 half the trace crossing 1 -> 0.4 with no effect, 0.978x -> 0.984x lru. Which term is the smaller is reported as
-the binding constraint. The level starts at 1 (a client's priorities are honoured until the controller has
-measured that they cost more reuse than the floor allows: a cold pool has no evidence either way).
+the binding constraint.
+
+The start. Until the pool first evicts, nothing it holds shows what protection costs, and the shadows above, as
+large as the pool, fill with it. Two *warm-up* shadows at ``WARMUP_SCALE`` (half) of their size, a plain LRU one
+and a tiered one (protection at its top), see the same sampled references and evict from the moment half the
+pool's worth of blocks has been referenced. At the pool's first eviction they have measured, on this traffic at
+half the pool, both ends of the level on both sides: every request's hits with no bias (``E_w``) and with
+protection at its top (``T_w``), and protected traffic's (``L_w``, ``T_w,p``). The level starts at the end the
+other does not dominate:
+
+- the bottom (-1, no bias) where the top gives protected traffic no more than the bottom (``T_w,p <= L_w``) and
+  every request fewer hits (``T_w < E_w``): protection there is pure cost (protected traffic re-reads nothing that
+  protection keeps, as a high-priority stream of one-off documents: at the top its blocks push out the reuse of
+  every other class at the first evictions, before the window has measured the cost, and the loss lasts until
+  the evicted working sets are brought back by misses; adversarial traffic, docs/results.md, session 39);
+- else the top (1): a client's priorities are honoured, and where protection pays, it pays from the first
+  eviction (a start at the bottom everywhere gave class 0 less than lru's on 13 grid cells instead of 4, and
+  missed its target on 5 more: session 38).
+
+Then the warm-up shadows are dropped and the rule above moves the level. Dominance needs no threshold; what is
+chosen is the scale (:data:`WARMUP_SCALE`, its reason there; its sensitivity in docs/results.md).
 
 Where the per-block work runs: the sample of a request's blocks and their references in every shadow need
 nothing but the request's block identities, so :meth:`ProtectionController.on_arrival` does them when the engine
@@ -145,6 +164,12 @@ from kvretain.core.policy import PolicyConfig
 
 SHARDS_SAMPLE = 8192
 """Tracked blocks per shadow directory above which the shadows are sampled (SHARDS's fixed-size variant)."""
+WARMUP_SCALE = 0.5
+"""The warm-up shadows' size, as a share of the controller's shadows (module docstring, "The start"). They must
+evict before the pool does, so they are smaller; their evidence covers the references after they fill, ``1 -
+WARMUP_SCALE`` of the warm-up, at a size ``WARMUP_SCALE`` of the pool's. Half is where the two are even: a
+smaller shadow has more evidence, about a pool further from this one (protection matters more in a smaller
+pool), a larger one less evidence about a nearer pool."""
 BIAS_STEPS = 64
 """Quantization of the retention weights' exponent below level 0 (the weight table is rebuilt per step)."""
 WINDOW_TURNOVERS = 1.0
@@ -317,6 +342,32 @@ def spatial_sample(
     return sampled, hits, sub
 
 
+class Warmup:
+    """The warm-up shadows (module docstring, "The start"): a plain LRU and a tiered shadow of ``tracked``
+    blocks, and their hits: every request's under each (``e``, ``t``), protected traffic's (``lp``, ``tp``)."""
+
+    __slots__ = ("e", "lp", "lru", "t", "top", "tp")
+
+    def __init__(self, tracked: int, budget: float) -> None:
+        self.lru = LRUShadow(tracked)
+        self.top = TieredShadow(tracked, budget * tracked)
+        self.e = self.t = self.lp = self.tp = 0
+
+    def see(self, sampled: Sequence[BlockHash], protected: bool) -> None:
+        """One request's sampled blocks, in both shadows."""
+        e = self.lru.reference(sampled)
+        t = self.top.reference(sampled, protected)
+        self.e += e
+        self.t += t
+        if protected:
+            self.lp += e
+            self.tp += t
+
+    def bottom_dominates(self) -> bool:
+        """Whether no bias beats protection at its top: no fewer protected hits, and more hits in all."""
+        return self.tp <= self.lp and self.t < self.e
+
+
 class Sighting:
     """What the shadows saw of one request's blocks (:meth:`ProtectionController.on_arrival`): the number of
     blocks, which were sampled (``mask``, see :func:`spatial_mask`), whether the request was protected, and per
@@ -398,6 +449,7 @@ class ProtectionController:
         "_sighted",
         "_sub_cut",
         "_top",
+        "_warmup",
         "balance",
         "binding",
         "frequency",
@@ -405,6 +457,7 @@ class ProtectionController:
         "level",
         "max_target",
         "rate",
+        "start",
         "target",
         "threshold",
         "weights",
@@ -429,6 +482,11 @@ class ProtectionController:
         self._lru = LRUShadow(tracked)
         self._iso = LRUShadow(tracked)
         self._top = TieredShadow(tracked, cfg.budget * tracked)
+        # the warm-up shadows, until the pool first evicts (None after, or without a goal); the level they chose
+        self._warmup: Warmup | None = (
+            Warmup(max(1, round(WARMUP_SCALE * tracked)), cfg.budget) if self._goal is not None else None
+        )
+        self.start = 0.0  # (0: not chosen yet)
         self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
         self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
@@ -545,9 +603,26 @@ class ProtectionController:
         if protected_blocks is not None:
             held = self._held * d
             self._held = held = protected_blocks if protected_blocks > held else held
+            if self._warmup is not None and self._start():
+                changed = True
         else:
             held = None
         return self._steer(n, window, held) or changed
+
+    def _start(self) -> bool:
+        """The pool has evicted: the level starts where the warm-up shadows say (module docstring, "The start"),
+        and they are dropped. True when the weights changed."""
+        with self._lock:  # (on_arrival may be referencing them on another thread)
+            warmup, self._warmup = self._warmup, None
+        assert warmup is not None
+        if not warmup.bottom_dominates():
+            self.start = 1.0
+            return False
+        self.start = self.level = -1.0
+        self.target = 0.0
+        self._bias_step = 0
+        self.weights = retention_weights(self._pw, 0.0)
+        return True
 
     def _see(
         self,
@@ -569,6 +644,8 @@ class ProtectionController:
                 self._top = TieredShadow.of(self._lru, self._top.protected_cap)
                 self._iso_is_lru = False
             lru_hits = self._lru.reference(sampled)
+            if self._warmup is not None:
+                self._warmup.see(sampled, protected)
             iso_hits = top_hits = 0
             if self._goal is not None:
                 if self._iso_is_lru:
@@ -704,8 +781,10 @@ class ProtectionController:
         overall-reuse floor binds (``reuse_floor_binds`` 1: the floor's term moved the level last, or the pool is
         at or below its floor), whether protected traffic meets its goal (``isolation_goal_met`` 1: at or above
         it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the balance's frequency
-        exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``) and the share of
-        first lookups whose shadows' work ran at the request's arrival (``lookups_seen_at_arrival``)."""
+        exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``), the level the
+        warm-up chose at the pool's first eviction (``start_level``: 1 the top, -1 the bottom; 0 before it, or
+        with a fixed share) and the share of first lookups whose shadows' work ran at the request's arrival
+        (``lookups_seen_at_arrival``)."""
         acc = self._acc
         return {
             "protection_level": self.level,
@@ -722,5 +801,6 @@ class ProtectionController:
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.goal_met else 0.0,
+            "start_level": self.start,
             "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,
         }
