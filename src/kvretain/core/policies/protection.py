@@ -97,12 +97,12 @@ other does not dominate:
   protection keeps, as a high-priority stream of one-off documents: at the top its blocks push out the reuse of
   every other class at the first evictions, before the window has measured the cost, and the loss lasts until
   the evicted working sets are brought back by misses; adversarial traffic, docs/results.md, session 39);
-- else the top (1): a client's priorities are honoured, and where protection pays, it pays from the first
-  eviction (a start at the bottom everywhere gave class 0 less than lru's on 13 grid cells instead of 4, and
-  missed its target on 5 more: session 38).
+- else the top, where the level stands from its construction (1): a client's priorities are honoured, and
+  where protection pays, it pays from the first eviction (a start at the bottom everywhere gave class 0 less than
+  lru's on 13 grid cells instead of 4, and missed its target on 5 more: session 38).
 
 Then the warm-up shadows are dropped and the rule above moves the level. Dominance needs no threshold; what is
-chosen is the scale (:data:`WARMUP_SCALE`, its reason there; its sensitivity in docs/results.md).
+chosen is the scale (:data:`WARMUP_SCALE`, its reason there; its sensitivity in docs/history.md, session 39).
 
 Where the per-block work runs: the sample of a request's blocks and their references in every shadow need
 nothing but the request's block identities, so :meth:`ProtectionController.on_arrival` does them when the engine
