@@ -73,3 +73,14 @@ def test_the_line_says_which_constraint_binds_and_when_nothing_protected_was_see
     met = controller_line(base | {"isolation_goal_met": 1.0, "frequency_exponent_now": 0.25})
     assert met is not None and "isolation goal met" in met and "frequency exponent 0.250" in met
     assert "protection level +0.500" in met
+
+
+def test_the_line_says_where_the_warm_up_started_the_level() -> None:
+    base = dict.fromkeys(CONTROLLER_KEYS, 0.0) | {"protection_level": -0.25, "protected_budget": 100.0}
+    before = controller_line(base)  # (no start_level: before the first eviction, or a fixed share)
+    assert before is not None and "started at" not in before
+    top = controller_line(base | {"start_level": 1.0})
+    bottom = controller_line(base | {"start_level": -1.0})
+    assert top is not None and "protection level -0.250 (started at the top)," in top
+    assert bottom is not None and "protection level -0.250 (started at the bottom)," in bottom
+    assert controller_line(base | {"start_level": 0.0}) == before

@@ -618,11 +618,8 @@ class ProtectionController:
         if not warmup.bottom_dominates():
             self.start = 1.0
             return False
-        self.start = self.level = -1.0
-        self.target = 0.0
-        self._bias_step = 0
-        self.weights = retention_weights(self._pw, 0.0)
-        return True
+        self.start = -1.0
+        return self._set_level(-1.0)
 
     def _see(
         self,
@@ -767,7 +764,12 @@ class ProtectionController:
             # the target above what the protected blocks fill decides nothing: start the give-back there
             lam -= conf * (lam - held / self.max_target)
         lam += gain / window * conf * u * n
-        self.level = lam = -1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam)
+        return self._set_level(-1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam))
+
+    def _set_level(self, lam: float) -> bool:
+        """Put the level at ``lam`` (in [-1, 1]) and the target and the retention weights where it says (module
+        docstring: what the level sets). True when the weights changed."""
+        self.level = lam
         self.target = lam * self.max_target if lam > 0.0 else 0.0
         step = BIAS_STEPS if lam >= 0.0 else round(BIAS_STEPS * (1.0 + lam))
         if step == self._bias_step:
