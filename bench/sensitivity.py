@@ -20,8 +20,10 @@ Knobs and their settings (0.5x and 2x the default, except where said):
     2x its default (1.9) is clamped to 1.0.
   * module constants of :mod:`kvretain.core.policies.protection`: ``WINDOW_TURNOVERS`` (the controller's
     window in pool turnovers), ``BALANCE_TURNOVERS`` (the recency/frequency balance's), ``SHARDS_SAMPLE`` (tracked blocks per shadow above which the shadows are
-    sampled; it only changes pools larger than the smaller of the two settings) and ``ONE_CLASS_Z`` (the
-    balance's evidence threshold while all traffic has one retention priority: it moves one-class runs only). They are set in the worker
+    sampled; it only changes pools larger than the smaller of the two settings), ``ONE_CLASS_Z`` (the
+    balance's evidence threshold while all traffic has one retention priority: it moves one-class runs only) and
+    ``WARMUP_SCALE`` (the warm-up shadows' size, as a share of the controller's, that chooses where the level
+    starts; 2x is the controller's own size). They are set in the worker
     process, for the duration of one replay (:func:`protection_constants`), never by editing the module; the
     values each worker saw are in the results (``constants_seen``).
 
@@ -55,7 +57,7 @@ from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
 from kvretain.workloads import WorkloadError
 
-CONSTANTS = ("WINDOW_TURNOVERS", "BALANCE_TURNOVERS", "SHARDS_SAMPLE", "ONE_CLASS_Z")
+CONSTANTS = ("WINDOW_TURNOVERS", "BALANCE_TURNOVERS", "SHARDS_SAMPLE", "ONE_CLASS_Z", "WARMUP_SCALE")
 FIELDS = ("max_reuse_loss", "isolation_goal", "priority_weight", "budget", "frequency_exponent")
 KNOBS = (*FIELDS, *CONSTANTS)
 FACTORS = (0.5, 2.0)

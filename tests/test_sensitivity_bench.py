@@ -38,6 +38,8 @@ def test_settings_scale_each_knob_with_the_documented_exceptions() -> None:
     assert isinstance(got["SHARDS_SAMPLE=2x"].value, int)
     assert got["WINDOW_TURNOVERS=2x"].constants == (("WINDOW_TURNOVERS", 2 * protection.WINDOW_TURNOVERS),)
     assert got["WINDOW_TURNOVERS=2x"].overrides == () and got["budget=2x"].constants == ()
+    # the warm-up's scale: 2x is the controller's own shadow size
+    assert got["WARMUP_SCALE=2x"].constants == (("WARMUP_SCALE", 2 * protection.WARMUP_SCALE),)
 
 
 def test_protection_constants_are_restored_and_checked() -> None:
