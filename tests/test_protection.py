@@ -12,7 +12,13 @@ import pytest
 from kvretain.core import PolicyConfig, make_policy
 from kvretain.core.policies import balance as balance_module
 from kvretain.core.policies.balance import rung_z
-from kvretain.core.policies.protection import BALANCE_SAMPLE, SHARDS_SAMPLE, ProtectionController, spatial_key
+from kvretain.core.policies.protection import (
+    BALANCE_SAMPLE,
+    SHARDS_SAMPLE,
+    ProtectionController,
+    Warmup,
+    spatial_key,
+)
 from kvretain.replay import ReplayRequest, replay
 from kvretain.workloads.export import mooncake_records
 from kvretain.workloads.retrieval_scan import RetrievalScanConfig, generate_retrieval_scan
@@ -784,3 +790,66 @@ def test_the_start_is_chosen_once_at_the_pools_first_eviction() -> None:
     assert ctl.stats()["start_level"] == -1.0 and ctl.level == pytest.approx(-1.0, abs=0.05)
     assert ctl.target == 0.0 and ctl.weights[80] == pytest.approx(1.0, rel=0.1)
     assert _ctl(isolation_goal=None)._warmup is None
+
+
+def test_the_warm_up_measures_whether_recency_dominates() -> None:
+    # a block used often whose reuse is over, then a loop of the warm-up's size: plain LRU lets the old block
+    # go and hits the loop, the frequency candidates keep it and miss: recency dominates
+    w = Warmup(4, 0.5, (1.0, 2.0, 4.0), 8, 1.0)
+    for _ in range(6):
+        w.see([1], False)
+    for i in range(40):
+        w.see([100 + i % 4], False)
+    assert w.e > max(w.g) and w.recency_dominates()
+    # a protected prefix between one-off scans: LRU loses it to every scan, frequency keeps it
+    w = Warmup(4, 0.5, (1.0, 2.0, 4.0), 8, 1.0)
+    for i in range(20):
+        w.see([1, 2], True)
+        w.see([1000 + 4 * i + j for j in range(4)], False)
+    assert w.e == w.lp == 0 and w.g[0] == w.gp[0] > 0 and not w.recency_dominates()
+    # nothing evicted: alike, no dominance; without a balance there are no candidates
+    w = Warmup(4, 0.5, (1.0, 2.0, 4.0), 8, 1.0)
+    w.see([1, 2], True)
+    w.see([1, 2], False)
+    assert w.e == w.g[0] == 2 and not w.recency_dominates()
+    assert not Warmup(4, 0.5).recency_dominates()
+
+
+def _old_counts_then(ctl: ProtectionController, rounds: int, scan: int) -> None:
+    """Two retention priorities: four protected blocks used often, then (``scan`` > 0) one-off scans between
+    re-reads of a protected prefix, or (``scan`` 0) a loop of the 20-block warm-up's size, which it holds only
+    once the old blocks are gone (plain LRU); the 40-block pool's shadows hold either whole."""
+    for i in range(8):
+        ctl.on_lookup([1, 2, 3, 4], 4 if i else 0, 80)
+    for i in range(rounds):
+        if scan:
+            ctl.on_lookup([5, 6], 2 if i else 0, 80)
+            ctl.on_lookup([1000 + scan * i + j for j in range(scan)], 0, 25)
+        else:
+            ctl.on_lookup([100 + i % 20], 1 if i >= 20 else 0, 25)
+
+
+def test_the_balance_starts_at_recency_where_the_warm_up_measured_it_dominates() -> None:
+    # the balance's own candidates, as large as the pool, have evicted nothing at its first eviction and cannot
+    # tell the two apart: the share is at its midpoint since the second priority. The warm-up (half the pool)
+    # has: recency dominates, and the balance starts there (the frequency exponent 0: LRU's order)
+    ctl = _ctl(n=40, budget=0.5)
+    assert ctl.balance is not None
+    _old_counts_then(ctl, 80, 0)
+    w = ctl._warmup
+    assert w is not None and w.recency_dominates()
+    before = ctl.stats()
+    assert before["balance_start"] == -1.0 and not ctl.balance.one_class
+    assert before["frequency_exponent_now"] == pytest.approx(0.5 * ctl.balance.exponents[0])
+    assert ctl.on_lookup([100], 1, 25, protected_blocks=2.0)  # (the frequency terms changed)
+    after = ctl.stats()
+    assert after["balance_start"] == 1.0 and after["frequency_exponent_now"] == 0.0
+    assert ctl.frequency == ctl.balance.table(ctl._cap)
+    # where frequency kept what LRU lost, the midpoint stays (the start leaves LRU's order only on evidence,
+    # and moves towards it only on dominance); a fixed share has no warm-up
+    mid = _ctl(n=40, budget=0.5)
+    _old_counts_then(mid, 12, 24)
+    assert mid._warmup is not None and not mid._warmup.recency_dominates()
+    mid.on_lookup([5, 6], 2, 80, protected_blocks=2.0)
+    assert mid.stats()["balance_start"] == 0.5
+    assert _ctl(isolation_goal=None).stats()["balance_start"] == -1.0

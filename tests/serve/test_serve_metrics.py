@@ -65,6 +65,8 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     assert metric_value(s, "kvretain:lookups_seen_at_arrival") == 1.0
     # where the level started (0 until the pool's first eviction)
     assert metric_value(s, "kvretain:start_level") in (-1.0, 0.0, 1.0)
+    # and the balance (-1 until then; else recency, or the midpoint)
+    assert metric_value(s, "kvretain:balance_start") in (-1.0, 0.5, 1.0)
     assert metric_value(s, "vllm:prefix_cache_queries_total", engine="0", model_name=srv.model) is not None
 
 

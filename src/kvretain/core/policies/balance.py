@@ -31,7 +31,8 @@ taking protected traffic's hits works against the protection the controller pays
 cannot undo it: lowering protection then costs protected traffic more (the grid measured it: on the
 multi-tenant cells where LRU already gives class 0 its isolated hits, class 0 ended up to 0.4% below LRU's
 with the all-traffic comparison alone; 13 cells against 7 with this rule, docs/history.md). ``p`` starts at
-``START_SHARE`` (0.5); ``alpha`` is quantized to ``1 / ALPHA_STEPS`` of it so the value table is rebuilt only
+``START_SHARE`` (0.5), and moves at the pool's first eviction to where the controller's warm-up measured it (below,
+"The start"); ``alpha`` is quantized to ``1 / ALPHA_STEPS`` of it so the value table is rebuilt only
 when it moves a step.
 
 **One class.** While every lookup so far has asked for one retention priority (no priorities in play: the
@@ -53,9 +54,21 @@ with a lag of about a turnover, lost up to 0.5% against LRU on 13 of 80 one-clas
 mixed traffic (above) runs alongside from the first lookup, and at the first lookup of a second retention
 priority the order takes its share: from then on it is the mixed rule alone, at the share that rule reached
 from the first lookup (only the blocks released before that lookup were keyed at recency). With classes the
-midpoint start stays: starting mixed traffic at recency cost the reuse floor on 7 grid cells, down to 0.966x
-lru (protection already moves the order away from LRU's, and the frequency term is much of what earns the floor
-back).
+midpoint start stays until evidence moves it: starting mixed traffic at recency everywhere cost the reuse floor on
+7 grid cells, down to 0.966x lru (protection already moves the order away from LRU's, and the frequency term is
+much of what earns the floor back).
+
+**The start.** Until the pool first evicts, the candidates (as large as the sampled pool) have evicted nothing
+and cannot tell recency from frequency, so the share sits at its midpoint whatever the traffic. The protection
+controller's warm-up shadows (:mod:`kvretain.core.policies.protection`, "The start"), at half that size, evict
+from the moment half the pool's worth of blocks has been referenced; with a balance they include its frequency
+candidates at that size. At the pool's first eviction (:meth:`FrequencyBalance.start`) the mixed-traffic rule
+starts at recency where plain LRU dominated the best frequency candidate there (no fewer hits in all and for
+protected traffic, more in one): the same dominance, with no threshold, that chooses where the protection level
+starts. Elsewhere it stays at the midpoint: LRU is the order the promise is measured against, so the start leaves
+it only on the evidence the window gathers, as the one-class rule does. Starting at the frequency candidate
+where it dominated too gave class 0 three more targets on the grid but resolved losses against lru's class 0 on
+three held-out cells (none without it; docs/history.md, session 40).
 """
 
 from __future__ import annotations
@@ -83,8 +96,9 @@ small queue gives it (a 10% probation queue: 9x), ``2 ** 4 = 16``; the rungs dou
 the ratio of two use counts' values). Without the middle rung (one shadow cheaper) mixed traffic jumped from 1
 to 4 and missed the reuse floor on two grid cells (docs/history.md, session 22)."""
 START_SHARE = 0.5
-"""The recency share before any evidence: halfway between the two candidates (with nothing known about the
-traffic, the midpoint bounds the early loss against whichever of the two turns out better)."""
+"""The recency share before any evidence (until the warm-up's, at the pool's first eviction, where it dominates):
+halfway between the two candidates (with nothing known about the traffic, the midpoint bounds the early loss
+against whichever of the two turns out better)."""
 
 
 class FrequencyBalance:
@@ -108,6 +122,7 @@ class FrequencyBalance:
         "one_class",
         "rung",
         "share",
+        "start_share",
     )
 
     def __init__(
@@ -139,7 +154,7 @@ class FrequencyBalance:
         # ``share`` is the recency share the order follows; ``_mixed`` the mixed-traffic rule's, run alongside
         # while the traffic is one class (module docstring)
         self.one_class = True
-        self._mixed = START_SHARE
+        self._mixed = self.start_share = START_SHARE
         self.share = 1.0
         self.level = 0
 
@@ -225,6 +240,15 @@ class FrequencyBalance:
             p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         self.share = p
         return self._set_level() or moved
+
+    def start(self, share: float) -> bool:
+        """The mixed-traffic rule starts at recency share ``share``, where the controller's warm-up measured it at
+        the pool's first eviction (module docstring, "The start"); the order takes it unless the one-class rule
+        still holds. True when ``alpha`` moved."""
+        self._mixed = self.start_share = share
+        if not self.one_class:
+            self.share = share
+        return self._set_level()
 
     def _set_level(self) -> bool:
         """``level`` from ``share``; True when it moved a step."""

@@ -101,8 +101,13 @@ other does not dominate:
   where protection pays, it pays from the first eviction (a start at the bottom everywhere gave class 0 less than
   lru's on 13 grid cells instead of 4, and missed its target on 5 more: session 38).
 
+With a recency/frequency balance the warm-up also holds its frequency candidates at the same size, and the
+balance starts by the same dominance: at recency where the warm-up's LRU shadow dominated the best of them, else
+at its midpoint (:mod:`kvretain.core.policies.balance`, "The start").
+
 Then the warm-up shadows are dropped and the rule above moves the level. Dominance needs no threshold; what is
-chosen is the scale (:data:`WARMUP_SCALE`, its reason there; its sensitivity in docs/history.md, session 39).
+chosen is the scale (:data:`WARMUP_SCALE`, its reason there; its sensitivity in docs/results.md, "Knob
+sensitivity").
 
 Where the per-block work runs: the sample of a request's blocks and their references in every shadow need
 nothing but the request's block identities, so :meth:`ProtectionController.on_arrival` does them when the engine
@@ -159,7 +164,7 @@ from kvretain.core.hashing import BlockHash
 from kvretain.core.policies.balance import FrequencyBalance
 from kvretain.core.policies.evidence import MIN_TOLERANCE, confidence, needed_refs
 from kvretain.core.policies.rules import frequency_terms, retention_weights
-from kvretain.core.policies.shadow import LRUShadow, TieredShadow
+from kvretain.core.policies.shadow import GDShadow, LRUShadow, TieredShadow
 from kvretain.core.policy import PolicyConfig
 
 SHARDS_SAMPLE = 8192
@@ -344,17 +349,29 @@ def spatial_sample(
 
 class Warmup:
     """The warm-up shadows (module docstring, "The start"): a plain LRU and a tiered shadow of ``tracked``
-    blocks, and their hits: every request's under each (``e``, ``t``), protected traffic's (``lp``, ``tp``)."""
+    blocks, and their hits: every request's under each (``e``, ``t``), protected traffic's (``lp``, ``tp``); with
+    a recency/frequency balance, its frequency candidates at the same size (GreedyDual-Frequency at each of
+    ``exponents``, use counts up to ``cap``, ghosts ``ghost_factor`` x ``tracked``) and theirs (``g``, ``gp``)."""
 
-    __slots__ = ("e", "lp", "lru", "t", "top", "tp")
+    __slots__ = ("e", "g", "gd", "gp", "lp", "lru", "t", "top", "tp")
 
-    def __init__(self, tracked: int, budget: float) -> None:
+    def __init__(
+        self,
+        tracked: int,
+        budget: float,
+        exponents: Sequence[float] = (),
+        cap: int = 0,
+        ghost_factor: float = 0.0,
+    ) -> None:
         self.lru = LRUShadow(tracked)
         self.top = TieredShadow(tracked, budget * tracked)
+        self.gd = [GDShadow(tracked, x, cap, int(ghost_factor * tracked)) for x in exponents]
         self.e = self.t = self.lp = self.tp = 0
+        self.g = [0] * len(self.gd)
+        self.gp = [0] * len(self.gd)
 
     def see(self, sampled: Sequence[BlockHash], protected: bool) -> None:
-        """One request's sampled blocks, in both shadows."""
+        """One request's sampled blocks, in every warm-up shadow."""
         e = self.lru.reference(sampled)
         t = self.top.reference(sampled, protected)
         self.e += e
@@ -362,10 +379,26 @@ class Warmup:
         if protected:
             self.lp += e
             self.tp += t
+        g, gp = self.g, self.gp
+        for k, sh in enumerate(self.gd):
+            h = sh.reference(sampled)
+            g[k] += h
+            if protected:
+                gp[k] += h
 
     def bottom_dominates(self) -> bool:
         """Whether no bias beats protection at its top: no fewer protected hits, and more hits in all."""
         return self.tp <= self.lp and self.t < self.e
+
+    def recency_dominates(self) -> bool:
+        """Whether plain LRU dominates the best frequency candidate: no fewer hits in all and for protected
+        traffic, and more in one (False without candidates)."""
+        if not self.gd:
+            return False
+        g = self.g
+        best = max(range(len(g)), key=g.__getitem__)
+        e, ep, f, fp = self.e, self.lp, g[best], self.gp[best]
+        return e >= f and ep >= fp and (e > f or ep > fp)
 
 
 class Sighting:
@@ -451,6 +484,7 @@ class ProtectionController:
         "_top",
         "_warmup",
         "balance",
+        "balance_start",
         "binding",
         "frequency",
         "goal_met",
@@ -482,11 +516,6 @@ class ProtectionController:
         self._lru = LRUShadow(tracked)
         self._iso = LRUShadow(tracked)
         self._top = TieredShadow(tracked, cfg.budget * tracked)
-        # the warm-up shadows, until the pool first evicts (None after, or without a goal); the level they chose
-        self._warmup: Warmup | None = (
-            Warmup(max(1, round(WARMUP_SCALE * tracked)), cfg.budget) if self._goal is not None else None
-        )
-        self.start = 0.0  # (0: not chosen yet)
         self._balance_cut = bcut = min(cut, _cut(num_blocks, BALANCE_SAMPLE))
         self._balance_share = bcut / cut  # of the controller's sampled references
         self.balance = (
@@ -501,6 +530,22 @@ class ProtectionController:
             if cfg.adapt_frequency and cfg.frequency_exponent > 0.0
             else None
         )
+        # the warm-up shadows, until the pool first evicts (None after, or without a goal); where they started the
+        # level and the balance
+        self._warmup: Warmup | None = (
+            Warmup(
+                max(1, round(WARMUP_SCALE * tracked)),
+                cfg.budget,
+                self.balance.exponents if self.balance is not None else (),
+                cfg.frequency_cap,
+                cfg.ghost_factor,
+            )
+            if self._goal is not None
+            else None
+        )
+        self.start = 0.0  # (0: not chosen yet)
+        # the balance's recency share at the start (-1: not chosen yet, or no balance)
+        self.balance_start = -1.0
         # the spatial cuts of a lookup: the controller's (None: every block), the balance's finer one (None: the
         # same blocks, or no balance)
         self._cut_at = SpatialCut(cut) if cut < _KEYS else None
@@ -610,16 +655,25 @@ class ProtectionController:
         return self._steer(n, window, held) or changed
 
     def _start(self) -> bool:
-        """The pool has evicted: the level starts where the warm-up shadows say (module docstring, "The start"),
-        and they are dropped. True when the weights changed."""
+        """The pool has evicted: the level, and the recency/frequency balance, start where the warm-up shadows
+        say (module docstring, "The start"), and they are dropped. True when the weights or the frequency
+        terms changed."""
         with self._lock:  # (on_arrival may be referencing them on another thread)
             warmup, self._warmup = self._warmup, None
         assert warmup is not None
-        if not warmup.bottom_dominates():
+        changed = False
+        if warmup.bottom_dominates():
+            self.start = -1.0
+            changed = self._set_level(-1.0)
+        else:
             self.start = 1.0
-            return False
-        self.start = -1.0
-        return self._set_level(-1.0)
+        b = self.balance
+        if b is not None:
+            if warmup.recency_dominates() and b.start(1.0):
+                self.frequency = b.table(self._cap)
+                changed = True
+            self.balance_start = b.start_share
+        return changed
 
     def _see(
         self,
@@ -785,7 +839,8 @@ class ProtectionController:
         it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the balance's frequency
         exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``), the level the
         warm-up chose at the pool's first eviction (``start_level``: 1 the top, -1 the bottom; 0 before it, or
-        with a fixed share) and the share of first lookups whose shadows' work ran at the request's arrival
+        with a fixed share), the balance's recency share it started at (``balance_start``: 1 recency, 0
+        0.5 the midpoint; -1 before it, without a balance or with a fixed share) and the share of first lookups whose shadows' work ran at the request's arrival
         (``lookups_seen_at_arrival``)."""
         acc = self._acc
         return {
@@ -804,5 +859,6 @@ class ProtectionController:
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.goal_met else 0.0,
             "start_level": self.start,
+            "balance_start": self.balance_start,
             "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,
         }

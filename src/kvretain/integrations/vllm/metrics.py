@@ -26,11 +26,12 @@ priority, lower = more important; the first 64 priorities seen get their own lab
 ``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
 ``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``,
 ``kvretain:lru_protected_hit_ratio_estimate`` / ``kvretain:top_protected_hit_ratio_estimate``,
-``kvretain:lookups_seen_at_arrival``, ``kvretain:start_level``
+``kvretain:lookups_seen_at_arrival``, ``kvretain:start_level``, ``kvretain:balance_start``
     the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds,
     what protected traffic would hit at either end of the level (plain LRU, protection at its top: which way
     the level moves while protected traffic is short), the share of first lookups whose shadows saw the
-    request at vLLM's input processing and where the level started (the warm-up's choice at the first eviction);
+    request at vLLM's input processing and where the level and the recency/frequency balance started (the
+    warm-up's choice at the first eviction);
 ``kvretain:frequency_exponent_now``, ``kvretain:balance_one_class``
     the recency/frequency balance: its exponent now (0: LRU order) and whether its one-class rule holds.
 
@@ -123,6 +124,10 @@ GAUGE_KEYS = (
         "start_level",
         "the level the warm-up shadows chose at the pool's first eviction: 1 the top, -1 the bottom (0: not yet)",
     ),
+    (
+        "balance_start",
+        "the recency share the warm-up started the balance at: 1 recency, 0 frequency, 0.5 midpoint (-1: not yet)",
+    ),
 )
 _CONTROLLER_KEYS = (
     "protection_level",
@@ -137,6 +142,7 @@ _CONTROLLER_KEYS = (
     "balance_one_class",
     "lookups_seen_at_arrival",
     "start_level",
+    "balance_start",
 )
 
 
