@@ -839,9 +839,9 @@ class ProtectionController:
         it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the balance's frequency
         exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``), the level the
         warm-up chose at the pool's first eviction (``start_level``: 1 the top, -1 the bottom; 0 before it, or
-        with a fixed share), the balance's recency share it started at (``balance_start``: 1 recency, 0
-        0.5 the midpoint; -1 before it, without a balance or with a fixed share) and the share of first lookups whose shadows' work ran at the request's arrival
-        (``lookups_seen_at_arrival``)."""
+        with a fixed share), the balance's recency share it started at (``balance_start``: 1 recency, 0.5
+        the midpoint; -1 before it, without a balance or with a fixed share) and the share of first lookups whose
+        shadows' work ran at the request's arrival (``lookups_seen_at_arrival``)."""
         acc = self._acc
         return {
             "protection_level": self.level,
