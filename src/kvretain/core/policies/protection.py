@@ -484,7 +484,6 @@ class ProtectionController:
         "_top",
         "_warmup",
         "balance",
-        "balance_start",
         "binding",
         "frequency",
         "goal_met",
@@ -544,8 +543,6 @@ class ProtectionController:
             else None
         )
         self.start = 0.0  # (0: not chosen yet)
-        # the balance's recency share at the start (-1: not chosen yet, or no balance)
-        self.balance_start = -1.0
         # the spatial cuts of a lookup: the controller's (None: every block), the balance's finer one (None: the
         # same blocks, or no balance)
         self._cut_at = SpatialCut(cut) if cut < _KEYS else None
@@ -668,11 +665,9 @@ class ProtectionController:
         else:
             self.start = 1.0
         b = self.balance
-        if b is not None:
-            if warmup.recency_dominates() and b.start(1.0):
-                self.frequency = b.table(self._cap)
-                changed = True
-            self.balance_start = b.start_share
+        if b is not None and warmup.recency_dominates() and b.start(1.0):
+            self.frequency = b.table(self._cap)
+            changed = True
         return changed
 
     def _see(
@@ -859,6 +854,6 @@ class ProtectionController:
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.goal_met else 0.0,
             "start_level": self.start,
-            "balance_start": self.balance_start,
+            "balance_start": self.balance.start_share if self.start and self.balance is not None else -1.0,
             "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,
         }
