@@ -643,8 +643,11 @@ def test_a_closed_stdout_ends_quietly_with_the_shells_sigpipe_status(argv: list[
     assert (proc.returncode, err.decode()) == (141, "")
 
 
+@pytest.mark.parametrize("out", ["/dev/stdout", "-"])
 @pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
-def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(json_flag: list[str]) -> None:
+def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(
+    json_flag: list[str], out: str
+) -> None:
     # `kvretain workload export ... --out /dev/stdout | gzip`: refused with "more than the 0.0 GiB free there"
     # (the free space of /proc/PID/fd), then "cannot write /dev/stdout" (its resolved name is no file's), and the
     # summary line went into the trace
@@ -655,7 +658,7 @@ def test_workload_export_to_standard_output_on_a_pipe_writes_the_trace_alone(jso
     env = cli_env()
     cmd = [sys.executable, "-m", "kvretain", "workload", "export", "multi-tenant", "--limit", "3"]
     proc = subprocess.run(
-        [*cmd, "--out", "/dev/stdout", *json_flag], capture_output=True, text=True, timeout=120, env=env
+        [*cmd, "--out", out, *json_flag], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -734,3 +737,121 @@ def test_an_output_on_standard_output_needs_no_writable_folder() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "refused: argument --out: cannot write '/dev/x.jsonl': permission denied" in proc.stdout
+
+
+# ---------------------------------------------------------------- messages a review found unclear (session 41)
+@pytest.mark.parametrize("body", ["", "\n"], ids=["empty", "blank-line"])
+def test_an_empty_azure_csv_says_it_is_empty(
+    body: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    az = tmp_path / "az.csv"
+    az.write_text(body)
+    assert main(["simulate", str(az), "--json", "--no-progress"]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: ")
+    assert msg.endswith(
+        "az.csv: the file is empty (expected a header TIMESTAMP,ContextTokens,GeneratedTokens and rows)"
+    )
+
+
+def test_export_to_a_disk_with_no_free_space_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import kvretain.cli_workload as cli_workload
+
+    monkeypatch.setattr(cli_workload.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(0, 0, 0))
+    out = tmp_path / "x.jsonl"
+    assert main(["workload", "export", "multi-tenant", "--limit", "3", "--out", str(out)]) == 2
+    msg = one_line(capsys, "kvretain workload export: error: argument --out: ")
+    assert msg.endswith(f"no free space where {out} would be written (a full or read-only disk?)"), msg
+
+
+def test_export_beyond_the_free_disk_names_sizes_in_their_unit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import kvretain.cli_workload as cli_workload
+
+    monkeypatch.setattr(cli_workload.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 0, 100))
+    argv = ["workload", "export", "multi-tenant", "--limit", "3", "--out", str(tmp_path / "x.jsonl")]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain workload export: error: argument --out: the trace holds ")
+    assert "more than the 100.0 B free there" in msg and "0.0 GiB" not in msg, msg
+
+
+def test_a_setting_of_1e308_is_refused_in_a_short_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    argv = ["workload", "export", "multi-tenant", "--out", str(tmp_path / "x.jsonl"), "--limit", "3"]
+    assert main([*argv, "--option", "duration_s=1e308"]) == 2
+    msg = one_line(capsys, "kvretain workload export: error: multi-tenant config: about ")
+    assert len(msg) < 500 and "e+" in msg and "use fewer requests" in msg, msg
+
+
+def test_a_python_that_measures_nothing_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    true = tmp_path / "true"
+    true.write_text("#!/bin/sh\nexit 0\n")
+    true.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(true), "--out", str(tmp_path / "c.toml")]
+    assert main([*argv, "--no-progress"]) == 2
+    msg = one_line(
+        capsys, f"kvretain profile: error: argument --python: {true} ran and reported no measurements"
+    )
+    assert "a Python with vLLM" in msg and not (tmp_path / "c.toml").exists()
+
+
+def test_compare_names_the_report_file_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    import kvretain.cli_sim as cli_sim
+
+    def a_folder(*a: Any, **k: Any) -> list[str]:
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path / "rep" / "x.png"))
+
+    monkeypatch.setattr(cli_sim, "_plots", a_folder)
+    rep = tmp_path / "rep"
+    assert main([*COMPARE, "--no-progress", "--out", str(rep)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvretain compare: error: --out {rep}: cannot write the report (Is a directory: {rep / 'x.png'})"
+    )
+
+
+def test_a_null_trace_field_is_not_called_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({**GOOD, "output_length": None}) + "\n")
+    assert main(["replay", str(p), "--capacity-blocks", "4", "--no-progress"]) == 2
+    msg = one_line(capsys, "kvretain replay: error: ")
+    assert "t.jsonl:1: null in field 'output_length' (required: " in msg, msg
+
+
+def test_a_trace_boolean_is_shown_as_the_file_spells_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({**GOOD, "priority": True}) + "\n")
+    assert main(["replay", str(p), "--capacity-blocks", "4", "--no-progress"]) == 2
+    msg = one_line(capsys, "kvretain replay: error: ")
+    assert msg.endswith("got true"), msg
+
+
+def test_a_binary_cost_model_file_is_named_as_not_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cm = tmp_path / "cm.toml"
+    cm.write_bytes(b"\xff\xfe\x00junk")
+    assert main(["simulate", "--limit", "3", "--no-progress", "--cost-model", str(cm)]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: argument --cost-model: ")
+    assert (
+        f"cost model file {str(cm)!r}: not UTF-8 text (byte 0xff at offset 0)" in msg and "codec" not in msg
+    )

@@ -284,6 +284,11 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
     if rc != 0:
         last = next((t for t in reversed(tail) if t.strip()), "no output")
         raise ValueError(f"the measuring process ({args.python}) failed with status {rc}: {last}")
+    if not points:
+        raise ValueError(
+            f"argument --python: {args.python} ran and reported no measurements (a Python with vLLM and kvretain's "
+            "stepprofile module is needed, for example .venv-vllm-cpu/bin/python)"
+        )
     return points, labels, info
 
 

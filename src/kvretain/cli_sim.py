@@ -496,7 +496,7 @@ def _compare_runs(
         plots = _plots(out, results, ttfts, args.policies)
         stage.commit()
     except OSError as e:  # checked before the runs; the disk may still fill up meanwhile
-        raise ValueError(f"--out {args.out}: cannot write the report ({e.strerror or e})") from None
+        raise ValueError(f"--out {args.out}: cannot write the report ({_os_reason(e)})") from None
     files = ["summary.json", "summary.md", "runs.csv", *plots]
     print(f"wrote {', '.join(files)} to {stage.target}/ for {len(results)} runs")
     print(markdown)
@@ -511,7 +511,14 @@ def _report_folder(path: str) -> StagedFolder:
     try:
         return StagedFolder(path)
     except OSError as e:
-        raise ValueError(f"--out {path}: cannot create the report folder ({e.strerror or e})") from None
+        raise ValueError(f"--out {path}: cannot create the report folder ({_os_reason(e)})") from None
+
+
+def _os_reason(e: OSError) -> str:
+    """An ``OSError``'s reason with the path it names (the report's own file, or the folder staged beside
+    ``--out``, may be the one at fault)."""
+    reason = e.strerror or str(e)
+    return f"{reason}: {e.filename}" if e.filename else reason
 
 
 _CSV_COLS = [

@@ -23,6 +23,7 @@ from kvretain.cli_args import (
     number,
     path_arg,
 )
+from kvretain.core.memory import human_bytes
 from kvretain.fileio import standard_stream, written_in_place
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
@@ -55,6 +56,8 @@ OWN_OPTIONS = {"rng": "--seed", "path": "--trace", "limit": "--limit", "time_sca
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.out == "-":  # standard output, as the tools a trace is piped into spell it
+        args.out = "/dev/stdout"
     check_output_file(args.out, "--out")
     options = parse_options(args.option, "--option")
     own = next((k for k in options if k in OWN_OPTIONS), None)
@@ -107,10 +110,14 @@ def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None
         return
     ids = sum(-(-r.prompt_len // block_tokens) for r in reqs)
     free = shutil.disk_usage(Path(os.path.realpath(out)).parent).free
+    if free == 0:
+        raise ValueError(
+            f"argument --out: no free space where {out} would be written (a full or read-only disk?)"
+        )
     if 3 * ids > free:
         raise ValueError(
             f"argument --out: the trace holds {ids:,} hash ids (its prompts' tokens / --block-tokens "
-            f"{block_tokens}), at least {3 * ids / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB free "
+            f"{block_tokens}), at least {human_bytes(3 * ids)}, more than the {human_bytes(free)} free "
             "there; use a larger --block-tokens or shorter prompts"
         )
 
@@ -131,7 +138,7 @@ def add_subcommands(sub: Any) -> None:
         "block, the last one partial), priority, session_id and retention directives.",
     )
     e.add_argument("name", choices=WORKLOADS.names(), help="workload")
-    e.add_argument("--out", required=True, help="output JSONL file")
+    e.add_argument("--out", required=True, help="output JSONL file ('-': standard output)")
     e.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     e.add_argument(
         "--trace",

@@ -104,7 +104,11 @@ def available_memory_bytes() -> int | None:
     return avail
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit under 1,024 of it (``"1.5 GiB"``); ``"an unbounded amount"`` for an infinite
+    or NaN ``n`` (a size computed from a setting of 1e308)."""
+    if n != n or n == float("inf"):
+        return "an unbounded amount"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:,.1f} {unit}"
@@ -135,6 +139,6 @@ def check_fits(need: float, what: str, count: str, per: str, unit: str) -> None:
     avail = available_memory_bytes()
     if avail is not None and need > avail:
         raise PoolTooLargeError(
-            f"{what}: {count} need about {_human(need)} of memory ({per}), more than the {_human(avail)} "
+            f"{what}: {count} need about {human_bytes(need)} of memory ({per}), more than the {human_bytes(avail)} "
             f"available; use fewer {unit}"
         )

@@ -43,8 +43,16 @@ def load_azure(
         reader = csv.reader(f)
         try:
             header = next(reader, None)
-            if header is None or [h.strip() for h in header] != _HEADER:
-                raise WorkloadError(f"{p}:1: expected header {','.join(_HEADER)}, got {_short(header)}")
+            while header == []:  # blank lines before the header, skipped as blank rows are
+                header = next(reader, None)
+            if header is None:
+                raise WorkloadError(
+                    f"{p}: the file is empty (expected a header {','.join(_HEADER)} and rows)"
+                )
+            if [h.strip() for h in header] != _HEADER:
+                raise WorkloadError(
+                    f"{p}:{reader.line_num}: expected header {','.join(_HEADER)}, got {_short(header)}"
+                )
             for row in reader:
                 if limit is not None and len(rows) >= limit:
                     break

@@ -303,6 +303,8 @@ def _short(text: str, n: int = 60) -> str:
 
 
 def _show(v: Any) -> str:
+    if v is None or type(v) is bool:  # as the file spells them
+        return json.dumps(v)
     if isinstance(v, list | dict | str) and len(v) > 8:
         return f"a {type(v).__name__} of {len(v)} items" if not isinstance(v, str) else repr(_short(v, 40))
     return _short(repr(v))
@@ -329,7 +331,8 @@ def _record(obj: Any, lineno: int, block_tokens: int) -> TraceRecord:
         )
     for name in REQUIRED_FIELDS:
         if obj.get(name) is None:
-            raise _LineError(f"missing field {name!r} (required: {', '.join(REQUIRED_FIELDS)})")
+            what = "missing field" if name not in obj else "null in field"
+            raise _LineError(f"{what} {name!r} (required: {', '.join(REQUIRED_FIELDS)})")
     ts = obj["timestamp"]
     if not (_is_int(ts) or type(ts) is float) or not 0 <= ts <= MAX_TIMESTAMP_MS:
         raise _LineError(f"field 'timestamp' must be a number of milliseconds in [0, 2**53], got {_show(ts)}")

@@ -101,8 +101,8 @@ def check_size(name: str, config: Any) -> None:
 
     per_request, per_ref, per_span = bytes_per_item(name)
     need = size.requests * per_request + size.chunk_refs * per_ref + size.spans * per_span
-    count = f"about {size.requests:,.0f} requests ({size.chunk_refs:,.0f} prompt chunks"
-    count += f", {size.spans:,.0f} documents)" if size.spans else ")"
+    count = f"about {_count(size.requests)} requests ({_count(size.chunk_refs)} prompt chunks"
+    count += f", {_count(size.spans)} documents)" if size.spans else ")"
     per = f"{per_request:,.0f} bytes per request, {per_ref:,.0f} per prompt chunk"
     per += f", {per_span:,.0f} per document" if size.spans else ""
     unit = (
@@ -110,6 +110,12 @@ def check_size(name: str, config: Any) -> None:
     )
     unit += "after they are generated)"
     check_fits(need, f"{name} config", count, per, unit)
+
+
+def _count(n: float) -> str:
+    """``n`` for a message: with thousands separators up to 10**12, in powers of ten beyond (a rate or duration
+    of 1e308 asks for a count of 300 digits)."""
+    return f"{n:,.0f}" if n < 1e12 else f"{n:.2e}"
 
 
 @functools.cache

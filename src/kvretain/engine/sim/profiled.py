@@ -353,9 +353,11 @@ def load_profile(path: str | Path) -> Profile:
     """The profile in the TOML file at ``path``; ``ValueError`` naming the file and the bad field."""
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    except UnicodeDecodeError as e:
+        reason = f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
         raise ValueError(f"cost model file {str(path)!r}: {reason}") from None
+    except OSError as e:
+        raise ValueError(f"cost model file {str(path)!r}: {e.strerror or e}") from None
     return loads(text, where=f"cost model file {str(path)!r}")
 
 
