@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """Why a file that should be UTF-8 text is not, for a one-line error: the first bad byte and its offset."""
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+
+
 def standard_stream(path: str | Path) -> TextIO | None:
     """``sys.stdout`` or ``sys.stderr`` when ``path`` names the file, pipe or terminal it writes to
     (``/dev/stdout``, ``/dev/fd/2``, or the file the shell redirected it to), else ``None``; never for

@@ -32,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvretain.fileio import not_utf8
+
 
 class CatalogError(ValueError):
     """A catalog file is missing, malformed, or an entry has a missing or bad field."""
@@ -217,8 +219,6 @@ def load_catalog(path: str | Path, base: Catalog | None = None) -> Catalog:
     except OSError as e:
         raise CatalogError(f"cannot read catalog file {p}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise CatalogError(
-            f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
-        ) from None
+        raise CatalogError(f"{p}: {not_utf8(e)}") from None
     user = parse_catalog(_read_toml(text, str(p)), str(p))
     return (base if base is not None else builtin_catalog()).merged(user)

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
-from kvretain.fileio import output_file
+from kvretain.fileio import not_utf8, output_file
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
@@ -354,8 +354,7 @@ def load_profile(path: str | Path) -> Profile:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        reason = f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
-        raise ValueError(f"cost model file {str(path)!r}: {reason}") from None
+        raise ValueError(f"cost model file {str(path)!r}: {not_utf8(e)}") from None
     except OSError as e:
         raise ValueError(f"cost model file {str(path)!r}: {e.strerror or e}") from None
     return loads(text, where=f"cost model file {str(path)!r}")
