@@ -21,6 +21,7 @@ CONTROLLER_KEYS = {
     "isolated_hit_ratio_estimate",
     "reuse_floor_binds",
     "isolation_goal_met",
+    "isolation_goal",
 }
 SIM = ["--limit", "120", "--kv-blocks", "300", "--no-progress"]
 
@@ -64,6 +65,7 @@ def test_simulate_reports_one_controller_a_replica(capsys: pytest.CaptureFixture
 
 def test_the_line_says_which_constraint_binds_and_when_nothing_protected_was_seen() -> None:
     base = dict.fromkeys(CONTROLLER_KEYS, 0.0) | {"protection_level": 0.5, "protected_budget": 100.0}
+    base["isolation_goal"] = 0.9
     assert controller_line({}) is None  # (a policy without a controller)
     quiet = controller_line(base)
     assert quiet is not None and "no protected hits measured yet" in quiet
@@ -77,6 +79,7 @@ def test_the_line_says_which_constraint_binds_and_when_nothing_protected_was_see
 
 def test_the_line_says_where_the_warm_up_started_the_level() -> None:
     base = dict.fromkeys(CONTROLLER_KEYS, 0.0) | {"protection_level": -0.25, "protected_budget": 100.0}
+    base["isolation_goal"] = 0.9
     before = controller_line(base)  # (no start_level: before the first eviction, or a fixed share)
     assert before is not None and "started at" not in before
     top = controller_line(base | {"start_level": 1.0})
@@ -84,3 +87,28 @@ def test_the_line_says_where_the_warm_up_started_the_level() -> None:
     assert top is not None and "protection level -0.250 (started at the top)," in top
     assert bottom is not None and "protection level -0.250 (started at the bottom)," in bottom
     assert controller_line(base | {"start_level": 0.0}) == before
+
+
+def test_a_fixed_share_is_reported_as_one_not_as_a_controller_with_room(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # with no isolation goal the level never moves and no protected estimate is kept: the line said "the reuse
+    # floor has room, no protected hits measured yet" and printed zeros for estimates nobody made
+    argv = ["replay", "--sessions", "40", "--capacity-blocks", "60", "--no-progress", "--policy", "unified"]
+    (uni,) = _json_lines(capsys, [*argv, "--json", "--isolation-goal", "none"])
+    stats = uni["policy_stats"]
+    assert isinstance(stats, dict) and stats["isolation_goal"] == 0.0
+    (adaptive,) = _json_lines(capsys, [*argv, "--json"])
+    assert isinstance(adaptive["policy_stats"], dict) and adaptive["policy_stats"]["isolation_goal"] == 0.9
+    assert main([*argv, "--isolation-goal", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "unified controller: fixed protected share, 57 of 57 blocks (no isolation goal, no reuse floor)"
+        in out
+    )
+    assert "reuse floor has room" not in out and "frequency exponent" in out  # (the balance still measures)
+    assert main([*argv, "--isolation-goal", "0", "--no-adapt-frequency"]) == 0
+    lines = [
+        line for line in capsys.readouterr().out.splitlines() if "controller" in line or "window" in line
+    ]
+    assert len(lines) == 1 and "fixed protected share" in lines[0]  # (nothing measured: no window line)

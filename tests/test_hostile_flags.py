@@ -157,6 +157,23 @@ def test_replay_and_simulate_take_every_setting_an_operator_moves() -> None:
         assert policy_config(defaults, PolicyConfig(), 16) == PolicyConfig(block_size=16), command
 
 
+def test_no_isolation_goal_is_spelt_alike_on_every_form() -> None:
+    # the command line said `--isolation-goal 0` and refused `none`; the plugin said `isolation_goal=none` and
+    # refused 0: each spelling now means the fixed share on every form
+    from kvretain.cli import build_parser
+    from kvretain.cli_args import policy_config
+    from kvretain.integrations.vllm.config import parse_options
+
+    fixed = PolicyConfig(isolation_goal=None, block_size=16)
+    for command in ("replay", "simulate", "compare"):
+        for spelling in ("0", "none", "None"):
+            args = build_parser(command).parse_args([command, "--isolation-goal", spelling])
+            assert policy_config(args, PolicyConfig(), 16) == fixed, (command, spelling)
+    for spelling in ("0", "none"):
+        options = parse_options(f"isolation_goal={spelling}")
+        assert PolicyConfig(block_size=16, **options) == fixed, spelling
+
+
 def test_compare_rejects_a_bad_policy_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -104,10 +104,10 @@ def test_policy_flags() -> None:
         ({"budget": -0.1}, r"budget must be a finite number in \[0, 1\] \(a share of the pool\), got -0\.1"),
         ({"budget": 1.5}, r"budget must be a finite number in \[0, 1\] \(a share of the pool\), got 1\.5"),
         (
-            {"isolation_goal": 0.0},
-            r"isolation_goal must be a finite number in \(0, 1\] .* or None .*got 0\.0",
+            {"isolation_goal": -0.1},
+            r"isolation_goal must be a finite number in \[0, 1\] .* 0 or None: a fixed budget\), got -0\.1",
         ),
-        ({"isolation_goal": 1.01}, r"isolation_goal must be a finite number in \(0, 1\]"),
+        ({"isolation_goal": 1.01}, r"isolation_goal must be a finite number in \[0, 1\]"),
         (
             {"frequency_cap": 0},
             r"frequency_cap must be an integer in \[1, 65536\] \(a count of uses; MAX_FREQUENCY_CAP\), got 0",
@@ -124,6 +124,15 @@ def test_policy_config_validation(kwargs: dict[str, float], pattern: str) -> Non
 def test_policy_config_edges_are_valid() -> None:
     PolicyConfig(budget=0.0, isolation_goal=None, frequency_cap=1, ghost_factor=0.0)
     PolicyConfig(budget=1.0, isolation_goal=1.0)
+
+
+@pytest.mark.parametrize("goal", [0, 0.0, None])
+def test_isolation_goal_zero_is_the_fixed_share(goal: float | None) -> None:
+    """0 is the command line's spelling of "no goal" (``--isolation-goal 0``), and the plugin's
+    (``isolation_goal=0``): the config stores it as None, so every form reads one value for the fixed share."""
+    cfg = PolicyConfig(isolation_goal=goal)
+    assert cfg.isolation_goal is None
+    assert cfg == PolicyConfig(isolation_goal=None)
 
 
 # ---------------------------------------------------------------- lru (through the policy interface)

@@ -110,10 +110,20 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def controller_line(stats: dict[str, float]) -> str | None:
     """Two lines of ``unified``'s protection controller's state (``stats``: the policy's ``stats()``), or None
-    for a policy without one: the level and target and which constraint binds; both sides' estimates."""
+    for a policy without one: the level and target and which constraint binds; both sides' estimates. With a
+    fixed share (no isolation goal) the share, and the window the recency/frequency balance measures."""
     if "protection_level" not in stats:
         return None
     g = stats.get
+    alpha = g("frequency_exponent_now", -1.0)
+    exponent = f"; frequency exponent {alpha:.3f}" if alpha >= 0.0 else ""
+    window = f"  window hit ratio {g('hit_ratio_window', 0.0):.4f} (LRU estimate {g('lru_hit_ratio_estimate', 0.0):.4f})"
+    if not g("isolation_goal", 1.0):  # a fixed share: no goal, no floor, no protected estimates kept
+        fixed = (
+            f"controller: fixed protected share, {g('protected_target', 0.0):,.0f} of "
+            f"{g('protected_budget', 0.0):,.0f} blocks (no isolation goal, no reuse floor)"
+        )  # (the window is measured for the recency/frequency balance only)
+        return fixed + (f"\n{window}{exponent}" if alpha >= 0.0 else "")
     binds = "the reuse floor binds" if g("reuse_floor_binds") else "the reuse floor has room"
     protected = (
         "protected_hit_ratio_window",
@@ -130,13 +140,11 @@ def controller_line(stats: dict[str, float]) -> str | None:
     line = (
         f"controller: protection level {g('protection_level', 0.0):+.3f}{start}, target "
         f"{g('protected_target', 0.0):,.0f} of {g('protected_budget', 0.0):,.0f} blocks; {binds}, {goal}\n"
-        f"  window hit ratio {g('hit_ratio_window', 0.0):.4f} (LRU estimate {g('lru_hit_ratio_estimate', 0.0):.4f}), "
-        f"protected {g('protected_hit_ratio_window', 0.0):.4f} (alone {g('isolated_hit_ratio_estimate', 0.0):.4f}, "
-        f"LRU {g('lru_protected_hit_ratio_estimate', 0.0):.4f}, full protection "
-        f"{g('top_protected_hit_ratio_estimate', 0.0):.4f})"
+        f"{window}, protected {g('protected_hit_ratio_window', 0.0):.4f} (alone "
+        f"{g('isolated_hit_ratio_estimate', 0.0):.4f}, LRU {g('lru_protected_hit_ratio_estimate', 0.0):.4f}, full "
+        f"protection {g('top_protected_hit_ratio_estimate', 0.0):.4f})"
     )
-    alpha = g("frequency_exponent_now", -1.0)
-    return line + (f"; frequency exponent {alpha:.3f}" if alpha >= 0.0 else "")
+    return line + exponent
 
 
 def _result_rows(results: Sequence[ReplayResult]) -> list[dict[str, Any]]:

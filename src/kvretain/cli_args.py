@@ -137,6 +137,14 @@ def share(text: str) -> float:
     return number(0.0, 1.0)(text)
 
 
+def goal_share(text: str) -> float | None:
+    """``--isolation-goal``: a share in [0, 1], or ``none`` (as ``0``, and as the plugin's ``isolation_goal=none``):
+    no goal, the protected share fixed at the budget."""
+    if text.strip().lower() in ("none", "null", "off"):
+        return None
+    return share(text)
+
+
 def priority_mapping(text: str) -> PriorityMapping:
     """``normal=0,step=10,base=35`` or a table ``0:60,1:35`` (``""``: the default mapping)."""
     try:
@@ -364,10 +372,10 @@ def add_policy_options(group: argparse._ActionsContainer, d: PolicyConfig) -> No
     group.add_argument(
         "--isolation-goal",
         action=_Given,
-        type=share,
-        default=d.isolation_goal or 0.0,
+        type=goal_share,
+        default=d.isolation_goal,
         help="unified: adapt the protected share to keep this fraction of the isolated hit ratio, 0..1 "
-        f"(0: fixed budget; default {d.isolation_goal or 0.0:g})",
+        f"(0 or none: fixed budget; default {d.isolation_goal or 'none'})",
     )
     group.add_argument(
         "--max-reuse-loss",
@@ -439,7 +447,7 @@ def policy_config(args: argparse.Namespace, d: PolicyConfig, block_size: int) ->
     return replace(
         d,
         budget=args.budget,
-        isolation_goal=None if args.isolation_goal <= 0 else args.isolation_goal,
+        isolation_goal=args.isolation_goal,
         max_reuse_loss=args.max_reuse_loss,
         protect_threshold=args.protect_threshold,
         priority_weight=args.priority_weight,

@@ -68,8 +68,9 @@ class PolicyConfig:
         budget: unified: the largest share of the pool that protected blocks may hold (0..1).
         isolation_goal: unified: when set, the protected share adapts (up to ``budget``) so that protected
             traffic keeps this fraction of the hits it would get alone in the pool (measured online, see
-            :mod:`kvretain.core.policies.protection`), as far as ``max_reuse_loss`` allows; ``None`` keeps the
-            protected share fixed at ``budget``.
+            :mod:`kvretain.core.policies.protection`), as far as ``max_reuse_loss`` allows; ``None`` (or ``0``,
+            stored as ``None``: the command line's and the plugin's spelling too) keeps the protected share fixed
+            at ``budget``.
         max_reuse_loss: unified: the controller keeps overall reuse at least ``1 - max_reuse_loss`` of what plain
             LRU would hit in this pool (estimated online), whatever the isolation goal asks.
         protect_threshold: unified: blocks whose effective retention priority is at least this are protected.
@@ -107,14 +108,15 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         _number("budget", self.budget, 0.0, 1.0, "a share of the pool")
+        if type(self.isolation_goal) in (int, float) and self.isolation_goal == 0:
+            object.__setattr__(self, "isolation_goal", None)  # a goal of nothing: the fixed share
         if self.isolation_goal is not None:
             _number(
                 "isolation_goal",
                 self.isolation_goal,
                 0.0,
                 1.0,
-                "a fraction of the isolated hits, or None for a fixed budget",
-                lo_open=True,
+                "a fraction of the isolated hits; 0 or None: a fixed budget",
             )
         _number(
             "max_reuse_loss",

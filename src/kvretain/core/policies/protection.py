@@ -831,7 +831,8 @@ class ProtectionController:
         """The controller's state: the target, both estimates (hit ratios over the window), whether the
         overall-reuse floor binds (``reuse_floor_binds`` 1: the floor's term moved the level last, or the pool is
         at or below its floor), whether protected traffic meets its goal (``isolation_goal_met`` 1: at or above
-        it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the balance's frequency
+        it, 0: short, or no protected traffic yet; the two are reported apart: both may hold), the goal set
+        (``isolation_goal``; 0: a fixed share, which neither constraint moves), the balance's frequency
         exponent (-1: no balance), whether its one-class rule still holds (``balance_one_class``), the level the
         warm-up chose at the pool's first eviction (``start_level``: 1 the top, -1 the bottom; 0 before it, or
         with a fixed share), the balance's recency share it started at (``balance_start``: 1 recency, 0.5
@@ -853,6 +854,7 @@ class ProtectionController:
             "frequency_exponent_now": self.balance.alpha if self.balance is not None else -1.0,
             "balance_one_class": 1.0 if self.balance is not None and self.balance.one_class else 0.0,
             "isolation_goal_met": 1.0 if self.goal_met else 0.0,
+            "isolation_goal": self._goal if self._goal is not None else 0.0,
             "start_level": self.start,
             "balance_start": self.balance.start_share if self.start and self.balance is not None else -1.0,
             "lookups_seen_at_arrival": self._sighted / self._lookups if self._lookups else 0.0,

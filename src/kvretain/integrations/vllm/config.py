@@ -160,7 +160,8 @@ def parse_options(spec: str) -> dict[str, Any]:
     """``"budget=0.8,isolation_goal=0.9"`` -> ``{"budget": 0.8, "isolation_goal": 0.9}``, each value read as its
     :class:`PolicyConfig` field's type: an integer field takes a whole number only (35.7 is refused, not cut to
     35), ``adapt_frequency`` a boolean (``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``), and
-    ``none`` only a setting that has no value by default (``isolation_goal=none``: a fixed share). A key given
+    ``none`` only a setting that has no value by default (``isolation_goal=none``, or ``0`` as on the command
+    line: a fixed share). A key given
     twice or without a value is refused."""
     known = {f.name: f for f in fields(PolicyConfig) if f.name not in ("next_use", "block_size")}
     out: dict[str, Any] = {}

@@ -25,6 +25,7 @@ priority, lower = more important; the first 64 priorities seen get their own lab
     the protection controller's target and its ceiling (``budget`` x pool);
 ``kvretain:protection_level``, ``kvretain:hit_ratio_window`` / ``kvretain:lru_hit_ratio_estimate``,
 ``kvretain:protected_hit_ratio_window`` / ``kvretain:isolated_hit_ratio_estimate``, ``kvretain:reuse_floor_binds``,
+``kvretain:isolation_goal`` (the goal set; 0: a fixed share),
 ``kvretain:lru_protected_hit_ratio_estimate`` / ``kvretain:top_protected_hit_ratio_estimate``,
 ``kvretain:lookups_seen_at_arrival``, ``kvretain:start_level``, ``kvretain:balance_start``
     the controller's state: its level, both sides of the reuse floor and of the isolation goal, which binds,
@@ -108,6 +109,7 @@ GAUGE_KEYS = (
         "what protected traffic would hit with protection's tier at its top (the level's top end, weights aside)",
     ),
     ("reuse_floor_binds", "1 when the overall-reuse floor is what holds protection back"),
+    ("isolation_goal", "the isolation goal set (0: a fixed protected share, no goal and no reuse floor)"),
     (
         "frequency_exponent_now",
         "the recency/frequency balance's frequency exponent now: 0 is LRU order (-1: no balance)",
@@ -138,6 +140,7 @@ _CONTROLLER_KEYS = (
     "lru_protected_hit_ratio_estimate",
     "top_protected_hit_ratio_estimate",
     "reuse_floor_binds",
+    "isolation_goal",
     "frequency_exponent_now",
     "balance_one_class",
     "lookups_seen_at_arrival",
