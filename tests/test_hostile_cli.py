@@ -249,6 +249,17 @@ def test_a_binary_catalog_file_is_named(tmp_path: Path, capsys: pytest.CaptureFi
     assert f"{cat}: not UTF-8 text" in msg, msg
 
 
+def test_a_catalog_boolean_is_named_as_the_file_spells_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "field 'peak_flops' must be int or float, got True": TOML writes true
+    cat = tmp_path / "gpus.toml"
+    cat.write_text("[gpus.g]\npeak_flops = true\nmem_bandwidth = 2e12\nmem_bytes = 68719476736\n")
+    assert main(["simulate", "--catalog", str(cat), "--gpu", "g", "--limit", "3", "--no-progress"]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: ")
+    assert "field 'peak_flops' must be int or float, got true" in msg, msg
+
+
 # ---------------------------------------------------------------- empty path options (an unset shell variable)
 @pytest.mark.parametrize(
     ("argv", "expected"),
@@ -855,3 +866,29 @@ def test_a_binary_cost_model_file_is_named_as_not_text(
     assert (
         f"cost model file {str(cm)!r}: not UTF-8 text (byte 0xff at offset 0)" in msg and "codec" not in msg
     )
+
+
+def test_a_trace_named_dash_is_read_from_standard_input(tmp_path: Path) -> None:
+    # `workload export --out -` wrote a trace to standard output, but no command read one from standard input:
+    # `kvretain replay -` said "trace file not found: -"
+    (tmp_path / "t.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.5301600,396,109\n"
+    )
+    script = (
+        "KV workload export multi-tenant --limit 20 --out - | KV replay - --capacity-blocks 50 --policy lru --json"
+        " > replay.json"
+        " && KV workload export multi-tenant --limit 20 --out - | KV simulate - --workload mooncake --json"
+        " --no-progress > sim.json"
+        " && cat t.csv | KV workload export azure --trace - --out az.jsonl"
+        " && (KV simulate - --no-progress < az.jsonl; echo rc=$? > format.rc)"
+    )
+    proc = _kvretain_in_shell(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    replayed = json.loads((tmp_path / "replay.json").read_text())
+    assert replayed["requests"] == 20 and replayed["policy"] == "lru"
+    assert json.loads((tmp_path / "sim.json").read_text())["requests"] == 20
+    assert len((tmp_path / "az.jsonl").read_text().splitlines()) == 2  # (the Azure reader takes a pipe too)
+    # (standard input has no suffix: the format is asked for, in one line)
+    assert (tmp_path / "format.rc").read_text().strip() == "rc=2"
+    assert "cannot tell the trace format of '/dev/stdin'" in proc.stderr and "pass --workload" in proc.stderr

@@ -217,6 +217,12 @@ BAD = {
     "badpoint.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = 1.0\nper_pair_s = 0.0\n"
     "per_sequence_s = 0.0\n[[point]]\ntokens = 3\npairs = 1\nsampled = 1\nseconds = -2.0\n",
     "format.toml": "[profile]\nformat = 9\n",
+    # a boolean where a number belongs: `seconds = true` was taken as a 1 s step, and the coefficient's message
+    # spelt TOML's true as Python's True
+    "boolpoint.toml": "[coefficients]\nstep_overhead_s = 0.1\nper_token_s = 1.0\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\n[[point]]\ntokens = 3\npairs = 1\nsampled = 1\nseconds = true\n",
+    "boolcoef.toml": "[coefficients]\nstep_overhead_s = false\nper_token_s = 1.0\nper_pair_s = 0.0\n"
+    "per_sequence_s = 0.0\n",
 }
 WORDS = {
     "missing.toml": "No such file",
@@ -229,6 +235,8 @@ WORDS = {
     "unknown.toml": "unknown field(s) per_block_s",
     "badpoint.toml": "point 1: point seconds must be a number > 0",
     "format.toml": "format 9",
+    "boolpoint.toml": "point 1: point seconds must be a number > 0, got true",
+    "boolcoef.toml": "(MAX_COEFFICIENT_S), got false",
 }
 
 

@@ -190,14 +190,33 @@ def test_azure_csv_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> No
 
 
 def test_azure_path_that_is_not_a_regular_file_is_named_so(tmp_path: Path) -> None:
+    # a device never ends (/dev/zero) or waits for input (a terminal): refused by name (it said "not found")
+    with pytest.raises(WorkloadError, match="/dev/zero is not a regular file or a pipe"):
+        load_azure("/dev/zero", random.Random(0))
+    with pytest.raises(WorkloadError, match="not found"):
+        load_azure(tmp_path / "missing.csv", random.Random(0))
+
+
+def test_azure_trace_read_from_a_pipe(tmp_path: Path) -> None:
+    # `kvretain simulate - --workload azure < t.csv` / `cat t.csv | ...`: a pipe is read once, as the Mooncake
+    # reader reads one (it was refused as "not a regular file")
     import os
+    import threading
 
     fifo = tmp_path / "az.csv"
     os.mkfifo(fifo)
-    with pytest.raises(WorkloadError, match="is not a regular file"):  # (it said "not found")
-        load_azure(fifo, random.Random(0))
-    with pytest.raises(WorkloadError, match="not found"):
-        load_azure(tmp_path / "missing.csv", random.Random(0))
+    writer = threading.Thread(target=lambda: fifo.write_text(AZURE))
+    writer.start()
+    try:
+        piped = load_azure(fifo, random.Random(0))
+    finally:
+        writer.join(timeout=10)
+    plain = tmp_path / "plain.csv"
+    plain.write_text(AZURE)
+    want = load_azure(plain, random.Random(0))
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in piped] == [
+        (r.arrival_s, r.prompt_len, r.output_len) for r in want
+    ]
 
 
 def test_azure_errors(tmp_path: Path) -> None:

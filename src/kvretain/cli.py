@@ -30,8 +30,8 @@ from kvretain.cli_args import (
     integer,
     json_text,
     option_error,
-    path_arg,
     policy_config,
+    trace_arg,
 )
 from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
@@ -269,8 +269,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument(
         "trace",
         nargs="?",
-        type=path_arg("a trace file, or omit it for the built-in workload"),
-        help="Mooncake-format JSONL (omit for the built-in synthetic workload)",
+        type=trace_arg("a trace file, or omit it for the built-in workload"),
+        help="Mooncake-format JSONL ('-': standard input; omit for the built-in synthetic workload)",
     )
     r.add_argument(
         "--capacity-blocks", type=integer(1), default=600, help="pool size in trace blocks (default 600)"

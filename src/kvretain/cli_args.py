@@ -216,6 +216,22 @@ def path_arg(kind: str) -> Callable[[str], str]:
     return parse
 
 
+STDIN_PATH = "/dev/stdin"
+"""What a trace argument of ``-`` reads: standard input (a pipe, or the file the shell redirected into it)."""
+
+
+def trace_arg(kind: str) -> Callable[[str], str]:
+    """A trace file argument (:func:`path_arg`), ``-`` being standard input, as ``workload export --out -`` is
+    standard output: ``kvretain workload export multi-tenant --out - | kvretain replay -``."""
+    path = path_arg(kind)
+
+    def parse(text: str) -> str:
+        return STDIN_PATH if text == "-" else path(text)
+
+    parse.__name__ = "trace"
+    return parse
+
+
 def check_output_file(path: str, option: str) -> None:
     """Raise a ``ValueError`` naming ``option`` unless ``path`` can be written as a file: checked before a
     command runs, so that a long run does not end in an error (or a traceback) when it writes its output."""

@@ -30,6 +30,7 @@ from kvretain.cli_args import (
     policy_config,
     shares,
     slo_spec,
+    trace_arg,
 )
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
@@ -86,8 +87,9 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     p.add_argument(
         "trace",
         nargs="?",
-        type=path_arg("a trace file, or omit it for a generated workload"),
-        help="trace file (Mooncake .jsonl, .jsonl.gz or Azure .csv); omit for --workload",
+        type=trace_arg("a trace file, or omit it for a generated workload"),
+        help="trace file (Mooncake .jsonl, .jsonl.gz or Azure .csv; '-': standard input, with --workload); "
+        "omit for --workload",
     )
     p.add_argument(
         "--workload",

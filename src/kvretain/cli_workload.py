@@ -21,7 +21,7 @@ from kvretain.cli_args import (
     check_output_file,
     json_text,
     number,
-    path_arg,
+    trace_arg,
 )
 from kvretain.core.memory import human_bytes
 from kvretain.fileio import standard_stream, written_in_place
@@ -142,9 +142,9 @@ def add_subcommands(sub: Any) -> None:
     e.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     e.add_argument(
         "--trace",
-        type=path_arg("a trace file, or leave the option out"),
+        type=trace_arg("a trace file, or leave the option out"),
         default=None,
-        help="input trace (for the mooncake / azure loaders)",
+        help="input trace (for the mooncake / azure loaders; '-': standard input)",
     )
     add_limit_option(e)
     e.add_argument(

@@ -20,6 +20,14 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 
+def as_written(value: Any) -> str:
+    """A value read from a JSON or TOML file, for an error message, as the file spells it: ``true``, ``false``,
+    ``null`` (Python's ``True`` and ``None`` are nobody's spelling there); anything else as ``repr``."""
+    if value is None or type(value) is bool:
+        return "null" if value is None else ("true" if value else "false")
+    return repr(value)
+
+
 def not_utf8(e: UnicodeDecodeError) -> str:
     """Why a file that should be UTF-8 text is not, for a one-line error: the first bad byte and its offset."""
     return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"

@@ -35,8 +35,8 @@ def load_azure(
         raise WorkloadError(f"Azure trace {p} is a folder (pass the CSV file)")
     if not p.exists():
         raise WorkloadError(f"Azure trace not found: {p}")
-    if not p.is_file():
-        raise WorkloadError(f"Azure trace {p} is not a regular file (pass the CSV file)")
+    if not (p.is_file() or p.is_fifo()):  # (a pipe is read once, as a file: ``-`` / /dev/stdin, <(...))
+        raise WorkloadError(f"Azure trace {p} is not a regular file or a pipe (pass the CSV file)")
     rows: list[tuple[datetime, int, int]] = []
     zoned: tuple[bool, int] | None = None  # whether the first row's time has a zone, and its line
     with p.open(encoding="utf-8-sig", newline="") as f:  # (a byte-order mark, as spreadsheets write, skipped)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig
+from kvretain.fileio import as_written
 from kvretain.workloads.request import (
     MAX_TOKENS,
     PRIORITY_BOUND,
@@ -304,7 +305,7 @@ def _short(text: str, n: int = 60) -> str:
 
 def _show(v: Any) -> str:
     if v is None or type(v) is bool:  # as the file spells them
-        return json.dumps(v)
+        return as_written(v)
     if isinstance(v, list | dict | str) and len(v) > 8:
         return f"a {type(v).__name__} of {len(v)} items" if not isinstance(v, str) else repr(_short(v, 40))
     return _short(repr(v))

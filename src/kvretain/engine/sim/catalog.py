@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvretain.fileio import not_utf8
+from kvretain.fileio import as_written, not_utf8
 
 
 class CatalogError(ValueError):
@@ -151,16 +151,16 @@ def _check_fields(
         ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
         if not ok:
             want = " or ".join(t.__name__ for t in types)
-            raise CatalogError(f"{where}: field {key!r} must be {want}, got {value!r}")
+            raise CatalogError(f"{where}: field {key!r} must be {want}, got {as_written(value)}")
         if bool not in types:
             if not math.isfinite(value):
-                raise CatalogError(f"{where}: field {key!r} must be a finite number, got {value!r}")
+                raise CatalogError(f"{where}: field {key!r} must be a finite number, got {as_written(value)}")
             if key in _FRACTIONS and not 0 < value <= 1:
-                raise CatalogError(f"{where}: field {key!r} must be in (0, 1], got {value!r}")
+                raise CatalogError(f"{where}: field {key!r} must be in (0, 1], got {as_written(value)}")
             if key in _NON_NEGATIVE and value < 0:
-                raise CatalogError(f"{where}: field {key!r} must be >= 0, got {value!r}")
+                raise CatalogError(f"{where}: field {key!r} must be >= 0, got {as_written(value)}")
             if key not in _FRACTIONS | _NON_NEGATIVE and value <= 0:
-                raise CatalogError(f"{where}: field {key!r} must be > 0, got {value!r}")
+                raise CatalogError(f"{where}: field {key!r} must be > 0, got {as_written(value)}")
         out[key] = value
     return out
 

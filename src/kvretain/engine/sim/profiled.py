@@ -38,7 +38,7 @@ from typing import Any
 
 from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
-from kvretain.fileio import not_utf8, output_file
+from kvretain.fileio import as_written, not_utf8, output_file
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
@@ -67,16 +67,17 @@ class StepPoint:
         for name in ("tokens", "pairs", "sampled"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"point {name} must be an integer >= 0, got {v!r}")
+                raise ValueError(f"point {name} must be an integer >= 0, got {as_written(v)}")
         if self.tokens < 1:
             raise ValueError(f"point tokens must be >= 1, got {self.tokens}")
-        if not isinstance(self.seconds, (int, float)) or not math.isfinite(self.seconds) or self.seconds <= 0:
-            raise ValueError(f"point seconds must be a number > 0, got {self.seconds!r}")
+        sec = self.seconds
+        if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not math.isfinite(sec) or sec <= 0:
+            raise ValueError(f"point seconds must be a number > 0, got {as_written(self.seconds)}")
         st = self.step_seconds
         if st is not None and (
             not isinstance(st, (int, float)) or isinstance(st, bool) or not math.isfinite(st) or st <= 0
         ):
-            raise ValueError(f"point step_seconds must be a number > 0, got {st!r}")
+            raise ValueError(f"point step_seconds must be a number > 0, got {as_written(st)}")
 
     def features(self) -> tuple[float, float, float, float]:
         """The step's counts in :data:`COEFFICIENTS` order (1 for the overhead)."""
@@ -116,7 +117,7 @@ class StepCoefficients:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= MAX_COEFFICIENT_S:
                 raise ValueError(
                     f"coefficient {name} must be a finite number >= 0 and at most {MAX_COEFFICIENT_S:g} seconds "
-                    f"(MAX_COEFFICIENT_S), got {v!r}"
+                    f"(MAX_COEFFICIENT_S), got {as_written(v)}"
                 )
         if self.per_token_s == 0 and self.step_overhead_s == 0:
             raise ValueError(
