@@ -296,18 +296,30 @@ def test_parse_table_spec() -> None:
     assert PriorityMapping.parse("-1:100, 2:0").table == ((-1, 100), (2, 0))
 
 
+def test_a_table_and_the_formula_in_one_spec() -> None:
+    # a table alone leaves the priorities it does not list to the default formula: 0:80,1:35,2:10 mapped -1 (more
+    # important than 0) to 45, below 0's 80, and no spec could change that ("normal=1,0:80" was refused)
+    alone = PriorityMapping.parse("0:80,1:35,2:10")
+    assert [alone.retention_for(p) for p in (-1, 0, 1, 2, 3)] == [45, 80, 35, 10, 5]
+    both = PriorityMapping.parse("0:80,1:35,2:10,normal=1,step=35,base=35")
+    assert both == PriorityMapping(normal=1, step=35, base=35, table=((0, 80), (1, 35), (2, 10)))
+    assert [both.retention_for(p) for p in (-1, 0, 1, 2, 3)] == [100, 80, 35, 10, 0]
+    assert PriorityMapping.parse("step=0, base=20, 0:90") == PriorityMapping(
+        step=0, base=20, table=((0, 90),)
+    )
+
+
 @pytest.mark.parametrize(
     ("spec", "pattern"),
     [
-        ("speed=3", r"priority mapping key 'speed': use normal=, step= or base="),
+        ("speed=3", r"priority mapping key 'speed': use normal=, step=, base= or a table entry"),
         ("normal=x", r"priority mapping normal='x': expected an integer"),
         ("normal=1.5", r"priority mapping normal='1\.5': expected an integer"),
         ("step=-1", r"step must be >= 0"),
         ("base=101", r"priority mapping base: priority 101 is out of range"),
-        ("0:80,1", r"priority mapping entry '1': expected 'request_priority:retention_priority'"),
+        ("0:80,1", r"priority mapping key '1': use .* a table entry 'request_priority:retention_priority'"),
         ("0:eighty", r"priority mapping entry '0:eighty'"),
         ("0:101", r"table entry for request priority 0: priority 101 is out of range"),
-        ("normal=1,0:80", r"priority mapping entry 'normal=1'"),
     ],
 )
 def test_parse_bad_specs(spec: str, pattern: str) -> None:

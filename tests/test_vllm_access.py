@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+from typing import Any
 
 import pytest
 
@@ -720,3 +722,139 @@ def test_a_huge_priority_is_not_echoed_whole():
     assert len(msg) < 200 and "(5004 characters)" in msg  # (its repr, quotes included)
     msg = _denied(lambda: POLICY.check({"priority": "p" * 5000}, ADMIN), 400)
     assert len(msg) < 200
+
+
+def test_class_latency_counts_requests_behind_a_root_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # behind a path-prefix proxy (--root-path /api, the prefix kept in the path) the access limits read the route
+    # without the prefix, but the latency middleware compared the raw path and recorded nothing
+    seen: list[tuple[str, str]] = []
+
+    class Histogram:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def labels(self, label: str) -> Any:
+            name = self.name
+
+            class Series:
+                def observe(self, seconds: float) -> None:
+                    seen.append((name, label))
+
+            return Series()
+
+    monkeypatch.setattr(
+        metrics, "latency_histograms", lambda: {"ttft": Histogram("ttft"), "e2e": Histogram("e2e")}
+    )
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def request(path: str, root: str) -> None:
+        msgs = [{"type": "http.request", "body": b'{"priority": 3}', "more_body": False}]
+
+        async def receive() -> Any:
+            return msgs.pop(0)
+
+        async def send(msg: Any) -> None:
+            return None
+
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": root, "headers": []}
+        await metrics.ClassLatency(app)(scope, receive, send)
+
+    asyncio.run(request("/v1/chat/completions", ""))
+    asyncio.run(request("/api/v1/chat/completions", "/api"))
+    asyncio.run(request("/api/v1/models", "/api"))  # (not a generation: not timed)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == "e2e"
+
+
+# ---------------------------------------------------------------- review of the operator surface (session 42)
+def test_an_empty_key_file_stops_the_server_instead_of_opening_it(tmp_path):
+    # an empty (or blank) KVRETAIN_API_KEYS_FILE opened the server to every client, and the warning said the
+    # variables were unset; a broken file already stopped the server
+    empty = tmp_path / "keys.json"
+    for content in ("", "  \n"):
+        empty.write_text(content)
+        with pytest.raises(AccessConfigError, match=rf"^KVRETAIN_API_KEYS_FILE={empty}: the file is empty"):
+            AccessPolicy.from_env({"KVRETAIN_API_KEYS_FILE": str(empty)})
+    assert not AccessPolicy.from_env({}).configured
+    listed_none = AccessPolicy.from_env({"KVRETAIN_API_KEYS": '{"keys": [], "max_duration_s": 60}'})
+    assert listed_none.is_open and listed_none.configured  # (global limits only: open, and said so)
+
+
+def test_the_announcement_says_why_the_server_is_open(caplog):
+    from kvretain.integrations.vllm import middleware
+
+    with caplog.at_level("WARNING", logger=middleware.logger.name):
+        middleware._announce(AccessPolicy())
+        middleware._announce(AccessPolicy.from_json({"keys": []}))
+    said = [r.getMessage() for r in caplog.records]
+    assert "KVRETAIN_API_KEYS_FILE / KVRETAIN_API_KEYS unset" in said[0]
+    assert "the configuration lists none" in said[1] and "unset" not in said[1]
+
+
+def test_the_servers_duration_limit_suggests_no_expiry_only_where_the_key_may_have_it():
+    limits = {"max_duration_s": 60}
+    body = {"vllm_xargs": {"retention_directives": '[{"start": 0, "priority": 50, "duration": 120}]'}}
+    with pytest.raises(AccessDenied, match=r"limit of 60 s \(omit duration to retain without expiry\)"):
+        AccessPolicy.from_json(limits).check(body, None)
+    keyed = AccessPolicy.from_json({**KEYS, **limits})
+    bob = next(k for k in keyed.keys if k.name == "bob")  # (max_duration_s 60: no duration is refused too)
+    with pytest.raises(AccessDenied) as refused:
+        keyed.check({**body, "priority": 1}, bob)
+    assert "limit of 60 s" in str(refused.value) and "omit" not in str(refused.value)
+
+
+def test_an_infinite_duration_is_refused_by_the_engine_as_by_the_access_limits():
+    # the access limits refused JSON's 1e400 (inf) as "not finite", the engine took it as no expiry: a client
+    # without the access middleware (offline, or a server without it) got what the server refused
+    from kvretain.core.retention import RetentionError
+    from kvretain.integrations.vllm.config import retention_from_extra_args, validation_message
+
+    for xargs, field in [
+        (
+            {"retention_directives": '[{"start": 0, "priority": 50, "duration": 1e400}]'},
+            "retention_directives[0]",
+        ),
+        ({"retention_decode_duration": float("inf")}, "retention_decode_duration"),
+    ]:
+        with pytest.raises(RetentionError, match=rf"^{re.escape(field)}: duration must be a finite number"):
+            retention_from_extra_args(xargs)
+        assert "omit it to retain without expiry" in (validation_message(xargs) or "")
+        with pytest.raises(AccessDenied, match="finite"):
+            AccessPolicy.from_json({"max_duration_s": 60}).check({"vllm_xargs": xargs}, None)
+
+
+def test_a_clients_huge_values_are_shortened_in_the_reply():
+    keyed = AccessPolicy.from_json(KEYS)
+    bob = next(k for k in keyed.keys if k.name == "bob")
+    cases = [
+        {"priority": 10**4000},
+        {"priority": 1, "vllm_xargs": {"retention_scope": "x" * 100_000}},
+        {"priority": 1, "vllm_xargs": {"retention_" + "y" * 100_000: 1}},
+        {"priority": 1, "vllm_xargs": {f"retention_a{i}": 1 for i in range(500)}},
+    ]
+    for body in cases:
+        with pytest.raises(AccessDenied) as refused:
+            keyed.check(body, bob)
+        assert len(str(refused.value)) < 400 and len(refused.value.param or "") <= 40, str(refused.value)[
+            :100
+        ]
+    with pytest.raises(
+        AccessDenied, match=r"\['retention_a0', 'retention_a1', 'retention_a10'\] and 497 more"
+    ):
+        keyed.check(cases[-1], bob)
+
+
+def test_gauges_without_a_balance_read_minus_one_for_both_balance_fields():
+    # balance_start read 0 ("a start at frequency") for lru / priority / lfu queues, where -1 means no balance
+    from types import SimpleNamespace
+
+    from kvretain.core.policy import PolicyConfig, make_policy
+
+    strict = make_policy("priority", 12, PolicyConfig(block_size=16))
+    g = metrics.queue_gauges([SimpleNamespace(policy=strict, pool_blocks=range(12))])
+    assert (g["frequency_exponent_now"], g["balance_start"]) == (-1.0, -1.0)
+    _, merged = metrics.merge([{"pid": 1, "by_priority": {}, "gauges": {"pool_blocks": 12.0}}])
+    assert (merged["frequency_exponent_now"], merged["balance_start"]) == (-1.0, -1.0)

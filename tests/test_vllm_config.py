@@ -331,3 +331,67 @@ def test_a_server_takes_the_callers_environment_over_the_launchers_defaults(
         )  # (the caller's, a default, the server's own)
     finally:
         server.stop(grace_s=5)
+
+
+def test_a_misspelt_variable_is_named_with_the_one_meant() -> None:
+    # KVRETAIN_POLICY_OPTION=budget=0.5 ran the defaults without a word
+    from kvretain.integrations.vllm.config import ENV_NAMES, unknown_env_names
+
+    env = {
+        "KVRETAIN_POLICY": "unified",
+        "KVRETAIN_POLICY_OPTION": "budget=0.5",
+        "KVRETAIN_GRANULARTY": "block",
+        "KVRETAIN_SOMETHING": "1",
+        "OTHER_VARIABLE": "x",
+    }
+    lines = unknown_env_names(env)
+    assert lines == [
+        "'KVRETAIN_GRANULARTY' is not a kvretain setting and is ignored (did you mean KVRETAIN_GRANULARITY?)",
+        "'KVRETAIN_POLICY_OPTION' is not a kvretain setting and is ignored (did you mean KVRETAIN_POLICY_OPTIONS?)",
+        f"'KVRETAIN_SOMETHING' is not a kvretain setting and is ignored (known: {', '.join(ENV_NAMES)})",
+    ]
+    assert unknown_env_names(dict.fromkeys(ENV_NAMES, "")) == []
+
+
+def test_every_kvretain_variable_read_is_a_known_name() -> None:
+    # the list the warning checks against is the list of what is read: a name read anywhere in src is in it
+    import re
+
+    from kvretain.integrations.vllm.config import ENV_NAMES
+
+    src = Path(__file__).resolve().parents[1] / "src" / "kvretain"
+    read = {m for p in src.rglob("*.py") for m in re.findall(r"KVRETAIN_[A-Z_]+[A-Z]", p.read_text())}
+    assert read <= set(ENV_NAMES), sorted(read - set(ENV_NAMES))
+
+
+def test_register_warns_about_a_misspelt_variable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvretain.integrations.vllm as plugin
+
+    monkeypatch.delenv("KVRETAIN_POLICY", raising=False)
+    monkeypatch.setenv("KVRETAIN_POLICY_OPTION", "budget=0.5")
+    with caplog.at_level("WARNING", logger=plugin.logger.name):
+        plugin.register()
+    assert any("did you mean KVRETAIN_POLICY_OPTIONS?" in r.getMessage() for r in caplog.records)
+
+
+def test_no_is_off_and_an_unknown_policy_says_how_to_turn_it_off() -> None:
+    assert config_from_env({"KVRETAIN_POLICY": "no"}) is None
+    with pytest.raises(
+        PluginConfigError, match=r"choose one of: .* \(or off, or leave it unset: stock vLLM\)"
+    ):
+        config_from_env({"KVRETAIN_POLICY": "yes"})
+
+
+def test_a_frequency_cap_the_run_queue_cannot_count_is_refused() -> None:
+    # the run queue keeps use counts in a byte: frequency_cap=1000 was logged as set and counted to 255
+    env = {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "frequency_cap=1000"}
+    with pytest.raises(
+        PluginConfigError, match=r"frequency_cap=1000 is over 255.*KVRETAIN_GRANULARITY=block"
+    ):
+        config_from_env(env)
+    block = config_from_env({**env, "KVRETAIN_GRANULARITY": "block"})
+    assert block is not None and block.policy_config(16).frequency_cap == 1000
+    at_most = config_from_env({**env, "KVRETAIN_POLICY_OPTIONS": "frequency_cap=255"})
+    assert at_most is not None and at_most.policy_config(16).frequency_cap == 255

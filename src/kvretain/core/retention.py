@@ -314,41 +314,47 @@ class PriorityMapping:
 
     @classmethod
     def parse(cls, spec: str) -> PriorityMapping:
-        """Parse ``"normal=1,step=10,base=35"`` or a table ``"0:80,1:35,2:10"`` (``""``: the default)."""
+        """Parse ``"normal=1,step=10,base=35"``, a table ``"0:80,1:35,2:10"``, or both (the formula then gives
+        the priorities the table does not list), in any order (``""``: the default)."""
         if not isinstance(spec, str):
             raise RetentionError(
                 f"priority mapping must be a string such as 'normal=0,step=10,base=35' or '0:80,1:35', "
                 f"got {show_value(spec)}"
             )
-        spec = spec.strip()
-        if not spec:
+        if not spec.strip():
             return cls()
-        if ":" in spec:
-            entries: list[tuple[int, int]] = []
-            for part in spec.split(","):
+        entries: list[tuple[int, int]] = []
+        kwargs: dict[str, int] = {}
+        for part in spec.split(","):
+            if ":" in part:
                 k, _, v = part.partition(":")
                 try:
                     entries.append((int(k), int(v)))
                 except ValueError:
                     raise RetentionError(
-                        f"priority mapping entry {part!r}: expected 'request_priority:retention_priority'"
+                        f"priority mapping entry {show_value(part)}: expected 'request_priority:retention_priority' "
+                        "(integers)"
                     ) from None
-            return cls(table=tuple(entries))
-        kwargs: dict[str, int] = {}
-        for part in spec.split(","):
+                continue
             k, _, v = part.partition("=")
             if k.strip() not in ("normal", "step", "base"):
-                raise RetentionError(f"priority mapping key {k!r}: use normal=, step= or base=")
+                raise RetentionError(
+                    f"priority mapping key {show_value(k)}: use normal=, step=, base= or a table entry "
+                    "'request_priority:retention_priority'"
+                )
             if k.strip() in kwargs:
                 raise RetentionError(f"priority mapping key {k.strip()!r} appears twice")
             try:
                 kwargs[k.strip()] = int(v)
             except ValueError:
-                raise RetentionError(f"priority mapping {k.strip()}={v!r}: expected an integer") from None
+                raise RetentionError(
+                    f"priority mapping {k.strip()}={show_value(v)}: expected an integer"
+                ) from None
         return cls(
             normal=kwargs.get("normal", 0),
             step=kwargs.get("step", 10),
             base=kwargs.get("base", DEFAULT_RETENTION_PRIORITY),
+            table=tuple(entries),
         )
 
 

@@ -41,6 +41,7 @@ from kvretain.integrations.vllm.config import (
     check_vllm_version,
     config_from_env,
     retention_from_extra_args,
+    unknown_env_names,
     validation_message,
 )
 
@@ -82,6 +83,8 @@ def register() -> None:
     from kvretain.integrations.vllm import steplog
 
     steplog.install_from_env()
+    for line in unknown_env_names():
+        logger.warning("kvretain: %s", line)
     try:
         cfg = config_from_env()
     except Exception as exc:

@@ -56,6 +56,7 @@ from kvretain.core.retention import (
 )
 from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm._base import HookedFreeQueue, _priority
+from kvretain.integrations.vllm.config import RUN_MAX_USES
 
 NEW = -1
 """Remembered retention of content that no request has released yet."""
@@ -422,7 +423,9 @@ class RunFreeQueue(HookedFreeQueue):
         self.config = config
         cfg = config
         self._threshold = cfg.protect_threshold
-        self._cap = min(cfg.frequency_cap, 255)  # (use counts are bytes here)
+        self._cap = min(
+            cfg.frequency_cap, RUN_MAX_USES
+        )  # (use counts are bytes here; the config refuses more)
         self._cost_per_block = rules.cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes

@@ -53,18 +53,19 @@ from kvretain.integrations.vllm.config import (
     DECODE_DURATION_KEY,
     DECODE_PRIORITY_KEY,
     DIRECTIVES_KEY,
+    ENV_KEYS,
+    ENV_KEYS_FILE,
     ENV_MAPPING,
     RETENTION_KEYS,
     SCOPE_KEY,
     check_directive_count,
     load_json,
     retention_from_extra_args,
+    shown_field,
     unknown_fields_message,
     unknown_retention_fields,
 )
 
-ENV_KEYS = "KVRETAIN_API_KEYS"
-ENV_KEYS_FILE = "KVRETAIN_API_KEYS_FILE"
 MODES = ("refuse", "clamp")
 PRIORITY_HEADER = "x-vllm-priority"
 """vLLM reads a request priority from this header before the body's (the check folds it into the body)."""
@@ -223,6 +224,8 @@ class AccessPolicy:
     mapping: PriorityMapping = field(default_factory=PriorityMapping)
     """The plugin's request-priority -> retention mapping (``KVRETAIN_PRIORITY_MAPPING``): a key's
     ``max_retention_priority`` also caps the retention its request priority maps to."""
+    configured: bool = False
+    """Whether the limits come from a configuration (``KVRETAIN_API_KEYS`` / ``_FILE``), which may list no keys."""
 
     def __post_init__(self) -> None:
         for k in self.keys:  # a cap no request priority can meet would refuse every request of the key
@@ -268,6 +271,7 @@ class AccessPolicy:
             max_directives=DEFAULT_MAX_DIRECTIVES if max_dir is None else max_dir,
             max_duration_s=DEFAULT_MAX_DURATION_S if max_dur is None else max_dur,
             mapping=mapping or PriorityMapping(),
+            configured=True,
         )
 
     @classmethod
@@ -293,6 +297,10 @@ class AccessPolicy:
                 raise AccessConfigError(
                     f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})"
                 ) from None
+        if path and not text.strip():  # (a key file named and empty is a mistake, not "no limits")
+            raise AccessConfigError(
+                f"{where}: the file is empty; write the limits' JSON object there, or unset {ENV_KEYS_FILE}"
+            )
         if not text:
             return cls(mapping=mapping)
         try:
@@ -350,7 +358,9 @@ class AccessPolicy:
                 "priority",
             )
         if prio is not None and not INT64[0] <= prio <= INT64[1]:
-            raise AccessDenied(400, f"priority {prio} is outside the 64-bit integer range", "priority")
+            raise AccessDenied(
+                400, f"priority {show_value(prio)} is outside the 64-bit integer range", "priority"
+            )
         floor = key.min_request_priority if key is not None else None
         cap = key.max_retention_priority if key is not None else None
         if key is not None and cap is not None:
@@ -425,7 +435,9 @@ class AccessPolicy:
         top = {f: body[f] for f in RETENTION_KEYS if f in body}
         misspelt = unknown_retention_fields(body, prefix_only=True)
         if misspelt:  # (a top-level field vLLM would drop with a debug line: the client meant retention)
-            raise AccessDenied(400, unknown_fields_message(misspelt, "the request body"), misspelt[0])
+            raise AccessDenied(
+                400, unknown_fields_message(misspelt, "the request body"), shown_field(misspelt[0])
+            )
         if xargs is None and not top:
             return
         if xargs is not None and not isinstance(xargs, dict):
@@ -441,7 +453,7 @@ class AccessPolicy:
                 xargs[f] = v
         unknown = unknown_retention_fields(xargs)
         if unknown:
-            raise AccessDenied(400, unknown_fields_message(unknown), unknown[0])
+            raise AccessDenied(400, unknown_fields_message(unknown), shown_field(unknown[0]))
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
             with contextlib.suppress(ValueError):  # (the plugin's parser below names the JSON error)
@@ -464,7 +476,7 @@ class AccessPolicy:
             owned = ", ".join(key.scopes) if key.scopes else "none"
             raise AccessDenied(
                 403,
-                f"key {key.name!r} does not own retention_scope {cfg.scope!r} (it owns: {owned})",
+                f"key {key.name!r} does not own retention_scope {show_value(cfg.scope)} (it owns: {owned})",
                 SCOPE_KEY,
             )
         out: list[RetentionDirective] = []
@@ -515,10 +527,16 @@ class AccessPolicy:
             raise AccessDenied(400, f"{dw}: duration must be a finite number of seconds, got {dur}", dw)
         if dur is not None and dur > self.max_duration_s:
             if not clamp:
+                omit = (
+                    ""
+                    if key is not None and key.max_duration_s is not None
+                    else (
+                        f" (omit {'duration' if dur_where is None else dur_where} to retain without expiry)"
+                    )
+                )  # (a key with a duration limit may not: over it, no duration is refused too)
                 raise AccessDenied(
                     400,
-                    f"{dw}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s "
-                    f"(omit {'duration' if dur_where is None else dur_where} to retain without expiry)",
+                    f"{dw}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s{omit}",
                     dw,
                 )
             d.notes.append(f"{note} {dur:g} -> {self.max_duration_s:g}")

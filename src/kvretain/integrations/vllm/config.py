@@ -4,7 +4,8 @@ Environment variables (read by :func:`kvretain.integrations.vllm.register`):
 
 ``KVRETAIN_POLICY``
     The eviction policy for vLLM's prefix cache: ``unified`` (recommended), ``priority``, ``lfu`` or ``lru``
-    (vLLM's own order, for A/B checks). Unset, empty, ``off`` or ``none``: the plugin stays inert.
+    (vLLM's own order, for A/B checks). Unset, empty, ``off``, ``none``, ``no``, ``false``, ``0`` or ``disabled``:
+    the plugin stays inert.
 ``KVRETAIN_POLICY_OPTIONS``
     Comma-separated ``key=value`` options of :class:`~kvretain.core.policy.PolicyConfig`, e.g.
     ``budget=0.8,isolation_goal=0.9,protect_threshold=35,priority_weight=2`` (``isolation_goal=none``
@@ -59,7 +60,32 @@ ENV_OPTIONS = "KVRETAIN_POLICY_OPTIONS"
 ENV_MAPPING = "KVRETAIN_PRIORITY_MAPPING"
 ENV_GRANULARITY = "KVRETAIN_GRANULARITY"
 ENV_ALLOW_VERSION = "KVRETAIN_ALLOW_UNSUPPORTED_VLLM"
+ENV_KEYS = "KVRETAIN_API_KEYS"
+ENV_KEYS_FILE = "KVRETAIN_API_KEYS_FILE"
+ENV_METRICS_DIR = "KVRETAIN_METRICS_DIR"
+ENV_STEP_LOG = "KVRETAIN_STEP_LOG"
+ENV_SUITE_SKIP = "KVRETAIN_SUITE_SKIP"
+ENV_SUITE_XFAIL = "KVRETAIN_SUITE_XFAIL"
+ENV_VLLM_PYTHON = "KVRETAIN_VLLM_PYTHON"
+ENV_NAMES = (
+    ENV_POLICY,
+    ENV_OPTIONS,
+    ENV_MAPPING,
+    ENV_GRANULARITY,
+    ENV_ALLOW_VERSION,
+    ENV_KEYS,
+    ENV_KEYS_FILE,
+    ENV_METRICS_DIR,
+    ENV_STEP_LOG,
+    ENV_SUITE_SKIP,
+    ENV_SUITE_XFAIL,
+    ENV_VLLM_PYTHON,
+)
+"""Every ``KVRETAIN_*`` variable kvretain reads (the plugin, its access limits, metrics and step log, the vLLM
+test-suite plugin, ``kvretain profile``): any other is a misspelling (:func:`unknown_env_names`)."""
 GRANULARITIES = ("run", "block")
+RUN_MAX_USES = 255
+"""The run queue keeps a block's use count in a byte: ``frequency_cap`` at most this at ``run`` granularity."""
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 """vLLM releases the plugin is tested against: 0.33.0 (``scripts/test_vllm.sh``, with vLLM's own
@@ -78,7 +104,7 @@ back to its request's mapped priority (TensorRT-LLM's ``decode_duration_ms``, in
 RETENTION_KEYS = (DIRECTIVES_KEY, SCOPE_KEY, DECODE_PRIORITY_KEY, DECODE_DURATION_KEY)
 """Every retention field a request may carry in ``extra_args`` (``vllm_xargs``)."""
 
-_OFF = {"", "off", "none", "0", "false", "disabled"}
+_OFF = {"", "off", "none", "0", "false", "no", "disabled"}
 
 RUN_QUEUE_DEFAULTS: dict[str, Any] = {"ghost_factor": 0.0}
 """Defaults of ``unified`` inside vLLM (run granularity) that differ from :class:`PolicyConfig`'s.
@@ -112,8 +138,16 @@ class PluginConfig:
             )
         if self.policy not in _VLLM_POLICIES:
             known = ", ".join(p for p in _VLLM_POLICIES if p in policy_names())
-            raise PluginConfigError(f"{ENV_POLICY}={self.policy!r}: unknown policy; choose one of: {known}")
-        self.policy_config(16)  # validate the options now
+            raise PluginConfigError(
+                f"{ENV_POLICY}={show_value(self.policy)}: unknown policy; choose one of: {known} "
+                "(or off, or leave it unset: stock vLLM)"
+            )
+        cfg = self.policy_config(16)  # validate the options now
+        if self.policy == "unified" and self.granularity == "run" and cfg.frequency_cap > RUN_MAX_USES:
+            raise PluginConfigError(
+                f"{ENV_OPTIONS}: frequency_cap={cfg.frequency_cap} is over {RUN_MAX_USES}, the most uses the run "
+                f"queue counts (a byte a block); lower it, or set {ENV_GRANULARITY}=block"
+            )
 
     def describe(self) -> str:
         """``"unified (run granularity)"``, ``"lfu"``: the policy as the plugin's log lines name it."""
@@ -210,6 +244,19 @@ def _option_value(key: str, raw: str, kind: str) -> Any:
     return num
 
 
+def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each ``KVRETAIN_*`` variable set that kvretain does not read (a misspelt name:
+    the setting meant would be ignored without a word), with the known name it is closest to."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in ENV_NAMES):
+        tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
+        hint = difflib.get_close_matches(name.removeprefix("KVRETAIN_"), tails, n=1, cutoff=0.6)
+        said = f"did you mean {tails[hint[0]]}?" if hint else f"known: {', '.join(ENV_NAMES)}"
+        lines.append(f"{show_value(name)} is not a kvretain setting and is ignored ({said})")
+    return lines
+
+
 def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | None:
     """The plugin configuration named by the environment, or ``None`` when the plugin is off."""
     env = os.environ if environ is None else environ
@@ -223,6 +270,12 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | 
         raise PluginConfigError(f"{ENV_MAPPING}: {exc}") from None
     granularity = env.get(ENV_GRANULARITY, "").strip().lower() or "run"
     return PluginConfig(policy=name, options=options, mapping=mapping, granularity=granularity)
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """An ASGI request's route: its path without the ``--root-path`` prefix a path-prefix proxy keeps (as vLLM's
+    own API-key check reads it), for every middleware of the plugin."""
+    return str(scope.get("path", "")).removeprefix(scope.get("root_path", "") or "")
 
 
 def load_json(text: str | bytes) -> Any:
@@ -279,9 +332,19 @@ def retention_from_extra_args(extra_args: Mapping[str, Any] | None) -> Retention
     if decode_priority is not None:
         check_priority(decode_priority, DECODE_PRIORITY_KEY, DECODE_PRIORITY_KEY)
     decode_duration_s = check_duration(decode_duration, "vllm_xargs", DECODE_DURATION_KEY)
-    return RetentionConfig.from_request_fields(
+    cfg = RetentionConfig.from_request_fields(
         raw, scope=scope, decode_priority=decode_priority, decode_duration_s=decode_duration_s
     )
+    # a client's infinite duration (JSON's 1e400) is refused, as the access limits refuse it: no expiry is an
+    # omitted duration (the core reads inf as none, for traces and callers of its own)
+    infinite = [f"{DIRECTIVES_KEY}[{i}]" for i, d in enumerate(cfg.directives) if d.duration_s == math.inf]
+    if decode_duration_s == math.inf:
+        infinite.append(DECODE_DURATION_KEY)
+    if infinite:
+        raise RetentionError(
+            f"{infinite[0]}: duration must be a finite number of seconds, got inf; omit it to retain without expiry"
+        )
+    return cfg
 
 
 _TRT_FIELDS = {"decode_retention_priority": DECODE_PRIORITY_KEY, "decode_duration_ms": DECODE_DURATION_KEY}
@@ -308,12 +371,23 @@ def unknown_retention_fields(extra_args: Mapping[str, Any], prefix_only: bool = 
     )
 
 
+SHOWN_FIELDS = 3
+"""Misspelt fields a message names (a client's body may carry thousands; each name shortened, ``show_value``)."""
+
+
 def unknown_fields_message(unknown: list[str], where: str = "vllm_xargs") -> str:
-    hint = difflib.get_close_matches(unknown[0].lower(), RETENTION_KEYS, n=1, cutoff=0.5)
+    hint = difflib.get_close_matches(unknown[0].lower()[:100], RETENTION_KEYS, n=1, cutoff=0.5)
     if unknown[0].lower() in _TRT_FIELDS:  # (TensorRT-LLM's names)
         hint = [_TRT_FIELDS[unknown[0].lower()]]
     said = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return f"unknown retention field(s) {unknown} in {where}{said}; known: {', '.join(RETENTION_KEYS)}"
+    names = ", ".join(show_value(k) for k in unknown[:SHOWN_FIELDS])
+    more = f" and {len(unknown) - SHOWN_FIELDS} more" if len(unknown) > SHOWN_FIELDS else ""
+    return f"unknown retention field(s) [{names}]{more} in {where}{said}; known: {', '.join(RETENTION_KEYS)}"
+
+
+def shown_field(name: str) -> str:
+    """A client's field name as an error's ``param``: itself, or its ends (a name of thousands of characters)."""
+    return name if len(name) <= 40 else f"{name[:20]}...{name[-8:]}"
 
 
 def extra_args_for(retention: RetentionConfig | None) -> dict[str, Any] | None:

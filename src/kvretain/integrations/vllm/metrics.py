@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm.config import ENV_METRICS_DIR, route_path
 
-ENV_METRICS_DIR = "KVRETAIN_METRICS_DIR"
 PUBLISH_INTERVAL_S = 0.5
 """NOTE: Prometheus scrapes every 15-60 s; half a second keeps a scrape at most that stale at one small file
 write per engine process per interval."""
@@ -162,10 +162,13 @@ def _queue_stats(q: Any) -> dict[str, Any]:
     return dict(policy.stats()) if policy is not None and hasattr(policy, "stats") else {}
 
 
+_NOT_THERE = {"frequency_exponent_now": -1.0, "balance_start": -1.0}
+"""The gauges whose 0 is a value (recency; a start at frequency): -1 until a queue with a balance reports them."""
+
+
 def queue_gauges(queues: Any) -> dict[str, float]:
     """Sum of the queues' state (the controller's fields read where the queue has one)."""
-    g = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
-    g["frequency_exponent_now"] = -1.0  # (until a queue with a balance says otherwise)
+    g = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0) | _NOT_THERE
     for q in list(queues):
         g["pool_blocks"] += len(getattr(q, "pool_blocks", ()))
         stats = _queue_stats(q)
@@ -209,7 +212,7 @@ def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dic
                 means.setdefault(k, []).append(float(v))
             elif k in gauges:
                 gauges[k] += float(v)
-    gauges["frequency_exponent_now"] = -1.0
+    gauges |= _NOT_THERE
     for k, vs in means.items():
         gauges[k] = sum(vs) / len(vs)
     if gauges["pool_blocks"]:
@@ -433,7 +436,7 @@ class ClassLatency:
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
-            or scope.get("path") not in _GENERATE_PATHS
+            or route_path(scope) not in _GENERATE_PATHS  # (behind --root-path too, as the access limits)
         ):
             await self.app(scope, receive, send)
             return

@@ -26,8 +26,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvretain.integrations.vllm.access import (
-    ENV_KEYS,
-    ENV_KEYS_FILE,
     PRIORITY_HEADER,
     AccessConfigError,
     AccessDenied,
@@ -35,7 +33,7 @@ from kvretain.integrations.vllm.access import (
     ApiKey,
     Decision,
 )
-from kvretain.integrations.vllm.config import RETENTION_KEYS, load_json
+from kvretain.integrations.vllm.config import ENV_KEYS, ENV_KEYS_FILE, RETENTION_KEYS, load_json, route_path
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -68,10 +66,11 @@ _TYPES = {
 def _announce(policy: AccessPolicy) -> None:
     if policy.is_open:
         logger.warning(
-            "kvretain access limits: no API keys (%s / %s unset): request priorities, retention directives, "
+            "kvretain access limits: no API keys (%s): request priorities, retention directives, "
             "retention scopes and cache salts are open to every client",
-            ENV_KEYS_FILE,
-            ENV_KEYS,
+            f"{ENV_KEYS_FILE} / {ENV_KEYS} unset"
+            if not policy.configured
+            else "the configuration lists none",
         )
     else:
         logger.info(
@@ -209,7 +208,7 @@ class AccessLimits:
             await self.app(scope, receive, send)
             return
         # the route's path behind a path-prefix proxy (--root-path), as vLLM's own API-key check reads it
-        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
+        path = route_path(scope)
         if kind == "websocket":
             await self._websocket(path, scope, receive, send)
             return

@@ -41,9 +41,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvretain.integrations.vllm._runtime import HOOK_ERRORS, logger
+from kvretain.integrations.vllm.config import (
+    ENV_STEP_LOG,  # (the JSONL file the engine core appends its steps
+)
 
-ENV_STEP_LOG = "KVRETAIN_STEP_LOG"
-"""The JSONL file the engine core appends its steps to (unset or empty: no log)."""
+#                                                              to; unset or empty: no log)
 
 FORMAT_KEYS = ("t0", "t1", "reqs", "more")
 

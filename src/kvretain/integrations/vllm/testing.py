@@ -26,8 +26,10 @@ from typing import Any
 
 import pytest
 
-ENV_SKIP = "KVRETAIN_SUITE_SKIP"
-ENV_XFAIL = "KVRETAIN_SUITE_XFAIL"
+from kvretain.integrations.vllm.config import ENV_SUITE_SKIP, ENV_SUITE_XFAIL
+
+ENV_SKIP = ENV_SUITE_SKIP
+ENV_XFAIL = ENV_SUITE_XFAIL
 
 
 def _read_list(path: str, fields: int) -> list[list[str]]:
