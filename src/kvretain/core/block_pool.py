@@ -25,6 +25,7 @@ evictions; nothing is allocated).
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable, Sequence
 
 from kvretain.core.hashing import BlockHash
@@ -97,7 +98,9 @@ class BlockPool:
             raise ValueError(f"policy was built for {policy.num_blocks} blocks, pool has {num_blocks}")
         self.num_blocks = num_blocks
         self.policy = policy
-        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.clock: Callable[[], float] = clock or time.monotonic
+        """Seconds that retention durations are measured in (default ``time.monotonic``; a replay or a simulator
+        passes its own clock)."""
         self._blocks: list[BlockState] = policy.block_states()
         if len(self._blocks) != num_blocks:
             raise ValueError(f"policy offered {len(self._blocks)} block states for {num_blocks} blocks")
@@ -140,9 +143,13 @@ class BlockPool:
         return [b.evictable for b in self._blocks]
 
     def ref_count(self, block_id: int) -> int:
+        if _not_an_id(block_id, self.num_blocks):  # (-1 read the last block's)
+            raise _out_of_range("ref_count", (block_id,), self.num_blocks)
         return self._blocks[block_id].ref_cnt
 
     def hash_of(self, block_id: int) -> BlockHash | None:
+        if _not_an_id(block_id, self.num_blocks):
+            raise _out_of_range("hash_of", (block_id,), self.num_blocks)
         return self._blocks[block_id].block_hash
 
     # ------------------------------------------------------------------ queries
@@ -178,22 +185,22 @@ class BlockPool:
         blocks = self._blocks
         out: list[int] = []
         k = min(n, len(empty))
+        if k < n:  # (read before anything is taken: a bad clock changes nothing)
+            now = self.clock()
+            if now - now != 0.0:  # (NaN and +-inf)
+                raise _clock_error(now)
         for _ in range(k):
             bid = empty.pop()
             blocks[bid].ref_cnt = 1
             out.append(bid)
         if k < n:
-            now = self.clock()
-            if now - now != 0.0:  # (NaN and +-inf)
-                raise _clock_error(now)
             policy = self.policy
             cached = self.cached
             copies = self.copies
             on_evict = self.on_evict
             on_evicted = None if policy.forgets_on_pop else policy.on_evicted
-            batch_hook = self.on_evict_batch
-            hooked = on_evicted is not None or on_evict is not None or batch_hook is not None
-            victim_hashes: list[BlockHash] = []
+            observed = on_evict is not None or self.on_evict_batch is not None
+            victim_hashes: list[BlockHash] = []  # (for the observers, told once the pool is consistent)
             pop = policy.pop
             pop_exposed = policy.pop_exposed
             exposed = NO_PARENT  # the last victim's parent, evictable now and not yet given to the policy
@@ -229,19 +236,37 @@ class BlockPool:
                             exposed = p  # the next pop_exposed hands it over (or evicts it at once)
                         else:
                             policy.expose(p, now)
-                if hooked:
-                    if on_evicted is not None:
-                        on_evicted(bid, h)
-                    if on_evict is not None:
-                        on_evict(bid, h)
-                    if batch_hook is not None:
-                        victim_hashes.append(h)
+                if on_evicted is not None:
+                    on_evicted(bid, h)
+                if observed:
+                    victim_hashes.append(h)
                 out.append(bid)
             self._num_cached_free -= n - k
             self.num_evictions += n - k
-            if batch_hook is not None:
-                batch_hook(out[k:], victim_hashes)
+            if observed:
+                try:
+                    self._observe(out[k:], victim_hashes)
+                except (
+                    BaseException
+                ):  # (an observer failed: the call allocates nothing, the victims are gone)
+                    self._give_back(out)
+                    raise
         return out
+
+    def _observe(self, victims: list[int], hashes: list[BlockHash]) -> None:
+        """Tell the observers (:attr:`on_evict`, :attr:`on_evict_batch`) of evictions the pool has completed."""
+        if self.on_evict is not None:
+            for bid, h in zip(victims, hashes, strict=True):
+                self.on_evict(bid, h)
+        if self.on_evict_batch is not None and victims:
+            self.on_evict_batch(victims, hashes)
+
+    def _give_back(self, out: list[int]) -> None:
+        """Return blocks an allocation took (empty, or emptied by eviction) to the empty list."""
+        blocks = self._blocks
+        for bid in reversed(out):
+            blocks[bid].ref_cnt = 0
+            self._empty.append(bid)
 
     def _uncache(self, h: BlockHash, bid: int) -> None:
         """Drop block ``bid``'s registration under ``h``: the first copy takes the index's place (as vLLM's
@@ -263,14 +288,11 @@ class BlockPool:
         """``get_new_blocks`` found fewer evictable blocks than the free count offered (free blocks held behind an
         in-use descendant): the ``k`` empty blocks taken and the ``evicted`` victims go back to the empty list
         (the victims' content is gone: counted as evictions, and the observers have heard of them)."""
-        blocks = self._blocks
-        for bid in reversed(out):
-            blocks[bid].ref_cnt = 0
-            self._empty.append(bid)
+        self._give_back(out)
         self._num_cached_free -= evicted
         self.num_evictions += evicted
-        if self.on_evict_batch is not None and evicted:
-            self.on_evict_batch(out[k:], hashes)
+        if self.on_evict is not None or self.on_evict_batch is not None:
+            self._observe(out[k:], hashes)
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cache hits (removing free ones from the eviction order). Every block must be
@@ -523,11 +545,6 @@ class BlockPool:
         dropped += [(h, bid) for h, more in self.copies.items() for bid in more]
         for h, bid in dropped:
             self.policy.on_evicted(bid, h)
-            if self.on_evict is not None:
-                self.on_evict(bid, h)
-        if self.on_evict_batch is not None and dropped:
-            self.on_evict_batch([bid for _, bid in dropped], [h for h, _ in dropped])
-        # (dropped from the cache: the observers heard each as an eviction)
         self.num_evictions += len(dropped)
         self.cached.clear()
         self.copies.clear()
@@ -539,6 +556,9 @@ class BlockPool:
             b.evictable = False
         self._empty = list(range(self.num_blocks - 1, -1, -1))
         self._num_cached_free = 0
+        # (dropped from the cache: the observers hear each as an eviction, once the pool is consistent)
+        if dropped and (self.on_evict is not None or self.on_evict_batch is not None):
+            self._observe([bid for _, bid in dropped], [h for h, _ in dropped])
         return True
 
     # ------------------------------------------------------------------ invariants

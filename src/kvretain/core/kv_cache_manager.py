@@ -134,6 +134,18 @@ class KVCacheManager:
         if isinstance(policy, str):
             cfg = config or PolicyConfig(block_size=block_size)
             policy = make_policy(policy, num_blocks, cfg)
+        else:  # a policy built by the caller carries its own config: one given beside it would be ignored
+            if config is not None:
+                raise ValueError(
+                    "config is for a policy named by string; this policy object was built with its own "
+                    "(make_policy(name, num_blocks, config))"
+                )
+            own = getattr(policy, "config", None)
+            if isinstance(own, PolicyConfig) and own.block_size not in (block_size, DEFAULT_BLOCK_SIZE):
+                raise ValueError(
+                    f"the policy's config.block_size ({show_value(own.block_size)}) differs from the manager's "
+                    f"block_size ({show_value(block_size)})"
+                )
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, policy, clock)
         self.hasher = BlockHasher(block_size, hash_algorithm)

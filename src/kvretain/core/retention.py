@@ -495,7 +495,8 @@ class BlockRetention:
     Empty ``priorities`` means every block at ``base_priority`` without expiry (the common case, which the
     pool releases in one batched policy call). Priorities and ``base_priority`` are integers in [0, 100];
     durations are None (no expiry) or seconds >= 0 (``inf``: no expiry, as a directive's); anything else is a
-    :class:`RetentionError` naming the entry.
+    :class:`RetentionError` naming the entry. The two lists are per block index and of one length (blocks past
+    them are at ``base_priority``); ``durations`` left empty beside ``priorities`` means no expiry for each.
     """
 
     priorities: list[int] = field(default_factory=list)
@@ -524,6 +525,13 @@ class BlockRetention:
             if not ok:
                 _refuse_priorities(prios)
         durs = self.durations
+        if len(durs) != len(prios):
+            if durs:  # (a plan's entries were dropped past the shorter list, without a word)
+                raise RetentionError(
+                    f"BlockRetention: priorities and durations are per block, one each: got {len(prios)} "
+                    f"priorities and {len(durs)} durations"
+                )
+            object.__setattr__(self, "durations", durs := [None] * len(prios))  # (no expiry for each)
         if durs and durs.count(None) != len(durs):
             try:
                 distinct = set(durs)  # (a plan holds a few durations, repeated per block)

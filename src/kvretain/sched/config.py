@@ -36,7 +36,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"unknown queue policy {self.policy!r}; choose one of: {', '.join(QUEUE_POLICIES.names())}"
             )
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):  # (a NaN budget scheduled nothing, forever)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("enable_chunked_prefill", "waiting_preempts_running", "reserve_full_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -21,7 +21,9 @@ from collections.abc import Iterator, Sequence
 from typing import overload
 
 from kvretain.core.hashing import ExtraKeys
-from kvretain.core.retention import RetentionConfig
+from kvretain.core.retention import RetentionConfig, check_request_priority, show_value
+
+INF = float("inf")
 
 
 class RequestStatus(enum.IntEnum):
@@ -107,10 +109,20 @@ class Request:
         n = len(prompt_token_ids)
         if n < 1:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        if arrival_time < 0:
-            raise ValueError(f"request {request_id!r}: arrival_time must be >= 0, got {arrival_time}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(
+                f"request {request_id!r}: max_tokens must be an integer >= 1, got {show_value(max_tokens)}"
+            )
+        if (
+            isinstance(arrival_time, bool)
+            or not isinstance(arrival_time, int | float)
+            or not 0 <= arrival_time < INF
+        ):
+            # (a NaN arrival broke the waiting queue's order for every request)
+            raise ValueError(
+                f"request {request_id!r}: arrival_time must be a finite number >= 0, got {show_value(arrival_time)}"
+            )
+        check_request_priority(priority, f"request {request_id!r}: priority")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = n

@@ -54,7 +54,8 @@ class Scheduler:
     ) -> None:
         self.kv = kv
         self.config = config or SchedulerConfig()
-        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.clock: Callable[[], float] = clock or kv.pool.clock
+        """The times stamped on requests (first scheduled, tokens, finish): the cache's clock unless given."""
         self.waiting = make_queue(self.config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,9 +100,16 @@ class Scheduler:
             req.finish_time = self.clock()
             self.num_rejected += 1
             return False
+        try:  # (before the request is queued: one the manager refuses leaves no trace to fail every step)
+            self.kv.on_arrival(req)
+        except (ValueError, TypeError) as e:
+            self.kv.free(req)  # (whatever state the manager began for it)
+            said = str(e)
+            raise type(e)(
+                said if repr(req.request_id) in said else f"request {req.request_id!r}: {said}"
+            ) from None
         self.requests[req.request_id] = req
         self.waiting.add(req)
-        self.kv.on_arrival(req)
         return True
 
     def abort(self, request_id: str) -> Request | None:
@@ -271,7 +279,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests; returns the finished ones."""
+        """Advance computed tokens, append sampled tokens, finish requests; returns the finished ones. Each step's
+        output is applied once, in order, with tokens for the chunks that sample only (the executor's contract,
+        not checked here: a second application would advance the computed tokens again)."""
         now = self.clock()
         reqs = self.requests
         for c in out.chunks:
