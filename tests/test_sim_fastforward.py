@@ -96,3 +96,23 @@ def test_decode_step_time_is_bit_identical_to_step_time() -> None:
             ctxs = [rng.randint(2, 40_000) for _ in range(rng.randint(1, 64))]
             assert cm.decode_step_time(len(ctxs), sum(ctxs)) == cm.step_time((), ctxs)
         assert cm.decode_step_time(0, 0) == 0.0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_arrival_on_a_step_boundary_joins_that_steps_schedule(tmp_path: Any, replicas: int) -> None:
+    # with steps of exactly 0.25 s, b arrives at 1.0 and c at 2.5, each where a planned decode step starts: the
+    # fast-forward started that step before the arrival cut the run, so b waited one step (TTFT 0.5, not 0.25)
+    model = tmp_path / "quarter.toml"
+    model.write_text(
+        "[coefficients]\nstep_overhead_s = 0.25\nper_token_s = 0.0\nper_pair_s = 0.0\nper_sequence_s = 0.0\n"
+    )
+    wl = [
+        WorkloadRequest("a", 0.0, TokenSeq.seeded(1, 100), 20),
+        WorkloadRequest("b", 1.0, TokenSeq.seeded(2, 100), 5),
+        WorkloadRequest("c", 2.5, TokenSeq.seeded(3, 100), 5),
+    ]
+    kw: dict[str, Any] = {"cost_model": str(model), "kv_blocks": 1_000, "replicas": replicas}
+    slow, slow_reqs = run(SimConfig(fast_forward=False, **kw), wl)
+    fast, fast_reqs = run(SimConfig(fast_forward=True, **kw), wl)
+    assert fast_reqs == slow_reqs and fast == slow
+    assert slow_reqs["b"][0][0] == 1.25  # (its first token at the end of the step that starts at its arrival)

@@ -600,3 +600,41 @@ def test_working_set_counts_live_reuse() -> None:
     assert ws.distinct_tokens == 130
     assert ws.reused_tokens == 100 + 100 + 10
     assert Counter(len(c.materialize()) for c in mk[0].prompt.chunks) == Counter({100: 1, 10: 1})
+
+
+def test_time_scale_scales_retention_durations_with_the_pauses() -> None:
+    # --time-scale 3 tripled the agents' tool pauses (up to 30 s) but left their 12 s directive, sized to outlast
+    # a pause: a load sweep changed how well retention covered the pauses, not only the load
+    from kvretain.workloads.sources import WORKLOADS
+
+    base = WORKLOADS.create("multi-tenant", rng=random.Random(4), limit=400)
+    slow = WORKLOADS.create("multi-tenant", rng=random.Random(4), limit=400, time_scale=3.0)
+    assert [r.request_id for r in base] == [r.request_id for r in slow]
+    directed = 0
+    for a, b in zip(base, slow, strict=True):
+        assert b.arrival_s == pytest.approx(a.arrival_s * 3) and b.think_s == pytest.approx(a.think_s * 3)
+        for da, db in zip(a.retention or (), b.retention or (), strict=True):
+            directed += 1
+            assert (db.start, db.end, db.priority) == (da.start, da.end, da.priority)
+            assert db.duration_s == (None if da.duration_s is None else pytest.approx(da.duration_s * 3))
+    assert directed > 0
+
+
+def test_a_trace_at_a_time_scale_scales_its_retention_durations(tmp_path: Path) -> None:
+    line = {
+        "timestamp": 2000,
+        "input_length": 1024,
+        "output_length": 4,
+        "hash_ids": [1, 2],
+        "retention": {
+            "directives": [{"start": 0, "priority": 90, "duration_s": 30}],
+            "decode_priority": 80,
+            "decode_duration_s": 10,
+        },
+    }
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (req,) = load_mooncake(path, time_scale=0.5)
+    assert req.arrival_s == 1.0
+    assert req.retention is not None and req.retention[0].duration_s == 15.0
+    assert req.decode_duration_s == 5.0

@@ -113,7 +113,7 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         "--time-scale",
         type=number(0.0, lo_open=True),
         default=1.0,
-        help="multiply arrival and think times by this (> 0; default 1)",
+        help="multiply arrival and think times, and retention durations with them, by this (> 0; default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     p.add_argument("--open-loop", action="store_true", help="ignore follow-up links: open-loop arrivals")

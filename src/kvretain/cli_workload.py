@@ -151,7 +151,7 @@ def add_subcommands(sub: Any) -> None:
         "--time-scale",
         type=number(0.0, lo_open=True),
         default=1.0,
-        help="multiply arrival and think times (> 0; default 1)",
+        help="multiply arrival and think times, and retention durations with them (> 0; default 1)",
     )
     e.add_argument(
         "--option",

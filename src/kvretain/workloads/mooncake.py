@@ -52,6 +52,8 @@ from kvretain.workloads.request import (
     WorkloadError,
     WorkloadRequest,
     check_scale_and_limit,
+    scaled_directives,
+    scaled_duration,
 )
 from kvretain.workloads.tokens import Chunk, SeededChunk, TokenSeq
 
@@ -498,17 +500,17 @@ def to_workload_request(
     if not math.isfinite(arrival):
         raise TraceError(f"{path}:{rec.line}: field 'timestamp' times --time-scale {time_scale} overflows")
     ret = rec.retention
-    return WorkloadRequest(
+    return WorkloadRequest(  # (times, and retention durations with them, at time_scale: as time_scaled)
         request_id=rec.request_id,
         arrival_s=arrival,
         prompt=TokenSeq(tuple(chunks)),
         output_len=rec.output_length,
         priority=rec.priority,
-        retention=ret.directives or None if ret is not None else None,
+        retention=scaled_directives(ret.directives or None, time_scale) if ret is not None else None,
         session_id=rec.session_id,
         cache_salt=rec.cache_salt,
         block_ids=rec.hash_ids,
         retention_scope=None if ret is None else ret.scope,
         decode_priority=None if ret is None else ret.decode_priority,
-        decode_duration_s=None if ret is None else ret.decode_duration_s,
+        decode_duration_s=None if ret is None else scaled_duration(ret.decode_duration_s, time_scale),
     )

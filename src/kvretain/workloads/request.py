@@ -111,6 +111,34 @@ class WorkloadRequest:
     def prompt_len(self) -> int:
         return len(self.prompt)
 
+    def time_scaled(self, scale: float) -> WorkloadRequest:
+        """This request with its times multiplied by ``scale`` (``--time-scale``): its arrival and think time, and
+        its retention durations with them, so that a directive sized to outlast a pause still does (the shape of
+        the workload kept; only its pace against the engine changes)."""
+        if scale == 1.0:
+            return self
+        return dataclasses.replace(
+            self,
+            arrival_s=self.arrival_s * scale,
+            think_s=self.think_s * scale,
+            retention=scaled_directives(self.retention, scale),
+            decode_duration_s=scaled_duration(self.decode_duration_s, scale),
+        )
+
+
+def scaled_duration(duration_s: float | None, scale: float) -> float | None:
+    """A retention duration at ``--time-scale`` ``scale`` (None, no expiry, stays None)."""
+    return None if duration_s is None else duration_s * scale
+
+
+def scaled_directives(
+    ranges: tuple[RetentionDirective, ...] | None, scale: float
+) -> tuple[RetentionDirective, ...] | None:
+    """Retention directives whose durations are at ``--time-scale`` ``scale``."""
+    if ranges is None or scale == 1.0:
+        return ranges
+    return tuple(dataclasses.replace(d, duration_s=scaled_duration(d.duration_s, scale)) for d in ranges)
+
 
 def check_config(
     config: Any,
@@ -170,7 +198,8 @@ def check_config(
 def scale_and_limit(
     requests: Iterable[WorkloadRequest], time_scale: float = 1.0, limit: int | None = None
 ) -> list[WorkloadRequest]:
-    """Requests sorted by arrival, the first ``limit`` kept, arrival and think times times ``time_scale``.
+    """Requests sorted by arrival, the first ``limit`` kept, their times times ``time_scale``
+    (:meth:`WorkloadRequest.time_scaled`: arrivals, think times and retention durations).
 
     ``time_scale < 1`` compresses the trace (higher load), ``> 1`` stretches it.
     """
@@ -180,10 +209,7 @@ def scale_and_limit(
         ordered = ordered[:limit]
     if time_scale == 1.0:
         return ordered
-    return [
-        dataclasses.replace(r, arrival_s=r.arrival_s * time_scale, think_s=r.think_s * time_scale)
-        for r in ordered
-    ]
+    return [r.time_scaled(time_scale) for r in ordered]
 
 
 @dataclass(frozen=True, slots=True)

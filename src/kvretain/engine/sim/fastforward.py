@@ -77,13 +77,14 @@ class DecodeRun:
             r.extend_planned_output(upto - a, self.T[a + 1 : upto + 1])
             self.applied[i] = upto
 
-    def advance(self, t: float, set_now: Callable[[float], None]) -> None:
-        """Perform the cache events of every step that starts at or before ``t`` (``set_now`` sets the
-        simulation clock the cache reads; the caller restores it)."""
+    def advance(self, t: float, set_now: Callable[[float], None], before: bool = False) -> None:
+        """Perform the cache events of every step that starts at or before ``t`` (``before``: strictly before,
+        for an arrival at ``t``, which the step-by-step loop takes in ahead of the steps that start at its
+        instant); ``set_now`` sets the simulation clock the cache reads; the caller restores it."""
         T, k, events, kv = self.T, self.k, self.events, self.kv
         bs = len(events)
         s = self.scheduled
-        while s < k and T[s] <= t:
+        while s < k and (T[s] < t if before else T[s] <= t):
             s += 1
             idx = events[s % bs]
             if idx:

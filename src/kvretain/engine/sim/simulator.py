@@ -1,8 +1,10 @@
 """Discrete-event simulation of a cluster serving a workload, in virtual time.
 
-Events on one heap: a replica's step completing (kind 0, ties by replica index) is handled before an
-arrival at the same instant (kind 1, ties in push order). A step starts as soon as its replica is idle and has
-work; it is priced by the cost model, and its sampled tokens and finished requests land when it completes.
+Events on one heap: at one instant, arrivals first (ties in push order), then steps that complete (ties by
+replica index), then an idle replica's first schedule (``_ARRIVAL``, ``_STEP``, ``_START`` below): a request
+that arrives at an instant joins the schedule made at that instant. A step starts as soon as its replica is
+idle and has work; it is priced by the cost model, and its sampled tokens and finished requests land when it
+completes.
 
 Fast-forward (``SimConfig.fast_forward``, on by default): runs of decode-only steps are planned at once
 and advanced lazily (:mod:`kvretain.engine.sim.fastforward`); the results are identical to step-by-step
@@ -274,8 +276,8 @@ class Simulation:
         self.requests[req.request_id] = req
         runs = self._runs
         if runs:  # routers read every replica's cache and load: bring runs in flight up to now
-            for r in runs.values():
-                r.advance(now, self._set_now)
+            for r in runs.values():  # (a step starting at this instant starts after the arrival: its schedule
+                r.advance(now, self._set_now, before=True)  # takes the request in, as step by step)
             self.now = now
         rep = fit[self.router.route(req, fit)]
         rep.scheduler.add_request(req)
