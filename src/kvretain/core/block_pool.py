@@ -243,12 +243,10 @@ class BlockPool:
                 out.append(bid)
             self._num_cached_free -= n - k
             self.num_evictions += n - k
-            if observed:
+            if observed:  # (an observer that fails fails the call: nothing allocated, the victims gone)
                 try:
                     self._observe(out[k:], victim_hashes)
-                except (
-                    BaseException
-                ):  # (an observer failed: the call allocates nothing, the victims are gone)
+                except BaseException:
                     self._give_back(out)
                     raise
         return out

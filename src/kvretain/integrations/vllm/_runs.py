@@ -423,9 +423,8 @@ class RunFreeQueue(HookedFreeQueue):
         self.config = config
         cfg = config
         self._threshold = cfg.protect_threshold
-        self._cap = min(
-            cfg.frequency_cap, RUN_MAX_USES
-        )  # (use counts are bytes here; the config refuses more)
+        # (use counts are bytes here: the plugin's config refuses a larger frequency_cap)
+        self._cap = min(cfg.frequency_cap, RUN_MAX_USES)
         self._cost_per_block = rules.cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes

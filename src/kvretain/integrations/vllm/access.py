@@ -527,13 +527,10 @@ class AccessPolicy:
             raise AccessDenied(400, f"{dw}: duration must be a finite number of seconds, got {dur}", dw)
         if dur is not None and dur > self.max_duration_s:
             if not clamp:
-                omit = (
-                    ""
-                    if key is not None and key.max_duration_s is not None
-                    else (
-                        f" (omit {'duration' if dur_where is None else dur_where} to retain without expiry)"
-                    )
-                )  # (a key with a duration limit may not: over it, no duration is refused too)
+                # no expiry is the way out, but for a key with a duration limit (over it, no duration is refused too)
+                limited = key is not None and key.max_duration_s is not None
+                field_name = "duration" if dur_where is None else dur_where
+                omit = "" if limited else f" (omit {field_name} to retain without expiry)"
                 raise AccessDenied(
                     400,
                     f"{dw}: duration {dur:g} s is over this server's limit of {self.max_duration_s:g} s{omit}",

@@ -249,8 +249,8 @@ def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[str]:
     the setting meant would be ignored without a word), with the known name it is closest to."""
     env = os.environ if environ is None else environ
     lines = []
+    tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
     for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in ENV_NAMES):
-        tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
         hint = difflib.get_close_matches(name.removeprefix("KVRETAIN_"), tails, n=1, cutoff=0.6)
         said = f"did you mean {tails[hint[0]]}?" if hint else f"known: {', '.join(ENV_NAMES)}"
         lines.append(f"{show_value(name)} is not a kvretain setting and is ignored ({said})")
