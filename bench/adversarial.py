@@ -38,7 +38,7 @@ Printed per trace, one row per pool: overall ``unified`` / ``lru`` and the hit-b
 paired z over requests (:func:`kvretain.core.policies.evidence.paired_difference`); class 0's ``unified`` /
 ``lru``, hit-block difference, requests that differ and z; the one-class ratio; ``s3fifo`` and ``arc``
 overall; ``unified``'s ``protection_level`` at the end; the claims the cell misses. Then every miss, and
-whether it is resolved (z <= -1.96) or inside the noise: for (b) and (c) the paired difference against
+whether it is resolved (z <= -1.645, one-sided) or inside the noise: for (b) and (c) the paired difference against
 ``lru``, for (a) the per-request difference ``unified - 0.98 x lru``. Last stdout line, JSON:
 ``{"cells": n, "min_overall_vs_lru": r, "cells_below_floor": k, "cells_class0_below_lru": k,
 "cells_class0_below_lru_resolved": k, "one_class_min_vs_lru": r, "one_class_below_lru": k}``.
@@ -87,7 +87,7 @@ FRACTIONS = (0.06, 0.2, 0.45, 0.8)
 """Pool sizes as shares of a trace's distinct blocks: a small pool to a large one."""
 MIN_CAPACITY = 64
 REUSE_FLOOR = grid.REUSE_FLOOR  # claim (a): overall at least 0.98x lru's
-RESOLVED_Z = grid.RESOLVED_Z  # a shortfall is resolved at z <= -1.96
+RESOLVED_Z = grid.RESOLVED_Z  # a shortfall is resolved at z <= -1.645 (one-sided, 5%)
 
 Request = tuple[list[int], int, float]
 """A generated request: its block ids, priority, timestamp in seconds."""
@@ -644,7 +644,7 @@ def analyse(c: dict[str, Any]) -> None:
 def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
     def mn(xs: list[float | None]) -> float | None:
         vals = [x for x in xs if x is not None]
-        return round(min(vals), 4) if vals else None
+        return grid.round_down(min(vals)) if vals else None
 
     return {
         "cells": len(cells),

@@ -724,8 +724,8 @@ def main() -> None:
         for label, us in hook_us.items():
             print(f"    {label:<{width}} {us:8.1f}")
 
-    def ratio(a: float, b: float) -> float:
-        return round(a / b, 4) if b else float("inf")
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 4) if b else None  # (0/0 or a/0: no ratio; inf is not JSON)
 
     result = {
         "class0_hit_tokens_vs_stock": ratio(plug.hit_tokens[0], stock.hit_tokens[0]),

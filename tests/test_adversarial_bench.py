@@ -127,13 +127,13 @@ def test_a_tiny_run_writes_cells_that_agree_with_its_last_line(tmp_path: Path) -
             assert c["classes"] == [0] and "class0" not in c and "oneclass" not in c
         assert set(c["resolved"]) <= set(c["misses"]) <= {"a", "b", "c"}
     ratios = [c["overall_vs_lru"] for c in cells]
-    assert last["min_overall_vs_lru"] == round(min(ratios), 4)
+    assert last["min_overall_vs_lru"] == _round_down(min(ratios))  # (never up: 0.97996 is not 0.98)
     assert last["cells_below_floor"] == sum(r < 0.98 for r in ratios)
     c0 = [c["class0_vs_lru"] for c in cells if "class0" in c]
     assert last["cells_class0_below_lru"] == sum(r < 1.0 for r in c0)
     assert last["cells_class0_below_lru_resolved"] <= last["cells_class0_below_lru"]
     one = [c["oneclass"]["vs_lru"] if "oneclass" in c else c["overall_vs_lru"] for c in cells]
-    assert last["one_class_min_vs_lru"] == round(min(one), 4)
+    assert last["one_class_min_vs_lru"] == _round_down(min(one))
     assert last["one_class_below_lru"] == sum(r < 1.0 for r in one)
     assert "== c0-follows-lag50:" in text and "== oneclass-stack:" in text
 
@@ -148,3 +148,8 @@ def test_the_figures_do_not_depend_on_jobs(tmp_path: Path) -> None:
     (one, last1, _), (two, last2, _) = runs
     assert last1 == last2
     assert one["cells"] == two["cells"] and one["traces"] == two["traces"]
+
+
+def _round_down(x: float) -> float:
+    r = round(x, 4)
+    return round(r - 1e-4, 4) if r > x + 1e-12 else r

@@ -50,6 +50,7 @@ def test_a_paired_difference_is_the_sum_of_per_request_differences_with_its_stan
         "diff_hits": 2,
         "se_hits": round(28**0.5, 3),
         "z": round(2 / 28**0.5, 3),
+        "z_bound": round((2 * 2 / 1) ** 0.5, 3),  # (sqrt(k (n - 1) / (n - k)), k = 2 of n = 3)
     }
 
 

@@ -129,3 +129,14 @@ def test_stock_arrival_work_leaves_stock_replaying_what_it_replays(tmp_path: Pat
     assert not a["stock_arrival_work"] and b["stock_arrival_work"]
     for key in ("stock_hit_tokens", "plugin_hit_tokens", "stock_steps", "stock_preemptions"):
         assert a[key] == b[key], key
+
+
+def test_a_class_that_never_hits_has_no_ratio_and_the_last_line_is_json(tmp_path: Path) -> None:
+    # 0/0 read Infinity: class 1 "infinitely better than stock", and the last line was not JSON
+    res = _bench(_small_trace(tmp_path), "--priority-rule", "none", "--repeats", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    last = json.loads(
+        res.stdout.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} in JSON")
+    )
+    assert last["class1_hit_tokens_vs_stock"] is None
+    assert last["class0_hit_tokens_vs_stock"] is not None

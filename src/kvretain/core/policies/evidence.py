@@ -82,6 +82,15 @@ class PairedDifference:
         return self.diff / self.se if self.se > 0.0 else 0.0
 
     @property
+    def z_bound(self) -> float:
+        """The largest ``|z|`` any differences on ``differ`` of ``requests`` requests can give, whatever their size:
+        ``sqrt(k (n - 1) / (n - k))``, reached when the ``k`` differences are equal (inf when all differ). With
+        few requests differing the test has no power: 3 of hundreds bound ``|z|`` near 1.73, so a loss there can
+        never read as resolved, however many blocks it is."""
+        n, k = self.requests, self.differ
+        return math.sqrt(k * (n - 1) / (n - k)) if k < n else math.inf
+
+    @property
     def relative(self) -> float:
         """``diff / base`` (0 without hits)."""
         return self.diff / self.base if self.base else 0.0
@@ -94,6 +103,7 @@ class PairedDifference:
             "diff_hits": self.diff,
             "se_hits": round(self.se, 3),
             "z": round(self.z, 3),
+            "z_bound": round(self.z_bound, 3) if self.z_bound < math.inf else None,
         }
 
 
