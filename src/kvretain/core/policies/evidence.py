@@ -95,7 +95,7 @@ class PairedDifference:
         """``diff / base`` (0 without hits)."""
         return self.diff / self.base if self.base else 0.0
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | None]:
         return {
             "requests": self.requests,
             "differ": self.differ,
