@@ -49,7 +49,12 @@ def show_value(value: object) -> str:
         if isinstance(value, int):
             return f"<an integer of {value.bit_length()} bits>"
         return f"<a {type(value).__name__} that cannot be shown>"
-    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+    return text if len(text) <= 40 else f"{shortened(text)} ({len(text)} characters)"
+
+
+def shortened(text: str) -> str:
+    """``text``, or its ends around ``...`` when longer than 40 characters (:func:`show_value`'s rule)."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]}"
 
 
 def _check_int(value: object, where: str, name: str, what: str) -> int:

@@ -523,8 +523,7 @@ class AccessPolicy:
         dw = where if dur_where is None else dur_where
         note = f"{where}.duration" if dur_where is None else dur_where
         dur = dv.duration_s
-        if dur is not None and not math.isfinite(dur):
-            raise AccessDenied(400, f"{dw}: duration must be a finite number of seconds, got {dur}", dw)
+        # (an infinite duration never gets here: retention_from_extra_args refuses it, for the engine too)
         if dur is not None and dur > self.max_duration_s:
             if not clamp:
                 # no expiry is the way out, but for a key with a duration limit (over it, no duration is refused too)

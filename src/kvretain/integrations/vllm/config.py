@@ -52,6 +52,7 @@ from kvretain.core.retention import (
     RetentionError,
     check_duration,
     check_priority,
+    shortened,
     show_value,
 )
 
@@ -387,7 +388,7 @@ def unknown_fields_message(unknown: list[str], where: str = "vllm_xargs") -> str
 
 def shown_field(name: str) -> str:
     """A client's field name as an error's ``param``: itself, or its ends (a name of thousands of characters)."""
-    return name if len(name) <= 40 else f"{name[:20]}...{name[-8:]}"
+    return shortened(name)
 
 
 def extra_args_for(retention: RetentionConfig | None) -> dict[str, Any] | None:
