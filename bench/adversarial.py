@@ -3,9 +3,11 @@
 (a) overall hit ratio at least 0.98x lru's, (b) class 0's hit ratio at least lru's class 0, (c) with one class
 (every request at priority 0) overall at least lru's.
 
-    python bench/adversarial.py [NAME ...] [--fractions F ...] [--jobs N] [--no-one-class] [--json FILE]
+    python bench/adversarial.py [NAME ...] [--set adversarial|fresh] [--fractions F ...] [--jobs N] [--no-one-class]
+                                [--json FILE]
     python bench/adversarial.py --list          # the trace names, one line each
     python bench/adversarial.py five-levels-s12 c0-follows-lag200 --no-progress
+    python bench/adversarial.py --set fresh --jobs 2   # session 43's realistic shapes instead
 
 Traces (``[NAME ...]``, default all; generators and seeds fixed when they were first run, in session 36,
 before the controller change that session made; priority 0 is the important class):
@@ -29,6 +31,25 @@ before the controller change that session made; priority 0 is the important clas
   * ``oneclass-alt100`` / ``-alt300`` / ``-alt800`` (and ``-alt100-s41``, ``-s42``, ``-alt800-s41``, ``-s42``):
     one class alternating phases of 100/300/800 requests: frequency's traffic, then recency's.
 
+``--set fresh`` (session 43: realistic shapes fixed before their first run): serving shapes an operator would
+recognise, none built to break a claim, written and committed before any policy ran on them, each at two seeds
+(``NAME-sK``; ``--set fresh --list``); the generators' docstrings give each shape in full:
+  * ``branching-s51`` / ``-s52``: best-of-n / tree search: each turn sent as 2-8 parallel branches (the shared
+    context, then 1-3 blocks of the branch's own); the next turn continues one chosen branch; class 0 ~25% of the
+    sessions.
+  * ``lora-tenants-s53`` / ``-s54``: one 300-document corpus read under 4 LoRA adapters / tenants (a tenant's
+    copy of a document has its own block ids), zipf popularity per tenant; class 0 the premium tenant.
+  * ``code-repo-s55`` / ``-s56``: a team's 30-50 block repo prefix changed by commits (a commit at a random depth
+    changes every block from there on); class 0 bursty interactive completions, class 1 batch review jobs.
+  * ``diurnal-mix-s57`` / ``-s58``: two classes with their own working sets, class 0's share 5% -> 50% -> 5%
+    over the trace, arrivals at a day-like rate.
+  * ``summarize-floods-s59`` / ``-s60``: class 0 multi-turn chat; class 1 light RAG and four short bursts of
+    huge one-off summarization prompts (each burst 30-90% of the pool at 20% of the distinct blocks).
+  * ``agent-loop-s61`` / ``-s62`` (the helper's own shape: agent serving, where a shared tool schema heads
+    every prompt, contexts grow by tool results step by step and are compacted when long): class 0 interactive
+    agents, class 1 longer background ones.
+The default (``--set adversarial``) is session 36's set above, run and printed as before.
+
 Each trace is replayed with ``lru``, ``unified`` (defaults), ``s3fifo`` and ``arc`` at pools sized as
 ``--fractions`` of its distinct blocks (``max(64, round(f * distinct))``). A trace with several classes is
 also replayed relabelled to one class (``unified`` and ``lru``; ``--no-one-class`` skips it); a one-class
@@ -47,6 +68,7 @@ whether it is resolved (z <= -1.645, one-sided) or inside the noise: for (b) and
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import random
@@ -384,6 +406,282 @@ def g_c0_scan_heavy(seed: int = 10) -> list[Request]:
     return out
 
 
+# ----------------------------------------------------------- session 43: realistic shapes (the fresh set)
+# Written and fixed before any policy ran on them (session 43): serving shapes an operator would recognise, none
+# of them built to break a claim nor used to tune anything. Each takes ``seed``, ``n`` (its size: requests, or
+# for summarize-floods the requests besides the floods) and ``notes``: a list that, when given, receives one dict
+# per request saying where it came from (session, turn, tenant, repo version, ...), for the tests.
+Note = dict[str, Any]
+
+
+def _note(notes: list[Note] | None, **what: Any) -> None:
+    if notes is not None:
+        notes.append(what)
+
+
+def _later(t: float, last: float) -> float:
+    """``t``, or just after ``last`` where it is not later (timestamps strictly increase)."""
+    return t if t > last else last + 1e-6
+
+
+def g_branching(seed: int = 51, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """Best-of-n / tree search. A session (a 3-4 block class prompt and a 2-30 block problem) sends each turn as
+    ``b`` parallel branches (2-8, fixed per session): the turn's context, then 1-3 blocks of the branch's own,
+    back to back; its next turn continues one chosen branch (that branch's request + a 1-4 block user turn).
+    Sessions of 1-4 turns, 24 at a time, a turn every ~2.5 s; class 0 is ~25% of the sessions."""
+    rng = random.Random(seed)
+    ids = Ids()
+    prompts = (ids.take(4), ids.take(3))
+    active: list[dict[str, Any]] = []
+    out: list[Request] = []
+    t, sid = 0.0, 0
+    while len(out) < n:
+        while len(active) < 24:
+            cls = 0 if rng.random() < 0.25 else 1
+            ctx = prompts[cls] + ids.take(rng.randint(2, 30))
+            active.append(
+                {
+                    "id": sid,
+                    "cls": cls,
+                    "ctx": ctx,
+                    "turns": rng.randint(1, 4),
+                    "turn": 0,
+                    "b": rng.randint(2, 8),
+                }
+            )
+            sid += 1
+        s = active[rng.randrange(len(active))]
+        t += rng.expovariate(0.4)
+        sufs = [ids.take(rng.randint(1, 3)) for _ in range(s["b"])]
+        for j, suf in enumerate(sufs[: n - len(out)]):
+            t += rng.uniform(0.001, 0.02)
+            out.append((s["ctx"] + suf, s["cls"], t))
+            _note(
+                notes,
+                session=s["id"],
+                turn=s["turn"],
+                branch=j,
+                context=len(s["ctx"]),
+                follows=s.get("follows"),
+            )
+        s["turn"] += 1
+        s["follows"] = rng.randrange(s["b"])
+        if s["turn"] >= s["turns"]:
+            active.remove(s)
+        else:
+            s["ctx"] = s["ctx"] + sufs[s["follows"]] + ids.take(rng.randint(1, 4))
+    return out
+
+
+def g_lora_tenants(seed: int = 53, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """One 300-document corpus (8-40 blocks a document) read under 4 LoRA adapters / tenants: a tenant's copy of
+    a document has its own block ids (the LoRA id or cache_salt enters every block hash, as in vLLM), behind
+    the tenant's 3-block system prompt, then a 1-3 block question. Each tenant its own zipf (s 0.8-1.1) over its
+    own ranking of the corpus (a shared popularity, perturbed per tenant); tenants' shares of the requests
+    20 / 40 / 25 / 15%; class 0 is tenant 0 (the premium one), class 1 the others."""
+    rng = random.Random(seed)
+    ids = Ids()
+    n_docs, shares = 300, (0.2, 0.4, 0.25, 0.15)
+    lengths = [rng.randint(8, 40) for _ in range(n_docs)]
+    sysp = [ids.take(3) for _ in shares]
+    copies = [[ids.take(k) for k in lengths] for _ in shares]  # copies[tenant][doc]: same text, own ids
+    ranks = [
+        sorted(range(n_docs), key=lambda d: math.log(d + 1) + rng.gauss(0.0, 1.0)) for _ in shares
+    ]  # ranks[tenant][i]: the tenant's i-th most popular document
+    picks = [zipf_sampler(rng, n_docs, rng.uniform(0.8, 1.1)) for _ in shares]
+    cum = list(accumulate(shares))
+    out: list[Request] = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(2.0)
+        ten = min(len(shares) - 1, bisect_left(cum, rng.random() * cum[-1]))
+        d = ranks[ten][picks[ten]()]
+        out.append((sysp[ten] + copies[ten][d] + ids.take(rng.randint(1, 3)), 0 if ten == 0 else 1, t))
+        _note(notes, tenant=ten, doc=d, doc_blocks=lengths[d])
+    return out
+
+
+def g_code_repo(seed: int = 55, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """A team's repo context, a 30-50 block prefix, changed by commits (one a minute on average; a commit at a
+    random depth, deeper more often, gives every block from there on new ids, the length moving by up to 2).
+    Class 0 interactive completions in bursts (a developer's 5-25 requests ~0.4 s apart on one open file: the
+    repo prefix, 2-6 blocks of the file from 150 (zipf 1.0), a fresh 1-block cursor suffix; ~65% of the
+    requests); class 1 batch review jobs (10-40 files each, uniform over 1,500, ~1 s apart: the repo prefix, a
+    1-block review instruction, a 4-9 block file)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    length = rng.randint(30, 50)
+    versions = [ids.take(length)]
+    depths = [0]
+    hot = docs(ids, rng, 150, 2, 6)
+    pick_hot = zipf_sampler(rng, len(hot), 1.0)
+    files = docs(ids, rng, 1500, 4, 9)
+    review = ids.take(1)
+    # events: (time, order, kind, state); kinds: commit, burst (class 0), job (class 1)
+    events: list[tuple[float, int, str, list[Any]]] = []
+    order = 0
+
+    def push(at: float, kind: str, state: list[Any]) -> None:
+        nonlocal order
+        heapq.heappush(events, (at, order, kind, state))
+        order += 1
+
+    push(rng.expovariate(1 / 60.0), "commit", [])
+    push(rng.expovariate(0.1), "burst", [])
+    push(rng.expovariate(0.032), "job", [])
+    out: list[Request] = []
+    last = 0.0
+    while len(out) < n:
+        at, _, kind, state = heapq.heappop(events)
+        if kind == "commit":
+            cur = versions[-1]
+            depth = min(len(cur) - 1, int(len(cur) * rng.random() ** 0.5))
+            new_len = min(50, max(30, depth + 1, len(cur) + rng.randint(-2, 2)))
+            versions.append(cur[:depth] + ids.take(new_len - depth))
+            depths.append(depth)
+            push(at + rng.expovariate(1 / 60.0), "commit", [])
+            continue
+        if not state:  # a new burst or job: schedule the next one, and this one's requests
+            push(at + rng.expovariate(0.1 if kind == "burst" else 0.032), kind, [])
+            state = [rng.randint(5, 25), hot[pick_hot()]] if kind == "burst" else [rng.randint(10, 40), None]
+        t = _later(at, last)
+        prefix = versions[-1]
+        if kind == "burst":
+            out.append((prefix + state[1] + ids.take(1), 0, t))
+        else:
+            out.append((prefix + review + files[rng.randrange(len(files))], 1, t))
+        _note(notes, version=len(versions) - 1, depth=depths[-1], prefix=len(prefix))
+        last = t
+        state[0] -= 1
+        if state[0] > 0:
+            push(t + rng.expovariate(2.5 if kind == "burst" else 1.0), kind, state)
+    return out
+
+
+def g_diurnal_mix(seed: int = 57, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """Two classes, each with its own working set behind a 3-block class prompt (class 0: 150 documents, zipf
+    0.9; class 1: 400, zipf 0.8; 6-40 blocks a document; 15% of each class's requests a one-off 6-40 block
+    document), then a 1-3 block question. Class 0's share of the requests drifts 5% -> 50% -> 5% over the
+    trace (a raised cosine of the request index); arrivals at a day-like rate over two days (a raised cosine
+    of the time of day, the peak at 14:00 six times the trough)."""
+    rng = random.Random(seed)
+    ids = Ids()
+    day, r_lo, r_hi = 86400.0, n / (2 * 86400.0) / 3.5, 6 * n / (2 * 86400.0) / 3.5
+    prompts = (ids.take(3), ids.take(3))
+    sets = (docs(ids, rng, 150, 6, 40), docs(ids, rng, 400, 6, 40))
+    picks = (zipf_sampler(rng, 150, 0.9), zipf_sampler(rng, 400, 0.8))
+    out: list[Request] = []
+    t = 0.0
+    for i in range(n):
+        while True:  # thinning: candidates at the peak rate, kept at rate(t) / peak
+            t += rng.expovariate(r_hi)
+            rate = r_lo + (r_hi - r_lo) * 0.5 * (1 - math.cos(2 * math.pi * (t / day - 2 / 24)))
+            if rng.random() * r_hi < rate:
+                break
+        share0 = 0.05 + 0.45 * 0.5 * (1 - math.cos(2 * math.pi * i / n))
+        cls = 0 if rng.random() < share0 else 1
+        d = ids.take(rng.randint(6, 40)) if rng.random() < 0.15 else sets[cls][picks[cls]()]
+        out.append((prompts[cls] + d + ids.take(rng.randint(1, 3)), cls, t))
+        _note(notes, share0=share0)
+    return out
+
+
+def g_summarize_floods(seed: int = 59, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """Class 0 multi-turn chat: sessions (a 4-block system prompt, a 1-6 block first message) of 2-12 turns,
+    each turn's prompt its whole context, each turn adding a 1-4 block exchange (at most 60 blocks), 60
+    sessions at a time. Class 1 a light RAG stream (10% of those requests: 200 documents of 8-30 blocks, zipf
+    0.9, a 1-2 block question) and 4 floods: bursts of one-off 80-330 block summarization prompts behind a
+    1-block instruction, ~0.1 s apart, each burst's new blocks 30-90% of the pool at 20% of the trace's
+    distinct blocks. ``n``: the requests besides the floods."""
+    rng = random.Random(seed)
+    ids = Ids()
+    sysp, rag_p, instr = ids.take(4), ids.take(2), ids.take(1)
+    rag = docs(ids, rng, 200, 8, 30)
+    pick = zipf_sampler(rng, len(rag), 0.9)
+    active: list[dict[str, Any]] = []
+    base: list[tuple[list[int], int, Note]] = []  # the stream besides the floods
+    sid = 0
+    for _ in range(n):
+        if rng.random() < 0.1:
+            base.append((rag_p + rag[pick()] + ids.take(rng.randint(1, 2)), 1, {"kind": "rag"}))
+            continue
+        while len(active) < 60:
+            active.append({"id": sid, "ctx": sysp + ids.take(rng.randint(1, 6)), "turns": rng.randint(2, 12)})
+            sid += 1
+        s = active[rng.randrange(len(active))]
+        base.append((s["ctx"], 0, {"kind": "chat", "session": s["id"]}))
+        s["turns"] -= 1
+        grow = rng.randint(1, 4)
+        if s["turns"] == 0 or len(s["ctx"]) + grow > 60:
+            active.remove(s)
+        else:
+            s["ctx"] = s["ctx"] + ids.take(grow)
+    # the floods: shares u of the 20% pool; F new blocks in all solves F = sum(u) x 0.2 x (D + F)
+    n_bursts, pool_share = 4, 0.2
+    shares = [rng.uniform(0.3, 0.9) for _ in range(n_bursts)]
+    distinct = len({b for blocks, _, _ in base for b in blocks}) + len(instr)
+    total = distinct / (1 - pool_share * sum(shares))
+    at = sorted(rng.sample(range(n // 10, n), n_bursts))
+    bursts: dict[int, list[list[int]]] = {}
+    for u, pos in zip(shares, at, strict=True):
+        left, prompts = round(u * pool_share * total), []
+        while left > 0:
+            size = min(rng.randint(80, 250), left)
+            size = left if left - size < 80 else size
+            prompts.append(instr + ids.take(size))
+            left -= size
+        bursts[pos] = prompts
+    out: list[Request] = []
+    t = 0.0
+    for i, (blocks, cls, note) in enumerate(base):
+        for j, p in enumerate(bursts.get(i, [])):
+            t += rng.uniform(0.05, 0.15)
+            out.append((p, 1, t))
+            _note(notes, kind="flood", burst=at.index(i), prompt=j)
+        t += rng.expovariate(2.0)
+        out.append((blocks, cls, t))
+        _note(notes, **note)
+    return out
+
+
+def g_agent_loop(seed: int = 61, n: int = 5000, notes: list[Note] | None = None) -> list[Request]:
+    """Tool-using agents with context compaction: every task's prompt starts with a 12-block system prompt and
+    tool schema shared by all, then a 4-block class toolset, a 2-8 block task; each step's prompt is the whole
+    context, and each step adds the model's 1-block tool call and a 1-8 block tool result; past 60 blocks the
+    context is compacted (the prefix, the task and a fresh 3-6 block summary; the history is never read
+    again). Class 0 interactive agents (30% of the tasks, 5-15 steps), class 1 background agents (15-40
+    steps); 40 tasks at a time, a step every ~0.5 s."""
+    rng = random.Random(seed)
+    ids = Ids()
+    shared = ids.take(12)
+    tools = (ids.take(4), ids.take(4))
+    active: list[dict[str, Any]] = []
+    out: list[Request] = []
+    t, tid = 0.0, 0
+    while len(out) < n:
+        while len(active) < 40:
+            cls = 0 if rng.random() < 0.3 else 1
+            head = shared + tools[cls] + ids.take(rng.randint(2, 8))
+            steps = rng.randint(5, 15) if cls == 0 else rng.randint(15, 40)
+            active.append({"id": tid, "cls": cls, "head": head, "ctx": head, "steps": steps, "step": 0})
+            tid += 1
+        s = active[rng.randrange(len(active))]
+        t += rng.expovariate(2.0)
+        out.append((s["ctx"], s["cls"], t))
+        _note(notes, task=s["id"], step=s["step"], head=len(s["head"]), compacted=s.get("compacted", False))
+        s["step"] += 1
+        s["compacted"] = False
+        if s["step"] >= s["steps"]:
+            active.remove(s)
+            continue
+        grown = s["ctx"] + ids.take(1) + ids.take(rng.randint(1, 8))
+        if len(grown) > 60:
+            grown = s["head"] + ids.take(rng.randint(3, 6))
+            s["compacted"] = True
+        s["ctx"] = grown
+    return out
+
+
 Generator = Callable[[], list[Request]]
 
 TRACES: dict[str, tuple[Generator, str]] = {
@@ -479,10 +777,60 @@ TRACES: dict[str, tuple[Generator, str]] = {
 }
 """Trace name -> (generator, one-line description)."""
 
+FRESH_SHAPES: dict[str, tuple[Callable[..., list[Request]], tuple[int, int], str]] = {
+    "branching": (
+        g_branching,
+        (51, 52),
+        "best-of-n: each turn sent as 2-8 branches (shared context + 1-3 own blocks), next turn continues one; "
+        "class 0 25% of sessions",
+    ),
+    "lora-tenants": (
+        g_lora_tenants,
+        (53, 54),
+        "a 300-doc corpus read under 4 LoRA tenants (own block ids per tenant), zipf per tenant; class 0 the "
+        "premium tenant (20%)",
+    ),
+    "code-repo": (
+        g_code_repo,
+        (55, 56),
+        "a 30-50 block repo prefix changed by commits at random depths; class 0 bursty completions, class 1 "
+        "batch reviews of 1,500 files",
+    ),
+    "diurnal-mix": (
+        g_diurnal_mix,
+        (57, 58),
+        "two classes with own working sets, class 0's share 5% -> 50% -> 5% over the trace; day-like arrival "
+        "rate over two days",
+    ),
+    "summarize-floods": (
+        g_summarize_floods,
+        (59, 60),
+        "class 0 multi-turn chat; class 1 light RAG and 4 bursts of one-off 80-330 block prompts, each 30-90% "
+        "of the 20% pool",
+    ),
+    "agent-loop": (
+        g_agent_loop,
+        (61, 62),
+        "tool-using agents: a shared 12-block tool prefix, contexts grown per step, compacted past 60 blocks; "
+        "class 0 interactive",
+    ),
+}
+"""Session 43's shapes: name -> (generator, its two seeds, one-line description)."""
+
+FRESH: dict[str, tuple[Generator, str]] = {
+    f"{shape}-s{k}": (partial(gen, seed=k), f"{what} (seed {k})")
+    for shape, (gen, seeds, what) in FRESH_SHAPES.items()
+    for k in seeds
+}
+"""The fresh set (``--set fresh``; session 43): trace name -> (generator, one-line description)."""
+
+SETS: dict[str, dict[str, tuple[Generator, str]]] = {"adversarial": TRACES, "fresh": FRESH}
+"""``--set`` -> its traces (``adversarial``, session 36's, is the default)."""
+
 
 def generate(name: str) -> list[Request]:
     """The named trace's requests (block ids, priority, timestamp_s), from its own seeded ``random.Random``."""
-    return TRACES[name][0]()
+    return (TRACES[name] if name in TRACES else FRESH[name])[0]()
 
 
 def build(name: str, limit: int | None = None) -> list[ReplayRequest]:
@@ -783,26 +1131,35 @@ def build_parser() -> Parser:
     ap.add_argument(
         "--list", action="store_true", help="print the trace names with their descriptions and exit"
     )
+    ap.add_argument(
+        "--set",
+        choices=list(SETS),
+        default="adversarial",
+        help="the traces: session 36's adversarial set, or session 43's realistic shapes fixed before their "
+        "first run (fresh)",
+    )
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    catalogue = SETS[args.set]
     if args.list:
-        width = max(map(len, TRACES))
-        for name, (_, what) in TRACES.items():
+        width = max(map(len, catalogue))
+        for name, (_, what) in catalogue.items():
             print(f"{name:<{width}}  {what}")
         return 0
     try:
-        unknown = [n for n in args.names if n not in TRACES]
+        unknown = [n for n in args.names if n not in catalogue]
         if unknown:
-            raise ValueError(f"unknown trace {unknown[0]!r} (see {PROG} --list)")
+            see = f"{PROG} --list" if args.set == "adversarial" else f"{PROG} --set {args.set} --list"
+            raise ValueError(f"unknown trace {unknown[0]!r} (see {see})")
         if args.json:
             check_output_file(args.json, "--json")  # before the cells run, not after
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    names = list(dict.fromkeys(args.names)) or list(TRACES)
+    names = list(dict.fromkeys(args.names)) or list(catalogue)
     fractions = list(dict.fromkeys(args.fractions))
     jobs = [
         Job(name, i, f, not args.no_one_class, args.limit) for i, name in enumerate(names) for f in fractions
@@ -826,14 +1183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         mine = [c for c in cells if c["trace"] == name]
         first = mine[0]
         traces[name] = {
-            "description": TRACES[name][1],
+            "description": catalogue[name][1],
             "requests": first["requests"],
             "lookups": first["blocks"],
             "distinct": first["distinct"],
             "classes": first["classes"],
         }
         print(
-            f"\n== {name}: {TRACES[name][1]}\n   {first['requests']} requests, {first['blocks']} block lookups, "
+            f"\n== {name}: {catalogue[name][1]}\n   {first['requests']} requests, {first['blocks']} block lookups, "
             f"{first['distinct']} distinct blocks, classes {','.join(map(str, first['classes']))}"
         )
         print(trace_table(mine))
@@ -849,6 +1206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "limit": args.limit,
                 "policies": list(POLICIES),
                 "block_tokens": BLOCK_TOKENS,
+                **({} if args.set == "adversarial" else {"set": args.set}),
             },
             "traces": traces,
             "cells": cells,
