@@ -14,19 +14,23 @@ A cell is the grid's (``robustness.run_job``, kind ``cell``, policies ``lru`` an
 defaults): both replays, the isolation reference, class 0 compared request by request; the same verdicts
 (``robustness.analyse_cell``: target, floor, class 0 below lru; resolved at z <= -1.645, one-sided).
 
-Printed: one row per workload x rule x capacity (cells; class 0 below lru, of them resolved; class 0's ratio to
-lru's, lowest and median; the lowest overall ratio; targets met), then every resolved loss and every floor miss.
-What chance alone gives: a cell where ``unified`` and ``lru`` were equal in distribution would read resolved with
-probability at most 5%, so resolved losses on far fewer than 5% of the cells are not evidence of a systematic one.
+Printed: one row per configuration, workload x rule x capacity (cells; class 0 below lru, of them resolved;
+class 0's ratio to lru's, lowest and median; the lowest overall ratio; targets met; class 0's hit-block
+difference summed over the draws, with its pooled z), then every resolved loss and every floor miss.
+Reading it: where ``unified`` and ``lru`` tie, a cell reads resolved about 5% of the time, so a handful of resolved
+cells among many is what ties alone give; a systematic loss on one configuration shows in the pooled z (the
+draws are independent, so their differences add and so do their variances) even where no single draw resolves it.
 A trace is generated in the worker (``kvretain workload export NAME --seed S`` writes the same file) and not kept.
 
 Last stdout line, JSON: ``{"cells": n, "min_overall_vs_lru": r, "cells_class0_target_met": k,
-"cells_class0_below_lru": k, "cells_class0_below_lru_resolved": k, "min_class0_vs_lru": r}``.
+"cells_class0_below_lru": k, "cells_class0_below_lru_resolved": k, "min_class0_vs_lru": r, "configurations": k,
+"configurations_class0_below_lru_resolved": k}``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import sys
@@ -56,7 +60,7 @@ WORKLOAD_NAMES = ("multi-tenant", "agent-pauses", "retrieval-scan", "template-dr
 SEEDS = (100, 119)
 CAPACITIES = tuple(grid.CAPACITIES)
 POLICIES = ("lru", "unified")
-CHANCE = 0.05  # a tie reads resolved at most this often (grid.RESOLVED_Z is one-sided at 5%)
+CHANCE = 0.05  # a tie reads resolved about this often (grid.RESOLVED_Z is one-sided at 5%)
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,26 @@ def seed_range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def pooled(cells: list[dict[str, Any]]) -> tuple[int, float | None]:
+    """Class 0's hit-block difference (``unified - lru``) summed over the cells (independent draws of one
+    configuration) and its z: the sum over the square root of the summed variances (None: no variance)."""
+    ps = [c["class0_paired"] for c in cells if c.get("class0_paired")]
+    diff = sum(p["diff_hits"] for p in ps)
+    var = sum(p["se_hits"] ** 2 for p in ps)
+    return diff, (diff / math.sqrt(var) if var > 0 else None)
+
+
+def groups(cells: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    """The cells by configuration: workload, rule, capacity (the draws of one configuration together)."""
+    out: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for c in sorted(cells, key=lambda c: (c["workload"], c["rule"], c["capacity"], c["seed"])):
+        out.setdefault((c["workload"], c["rule"], c["capacity"]), []).append(c)
+    return out
+
+
 def _row(cells: list[dict[str, Any]]) -> dict[str, str]:
     s = summarise(cells)
+    diff, z = pooled(cells)
     c0 = [c["class0_vs_lru"] for c in cells if c["class0_vs_lru"] is not None]
     return {
         "cells": str(s["cells"]),
@@ -113,6 +135,7 @@ def _row(cells: list[dict[str, Any]]) -> dict[str, str]:
         "c0/lru median": grid._num(statistics.median(c0) if c0 else None, ".4f"),
         "overall/lru min": grid._num(s["min_overall_vs_lru"], ".4f"),
         "target met": str(s["cells_class0_target_met"]),
+        "c0 pooled diff (z)": f"{diff:+d} ({grid._num(z, '+.2f')})",
     }
 
 
@@ -128,6 +151,7 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
     below = [c for c in cells if grid.MISS_CLASS0 in c["misses"]]
+    zs = [pooled(g)[1] for g in groups(cells).values()]
 
     def mn(key: str) -> float | None:
         vals = [c[key] for c in cells if c[key] is not None]
@@ -140,11 +164,15 @@ def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
         "cells_class0_below_lru": len(below),
         "cells_class0_below_lru_resolved": sum(1 for c in below if grid._resolved(c.get("class0_paired"))),
         "min_class0_vs_lru": mn("class0_vs_lru"),
+        "configurations": len(zs),
+        "configurations_class0_below_lru_resolved": sum(
+            1 for z in zs if z is not None and z <= -grid.RESOLVED_Z
+        ),
     }
 
 
 def listing(cells: list[dict[str, Any]]) -> list[str]:
-    """Every resolved class-0 loss and every floor miss, one line each, with the command that re-runs it."""
+    """Every resolved class-0 loss and every floor miss, one line each."""
     out = []
     for c in sorted(cells, key=lambda c: (c["workload"], c["seed"], c["rule"], c["capacity"])):
         resolved = grid.MISS_CLASS0 in c["misses"] and grid._resolved(c.get("class0_paired"))
@@ -220,7 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    cells = [c for got in grid.run_all(draws, n_proc, not args.no_progress, fn=run_draw) for c in got]
+    cells = [
+        c
+        for got in grid.run_all(draws, n_proc, not args.no_progress, fn=run_draw, desc="traces")
+        for c in got
+    ]
     wall = time.perf_counter() - t0
     for c in cells:
         grid.analyse_cell(c)
@@ -229,12 +261,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = listing(cells)
     print(
         f"\n{summary['cells']} cells in {wall / 60:.1f} min: class 0 below lru on {summary['cells_class0_below_lru']}, "
-        f"resolved (z <= -{grid.RESOLVED_Z}) on {summary['cells_class0_below_lru_resolved']}; a tie reads resolved "
-        f"on at most {CHANCE:.0%} of cells ({CHANCE * len(cells):.0f} of {len(cells)}). Resolved losses and floor "
-        f"misses ({len(lines)}):"
+        f"resolved (z <= -{grid.RESOLVED_Z}) on {summary['cells_class0_below_lru_resolved']}; ties alone read "
+        f"resolved on about {CHANCE:.0%} of the cells they hold ({CHANCE * len(cells):.0f} of {len(cells)}). "
+        f"Resolved losses and floor misses ({len(lines)}):"
     )
     for line in lines or ["  none"]:
         print(line)
+    print(
+        f"configurations (workload x rule x capacity) whose class 0 is below lru over all their draws, resolved "
+        f"(pooled z <= -{grid.RESOLVED_Z}): {summary['configurations_class0_below_lru_resolved']} of "
+        f"{summary['configurations']}"
+    )
+    print(
+        "re-run one cell with every policy: kvretain workload export NAME --seed S --out F.jsonl && "
+        "python bench/robustness.py --trace F.jsonl --capacities N"
+    )
     if args.json:
         doc = {
             "config": {

@@ -943,12 +943,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_all(
-    jobs: Sequence[Any], n_proc: int, progress: bool, fn: Callable[[Any], dict[str, Any]] = run_job
-) -> list[dict[str, Any]]:
-    """``fn`` (default :func:`run_job`) of every job, over ``n_proc`` processes, with a progress bar."""
+    jobs: Sequence[Any],
+    n_proc: int,
+    progress: bool,
+    fn: Callable[[Any], Any] = run_job,
+    desc: str = "cells",
+) -> list[Any]:
+    """``fn`` (default :func:`run_job`) of every job, over ``n_proc`` processes, with a progress bar (``desc``)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(jobs), desc="cells", unit="job", file=sys.stderr, disable=not progress, smoothing=0)
+    bar = tqdm(total=len(jobs), desc=desc, unit="job", file=sys.stderr, disable=not progress, smoothing=0)
     results = []
     if n_proc == 1:
         for j in jobs:
