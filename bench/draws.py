@@ -2,14 +2,15 @@
 seeds no development step looked at?
 
     python bench/draws.py [--workloads NAME ...] [--seeds 100-119] [--capacities N ...] [--jobs N] [--json FILE]
-    python bench/draws.py --workloads multi-tenant --seeds 100-109 --capacities 2972   # a quick look (1 min)
+    python bench/draws.py --workloads multi-tenant --seeds 100-109 --capacities 2972   # a quick look (~20 s)
 
 The robustness grid (bench/robustness.py) holds each generated workload at a few seeds (0-4; held out 5-7), so
 of a cell where class 0 ends below ``lru``'s it can only say whether that one loss is resolved. This bench asks
 how often it happens: each workload (default: the grid's ``multi-tenant``, ``agent-pauses`` and
 ``retrieval-scan`` and the held-out ``template-drift``, at their default settings) at every seed of ``--seeds``
-(default 100-119: no session before 44 ran a seed above 62 of any generator), under the grid's four priority
-rules, at ``--capacities`` (default the grid's 8, 500-32,000 blocks): 2,560 cells, ~30 min on 2 processes.
+(default 100-119: no session before 44 ran any of these generators at a seed above 7), under the grid's four
+priority rules, at ``--capacities`` (default the grid's 8, 500-32,000 blocks): 2,560 cells, ~25 min on 2
+processes.
 A cell is the grid's (``robustness.run_job``, kind ``cell``, policies ``lru`` and ``unified`` with the
 defaults): both replays, the isolation reference, class 0 compared request by request; the same verdicts
 (``robustness.analyse_cell``: target, floor, class 0 below lru; resolved at z <= -1.645, one-sided).
