@@ -23,9 +23,17 @@ cells among many is what ties alone give; a systematic loss on one configuration
 draws are independent, so their differences add and so do their variances) even where no single draw resolves it.
 A trace is generated in the worker (``kvretain workload export NAME --seed S`` writes the same file) and not kept.
 
+``--one-class`` adds the grid's one-class run of every trace at every capacity (every request at priority 0, no
+directives: ``lru``, ``s3fifo``, ``arc``, ``unified``): acceptance 2 across the draws, one row per workload x
+capacity (runs; ``unified`` below lru, of them resolved over every request; its ratio to lru's, lowest and median;
+runs where it is at least the better of ``s3fifo`` and ``arc``; the pooled difference and z). ``--rules`` with no
+rule runs those alone.
+
 Last stdout line, JSON: ``{"cells": n, "min_overall_vs_lru": r, "cells_class0_target_met": k,
 "cells_class0_below_lru": k, "cells_class0_below_lru_resolved": k, "min_class0_vs_lru": r, "configurations": k,
-"configurations_class0_below_lru_resolved": k}``.
+"configurations_class0_below_lru_resolved": k}``, with ``--one-class`` also ``"one_class_runs": n,
+"one_class_min_vs_lru": r, "one_class_below_lru": k, "one_class_below_lru_resolved": k,
+"one_class_configurations_below_lru_resolved": k, "one_class_at_least_rivals": k``.
 """
 
 from __future__ import annotations
@@ -73,11 +81,13 @@ class Draw:
     capacities: tuple[int, ...]
     rules: tuple[str, ...]
     rule_seed: int = 0  # the random session rules' seed (``--seed``, as the grid's)
+    one_class: bool = False  # also the grid's one-class run at every capacity (``--one-class``)
 
 
 def run_draw(draw: Draw) -> list[dict[str, Any]]:
-    """The grid's cells of one draw (its trace written to a temporary file and read back through the one trace
-    parser, as the grid reads its generated traces); the process's trace caches are emptied after."""
+    """The grid's cells of one draw, and its one-class runs (their ``kind`` says which; the trace written to a
+    temporary file and read back through the one trace parser, as the grid reads its generated traces); the
+    process's trace caches are emptied after."""
     with tempfile.TemporaryDirectory(prefix="kvretain-draws-") as tmp:
         path = Path(tmp) / f"{draw.workload}-s{draw.seed}.jsonl"
         write_mooncake(WORKLOADS.create(draw.workload, rng=random.Random(draw.seed)), path, grid.BLOCK_TOKENS)
@@ -88,6 +98,12 @@ def run_draw(draw: Draw) -> list[dict[str, Any]]:
                 for rule in draw.rules
                 for cap in draw.capacities
             ]
+            if draw.one_class:
+                one = tuple(grid.ONE_CLASS_POLICIES)
+                cells += [
+                    grid.run_job(grid.Job("one-class", trace, "one-class", cap, one, ()))
+                    for cap in draw.capacities
+                ]
         finally:
             grid._LOADED.clear()
             grid._TAGGED.clear()
@@ -108,10 +124,11 @@ def seed_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def pooled(cells: list[dict[str, Any]]) -> tuple[int, float | None]:
-    """Class 0's hit-block difference (``unified - lru``) summed over the cells (independent draws of one
-    configuration) and its z: the sum over the square root of the summed variances (None: no variance)."""
-    ps = [c["class0_paired"] for c in cells if c.get("class0_paired")]
+def pooled(cells: list[dict[str, Any]], key: str = "class0_paired") -> tuple[int, float | None]:
+    """The hit-block difference (``unified - lru``: class 0's, or every request's with ``key`` ``paired``, a
+    one-class run's) summed over the cells (independent draws of one configuration) and its z: the sum over the
+    square root of the summed variances (None: no variance)."""
+    ps = [c[key] for c in cells if c.get(key)]
     diff = sum(p["diff_hits"] for p in ps)
     var = sum(p["se_hits"] ** 2 for p in ps)
     return diff, (diff / math.sqrt(var) if var > 0 else None)
@@ -188,6 +205,49 @@ def listing(cells: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def one_class_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance 2's figures over the one-class runs: ``unified`` against ``lru`` (each run's paired verdict,
+    and each configuration's pooled one) and against the better of ``s3fifo`` and ``arc``."""
+    below = [r for r in runs if r["vs_lru"] is not None and r["vs_lru"] < 1.0]
+    zs = [pooled(g, "paired")[1] for g in groups(runs).values()]
+    ratios = [r["vs_lru"] for r in runs if r["vs_lru"] is not None]
+    return {
+        "one_class_runs": len(runs),
+        "one_class_min_vs_lru": grid.round_down(min(ratios)) if ratios else None,
+        "one_class_below_lru": len(below),
+        "one_class_below_lru_resolved": sum(1 for r in below if grid._resolved(r.get("paired"))),
+        "one_class_configurations_below_lru_resolved": sum(
+            1 for z in zs if z is not None and z <= -grid.RESOLVED_Z
+        ),
+        "one_class_at_least_rivals": sum(1 for r in runs if _beats_rivals(r)),
+    }
+
+
+def _beats_rivals(run: dict[str, Any]) -> bool:
+    return all(run["unified"]["overall"] >= run[p]["overall"] for p in ("s3fifo", "arc") if p in run)
+
+
+def one_class_table(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for (w, _, cap), g in groups(runs).items():
+        s = one_class_summary(g)
+        diff, z = pooled(g, "paired")
+        ratios = [r["vs_lru"] for r in g if r["vs_lru"] is not None]
+        rows.append(
+            {
+                "workload": w,
+                "blocks": str(cap),
+                "runs": str(s["one_class_runs"]),
+                "u<lru (resolved)": f"{s['one_class_below_lru']} ({s['one_class_below_lru_resolved']})",
+                "u/lru min": grid._num(s["one_class_min_vs_lru"], ".4f"),
+                "u/lru median": grid._num(statistics.median(ratios) if ratios else None, ".4f"),
+                "u >= s3fifo, arc": str(s["one_class_at_least_rivals"]),
+                "pooled diff (z)": f"{diff:+d} ({grid._num(z, '+.2f')})",
+            }
+        )
+    return grid.format_table(rows)
+
+
 def build_parser() -> Parser:
     ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
     ap.add_argument(
@@ -210,10 +270,17 @@ def build_parser() -> Parser:
     )
     ap.add_argument(
         "--rules",
-        nargs="+",
+        nargs="*",
         choices=["native", *grid.RULES],
         default=["native", *grid.RULES],
-        help="priority rules (the grid's: the workload's own, and its three session rules)",
+        help="priority rules (the grid's: the workload's own, and its three session rules; none: no two-class "
+        "cells, with --one-class)",
+    )
+    ap.add_argument(
+        "--one-class",
+        action="store_true",
+        help="also every trace relabelled to one class at every capacity (the grid's one-class run: lru, s3fifo, "
+        "arc, unified): acceptance 2 across the draws",
     )
     grid.add_run_options(ap)
     ap.add_argument(
@@ -231,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         lo, hi = seed_range(args.seeds)
+        if not args.rules and not args.one_class:
+            raise ValueError("argument --rules: no rule and no --one-class: nothing to run")
         if args.json:
             grid.check_json_output(args.json)
     except ValueError as exc:
@@ -238,41 +307,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     caps = tuple(dict.fromkeys(args.capacities))
     rules = tuple(dict.fromkeys(args.rules))
-    draws = [
-        Draw(w, s, caps, rules, args.seed) for w in dict.fromkeys(args.workloads) for s in range(lo, hi + 1)
-    ]
+    names = tuple(dict.fromkeys(args.workloads))
+    draws = [Draw(w, s, caps, rules, args.seed, args.one_class) for w in names for s in range(lo, hi + 1)]
     n_proc = min(args.jobs, len(draws))
     print(
-        f"{PROG}: {len(draws)} traces ({', '.join(dict.fromkeys(args.workloads))} at seeds {lo}-{hi}) x "
-        f"{len(rules)} rules x {len(caps)} capacities = {len(draws) * len(rules) * len(caps)} cells on "
-        f"{n_proc} processes",
+        f"{PROG}: {len(draws)} traces ({', '.join(names)} at seeds {lo}-{hi}) x {len(rules)} rules x {len(caps)} "
+        f"capacities = {len(draws) * len(rules) * len(caps)} cells"
+        + (f", and {len(draws) * len(caps)} one-class runs" if args.one_class else "")
+        + f", on {n_proc} processes",
         flush=True,
     )
     t0 = time.perf_counter()
-    cells = [
+    results = [
         c
         for got in grid.run_all(draws, n_proc, not args.no_progress, fn=run_draw, desc="traces")
         for c in got
     ]
     wall = time.perf_counter() - t0
+    cells = [c for c in results if c["kind"] == "cell"]
+    runs = [c for c in results if c["kind"] == "one-class"]
     for c in cells:
         grid.analyse_cell(c)
-    print(table(cells))
+    for r in runs:
+        r["vs_lru"] = grid.ratio(r["unified"]["overall"], r["lru"]["overall"])
     summary = summarise(cells)
-    lines = listing(cells)
-    print(
-        f"\n{summary['cells']} cells in {wall / 60:.1f} min: class 0 below lru on {summary['cells_class0_below_lru']}, "
-        f"resolved (z <= -{grid.RESOLVED_Z}) on {summary['cells_class0_below_lru_resolved']}; ties alone read "
-        f"resolved on about {CHANCE:.0%} of the cells they hold ({CHANCE * len(cells):.0f} of {len(cells)}). "
-        f"Resolved losses and floor misses ({len(lines)}):"
-    )
-    for line in lines or ["  none"]:
-        print(line)
-    print(
-        f"configurations (workload x rule x capacity) whose class 0 is below lru over all their draws, resolved "
-        f"(pooled z <= -{grid.RESOLVED_Z}): {summary['configurations_class0_below_lru_resolved']} of "
-        f"{summary['configurations']}"
-    )
+    print(f"{len(draws)} traces in {wall / 60:.1f} min")
+    if cells:
+        lines = listing(cells)
+        print(table(cells))
+        print(
+            f"\n{summary['cells']} cells: class 0 below lru on {summary['cells_class0_below_lru']}, resolved (z <= "
+            f"-{grid.RESOLVED_Z}) on {summary['cells_class0_below_lru_resolved']}; ties alone read resolved on "
+            f"about {CHANCE:.0%} of the cells they hold ({CHANCE * len(cells):.0f} of {len(cells)}). Resolved "
+            f"losses and floor misses ({len(lines)}):"
+        )
+        for line in lines or ["  none"]:
+            print(line)
+        print(
+            f"configurations (workload x rule x capacity) whose class 0 is below lru over all their draws, "
+            f"resolved (pooled z <= -{grid.RESOLVED_Z}): {summary['configurations_class0_below_lru_resolved']} "
+            f"of {summary['configurations']}"
+        )
+    if runs:
+        one = one_class_summary(runs)
+        summary.update(one)
+        print("\n-- one class (every request priority 0, no directives): unified against lru, s3fifo and arc")
+        print(one_class_table(runs))
+        print(
+            f"one class: unified below lru in {one['one_class_below_lru']} of {len(runs)} runs, resolved in "
+            f"{one['one_class_below_lru_resolved']}; configurations (workload x capacity) below lru over their "
+            f"draws, resolved: {one['one_class_configurations_below_lru_resolved']}; at least the better of "
+            f"s3fifo and arc in {one['one_class_at_least_rivals']}"
+        )
+        for r in sorted(runs, key=lambda r: (r["workload"], r["capacity"], r["seed"])):
+            if r["vs_lru"] is not None and r["vs_lru"] < 1.0 and grid._resolved(r.get("paired")):
+                print(
+                    f"  {r['workload']} seed {r['seed']} {r['capacity']}: {r['vs_lru']:.4f}x lru; "
+                    f"{grid.shortfall(r.get('paired'))}"
+                )
     print(
         "re-run one cell with every policy: kvretain workload export NAME --seed S --out F.jsonl && "
         "python bench/robustness.py --trace F.jsonl --capacities N"
@@ -284,8 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "capacities": list(caps),
                 "rules": list(rules),
                 "rule_seed": args.seed,
+                "one_class": args.one_class,
             },
             "cells": cells,
+            "one_class": runs,
             "wall_s": round(wall, 1),
             "summary": summary,
         }

@@ -23,6 +23,14 @@ KEYS = [
     "configurations",
     "configurations_class0_below_lru_resolved",
 ]
+ONE_KEYS = [
+    "one_class_runs",
+    "one_class_min_vs_lru",
+    "one_class_below_lru",
+    "one_class_below_lru_resolved",
+    "one_class_configurations_below_lru_resolved",
+    "one_class_at_least_rivals",
+]
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -132,3 +140,31 @@ def test_a_loss_no_draw_resolves_is_resolved_when_the_draws_are_pooled() -> None
     # two configurations (another capacity) are two rows
     other = {**_cell(104, 0.49, -10, 10.0), "capacity": 5384}
     assert d.summarise([*cells, other])["configurations"] == 2
+
+
+@pytest.mark.bench
+def test_one_class_runs_alone_give_acceptance_2s_figures(tmp_path: Path) -> None:
+    out = tmp_path / "one.json"
+    res = _run(
+        "--workloads", "agent-pauses", "--seeds", "100-101", "--capacities", "500", "--rules", "--one-class",
+        "--jobs", "2", "--json", str(out), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert list(last) == [*KEYS, *ONE_KEYS] and last["cells"] == 0 and last["one_class_runs"] == 2
+    doc = json.loads(out.read_text())
+    assert doc["cells"] == [] and len(doc["one_class"]) == 2 and doc["config"]["one_class"] is True
+    run = doc["one_class"][0]
+    assert {"lru", "s3fifo", "arc", "unified", "paired", "vs_lru"} <= set(run) and run["rule"] == "one-class"
+    beats = sum(
+        1
+        for r in doc["one_class"]
+        if r["unified"]["overall"] >= max(r["s3fifo"]["overall"], r["arc"]["overall"])
+    )
+    assert last["one_class_at_least_rivals"] == beats
+    assert last["one_class_min_vs_lru"] == pytest.approx(min(r["vs_lru"] for r in doc["one_class"]), abs=1e-4)
+
+
+def test_no_rule_and_no_one_class_is_one_line_and_status_2() -> None:
+    res = _run("--rules", "--no-progress")
+    assert res.returncode == 2 and "nothing to run" in res.stderr and "Traceback" not in res.stderr
