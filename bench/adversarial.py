@@ -93,7 +93,6 @@ from kvretain.cli_args import (
     integer,
     json_text,
     number,
-    path_arg,
     summary_of,
 )
 from kvretain.core.hashing import BlockIdHasher
@@ -1120,13 +1119,7 @@ def build_parser() -> Parser:
         metavar="N",
         help="keep only the first N requests of each trace (quick checks; default: all)",
     )
-    ap.add_argument(
-        "--json",
-        type=path_arg("a file name"),
-        default=None,
-        metavar="FILE",
-        help="write every cell and the summary to FILE as JSON (default: not written)",
-    )
+    grid.add_json_option(ap, "every cell and the summary to FILE")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     ap.add_argument(
         "--list", action="store_true", help="print the trace names with their descriptions and exit"

@@ -58,7 +58,6 @@ from kvretain.cli_args import (
     DefaultsHelpFormatter,
     Parser,
     integer,
-    path_arg,
     summary_of,
 )
 from kvretain.workloads import WORKLOADS
@@ -283,13 +282,7 @@ def build_parser() -> Parser:
         "arc, unified): acceptance 2 across the draws",
     )
     grid.add_run_options(ap)
-    ap.add_argument(
-        "--json",
-        type=path_arg("a file name"),
-        default=None,
-        metavar="FILE",
-        help="write every cell and the summary to FILE as JSON (default: not written)",
-    )
+    grid.add_json_option(ap, "every cell and the summary to FILE")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar of the draws on stderr")
     return ap
 

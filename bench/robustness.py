@@ -738,6 +738,17 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_json_option(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--json FILE``, as this grid and the benches built on it take it: ``what`` is written there."""
+    ap.add_argument(
+        "--json",
+        type=path_arg("a file name"),
+        default=None,
+        metavar="FILE",
+        help=f"write {what} as JSON (default: not written)",
+    )
+
+
 def build_parser() -> Parser:
     """The command line (``--help`` shows every option's default)."""
     ap = Parser(prog="robustness", description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
@@ -789,13 +800,7 @@ def build_parser() -> Parser:
         default="reports/robustness",
         help="folder for the PNGs and generated traces (default reports/robustness)",
     )
-    ap.add_argument(
-        "--json",
-        type=path_arg("a file name"),
-        default=None,
-        metavar="FILE",
-        help="write every cell to FILE as JSON (default: not written)",
-    )
+    add_json_option(ap, "every cell to FILE")
     ap.add_argument("--no-plots", action="store_true", help="draw no frontier PNGs")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar of the jobs on stderr")
     return ap

@@ -345,13 +345,7 @@ def build_parser() -> Parser:
         default="reports/robustness",
         help="folder for the generated traces (default reports/robustness)",
     )
-    ap.add_argument(
-        "--json",
-        type=path_arg("a file name"),
-        default=None,
-        metavar="FILE",
-        help="write the settings and every cell to FILE as JSON (default: not written)",
-    )
+    grid.add_json_option(ap, "the settings and every cell to FILE")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar of the jobs on stderr")
     return ap
 
