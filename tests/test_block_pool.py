@@ -348,6 +348,20 @@ def test_block_whose_parent_is_not_cached_is_not_registered() -> None:
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["lru", *LEAF_ONLY])
+def test_a_parent_hash_of_none_before_start_registers_nothing(policy: str) -> None:
+    # the block before ``start`` holds no hash and its request's hash there is None: the blocks after it stay
+    # unhashed for every policy (before, ``lru`` registered them under an unhashed parent and the leaf-only
+    # policies raised a bare KeyError)
+    pool = new_pool(policy)
+    ids = pool.get_new_blocks(3)
+    assert ids is not None
+    pool.cache_blocks(ids, [None, 2, 3], 1, 3)  # type: ignore[list-item]
+    pool.check_integrity()
+    assert pool.cached == {}
+    assert [pool.hash_of(b) for b in ids] == [None, None, None]
+
+
 # ---------------------------------------------------------------- vLLM 0.33 LRU order
 
 

@@ -372,6 +372,10 @@ class BlockPool:
         taken: list[int] = []
         copies = self.copies
         try:
+            # ``linked``: the block before block i holds its request's hash there and, for leaf_only policies, is
+            # the block lookups find for it (a parent link to a copy would be reached through another parent):
+            # else block i stays unhashed. Read from the pool before the loop, then carried from each iteration.
+            linked = start == 0 or self._linkable(block_ids[start - 1], hashes[start - 1])
             for i in range(start, end):
                 bid = block_ids[i]
                 if bid < 0:  # (a negative index would wrap around to another block)
@@ -386,25 +390,23 @@ class BlockPool:
                 if cur is not None:
                     if cur != h:
                         raise ValueError(f"cache_blocks: block {bid} already holds a different hash")
+                    linked = not leaf_only or cached[h] == bid
                     continue
-                parent = NO_PARENT
-                if i > 0:
-                    parent = block_ids[i - 1]
-                    if blocks[parent].block_hash != hashes[i - 1]:
-                        continue  # (its request holds no registered parent for it)
-                    if leaf_only and cached[hashes[i - 1]] != parent:
-                        continue  # a parent link to a copy: lookups reach this block through another parent
+                if not linked:
+                    continue  # (it stays unhashed, and so does the next block)
                 if h in cached:
                     more = copies.get(h)
                     if more is None:
                         copies[h] = [bid]
                     else:
                         more.append(bid)
+                    linked = not leaf_only
                 else:
                     cached[h] = bid
                 blk.block_hash = h
                 reg.append(i)
-                if leaf_only and parent != NO_PARENT:
+                if leaf_only and i > 0:
+                    parent = block_ids[i - 1]
                     blk.parent = parent
                     pb = blocks[parent]
                     pb.num_children += 1
@@ -438,6 +440,15 @@ class BlockPool:
             else:
                 for a, b in _runs(reg):
                     on_cached_run(block_ids, hashes, a, b, now)
+
+    def _linkable(self, parent: int, h: BlockHash | None) -> bool:
+        """Whether block ``parent`` can be the parent of a block :meth:`cache_blocks` registers: it holds ``h`` (not
+        ``None``) and, for ``leaf_only`` policies, lookups of ``h`` find it."""
+        return (
+            h is not None
+            and self._blocks[parent].block_hash == h
+            and (not self._leaf_only or self.cached.get(h) == parent)
+        )
 
     def free_blocks(self, block_ids: Sequence[int], retention: BlockRetention | None = None) -> None:
         """Release one reference on each block of a request, deepest first (``block_ids`` in request order).
