@@ -49,7 +49,7 @@ def test_priorities_without_durations_keep_their_priorities() -> None:
     assert ids is not None
     pool.cache_blocks(ids, [1, 2], 0, 2)
     plan = BlockRetention(priorities=[90, 90])
-    assert plan.durations == [None, None]
+    assert plan.durations == (None, None)
     pool.free_blocks(ids, plan)
     assert [pool.policy.retention_of(b, pool.clock()) for b in ids] == [90, 90]
     with pytest.raises(RetentionError, match="got 2 priorities and 1 durations"):

@@ -161,7 +161,7 @@ def test_block_retention_refuses_bool_priorities_as_it_refuses_a_bool_base() -> 
             BlockRetention(prios, [None] * len(prios))
     with pytest.raises(ValueError, match="base_priority"):
         BlockRetention([], [], base_priority=True)
-    assert BlockRetention([0, 1, 100], [None] * 3).priorities == [0, 1, 100]
+    assert BlockRetention([0, 1, 100], [None] * 3).priorities == (0, 1, 100)
 
 
 # ---------------------------------------------------------------- 5: make_policy's num_blocks

@@ -96,6 +96,10 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if policy.num_blocks != num_blocks:
             raise ValueError(f"policy was built for {policy.num_blocks} blocks, pool has {num_blocks}")
+        if getattr(policy, "in_pool", False):  # (a policy class that skipped EvictionPolicy.__init__)
+            raise ValueError(
+                f"this {policy.name!r} policy already orders another pool's blocks; make one policy per pool"
+            )
         self.num_blocks = num_blocks
         self.policy = policy
         self.clock: Callable[[], float] = clock or time.monotonic
@@ -113,6 +117,7 @@ class BlockPool:
         # empty blocks: a stack, so the lowest ids are used first on a fresh pool
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_cached_free = 0
+        policy.in_pool = True  # (its per-block state is this pool's now: block_states)
         self._leaf_only = policy.leaf_only
         self._tracks_uses = policy.tracks_uses
         self.num_evictions = 0
@@ -173,12 +178,15 @@ class BlockPool:
         parent block, see :meth:`cache_blocks`).
         """
         if n.__class__ is not int or n < 0:
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-                n = int(n)  # (an int subclass)
-            else:
+            try:
+                k = operator.index(n)  # (an int subclass, a numpy integer)
+            except TypeError:
+                k = -1
+            if k < 0 or isinstance(n, bool):
                 raise ValueError(
                     f"get_new_blocks: cannot allocate a negative number of blocks or a non-int ({n!r})"
                 )
+            n = k
         empty = self._empty
         if n > len(empty) + self._num_cached_free:
             return None
@@ -299,6 +307,8 @@ class BlockPool:
         Hits are normally a prefix of one request's cached blocks (what a lookup finds). Other hits are
         accepted (the module docstring): for ``leaf_only`` policies a free block above a touched one then cannot
         be evicted until its descendants are free again, and an allocation that needs it gets ``None``."""
+        if block_ids.__class__ is not list:  # (an iterator or a set: the undo below walks the ids again)
+            block_ids = list(block_ids)
         blocks = self._blocks
         # evictable blocks taken out of the policy's order once the whole call is valid
         leaving: list[int] = []
@@ -460,6 +470,12 @@ class BlockPool:
         ``ValueError``, and nothing changes. The loop below changes only the pool's own counts, and undoes them
         when it meets a refused block; the policy hears of the release after it (in release order).
         """
+        if block_ids.__class__ is not list:  # (an iterator or a set: the loop indexes the ids, deepest first)
+            block_ids = list(block_ids)
+        if retention is not None and not isinstance(retention, BlockRetention):
+            raise TypeError(
+                f"free_blocks: retention must be a BlockRetention or None, got {type(retention).__name__}"
+            )
         now = self.clock()
         if now - now != 0.0:  # (NaN and +-inf)
             raise _clock_error(now)

@@ -225,6 +225,9 @@ class EvictionPolicy(ABC):
     def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
         self.num_blocks = num_blocks
         self.config = config or PolicyConfig()
+        self.in_pool = False
+        """Set by the :class:`~kvretain.core.block_pool.BlockPool` that hosts it: a policy orders one pool's
+        blocks (its per-block state and order are that pool's), so a second pool refuses it."""
 
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:  # noqa: B027
         """``block_id`` now holds new content identified by ``block_hash`` at block depth ``depth``."""

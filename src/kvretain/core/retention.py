@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MIN_RETENTION_PRIORITY = 0
@@ -448,6 +448,11 @@ class RetentionConfig:
         or after ``num_prompt_tokens`` hold generated tokens and take the decode priority and duration (without a
         decode priority, the mapped one and no duration).
         """
+        if block_size <= 0 or num_blocks < 0 or num_prompt_tokens < 0:
+            raise RetentionError(
+                f"block_plan: block_size must be > 0 and the counts >= 0, got block_size={block_size}, "
+                f"num_blocks={num_blocks}, num_prompt_tokens={num_prompt_tokens}"
+            )
         prios: list[int] = [mapped_priority] * num_blocks
         durs: list[float | None] = [None] * num_blocks
         covered = [False] * num_blocks
@@ -502,10 +507,12 @@ class BlockRetention:
     durations are None (no expiry) or seconds >= 0 (``inf``: no expiry, as a directive's); anything else is a
     :class:`RetentionError` naming the entry. The two lists are per block index and of one length (blocks past
     them are at ``base_priority``); ``durations`` left empty beside ``priorities`` means no expiry for each.
+    Both are stored as tuples: the checks hold for the plan's life (a list changed after them would reach the
+    policies unchecked).
     """
 
-    priorities: list[int] = field(default_factory=list)
-    durations: list[float | None] = field(default_factory=list)
+    priorities: Sequence[int] = ()
+    durations: Sequence[float | None] = ()
     scope: str | None = None
     request_priority: int = 0
     base_priority: int = DEFAULT_RETENTION_PRIORITY
@@ -519,6 +526,9 @@ class BlockRetention:
         if type(base) is not int or not MIN_RETENTION_PRIORITY <= base <= MAX_RETENTION_PRIORITY:
             check_priority(base, "BlockRetention: base_priority", "base_priority")
         prios = self.priorities
+        if prios.__class__ is not tuple or self.durations.__class__ is not tuple:
+            self._freeze()
+            prios = self.priorities
         if prios:
             try:
                 raw = bytes(prios)
@@ -536,7 +546,7 @@ class BlockRetention:
                     f"BlockRetention: priorities and durations are per block, one each: got {len(prios)} "
                     f"priorities and {len(durs)} durations"
                 )
-            object.__setattr__(self, "durations", durs := [None] * len(prios))  # (no expiry for each)
+            object.__setattr__(self, "durations", durs := (None,) * len(prios))  # (no expiry for each)
         if durs and durs.count(None) != len(durs):
             try:
                 distinct = set(durs)  # (a plan holds a few durations, repeated per block)
@@ -546,6 +556,16 @@ class BlockRetention:
                 for d in distinct:
                     if d is not None and (type(d) is not float or not d >= 0.0) and not _duration_ok(d):
                         _refuse_durations(durs)
+
+    def _freeze(self) -> None:
+        """Store both lists as tuples (the plan is checked once, then read for its life)."""
+        for name in ("priorities", "durations"):
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
+                raise RetentionError(
+                    f"BlockRetention: {name} must be a list of per-block values, got {type(v).__name__}"
+                )
+            object.__setattr__(self, name, tuple(v))
 
 
 _PRIORITY_BYTES = bytes(range(MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY + 1))

@@ -59,11 +59,14 @@ class StrictPriorityPolicy(HeapOrderedPolicy):
         self._released[block_id] = self._tick
         self._prio[block_id] = retention
         self._base[block_id] = base
-        if duration_s is None or retention == base:
-            self._expiry[block_id] = INF
-        else:
-            exp = now + duration_s
+        exp = INF if duration_s is None or retention == base else now + duration_s
+        if exp != self._expiry[block_id]:
+            # NOTE: a lapse is scheduled only when the expiry moves to a finite time: a block released again at
+            # the same time (a simulator step), or with an infinite duration, kept one heap entry per release
+            # (the compaction below keeps every entry that matches its block's expiry, duplicates included)
             self._expiry[block_id] = exp
+            if exp == INF:
+                return
             heapq.heappush(self._expiries, (exp, block_id))
             if len(self._expiries) > self._lapse_limit:  # (see rules.lapse_limit)
                 expiry = self._expiry
