@@ -176,6 +176,14 @@ def test_azure_csv_mistakes_are_one_line_and_write_nothing(
         (["--out", "{tmp}/no/c.toml", "--plot", "{tmp}/c.png"], "argument --out: cannot write"),
         (["--out", "{tmp}/c"], "argument --plot: cannot write '{tmp}/c.png': it is a folder"),
         (["--cpus", "0,99999"], "argument --cpus: core 99999 is not one this process may run on"),
+        # the plot replaced the cost model it was drawn from (exit 0, the measurement lost)
+        (["--out", "{tmp}/m.png"], "argument --plot: '{tmp}/m.png' is the cost model's own file (--out)"),
+        (["--out", "{tmp}/m.toml", "--plot", "{tmp}/m.toml"], "argument --plot: '{tmp}/m.toml' is the cost"),
+        # (the plot went to /dev/stdout.png)
+        (
+            ["--out", "/dev/null"],
+            "argument --plot: --out '/dev/null' is not a regular file, so the plot has no",
+        ),
     ],
 )
 def test_profile_paths_are_checked_before_measuring(
@@ -892,3 +900,43 @@ def test_a_trace_named_dash_is_read_from_standard_input(tmp_path: Path) -> None:
     # (standard input has no suffix: the format is asked for, in one line)
     assert (tmp_path / "format.rc").read_text().strip() == "rc=2"
     assert "cannot tell the trace format of '/dev/stdin'" in proc.stderr and "pass --workload" in proc.stderr
+
+
+# ---------------------------------------------------------------- TOML integers past a float (session 45)
+MODEL = "d_model = 4096\nn_q_heads = 32\nn_kv_heads = 8\nffn_dim = 14336\nvocab_size = 128256\n"
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # a field past 1.8e308: math.isfinite raised OverflowError (a traceback, exit 1)
+        ("n_layers = 32\nhead_dim = 1" + "0" * 400 + "\n", "field 'head_dim' must be a finite number"),
+        # each field a float, their product not: the KV capacity overflowed
+        ("n_layers = 1" + "0" * 300 + "\nhead_dim = 128\n", "the catalog's sizes are too large to compute"),
+        # past Python's 4,300-digit limit for int(): the message named no file
+        ("n_layers = 1" + "0" * 5000 + "\nhead_dim = 128\n", "{cat}: invalid TOML: Exceeds the limit"),
+    ],
+)
+def test_catalog_integers_past_a_float_are_one_line(
+    fields: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cat = tmp_path / "m.toml"
+    cat.write_text("[models.x]\n" + MODEL + fields)
+    assert main(["simulate", "--catalog", str(cat), "--model", "x", "--limit", "3", "--no-progress"]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: ")
+    assert expected.replace("{cat}", str(cat)) in msg, msg
+
+
+def test_a_cost_model_time_past_a_float_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvretain.engine.sim.profiled import Profile, StepCoefficients, StepPoint, write_profile
+
+    path = tmp_path / "cost.toml"
+    write_profile(path, Profile(StepCoefficients(1e-3, 1e-5, 1e-9, 1e-5), (StepPoint(8, 0, 1, 0.25),)))
+    text = path.read_text()
+    assert "seconds = 0.25" in text
+    path.write_text(text.replace("seconds = 0.25", "seconds = 1" + "0" * 400))
+    assert main(["simulate", "--limit", "3", "--no-progress", "--cost-model", str(path)]) == 2
+    msg = one_line(capsys, "kvretain simulate: error: argument --cost-model: ")
+    assert "point seconds must be a number > 0" in msg, msg

@@ -170,7 +170,19 @@ def check_profile(args: argparse.Namespace) -> None:
         )
     # the outputs are written after the measurement (minutes): checked now
     check_output_file(args.out, "--out")
-    check_output_file(plot_path(args), "--plot")
+    out = Path(args.out)
+    if args.plot is None and out.exists() and not out.is_file():
+        raise ValueError(
+            f"argument --plot: --out {args.out!r} is not a regular file, so the plot has no default name "
+            "(--out with .png); name it with --plot"
+        )
+    plot = plot_path(args)
+    if os.path.realpath(plot) == os.path.realpath(args.out):
+        raise ValueError(
+            f"argument --plot: {plot!r} is the cost model's own file (--out): the plot would replace the "
+            "measurement; give one of them another name"
+        )
+    check_output_file(plot, "--plot")
     bad = [p for p in args.cached if p % args.block_size]
     if bad:
         raise ValueError(f"argument --cached: {bad[0]} is not a multiple of --block-size {args.block_size}")

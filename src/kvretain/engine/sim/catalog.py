@@ -132,6 +132,15 @@ class Catalog:
         return Catalog({**self.models, **other.models}, {**self.gpus, **other.gpus})
 
 
+def _fits_float(value: float) -> bool:
+    """A finite number within a float's range (TOML integers have no bound: ``math.isfinite`` of one past
+    1.8e308 raises ``OverflowError``)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_fields(
     where: str, raw: Any, schema: Mapping[str, tuple[tuple[type, ...], bool]]
 ) -> dict[str, Any]:
@@ -153,7 +162,7 @@ def _check_fields(
             want = " or ".join(t.__name__ for t in types)
             raise CatalogError(f"{where}: field {key!r} must be {want}, got {as_written(value)}")
         if bool not in types:
-            if not math.isfinite(value):
+            if not _fits_float(value):
                 raise CatalogError(f"{where}: field {key!r} must be a finite number, got {as_written(value)}")
             if key in _FRACTIONS and not 0 < value <= 1:
                 raise CatalogError(f"{where}: field {key!r} must be in (0, 1], got {as_written(value)}")
@@ -193,7 +202,7 @@ def parse_catalog(data: Mapping[str, Any], source: str) -> Catalog:
 def _read_toml(text: str, source: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+    except ValueError as e:  # (TOMLDecodeError, and an integer past Python's 4,300-digit limit)
         raise CatalogError(f"{source}: invalid TOML: {e}") from None
 
 

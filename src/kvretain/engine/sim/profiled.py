@@ -48,6 +48,16 @@ milliseconds to seconds, so a coefficient beyond an hour is a wrong file (a unit
 the bound keeps every step time and the run's sums finite (``1e308`` s per step overflowed them to ``inf``)."""
 
 
+def _seconds_ok(v: object) -> bool:
+    """A time in seconds: a finite number > 0 within a float's range (a TOML integer has no bound)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v) and v > 0
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class StepPoint:
     """One measured step: its work and its wall time in seconds."""
@@ -70,13 +80,10 @@ class StepPoint:
                 raise ValueError(f"point {name} must be an integer >= 0, got {as_written(v)}")
         if self.tokens < 1:
             raise ValueError(f"point tokens must be >= 1, got {self.tokens}")
-        sec = self.seconds
-        if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not math.isfinite(sec) or sec <= 0:
+        if not _seconds_ok(self.seconds):
             raise ValueError(f"point seconds must be a number > 0, got {as_written(self.seconds)}")
         st = self.step_seconds
-        if st is not None and (
-            not isinstance(st, (int, float)) or isinstance(st, bool) or not math.isfinite(st) or st <= 0
-        ):
+        if st is not None and not _seconds_ok(st):
             raise ValueError(f"point step_seconds must be a number > 0, got {as_written(st)}")
 
     def features(self) -> tuple[float, float, float, float]:
@@ -304,7 +311,7 @@ def loads(text: str, where: str = "cost model") -> Profile:
     """The profile in TOML ``text``; ``ValueError`` naming ``where`` and the bad field otherwise."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+    except ValueError as e:  # (TOMLDecodeError, and an integer past Python's 4,300-digit limit)
         raise ValueError(f"{where}: not TOML: {e}") from None
     info = data.get("profile", {})
     if not isinstance(info, dict):
