@@ -295,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("argument --rules: no rule and no --one-class: nothing to run")
         if args.json:
             grid.check_json_output(args.json)
+        grid.check_capacities(args.capacities, args.jobs)
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

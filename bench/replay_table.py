@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
+from kvretain.core.memory import PoolTooLargeError, check_pool_fits
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayResult, TraceError, load_trace, replay
 from kvretain.workloads.priority import make_rule
@@ -75,6 +76,12 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_pool_fits(
+            max(args.capacities), policy_names(), PolicyConfig(block_size=512), "argument --capacities"
+        )
+    except PoolTooLargeError as exc:
+        return fail(PROG, str(exc))
     try:
         reqs = load_trace(args.trace, rule=make_rule("reference"))
     except TraceError as exc:

@@ -63,7 +63,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvretain.cli_args import DefaultsHelpFormatter, Parser, check_output_file, integer, path_arg, summary_of
+from kvretain.core.memory import check_pool_fits
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayRequest, ReplayResult, TraceError, replay, replay_requests
@@ -719,6 +720,17 @@ def check_json_output(path: str) -> None:
         check_output_file(path, "--json")
 
 
+def check_capacities(caps: Sequence[int], jobs: int, overrides: Mapping[str, Any] | None = None) -> None:
+    """``--capacities``: the largest pool, one per process (each holds one pool at a time), fits in the memory
+    available (:func:`kvretain.core.memory.check_pool_fits`, ``kvretain replay``'s check; measured only past its
+    sample size), checked before anything runs: a pool of 10^9 blocks otherwise ran the machine out of memory."""
+    cfg = PolicyConfig(**{"block_size": BLOCK_TOKENS, **dict(overrides or {})})
+    names = [p for p in POLICIES if p in set(policy_names())]
+    check_pool_fits(
+        max(caps), names, cfg, what="argument --capacities", pools=max(1, jobs), pools_are="processes"
+    )
+
+
 def write_json(path: str, doc: Any) -> None:
     """``doc`` as indented JSON at ``path`` (its folder made: :func:`check_json_output` checked it)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -815,6 +827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         overrides = parse_sets(args.set)
         caps = args.capacities or (QUICK_CAPACITIES if args.quick else CAPACITIES)
+        check_capacities(caps, args.jobs, overrides)
         out_dir = Path(args.out)
         # the outputs, before the grid runs: a folder that cannot be made fails now, not after the grid
         if args.json:

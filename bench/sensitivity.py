@@ -361,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bad:
             raise ValueError(f"--knobs: unknown {', '.join(bad)}; choose from {', '.join(KNOBS)}")
         caps = args.capacities or (grid.QUICK_CAPACITIES if args.quick else grid.CAPACITIES)
+        grid.check_capacities(caps, args.jobs)
         settings = make_settings(list(dict.fromkeys(args.knobs)))
         # the outputs, before the grid runs: a file or folder that cannot be written fails now, not after it
         if args.json:

@@ -439,3 +439,22 @@ def test_bench_scripts_refuse_a_number_out_of_range_before_they_start(
     """The script itself (a process): one line, exit status 2, before it needs a model, a server or perf."""
     res = _run(f"{script}.py", *argv)
     _refused(res, f"{PROGS.get(script, script)}: error", says)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("robustness.py", ["--trace", "{tiny}"]),
+        ("draws.py", ["--workloads", "agent-pauses"]),
+        ("sensitivity.py", ["--trace", "{tiny}"]),
+        ("replay_table.py", ["--trace", "{tiny}"]),
+    ],
+)
+def test_a_pool_past_the_memory_is_refused_before_it_is_built(
+    script: str, argv: list[str], tiny: Path, tmp_path: Path
+) -> None:
+    # 10^12 blocks: the benches built the pool until the machine ran out of memory (kvretain replay checked)
+    args = [a.replace("{tiny}", str(tiny)) for a in argv]
+    res = _run(script, *args, "--capacities", str(10**12), timeout=60)
+    _refused(res, script.removesuffix(".py"), "argument --capacities: 1,000,000,000,000 blocks")
+    assert "of memory" in res.stderr and "use fewer blocks" in res.stderr

@@ -122,14 +122,16 @@ def check_pool_fits(
     config: PolicyConfig | None = None,
     what: str = "num_blocks",
     pools: int = 1,
+    pools_are: str = "replicas",
 ) -> None:
     """Raise :class:`PoolTooLargeError` when ``pools`` pools of ``num_blocks`` blocks (the most demanding of
-    ``policies``) would not fit in the memory available. ``what`` names the setting in the message."""
+    ``policies``) would not fit in the memory available. ``what`` names the setting in the message,
+    ``pools_are`` what holds the pools (the simulator's replicas, a bench's processes)."""
     avail = available_memory_bytes()
     if avail is None or num_blocks * pools <= SAMPLE_BLOCKS:  # all the pools: many small ones add up
         return
     per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
-    count = f"{num_blocks:,} blocks" + (f" x {pools} replicas" if pools > 1 else "")
+    count = f"{num_blocks:,} blocks" + (f" x {pools} {pools_are}" if pools > 1 else "")
     check_fits(per * num_blocks * pools, what, count, f"{per:,.0f} bytes per block under {name!r}", "blocks")
 
 
