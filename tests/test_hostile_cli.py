@@ -940,3 +940,44 @@ def test_a_cost_model_time_past_a_float_is_one_line(
     assert main(["simulate", "--limit", "3", "--no-progress", "--cost-model", str(path)]) == 2
     msg = one_line(capsys, "kvretain simulate: error: argument --cost-model: ")
     assert "point seconds must be a number > 0" in msg, msg
+
+
+# ---------------------------------------------------------------- compare --out, checked before the runs (session 45)
+@pytest.mark.parametrize("case", ["folder-at-a-report-file", "link-to-nothing", "under-a-link-to-nothing"])
+def test_compare_out_that_cannot_take_the_report_is_refused_before_any_run(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # each was found only after every run, and the first left the folder half updated (frontier.png and runs.csv
+    # new, summary.json not: the files were moved one by one)
+    import kvretain.cli_sim as cli_sim
+
+    monkeypatch.setattr(cli_sim, "_run", _interrupt)  # must not be reached
+    rep = tmp_path / "rep"
+    if case == "folder-at-a-report-file":
+        (rep / "summary.json").mkdir(parents=True)
+        out, says = rep, f"{str(rep / 'summary.json')!r} is a folder where a file of this report goes"
+    else:
+        rep.symlink_to(tmp_path / "gone")
+        out = rep if case == "link-to-nothing" else rep / "x"
+        says = f"{str(rep)!r} is a link to {str(tmp_path / 'gone')!r}, which is not there"
+    assert main([*COMPARE, "--no-progress", "--out", str(out)]) == 2
+    msg = one_line(capsys, "kvretain compare: error: ")
+    assert f"--out {out}: cannot create the report folder" in msg and says in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]  # (no stage left beside it)
+
+
+def test_a_staged_folder_commits_whole_or_not_at_all(tmp_path: Path) -> None:
+    from kvretain.fileio import StagedFolder
+
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "a.txt").write_text("old\n")
+    stage = StagedFolder(rep)
+    (stage.path / "a.txt").write_text("new\n")
+    (stage.path / "b.txt").write_text("new\n")
+    (rep / "b.txt").mkdir()  # (made after the stage: only the commit can see it)
+    with pytest.raises(IsADirectoryError):
+        stage.commit()
+    assert (rep / "a.txt").read_text() == "old\n"  # nothing moved
+    stage.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]

@@ -511,13 +511,17 @@ def _compare_runs(
     return 0
 
 
+REPORT_FILES = ("summary.json", "summary.md", "runs.csv", "frontier.png", "ttft_by_class.png")
+"""What ``compare`` writes to ``--out`` (the plots with matplotlib)."""
+
+
 def _report_folder(path: str) -> StagedFolder:
     """The report folder's stage, made before any run (a path under a file is the user's mistake, not a
     crash); the report is built in it and moved to ``path`` only once whole."""
     if not path:  # Path("") is the current folder: an unset variable would scatter the report there
         raise ValueError("argument --out: an empty path (pass a folder name)")
     try:
-        return StagedFolder(path)
+        return StagedFolder(path, REPORT_FILES)
     except OSError as e:
         raise ValueError(f"--out {path}: cannot create the report folder ({_os_reason(e)})") from None
 

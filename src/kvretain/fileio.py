@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, TextIO
@@ -123,29 +123,50 @@ class StagedFolder:
     :meth:`commit`: renamed to ``path`` when there is none yet (its missing parents made then), else its files
     moved into the existing folder one by one. :meth:`discard` (a no-op after :meth:`commit`) removes it.
 
-    Raises ``OSError`` when the folder cannot be made: ``path`` is a file, a parent is a file, no permission."""
+    Raises ``OSError`` when the folder cannot be made: ``path`` is a file, a parent is a file, ``path`` or a
+    parent is a link to nothing, no permission, or one of ``names`` (the files the folder will hold) is a folder
+    in ``path`` already. :meth:`commit` checks every file against ``path`` before it moves any, so an existing
+    folder is updated whole or not at all."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, names: Sequence[str] = ()) -> None:
         self.target = Path(path)
         if self.target.exists() and not self.target.is_dir():
             raise FileExistsError(f"{str(self.target)!r} is a file")
         if self.target.is_dir() and not os.access(self.target, os.W_OK | os.X_OK):
             raise PermissionError(f"{str(self.target)!r}: permission denied")
-        anchor = self.target.parent
+        anchor = self.target
         while not anchor.exists() and anchor != anchor.parent:  # the nearest folder that exists
+            if anchor.is_symlink():
+                raise NotADirectoryError(
+                    f"{str(anchor)!r} is a link to {os.readlink(anchor)!r}, which is not there"
+                )
             anchor = anchor.parent
         if not anchor.is_dir():
             raise NotADirectoryError(f"{str(anchor)!r} is a file")
-        self.path = _partial_name(anchor, self.target.resolve().name)
+        self._check_names(names)
+        self.path = _partial_name(
+            anchor if anchor != self.target else anchor.parent, self.target.resolve().name
+        )
         self.path.mkdir()
         self._done = False
+
+    def _check_names(self, names: Iterable[str]) -> None:
+        """None of ``names`` is a folder in an existing :attr:`target` (a file cannot replace it)."""
+        if self.target.is_dir():
+            for name in names:
+                if (self.target / name).is_dir():
+                    raise IsADirectoryError(
+                        f"{str(self.target / name)!r} is a folder where a file of this report goes"
+                    )
 
     def commit(self) -> None:
         if not self.target.exists():
             self.target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.path, self.target)
         else:
-            for f in sorted(self.path.iterdir()):
+            files = sorted(self.path.iterdir())
+            self._check_names(f.name for f in files)  # (before any moves: whole or not at all)
+            for f in files:
                 os.replace(f, self.target / f.name)
             self.path.rmdir()
         self._done = True
