@@ -981,3 +981,13 @@ def test_a_staged_folder_commits_whole_or_not_at_all(tmp_path: Path) -> None:
     assert (rep / "a.txt").read_text() == "old\n"  # nothing moved
     stage.discard()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]
+
+
+def test_a_frontier_weight_past_the_value_bound_names_its_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the message named priority_weight and frequency_exponent, settings the user had not given
+    argv = [*COMPARE, "--frontier-priority-weight", "1e308", "--no-progress", "--out", "rep"]
+    assert main(argv) == 2
+    msg = one_line(capsys, "kvretain compare: error: ")
+    assert msg.startswith("kvretain compare: error: argument --frontier-priority-weight: "), msg

@@ -457,9 +457,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         (p, replace(sim_config(args, p), kv_blocks=base.kv_blocks)) for p in policies
     ]
     for b in budgets:
-        pc = replace(
-            base.policy_config, budget=b, isolation_goal=None, priority_weight=args.frontier_priority_weight
-        )
+        try:
+            pc = replace(
+                base.policy_config, budget=b, isolation_goal=None, priority_weight=args.frontier_priority_weight
+            )
+        except ValueError as exc:  # (the weight with the other settings: PolicyConfig's bound on the values)
+            raise ValueError(f"argument --frontier-priority-weight: {exc}") from None
         runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
     stage = _report_folder(args.out)  # before any output: a bad --out is one line
     try:
