@@ -440,3 +440,19 @@ def test_a_gzip_trace_from_a_pipe_that_writes_one_byte_first_is_read(tmp_path: P
             fh.write(data[1:])
 
         assert [r.timestamp_ms for r in _read_through_fifo(tmp_path, feed)] == [0.0, 1.0, 2.0]
+
+
+def test_a_gzip_azure_trace_is_named_as_compressed(tmp_path: Path) -> None:
+    # it was refused as "not UTF-8 text (byte 0x8b)": true, and no help (the published trace ships as CSV; a user
+    # who compressed it, or fetched a .gz, learns what to do)
+    import gzip
+    import random
+
+    from kvretain.workloads import WorkloadError, load_azure
+
+    csv = tmp_path / "az.csv.gz"
+    csv.write_bytes(
+        gzip.compress(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    )
+    with pytest.raises(WorkloadError, match=r"az\.csv\.gz: gzip-compressed, not text \(decompress it first"):
+        load_azure(csv, random.Random(0))

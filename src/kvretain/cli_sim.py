@@ -459,7 +459,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for b in budgets:
         try:
             pc = replace(
-                base.policy_config, budget=b, isolation_goal=None, priority_weight=args.frontier_priority_weight
+                base.policy_config,
+                budget=b,
+                isolation_goal=None,
+                priority_weight=args.frontier_priority_weight,
             )
         except ValueError as exc:  # (the weight with the other settings: PolicyConfig's bound on the values)
             raise ValueError(f"argument --frontier-priority-weight: {exc}") from None

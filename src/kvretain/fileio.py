@@ -29,7 +29,10 @@ def as_written(value: Any) -> str:
 
 
 def not_utf8(e: UnicodeDecodeError) -> str:
-    """Why a file that should be UTF-8 text is not, for a one-line error: the first bad byte and its offset."""
+    """Why a file that should be UTF-8 text is not, for a one-line error: the first bad byte and its offset (or,
+    for a file that starts with gzip's magic bytes, that it is compressed)."""
+    if e.start < 2 and bytes(e.object[:2]) == b"\x1f\x8b":
+        return "gzip-compressed, not text (decompress it first: gunzip)"
     return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
 
 

@@ -13,6 +13,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from kvretain.fileio import not_utf8
 from kvretain.workloads.request import MAX_TOKENS, WorkloadError, WorkloadRequest, check_scale_and_limit
 from kvretain.workloads.tokens import TokenSeq
 
@@ -83,7 +84,7 @@ def load_azure(
         except csv.Error as e:  # a field over csv's size limit, a NUL byte...
             raise WorkloadError(f"{p}:{reader.line_num}: not a CSV row of the trace ({e})") from None
         except UnicodeDecodeError as e:
-            raise WorkloadError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
+            raise WorkloadError(f"{p}: {not_utf8(e)}") from None
     if not rows:
         raise WorkloadError(f"{p}: no requests in the trace (the header alone, or only blank lines)")
     t0 = min(r[0] for r in rows)
