@@ -1137,16 +1137,17 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     catalogue = SETS[args.set]
-    if args.list:
-        width = max(map(len, catalogue))
-        for name, (_, what) in catalogue.items():
-            print(f"{name:<{width}}  {what}")
-        return 0
     try:
         unknown = [n for n in args.names if n not in catalogue]
         if unknown:
             see = f"{PROG} --list" if args.set == "adversarial" else f"{PROG} --set {args.set} --list"
             raise ValueError(f"unknown trace {unknown[0]!r} (see {see})")
+        if args.list:  # (the names given, or all)
+            shown = {n: catalogue[n] for n in args.names} or catalogue
+            width = max(map(len, shown))
+            for name, (_, what) in shown.items():
+                print(f"{name:<{width}}  {what}")
+            return 0
         if args.json:
             check_output_file(args.json, "--json")  # before the cells run, not after
     except ValueError as exc:

@@ -293,6 +293,7 @@ def build_parser() -> Parser:
         "--trace",
         action="append",
         default=[],
+        type=path_arg("a Mooncake-format JSONL file"),
         help="use this Mooncake-format JSONL file instead of the grid's traces (repeatable; default: the grid's)",
     )
     ap.add_argument(

@@ -458,3 +458,24 @@ def test_a_pool_past_the_memory_is_refused_before_it_is_built(
     res = _run(script, *args, "--capacities", str(10**12), timeout=60)
     _refused(res, script.removesuffix(".py"), "argument --capacities: 1,000,000,000,000 blocks")
     assert "of memory" in res.stderr and "use fewer blocks" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "says"),
+    [
+        # an unset variable: "trace file not found: " with no name
+        ("robustness.py", ["--trace", ""], "argument --trace: an empty path"),
+        ("sensitivity.py", ["--trace", ""], "argument --trace: an empty path"),
+        # --list printed every trace and exit 0, the unknown name unheard
+        ("adversarial.py", ["--list", "no-such-trace"], "unknown trace 'no-such-trace'"),
+    ],
+)
+def test_session_45_argument_mistakes_are_one_line(script: str, argv: list[str], says: str) -> None:
+    _refused(_run(script, *argv, timeout=60), script.removesuffix(".py"), says)
+
+
+def test_adversarial_list_shows_the_names_given() -> None:
+    res = _run("adversarial.py", "--list", timeout=60)
+    first = res.stdout.split()[0]
+    one = _run("adversarial.py", "--list", first, timeout=60)
+    assert one.returncode == 0 and one.stdout.split()[0] == first and len(one.stdout.splitlines()) == 1

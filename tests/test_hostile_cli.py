@@ -991,3 +991,14 @@ def test_a_frontier_weight_past_the_value_bound_names_its_argument(
     assert main(argv) == 2
     msg = one_line(capsys, "kvretain compare: error: ")
     assert msg.startswith("kvretain compare: error: argument --frontier-priority-weight: "), msg
+
+
+def test_a_budget_of_minus_zero_is_zero() -> None:
+    # labelled 'unified-b-0' in compare's report
+    import argparse
+
+    from kvretain.cli_args import shares
+
+    assert shares("-0,0.5") == [0.0, 0.5] and str(shares("-0")[0]) == "0.0"
+    with pytest.raises(argparse.ArgumentTypeError, match="listed twice"):
+        shares("0,-0")

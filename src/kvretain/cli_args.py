@@ -193,7 +193,9 @@ def names_of(registry_names: Callable[[], list[str]], kind: str) -> Callable[[st
 
 def shares(text: str) -> list[float]:
     """A comma-separated, non-empty list of distinct shares in [0, 1]."""
-    values = [share(p.strip()) for p in text.split(",") if p.strip()]
+    values = [
+        share(p.strip()) + 0.0 for p in text.split(",") if p.strip()
+    ]  # (+ 0.0: -0 is 0, as labels print it)
     if not values:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated shares in [0, 1] such as 0.2,0.8, got {text!r}"
