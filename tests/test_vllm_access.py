@@ -166,6 +166,23 @@ def test_the_directive_limit_holds_for_a_list_too(where):
         AccessPolicy.from_json({"max_directives": 1025})
 
 
+@pytest.mark.parametrize("where", ["top", "xargs"])
+def test_a_json_string_inside_a_json_string_is_not_a_way_past_the_limit(where):
+    """Parsed once and counted only when that gave a list: a doubly encoded list went on as a string, the
+    plugin's parser read it a second time, and 500 directives passed a limit of 4 (session 45)."""
+    dirs = [{"start": 16 * i, "end": 16 * i + 16, "priority": 40} for i in range(500)]
+    twice = json.dumps(json.dumps(dirs))
+    body = (
+        {"retention_directives": twice} if where == "top" else {"vllm_xargs": {"retention_directives": twice}}
+    )
+    low = AccessPolicy.from_json({"max_directives": 4})
+    for policy, key in ((low, None), (POLICY, ADMIN)):
+        msg = _denied(lambda p=policy, k=key: p.check(json.loads(json.dumps(body)), k), 400)
+        assert "retention_directives must be a list" in msg, msg
+    once = {"retention_directives": json.dumps(dirs[:4])}
+    assert low.check(once, None) is not None  # (a list sent once as a JSON string: as before)
+
+
 def test_decode_retention_is_limited_as_a_directive_is():
     xa = {"retention_decode_priority": 90, "retention_decode_duration": 10}
     assert "retention_decode_priority: key 'bob' may ask for retention priority up to 50; got 90" in _denied(

@@ -457,7 +457,12 @@ class AccessPolicy:
         raw = xargs.get(DIRECTIVES_KEY)
         if isinstance(raw, str):
             with contextlib.suppress(ValueError):  # (the plugin's parser below names the JSON error)
-                raw = load_json(raw)
+                parsed = load_json(raw)
+                # NOTE: only a list replaces the string: anything else goes to the parser below as sent, which
+                # refuses it as the engine would (a JSON string holding a JSON string was parsed twice, the
+                # second time past the count below: 500 directives through a limit of 4)
+                if isinstance(parsed, list):
+                    raw = parsed
         if isinstance(raw, list):  # counted once parsed: a list carries no more than a JSON string
             try:
                 check_directive_count(len(raw), self.max_directives)
@@ -469,6 +474,10 @@ class AccessPolicy:
             raise AccessDenied(400, f"invalid retention request: {exc}", _field_named(str(exc))) from None
         if cfg is None:
             return
+        try:  # (again on what was parsed: whatever the encoding, no more directives than the limit)
+            check_directive_count(len(cfg.directives), self.max_directives)
+        except RetentionError as exc:
+            raise AccessDenied(400, str(exc), DIRECTIVES_KEY) from None
         # directives as a list inside vllm_xargs: vLLM's vllm_xargs takes no list of objects, so they are
         # forwarded as the JSON string it takes (as top-level ones are)
         changed = bool(top) or (raw is not None and not isinstance(xargs.get(DIRECTIVES_KEY), str))
