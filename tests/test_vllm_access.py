@@ -875,3 +875,31 @@ def test_gauges_without_a_balance_read_minus_one_for_both_balance_fields():
     assert (g["frequency_exponent_now"], g["balance_start"]) == (-1.0, -1.0)
     _, merged = metrics.merge([{"pid": 1, "by_priority": {}, "gauges": {"pool_blocks": 12.0}}])
     assert (merged["frequency_exponent_now"], merged["balance_start"]) == (-1.0, -1.0)
+
+
+# ---------------------------------------------------------------- an adversarial pass (session 45)
+def test_a_key_named_twice_in_the_limits_is_a_config_error():
+    # json.loads kept the last: a second "keys": [] opened the server, a second cap of null lifted the first
+    for text, field in [
+        ('{"keys": [{"key": "sk-aaaaaaaa"}], "keys": []}', "keys"),
+        (
+            '{"keys": [{"key": "sk-aaaaaaaa", "max_retention_priority": 10, "max_retention_priority": null}]}',
+            "max_retention_priority",
+        ),
+        ('{"mode": "reject", "keys": [{"key": "sk-aaaaaaaa"}], "mode": "clamp"}', "mode"),
+    ]:
+        with pytest.raises(AccessConfigError, match=rf"not valid JSON \(the key '{field}' is given twice"):
+            AccessPolicy.from_env({"KVRETAIN_API_KEYS": text})
+
+
+@pytest.mark.parametrize("name", ["KVRETAIN_API_KEYS_FILE", "KVRETAIN_API_KEYS"])
+def test_a_limits_variable_of_blanks_is_a_config_error(name):
+    # read as unset: the server opened to every client and its warning said the variable was unset
+    with pytest.raises(AccessConfigError, match=rf"^{name} holds only blanks"):
+        AccessPolicy.from_env({name: "  "})
+
+
+def test_a_body_nested_past_the_parser_is_priority_0_for_the_latency_classes():
+    # json.loads raised RecursionError in ClassLatency's receive: a 500 and a traceback instead of the request
+    assert metrics._priority_of(b"[" * 200_000, {"headers": []}) == 0
+    assert metrics._priority_of(b'{"priority": 3}', {"headers": []}) == 3

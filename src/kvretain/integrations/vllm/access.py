@@ -284,6 +284,9 @@ class AccessPolicy:
             raise AccessConfigError(f"{ENV_MAPPING}: {exc}") from None
         path = env.get(ENV_KEYS_FILE, "").strip()
         text = env.get(ENV_KEYS, "").strip()
+        for name, value in ((ENV_KEYS_FILE, path), (ENV_KEYS, text)):
+            if not value and env.get(name):  # (set to blanks: a key file meant, not "no keys")
+                raise AccessConfigError(f"{name} holds only blanks; name the limits there, or unset it")
         if path and text:
             raise AccessConfigError(f"set {ENV_KEYS_FILE} or {ENV_KEYS}, not both")
         where = ENV_KEYS
@@ -304,7 +307,7 @@ class AccessPolicy:
         if not text:
             return cls(mapping=mapping)
         try:
-            raw = load_json(text.encode())
+            raw = load_json(text.encode(), unique_keys=True)
         except ValueError as exc:
             raise AccessConfigError(f"{where}: not valid JSON ({exc})") from None
         return cls.from_json(raw, where, mapping)

@@ -279,13 +279,24 @@ def route_path(scope: Mapping[str, Any]) -> str:
     return str(scope.get("path", "")).removeprefix(scope.get("root_path", "") or "")
 
 
-def load_json(text: str | bytes) -> Any:
+def load_json(text: str | bytes, unique_keys: bool = False) -> Any:
     """``json.loads``, where a document nested deeper than Python's parser goes (its ``RecursionError``) is one
-    more ``ValueError``, as any other invalid JSON: a client's body is never a traceback."""
+    more ``ValueError``, as any other invalid JSON: a client's body is never a traceback. ``unique_keys``: an
+    object that names a key twice is invalid too (an operator's file: ``json.loads`` keeps the last silently, so
+    a second ``"keys": []`` opened the server)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} is given twice in one object")
+        out[k] = v
+    return out
 
 
 def check_directive_count(n: int, limit: int = MAX_DIRECTIVES) -> None:

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.integrations.vllm import _runtime
-from kvretain.integrations.vllm.config import ENV_METRICS_DIR, route_path
+from kvretain.integrations.vllm.config import ENV_METRICS_DIR, load_json, route_path
 
 PUBLISH_INTERVAL_S = 0.5
 """NOTE: Prometheus scrapes every 15-60 s; half a second keeps a scrape at most that stale at one small file
@@ -496,7 +496,7 @@ def _priority_of(raw: bytes, scope: Any) -> int:
             with contextlib.suppress(ValueError):
                 return int(v)
     try:
-        body = json.loads(raw)
+        body = load_json(raw)  # (a body nested past the parser's depth is one more invalid body: priority 0)
     except ValueError:
         return 0
     p = body.get("priority", 0) if isinstance(body, dict) else 0
