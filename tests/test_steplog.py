@@ -77,6 +77,35 @@ def test_records_each_step_batch_and_times(fake: Any) -> None:
     assert recs[0].seconds == pytest.approx(lines[0]["t1"] - lines[0]["t0"])
 
 
+def test_async_scheduling_logs_every_step_with_its_own_times(fake: Any) -> None:
+    # EngineCore.step_with_batch_queue (async scheduling, vLLM's default on GPUs) schedules the next batch before
+    # it takes the last one's output: schedule, schedule, update, schedule, update, update. One pending slot lost
+    # the first step and gave each line the previous step's requests with the next step's end (session 45).
+    cls, log = fake
+    s = cls([{"a": 36}, {"b": 30}, {"b": 10}], {"a": req(100, 64, 2), "b": req(40, 0, 3)})
+    o1 = s.schedule()
+    o2 = s.schedule()
+    s.update_from_output(o1, None)
+    o3 = s.schedule()
+    s.update_from_output(o2, None)
+    s.update_from_output(o3, None)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["ids"] for x in lines] == [["a"], ["b"], ["b"]]
+    assert [x["reqs"] for x in lines] == [[[36, 64, 1]], [[30, 0, 0]], [[10, 30, 1]]]
+    # each step's own t0 (the overlapping batches: the second was scheduled before the first ended)
+    assert lines[0]["t0"] < lines[1]["t0"] < lines[0]["t1"] and lines[1]["t0"] < lines[2]["t0"]
+    assert all(x["t0"] <= x["t1"] for x in lines)
+
+
+def test_a_step_whose_output_never_comes_back_is_dropped_in_time(tmp_path: Path) -> None:
+    log = steplog.StepLog(tmp_path / "steps.jsonl")
+    for i in range(steplog.MAX_PENDING + 5):
+        log.begin(float(i), [[1, 0, 1]], [f"r{i}"], step=i)
+    assert len(log._pending) == steplog.MAX_PENDING
+    log.end(True, step=steplog.MAX_PENDING + 4)  # (the newest is still there)
+    assert json.loads((tmp_path / "steps.jsonl").read_text())["ids"] == [f"r{steplog.MAX_PENDING + 4}"]
+
+
 def test_an_empty_step_writes_nothing_and_uninstall_restores(fake: Any) -> None:
     cls, log = fake
     s = cls([{}, {"a": 5}], {"a": req(5, 0, 3)})

@@ -16,7 +16,9 @@ appends one JSON line per engine step that scheduled tokens::
 - ``ids``: the requests' ids, in ``reqs``' order (vLLM's internal ids: the API server's request id plus a suffix).
 - ``more``: whether the scheduler still had unfinished requests at ``t1``; then the busy loop goes straight on
   (reading new requests, sending outputs) to the next step, so the time until the next ``t0`` belongs to the
-  engine's cycle too.
+  engine's cycle too. With async scheduling (vLLM's batch queue, its default on GPUs) the next step is
+  scheduled before the last one's output is taken: two steps overlap, and each line keeps its own ``t0`` and
+  ``t1`` (the lines are in the order the steps' outputs were taken, which is the order they were scheduled).
 
 It changes nothing in scheduling or caching: it only wraps the two ``Scheduler`` methods to read their
 arguments and results, so a stock run (no ``KVRETAIN_POLICY``) logs its steps unchanged. Installed by the
@@ -80,6 +82,11 @@ def composition(requests: Mapping[str, Any], num_scheduled_tokens: Mapping[str, 
     return out
 
 
+MAX_PENDING = 8
+"""Steps scheduled and not yet updated that the log holds (vLLM's batch queue holds two); a step whose output
+never came back goes once this many are newer."""
+
+
 class StepLog:
     """The open log of one process: :meth:`begin` after a schedule, :meth:`end` after its update."""
 
@@ -96,14 +103,24 @@ class StepLog:
             raise PermissionError(f"cannot write {self.path}")
         self._file: IO[str] | None = None
         self._closed = False
-        self._pending: tuple[float, list[list[int]], list[str]] | None = None
+        # the steps scheduled and not yet updated, by their ``SchedulerOutput`` (its ``id``): one at a time in
+        # ``EngineCore.step``; with async scheduling (``step_with_batch_queue``, vLLM's default on GPUs) the next
+        # batch is scheduled before the last one's output is taken, and a single slot lost a step a cycle and gave
+        # each line the previous step's end
+        self._pending: dict[object, tuple[float, list[list[int]], list[str]]] = {}
         self._lock = threading.Lock()
 
-    def begin(self, t0: float, reqs: list[list[int]], ids: list[str]) -> None:
-        self._pending = (t0, reqs, ids) if reqs else None
+    def begin(self, t0: float, reqs: list[list[int]], ids: list[str], step: object = None) -> None:
+        """A step scheduled at ``t0`` (``step``: what :meth:`end` will be given for it, its scheduler output)."""
+        if reqs:
+            pending = self._pending
+            pending[step] = (t0, reqs, ids)
+            if len(pending) > MAX_PENDING:  # (outputs never updated: a failed step; the oldest go)
+                del pending[next(iter(pending))]
 
-    def end(self, more: bool) -> None:
-        pending, self._pending = self._pending, None
+    def end(self, more: bool, step: object = None) -> None:
+        """The step ``step`` was updated (``more``: unfinished requests remain); its line is written."""
+        pending = self._pending.pop(step, None)
         if pending is None:
             return
         t0, reqs, ids = pending
@@ -155,7 +172,7 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
         if cur is not None:
             try:
                 n = out.num_scheduled_tokens
-                cur.begin(t0, composition(self.requests, n), [str(r) for r in n])
+                cur.begin(t0, composition(self.requests, n), [str(r) for r in n], id(out))
             except Exception:
                 HOOK_ERRORS.record("steplog.schedule", "kvretain step log: reading a scheduled step failed")
         return out
@@ -165,7 +182,8 @@ def install(path: str | Path, scheduler_cls: type | None = None) -> StepLog:
         cur = _log
         if cur is not None:
             try:
-                cur.end(self.get_num_unfinished_requests() > 0)
+                step = args[0] if args else kwargs["scheduler_output"]
+                cur.end(self.get_num_unfinished_requests() > 0, id(step))
             except Exception:
                 HOOK_ERRORS.record("steplog.update", "kvretain step log: writing a step failed")
         return res
