@@ -24,7 +24,7 @@ from typing import Any
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.hashing import BlockHash, BlockIdHasher
 from kvretain.core.policy import INF, PolicyConfig, make_policy
-from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig
+from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, check_request_priority
 from kvretain.core.stats import CacheStats, ClassStats
 from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceError, TraceRecord, read_trace
 from kvretain.workloads.priority import PriorityRule, tag_priorities
@@ -51,6 +51,18 @@ class ReplayRequest:
     input_length: int = 0
     priority: int = 0
     retention: RetentionConfig | None = None
+
+    def __post_init__(self) -> None:
+        # (checked when built: a NaN time failed mid-replay as the pool's clock, a dict of retention as an
+        # AttributeError)
+        t = self.timestamp_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or t - t != 0.0:
+            raise ValueError(f"ReplayRequest: timestamp_s must be a finite number of seconds, got {t!r}")
+        check_request_priority(self.priority, "ReplayRequest: priority")
+        if self.retention is not None and not isinstance(self.retention, RetentionConfig):
+            raise TypeError(
+                f"ReplayRequest: retention must be a RetentionConfig or None, got {type(self.retention).__name__}"
+            )
 
 
 def replay_requests(
@@ -277,6 +289,21 @@ def synthetic_conversations(
     """
     import random
 
+    for name, v, lo, open_lo in (
+        ("num_sessions", num_sessions, 0, False),
+        ("mean_turns", mean_turns, 1, False),
+        ("system_blocks", system_blocks, 0, False),
+        ("mean_interarrival_s", mean_interarrival_s, 0, True),
+        ("mean_think_s", mean_think_s, 0, True),
+    ):
+        if not (v > lo if open_lo else v >= lo) or not v < INF:  # (also NaN; 0 divided by zero)
+            raise ValueError(
+                f"synthetic_conversations: {name} must be {'>' if open_lo else '>='} {lo}, got {v!r}"
+            )
+    if not 0 <= important_share <= 1:
+        raise ValueError(
+            f"synthetic_conversations: important_share must be in [0, 1], got {important_share!r}"
+        )
     rng = random.Random(seed)
     next_id = system_blocks
     events: list[tuple[float, int, list[int], int]] = []

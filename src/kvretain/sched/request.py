@@ -106,6 +106,10 @@ class Request:
         retention: RetentionConfig | None = None,
         extra_keys: ExtraKeys | None = None,
     ) -> None:
+        if not isinstance(
+            request_id, str
+        ):  # (ids order ties in the waiting queue: an int beside a str broke it)
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         n = len(prompt_token_ids)
         if n < 1:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")

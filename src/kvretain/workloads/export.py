@@ -103,8 +103,6 @@ def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512)
     """The Mooncake-format record of each request, sorted by arrival (see the module docstring)."""
     ids = BlockIds()
     for r in sorted(requests, key=lambda r: r.arrival_s):
-        if r.prompt_len < 1:
-            raise WorkloadError(f"request {r.request_id}: an empty prompt has no Mooncake record")
         ts = round(r.arrival_s * 1000.0, 3)
         # the format's bound (beyond it: `inf`, which json writes as `Infinity`, not JSON)
         if not ts <= MAX_TIMESTAMP_MS:

@@ -34,6 +34,15 @@ class WorkloadError(ValueError):
     """A workload file or configuration is malformed; the message names the place and the field."""
 
 
+_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("arrival_s", (int, float)),
+    ("think_s", (int, float)),
+    ("output_len", int),
+    ("priority", int),
+)
+_KIND_NAMES: dict[type | tuple[type, ...], str] = {(int, float): "a number", int: "an integer"}
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadRequest:
     """One request of a workload. Lower ``priority`` = more important (vLLM's convention, default 0).
@@ -67,6 +76,19 @@ class WorkloadRequest:
     decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
+        # the kinds first (a simulator run refused a bad request only when it arrived, after the ones before it)
+        if not isinstance(self.request_id, str):
+            raise WorkloadError(
+                f"request_id must be a str, got {type(self.request_id).__name__} {self.request_id!r}"
+            )
+        for name, kinds in _KINDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):
+                raise WorkloadError(
+                    f"request {self.request_id}: {name} must be {_KIND_NAMES[kinds]}, got {v!r}"
+                )
+        if len(self.prompt) < 1:
+            raise WorkloadError(f"request {self.request_id}: the prompt must hold at least one token")
         if not (0 <= self.arrival_s < math.inf and 0 <= self.think_s < math.inf and self.output_len >= 0):
             raise WorkloadError(
                 f"request {self.request_id}: arrival_s and think_s must be finite and >= 0, output_len >= 0"

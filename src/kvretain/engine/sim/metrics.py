@@ -30,6 +30,14 @@ class SLO:
     ttft_s: float
     tpot_s: float
 
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool) or not isinstance(v, int | float) or not v > 0
+            ):  # (also NaN; inf: no target)
+                raise ValueError(f"{name} must be > 0 seconds (inf: no target), got {v!r}")
+
 
 DEFAULT_SLOS: Mapping[int, SLO] = {0: SLO(2.0, 0.1), 1: SLO(5.0, 0.2), 2: SLO(60.0, 0.5)}
 """Interactive chat (0), agents (1), batch (2 and beyond: the last entry applies to larger classes)."""
@@ -42,13 +50,26 @@ def parse_slos(spec: str) -> dict[int, SLO]:
         try:
             cls, _, rest = part.partition("=")
             ttft, _, tpot = rest.partition(":")
-            key, slo = int(cls), SLO(float(ttft), float(tpot))
+            key, t1, t2 = int(cls), float(ttft), float(tpot)
         except ValueError:
             raise ValueError(f"SLO entry {part!r}: expected 'class=ttft_s:tpot_s', e.g. '0=2:0.1'") from None
+        try:
+            slo = SLO(t1, t2)
+        except ValueError as exc:
+            raise ValueError(f"class {key}: {exc}") from None
         if key in out:
             raise ValueError(f"SLO entry {part!r}: class {key} is given twice")
         out[key] = slo
     return out
+
+
+def check_slos(slos: Mapping[int, SLO]) -> None:
+    """At least one class, each an integer with an :class:`SLO` (``ValueError`` otherwise)."""
+    if not slos:
+        raise ValueError("slos: at least one class's SLO (the last one applies to larger classes)")
+    for cls, slo in slos.items():
+        if isinstance(cls, bool) or not isinstance(cls, int) or not isinstance(slo, SLO):
+            raise ValueError(f"slos: a request priority (int) to an SLO each, got {cls!r}: {slo!r}")
 
 
 def slo_for(slos: Mapping[int, SLO], priority: int) -> SLO:
@@ -60,6 +81,8 @@ def slo_for(slos: Mapping[int, SLO], priority: int) -> SLO:
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """``q`` in [0, 100]; linear interpolation (numpy's default). NaN for no values."""
+    if not 0 <= q <= 100:  # (also NaN: past the ends it read outside the values, or raised IndexError)
+        raise ValueError(f"percentile: q must be in [0, 100], got {q!r}")
     n = len(sorted_values)
     if n == 0:
         return math.nan

@@ -38,7 +38,7 @@ from kvretain.core.stats import ClassStats, merge_class_stats
 from kvretain.engine.sim.catalog import Catalog, builtin_catalog
 from kvretain.engine.sim.costmodel import CostModel, make_cost_model
 from kvretain.engine.sim.fastforward import DecodeRun, plan_decode_run
-from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, itl_gaps, latency_summary
+from kvretain.engine.sim.metrics import DEFAULT_SLOS, SLO, check_slos, itl_gaps, latency_summary
 from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
 from kvretain.engine.sim.router import ROUTERS
@@ -102,9 +102,31 @@ class SimConfig:
     frontend_out_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for name, kinds in (
+            ("replicas", int),
+            ("block_size", int),
+            ("kv_blocks", int | None),
+            ("tp", int | None),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):  # (a float reached range() mid-run)
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        for name in ("closed_loop", "fast_forward"):
+            if not isinstance(getattr(self, name), bool):  # ("no" is true)
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, kind in (
+            ("sched", SchedulerConfig),
+            ("policy_config", PolicyConfig),
+            ("mapping", PriorityMapping),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        check_slos(self.slos)
         for name in ("frontend_in_s", "frontend_out_s"):
             v = getattr(self, name)
-            if not 0.0 <= v <= MAX_FRONTEND_S:  # also NaN
+            if (
+                isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= MAX_FRONTEND_S
+            ):  # also NaN
                 raise ValueError(
                     f"{name} must be a finite number of seconds in [0, {MAX_FRONTEND_S:g}] (MAX_FRONTEND_S), got {v}"
                 )
@@ -162,6 +184,11 @@ class Simulation:
         self.now = 0.0
         self.cost = config.cost()
         self.num_blocks = config.blocks_per_replica(self.cost)
+        if self.num_blocks < 1:  # (only from the cost model: kv_blocks is >= 1)
+            raise ValueError(
+                f"block_size {config.block_size:,}: larger than the KV room {config.model} leaves on {config.gpu} at "
+                f"gpu_mem_utilization {config.gpu_mem_utilization:g}; use a smaller block_size (or set kv_blocks)"
+            )
         self.requests: dict[str, SimRequest] = {}
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
         self.replicas = [
