@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
+from kvretain.core.jsonkeys import DuplicateKeyError, unique_pairs
 from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig
 from kvretain.fileio import as_written
 from kvretain.workloads.request import (
@@ -247,12 +248,10 @@ def parse_trace_line(
 
 # ---------------------------------------------------------------------------------------------- JSON
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in obj:
-            raise _LineError(f"field {k!r} is given twice")
-        obj[k] = v
-    return obj
+    try:
+        return unique_pairs(pairs)
+    except DuplicateKeyError as e:
+        raise _LineError(f"field {e.key!r} is given twice") from None
 
 
 class _Unusable:

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvretain.core.jsonkeys import unique_pairs
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.core.retention import (
     MAX_DIRECTIVES,
@@ -285,18 +286,9 @@ def load_json(text: str | bytes, unique_keys: bool = False) -> Any:
     object that names a key twice is invalid too (an operator's file: ``json.loads`` keeps the last silently, so
     a second ``"keys": []`` opened the server)."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
+        return json.loads(text, object_pairs_hook=unique_pairs if unique_keys else None)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {k!r} is given twice in one object")
-        out[k] = v
-    return out
 
 
 def check_directive_count(n: int, limit: int = MAX_DIRECTIVES) -> None:
