@@ -137,3 +137,14 @@ def test_block_plan_refuses_a_block_size_that_is_not_positive() -> None:
         with pytest.raises(RetentionError, match="block_size must be > 0"):
             cfg.block_plan(4, size, 64, 35)
     assert cfg.block_plan(4, 16, 64, 35) == ([90, 35, 35, 35], [None, None, None, None])
+
+
+def test_a_policy_setting_past_any_bound_is_shown_shortened() -> None:
+    # the one error line of a plugin setting (KVRETAIN_POLICY_OPTIONS=frequency_cap=1e300) held all 301 digits
+    from kvretain.core.policy import PolicyConfig
+
+    with pytest.raises(
+        ValueError, match=r"frequency_cap must be an integer .*got 1000.*\(301 characters\)$"
+    ) as e:
+        PolicyConfig(frequency_cap=10**300)
+    assert len(str(e.value)) < 200

@@ -200,14 +200,14 @@ def _number(name: str, value: object, lo: float, hi: float, what: str, lo_open: 
         return
     lo_s = f"({lo:g}" if lo_open else f"[{lo:g}"
     rng = f">= {lo:g}" if hi == INF else f"in {lo_s}, {hi:g}]"
-    raise ValueError(f"{name} must be a finite number {rng} ({what}), got {value!r}")
+    raise ValueError(f"{name} must be a finite number {rng} ({what}), got {show_value(value)}")
 
 
 def _integer(name: str, value: object, lo: int, hi: int | None, what: str) -> None:
     if isinstance(value, int) and not isinstance(value, bool) and lo <= value and (hi is None or value <= hi):
         return
     rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-    raise ValueError(f"{name} must be an integer {rng} ({what}), got {value!r}")
+    raise ValueError(f"{name} must be an integer {rng} ({what}), got {show_value(value)}")
 
 
 class EvictionPolicy(ABC):
