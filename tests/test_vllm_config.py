@@ -357,11 +357,29 @@ def test_every_kvretain_variable_read_is_a_known_name() -> None:
     # the list the warning checks against is the list of what is read: a name read anywhere in src is in it
     import re
 
-    from kvretain.integrations.vllm.config import ENV_NAMES
+    from kvretain.integrations.vllm.config import ENV_NAMES, TOOL_ENV_NAMES
 
-    src = Path(__file__).resolve().parents[1] / "src" / "kvretain"
+    root = Path(__file__).resolve().parents[1]
+    src = root / "src" / "kvretain"
     read = {m for p in src.rglob("*.py") for m in re.findall(r"KVRETAIN_[A-Z_]+[A-Z]", p.read_text())}
-    assert read <= set(ENV_NAMES), sorted(read - set(ENV_NAMES))
+    assert read <= {*ENV_NAMES, *TOOL_ENV_NAMES}, sorted(read - {*ENV_NAMES, *TOOL_ENV_NAMES})
+    # the project's scripts' own variables (a server they start inherits them): named, so no warning
+    files = [
+        *(root / "scripts").glob("*.sh"),
+        *(root / "tests" / "serve").glob("*.py"),
+        *(root / "bench").glob("*.py"),
+    ]
+    tools = {m for p in files for m in re.findall(r"KVRETAIN_[A-Z_]+[A-Z]", p.read_text())}
+    assert tools <= {*ENV_NAMES, *TOOL_ENV_NAMES}, sorted(tools - {*ENV_NAMES, *TOOL_ENV_NAMES})
+    assert not set(ENV_NAMES) & set(TOOL_ENV_NAMES)
+
+
+def test_the_scripts_variables_are_not_called_misspellings() -> None:
+    # a serve test's server inherited KVRETAIN_SERVE_MODEL and logged it as "not a kvretain setting"
+    from kvretain.integrations.vllm.config import TOOL_ENV_NAMES, unknown_env_names
+
+    assert unknown_env_names({"KVRETAIN_SERVE_MODEL": "m", "KVRETAIN_SKIP_VLLM": "1"}) == []
+    assert unknown_env_names(dict.fromkeys(TOOL_ENV_NAMES, "1")) == []
 
 
 def test_register_warns_about_a_misspelt_variable(

@@ -85,6 +85,23 @@ ENV_NAMES = (
 )
 """Every ``KVRETAIN_*`` variable kvretain reads (the plugin, its access limits, metrics and step log, the vLLM
 test-suite plugin, ``kvretain profile``): any other is a misspelling (:func:`unknown_env_names`)."""
+TOOL_ENV_NAMES = (
+    "KVRETAIN_SKIP_VLLM",
+    "KVRETAIN_SKIP_SERVE",
+    "KVRETAIN_VLLM_SUITE",
+    "KVRETAIN_SUITE_JOBS",
+    "KVRETAIN_HEARTBEAT_S",
+    "KVRETAIN_CACHE",
+    "KVRETAIN_SERVE_VENV",
+    "KVRETAIN_SERVE_TIMEOUT",
+    "KVRETAIN_SERVE_MODEL",
+    "KVRETAIN_SERVE_LOGS",
+    "KVRETAIN_KEEP_SERVE_LOGS",
+    "KVRETAIN_ENV_SKIP_VAR",
+)
+"""The ``KVRETAIN_*`` variables of the project's own scripts (``scripts/test*.sh``, the serve tests), which a
+server started under them inherits: not the plugin's settings, and not misspellings of them (the serve tests'
+servers logged ``KVRETAIN_SERVE_MODEL`` as one)."""
 GRANULARITIES = ("run", "block")
 RUN_MAX_USES = 255
 """The run queue keeps a block's use count in a byte: ``frequency_cap`` at most this at ``run`` granularity."""
@@ -252,7 +269,8 @@ def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[str]:
     env = os.environ if environ is None else environ
     lines = []
     tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
-    for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in ENV_NAMES):
+    known = {*ENV_NAMES, *TOOL_ENV_NAMES}
+    for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in known):
         hint = difflib.get_close_matches(name.removeprefix("KVRETAIN_"), tails, n=1, cutoff=0.6)
         said = f"did you mean {tails[hint[0]]}?" if hint else f"known: {', '.join(ENV_NAMES)}"
         lines.append(f"{show_value(name)} is not a kvretain setting and is ignored ({said})")
