@@ -316,13 +316,7 @@ def check_sim(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise ValueError(f"argument {flag}: {exc}") from None
     cfg = cfgs[0]
-    try:
-        blocks = cfg.blocks_per_replica(cfg.cost())
-    except OverflowError:  # (a catalog's sizes each finite, their products beyond a float: 10**300 layers)
-        raise ValueError(
-            f"model {cfg.model!r} on GPU {cfg.gpu!r}: the catalog's sizes are too large to compute a KV capacity "
-            "(their products overflow); check the --catalog file's numbers"
-        ) from None
+    blocks = cfg.blocks_per_replica(cfg.cost())
     if blocks < 1:  # only from the cost model (--kv-blocks is >= 1): the room left holds no whole block
         tokens = cfg.cost().kv_capacity_tokens(cfg.gpu_mem_utilization)
         raise ValueError(

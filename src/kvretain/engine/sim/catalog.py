@@ -132,9 +132,11 @@ class Catalog:
         return Catalog({**self.models, **other.models}, {**self.gpus, **other.gpus})
 
 
-def _fits_float(value: float) -> bool:
-    """A finite number within a float's range (TOML integers have no bound: ``math.isfinite`` of one past
-    1.8e308 raises ``OverflowError``)."""
+def is_finite(value: object) -> bool:
+    """A number (an int or a float, not a bool) that is finite and within a float's range: TOML integers have no
+    bound, and ``math.isfinite`` of one past 1.8e308 raises ``OverflowError``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
     try:
         return math.isfinite(value)
     except OverflowError:
@@ -162,7 +164,7 @@ def _check_fields(
             want = " or ".join(t.__name__ for t in types)
             raise CatalogError(f"{where}: field {key!r} must be {want}, got {as_written(value)}")
         if bool not in types:
-            if not _fits_float(value):
+            if not is_finite(value):
                 raise CatalogError(f"{where}: field {key!r} must be a finite number, got {as_written(value)}")
             if key in _FRACTIONS and not 0 < value <= 1:
                 raise CatalogError(f"{where}: field {key!r} must be in (0, 1], got {as_written(value)}")

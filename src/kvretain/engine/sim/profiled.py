@@ -36,7 +36,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from kvretain.engine.sim.catalog import GPUSpec, ModelSpec
+from kvretain.engine.sim.catalog import GPUSpec, ModelSpec, is_finite
 from kvretain.engine.sim.costmodel import CostModel, chunk_pairs
 from kvretain.fileio import as_written, not_utf8, output_file
 
@@ -46,16 +46,6 @@ MAX_COEFFICIENT_S = 3600.0
 """Largest coefficient: an hour (for a step, a token, a pair or a sequence). A real engine's step takes
 milliseconds to seconds, so a coefficient beyond an hour is a wrong file (a unit mistake gives at most 1,000x);
 the bound keeps every step time and the run's sums finite (``1e308`` s per step overflowed them to ``inf``)."""
-
-
-def _seconds_ok(v: object) -> bool:
-    """A time in seconds: a finite number > 0 within a float's range (a TOML integer has no bound)."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v) and v > 0
-    except OverflowError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -80,10 +70,10 @@ class StepPoint:
                 raise ValueError(f"point {name} must be an integer >= 0, got {as_written(v)}")
         if self.tokens < 1:
             raise ValueError(f"point tokens must be >= 1, got {self.tokens}")
-        if not _seconds_ok(self.seconds):
+        if not (is_finite(self.seconds) and self.seconds > 0):
             raise ValueError(f"point seconds must be a number > 0, got {as_written(self.seconds)}")
         st = self.step_seconds
-        if st is not None and not _seconds_ok(st):
+        if st is not None and not (is_finite(st) and st > 0):
             raise ValueError(f"point step_seconds must be a number > 0, got {as_written(st)}")
 
     def features(self) -> tuple[float, float, float, float]:

@@ -150,7 +150,15 @@ class SimConfig:
     def blocks_per_replica(self, cost: CostModel) -> int:
         if self.kv_blocks is not None:
             return self.kv_blocks
-        return cost.kv_capacity_blocks(self.block_size, self.gpu_mem_utilization)
+        try:
+            return cost.kv_capacity_blocks(self.block_size, self.gpu_mem_utilization)
+        except (
+            OverflowError
+        ):  # (a catalog's sizes each finite, their products beyond a float: 10**300 layers)
+            raise ValueError(
+                f"model {self.model!r} on GPU {self.gpu!r}: the catalog's sizes are too large to compute a KV "
+                "capacity (their products overflow); check the --catalog file's numbers"
+            ) from None
 
 
 def follow_up_cycle(workload: Sequence[WorkloadRequest]) -> list[str] | None:
