@@ -863,24 +863,6 @@ def _requests(name: str, limit: int | None) -> list[ReplayRequest]:
     return got
 
 
-def floor_paired(a: Sequence[int], b: Sequence[int], floor: float = REUSE_FLOOR) -> dict[str, float]:
-    """``a`` against ``floor`` x ``b`` request by request (as :func:`paired_difference`, with the reference
-    scaled): ``diff_hits`` = sum(a) - floor x sum(b), its standard error and z; claim (a) is resolved as missed
-    when z <= -:data:`RESOLVED_Z`."""
-    d = [x - floor * y for x, y in zip(a, b, strict=True)]
-    n, total = len(d), sum(d)
-    se = 0.0
-    if n > 1:
-        mean = total / n
-        se = math.sqrt(n * sum((x - mean) ** 2 for x in d) / (n - 1))
-    return {
-        "requests": n,
-        "diff_hits": round(total, 3),
-        "se_hits": round(se, 3),
-        "z": round(total / se, 3) if se > 0 else 0.0,
-    }
-
-
 def _stats(res: ReplayResult) -> dict[str, float | None]:
     """A policy's end state, a number JSON cannot hold as None."""
     return {k: (v if math.isfinite(v) else None) for k, v in res.policy_stats.items()}
@@ -917,7 +899,7 @@ def run_cell(job: Job) -> dict[str, Any]:
         "overall_diff_blocks": u.hit_blocks - lr.hit_blocks,
         "unified_stats": _stats(u),
         "paired_all": paired_difference(u.request_hits, lr.request_hits).to_json(),
-        "floor_paired": floor_paired(u.request_hits, lr.request_hits),
+        "floor_paired": grid.floor_paired(u.request_hits, lr.request_hits),
     }
     if len(prios) > 1:
         c0i = [i for i, r in enumerate(reqs) if r.priority == 0]

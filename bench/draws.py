@@ -198,8 +198,9 @@ def listing(cells: list[dict[str, Any]]) -> list[str]:
         what = ", ".join(m for m in c["misses"] if m != grid.MISS_CLASS0 or resolved)
         out.append(
             f"  {c['workload']} seed {c['seed']} {c['rule']} {c['capacity']}: {what}; overall "
-            f"{grid._num(c['overall_vs_lru'], '.4f')}x lru; class 0 against lru: "
-            f"{grid.shortfall(c.get('class0_paired'))}"
+            f"{grid._num(c['overall_vs_lru'], '.4f')}x lru"
+            + (f" ({grid.floor_shortfall(c.get('floor_paired'))})" if grid.MISS_FLOOR in c["misses"] else "")
+            + f"; class 0 against lru: {grid.shortfall(c.get('class0_paired'))}"
         )
     return out
 

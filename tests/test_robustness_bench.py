@@ -390,3 +390,25 @@ def test_set_overrides_are_not_called_the_default_setting(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stderr
     assert "default setting" not in res.stdout
     assert "priority_weight=4" in res.stdout
+
+
+def test_a_floor_miss_is_judged_against_that_share_of_lru_request_by_request() -> None:
+    # the reuse floor is 0.98x lru's hits: each request's hits against 0.98x lru's, requests the independent units
+    sys.path.insert(0, str(SCRIPT.parent))
+    import robustness as grid
+    from kvretain.core.policies.evidence import paired_difference
+
+    lru = [10] * 100
+    above = grid.floor_paired([0] + [10] * 99, lru)  # 0.99x lru: 10 hit blocks above the floor's 980
+    assert above["diff_hits"] == pytest.approx(10.0) and above["z"] > 0
+    noise = grid.floor_paired([0] * 5 + [10] * 95, lru)  # 0.95x, lost by 5 requests of 100
+    assert noise["diff_hits"] == pytest.approx(-30.0) and noise["z"] == pytest.approx(-1.370, abs=1e-3)
+    assert grid.floor_shortfall(noise) == "-30 hit blocks, z -1.37, over 100 requests: inside the noise"
+    real = grid.floor_paired([0] * 20 + [10] * 80, lru)  # 0.8x, lost by a fifth of the requests
+    assert real["z"] == pytest.approx(-4.478, abs=1e-3)
+    assert grid.floor_shortfall(real).endswith(": resolved")
+    assert grid.floor_shortfall(None) == "not compared request by request"
+    # at a floor of 1 it is the paired difference against lru itself
+    a, b = [3, 0, 5, 1], [3, 2, 1, 4]
+    same, p = grid.floor_paired(a, b, 1.0), paired_difference(a, b)
+    assert same["diff_hits"] == p.diff and same["se_hits"] == pytest.approx(p.se, abs=1e-3)
