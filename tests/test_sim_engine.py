@@ -198,7 +198,7 @@ def test_recomputed_tokens_count_misses_on_evicted_blocks() -> None:
 
 
 def test_routers() -> None:
-    assert ROUTERS.names() == ["least-loaded", "prefix-affinity", "round-robin"]
+    assert ROUTERS.names() == ["least-loaded", "prefix-affinity", "prefix-memory", "round-robin"]
     wl = small_workload(1)
     base = dict(policy="lru", kv_blocks=2_000, replicas=3)
     rr_steps = [r.num_steps for r in Simulation(SimConfig(router="round-robin", **base), wl).run().replicas]  # type: ignore[arg-type]
@@ -206,6 +206,55 @@ def test_routers() -> None:
     rr = Simulation(SimConfig(router="round-robin", **base), wl).run()  # type: ignore[arg-type]
     pa = Simulation(SimConfig(router="prefix-affinity", **base), wl).run()  # type: ignore[arg-type]
     assert pa.summary()["hit_rate"] > rr.summary()["hit_rate"]
+    pm = Simulation(SimConfig(router="prefix-memory", **base), wl).run()  # type: ignore[arg-type]
+    assert pm.summary()["hit_rate"] > rr.summary()["hit_rate"] and len(pm.finished) == len(wl)
+
+
+class _Req:
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.hashes = hashes
+        self.num_prompt_tokens = 16 * len(hashes) + 1  # (every block full, one token beyond)
+
+    def block_hashes(self, block_size: int, n: int) -> list[bytes]:
+        return self.hashes[:n]
+
+
+def _replicas(loads: list[int], pool_blocks: int) -> list[Any]:
+    from types import SimpleNamespace
+
+    kv = [
+        SimpleNamespace(
+            block_size=16, pool=SimpleNamespace(num_blocks=pool_blocks), prefix_match=lambda req: 0
+        )
+        for _ in loads
+    ]  # (caches that hold nothing: every prefix evicted)
+    return [SimpleNamespace(load=load, kv=k) for load, k in zip(loads, kv, strict=True)]
+
+
+def test_prefix_memory_routes_by_what_it_sent_not_by_what_the_caches_kept() -> None:
+    # with prefix-affinity an evicted prefix sends the conversation's next turn to another replica; the router's
+    # own record (SGLang's and vLLM production stack's prefix-aware routers keep one) keeps it where it was sent
+    first, other, again = _Req([b"a", b"b", b"c"]), _Req([b"x", b"y"]), _Req([b"a", b"b", b"c", b"d"])
+    pm, pa = ROUTERS.create("prefix-memory"), ROUTERS.create("prefix-affinity")
+    reps = _replicas([0, 0], pool_blocks=4)
+    assert pm.route(first, reps) == 0  # (no match anywhere: the least loaded, the lower index)
+    reps[0].load = 1
+    assert pm.route(other, reps) == 1
+    reps[1].load = 2
+    # (its prefix was sent to 0, and 0 is the least loaded)
+    assert pm.route(again, reps) == 0 and pa.route(again, reps) == 0
+    reps[0].load, reps[1].load = 3, 1
+    assert pm.route(again, reps) == 0  # the record still holds its prefix, though replica 0's cache does not
+    assert pa.route(again, reps) == 1  # the cache-aware router follows the eviction to the least loaded
+    # the record holds at most the replica's pool in blocks, least recently routed dropped first
+    reps[0].load = reps[1].load = 0
+    assert pm.route(_Req([b"p", b"q", b"r", b"s"]), reps) == 0  # (a b c d leave replica 0's record)
+    reps[0].load = 1
+    assert pm.route(first, reps) == 1  # no match left: the least loaded
+    # a match loses to load beyond the slack (8 requests, as prefix-affinity)
+    reps[0].load, reps[1].load = 9, 0
+    assert pm.route(_Req([b"p", b"q"]), reps) == 1
+    assert pm.route(first, _replicas([5], pool_blocks=4)) == 0  # (one replica: always it)
 
 
 def test_bad_input_is_reported() -> None:

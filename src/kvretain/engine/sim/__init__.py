@@ -3,5 +3,5 @@
 SimConfig, Simulation, simulate   the discrete-event loop over replicas behind a router
 SimRequest                        a workload request that hashes its own blocks cheaply
 SimExecutor                       prices a SchedulerOutput with the cost model
-ROUTERS                           round-robin, least-loaded, prefix-affinity
+ROUTERS                           round-robin, least-loaded, prefix-affinity, prefix-memory
 """

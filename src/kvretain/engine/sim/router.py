@@ -4,13 +4,20 @@
 * ``least-loaded``: fewest unfinished requests.
 * ``prefix-affinity``: the replica caching the longest prefix of the prompt (first 64 blocks), unless its
   load exceeds the least-loaded replica's by more than ``slack`` requests; no match: least-loaded.
+* ``prefix-memory``: the same rule on the router's own record of the prompts it sent each replica, not on the
+  replicas' caches, as SGLang's cache-aware router (an approximate radix tree per worker) and vLLM production
+  stack's prefix-aware router keep one. An eviction then does not move a conversation to another replica: with
+  ``prefix-affinity`` a prefix evicted by the policy sends the next turn elsewhere, where it is cached again, so
+  the eviction policy also decides the routing (docs/results.md, "A public trace no session had").
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvretain.core.hashing import BlockHash
 from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
 from kvretain.registry import Registry
@@ -54,9 +61,52 @@ class PrefixAffinity(Router):
     def route(self, req: SimRequest, replicas: Sequence[Replica]) -> int:
         if len(replicas) == 1:
             return 0
-        low = _least_loaded(replicas)
-        match = [r.kv.prefix_match(req) for r in replicas]
-        best = min(range(len(replicas)), key=lambda i: (-match[i], replicas[i].load, i))
-        if replicas[best].load > replicas[low].load + self.slack:
-            return low
-        return best
+        return _longest_match([r.kv.prefix_match(req) for r in replicas], replicas, self.slack)
+
+
+def _longest_match(match: Sequence[int], replicas: Sequence[Replica], slack: int) -> int:
+    """The replica of the longest ``match`` (ties: the less loaded, then the lower index), unless its load
+    exceeds the least-loaded replica's by more than ``slack`` requests; then the least-loaded."""
+    low = _least_loaded(replicas)
+    best = min(range(len(replicas)), key=lambda i: (-match[i], replicas[i].load, i))
+    if replicas[best].load > replicas[low].load + slack:
+        return low
+    return best
+
+
+@ROUTERS.register("prefix-memory", "longest prefix this router sent there (its own record), bounded by load")
+class PrefixMemory(Router):
+    """``prefix-affinity``'s rule on a record of what was routed where: per replica, the hashes of the first
+    ``max_blocks`` blocks of the prompts sent there, least recently routed dropped first beyond the replica's
+    pool size in blocks (what the replica could hold at most)."""
+
+    def __init__(self, slack: int = 8, max_blocks: int = 64) -> None:
+        self.slack = slack
+        self.max_blocks = max_blocks
+        self._sent: list[OrderedDict[BlockHash, None]] = []
+
+    def route(self, req: SimRequest, replicas: Sequence[Replica]) -> int:
+        if len(replicas) == 1:
+            return 0
+        if len(self._sent) != len(replicas):
+            self._sent = [OrderedDict() for _ in replicas]
+        bs = replicas[0].kv.block_size
+        n = max(0, min(self.max_blocks, (req.num_prompt_tokens - 1) // bs))
+        hashes = req.block_hashes(bs, n)[:n] if n else ()
+        match = []
+        for sent in self._sent:
+            k = 0
+            for h in hashes:
+                if h not in sent:
+                    break
+                k += 1
+            match.append(k)
+        i = _longest_match(match, replicas, self.slack)
+        sent = self._sent[i]
+        for h in hashes:
+            sent[h] = None
+            sent.move_to_end(h)
+        over = len(sent) - replicas[i].kv.pool.num_blocks
+        for _ in range(over):
+            sent.popitem(last=False)
+        return i
