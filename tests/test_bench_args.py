@@ -215,6 +215,42 @@ def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: 
     _refused(res, "sim_speed: error", says.format(**f))
 
 
+# ------------------------------------------------------------------------------------------ router_feedback.py
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["{missing}"], "argument trace: {missing} not found"),
+        (["{folder}"], "argument trace: {folder} is a folder"),
+        (["{empty}"], "argument trace: {empty}: no requests in the trace"),
+        (["{binary}"], "argument trace: {binary}:1: not UTF-8 text"),
+        (["{trace}", "--replicas", "1"], "argument --replicas: must be an integer >= 2"),
+        (["{trace}", "--rule", "none"], "argument --rule: invalid choice: 'none'"),
+        (["{trace}", "--json", "{a-file}/x.json"], "--json"),
+    ],
+    ids=["missing", "folder", "empty", "binary", "one-replica", "rule", "json-under-a-file"],
+)
+def test_router_feedback_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
+    f = {k: str(v) for k, v in _files(tmp_path).items()}
+    f["trace"] = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
+    res = _run("router_feedback.py", *[a.format(**f) for a in argv])
+    _refused(res, "router_feedback: error", says.format(**f))
+
+
+def test_router_feedback_runs_each_setting_behind_each_router(tmp_path: Path, tiny: Path) -> None:
+    out = tmp_path / "runs.json"
+    res = _run("router_feedback.py", str(tiny), "--replicas", "2", "--jobs", "1", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert last["replicas"] == 2 and sorted(last["routers"]) == ["prefix-affinity", "prefix-memory"]
+    runs = json.loads(out.read_text())["runs"]
+    for router, figures in last["routers"].items():
+        lru, uni = runs[router]["lru"], runs[router]["unified"]
+        assert figures["unified_vs_lru_hits"] == pytest.approx(uni["hit_rate"] / lru["hit_rate"], abs=1e-4)
+        assert figures["lru_unmatched"] == lru["unmatched"] and 0 < lru["unmatched"] <= lru["requests"]
+        assert sorted(runs[router]) == ["lru", "unified", "weights"]
+    assert "-- prefix-affinity" in res.stdout and "-- prefix-memory" in res.stdout
+
+
 # ---------------------------------------------------------------------------------------------- sim_fidelity.py
 def test_sim_fidelity_refuses_a_cost_model_file_that_is_not_there(tmp_path: Path) -> None:
     missing = tmp_path / "missing.toml"
@@ -297,6 +333,7 @@ SCRIPTS = [
     "sensitivity",
     "replay_table",
     "sim_speed",
+    "router_feedback",
     "sim_fidelity",
     "pool_ops",
     "pool_ops_perf",
