@@ -255,6 +255,12 @@ def test_prefix_memory_routes_by_what_it_sent_not_by_what_the_caches_kept() -> N
     reps[0].load, reps[1].load = 9, 0
     assert pm.route(_Req([b"p", b"q"]), reps) == 1
     assert pm.route(first, _replicas([5], pool_blocks=4)) == 0  # (one replica: always it)
+    # a prompt's first blocks are dropped last: a shorter prompt of a longer one's prefix still matches
+    pm = ROUTERS.create("prefix-memory")
+    reps = _replicas([0, 0], pool_blocks=3)
+    assert pm.route(_Req([b"s", b"t", b"u", b"v"]), reps) == 0  # (4 blocks into a record of 3: v goes)
+    reps[0].load = 1
+    assert pm.route(_Req([b"s", b"t"]), reps) == 0
 
 
 def test_bad_input_is_reported() -> None:

@@ -103,7 +103,7 @@ class PrefixMemory(Router):
             match.append(k)
         i = _longest_match(match, replicas, self.slack)
         sent = self._sent[i]
-        for h in hashes:
+        for h in reversed(hashes):  # (deepest first: a prompt's first block is its most recent, dropped last)
             sent[h] = None
             sent.move_to_end(h)
         over = len(sent) - replicas[i].kv.pool.num_blocks
