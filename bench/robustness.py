@@ -232,6 +232,10 @@ def floor_paired(a: Sequence[int], b: Sequence[int], floor: float = REUSE_FLOOR)
     if n > 1:
         mean = total / n
         se = math.sqrt(n * sum((x - mean) ** 2 for x in d) / (n - 1))
+        if se <= 1e-9 * max(
+            1.0, sum(abs(x) for x in d)
+        ):  # (the float residue of equal differences: no spread)
+            se = 0.0
     return {
         "requests": n,
         "diff_hits": round(total, 3),
@@ -498,7 +502,12 @@ def floor_shortfall(p: dict[str, Any] | None) -> str:
     resolved."""
     if p is None:
         return "not compared request by request"
-    verdict = "resolved" if _resolved(p) else "inside the noise"
+    if p["se_hits"] > 0:
+        verdict = "resolved" if _resolved(p) else "inside the noise"
+    elif p["diff_hits"] < 0:  # (every request short by the same share, or one request: no spread to judge by)
+        verdict = "no spread among the requests to judge it by"
+    else:
+        verdict = "inside the noise"
     return f"{p['diff_hits']:+,.0f} hit blocks, z {p['z']:+.2f}, over {p['requests']:,} requests: {verdict}"
 
 

@@ -8,12 +8,14 @@ conversation's next turn to another replica, where it is computed and cached aga
 sees the cluster's loss. A router that routes by its own record of what it sent where (``prefix-memory``, as
 SGLang's cache-aware router and vLLM production stack's prefix-aware router) does not. For each router this runs
 ``lru``, ``unified`` with the defaults and ``unified`` with the retention weights alone (``isolation_goal=None,
-budget=0``: no protected tier), and counts the requests whose prefix no replica held when they were routed
-(docs/results.md, "A public trace no session had").
+budget=0``: no protected tier), and counts the requests (of at least one full block) whose prefix no replica held
+when they were routed (docs/results.md, "A public trace no session had").
 
-    python bench/router_feedback.py [TRACE] [--replicas 8] [--rule reference] [--limit N] [--jobs 2] [--json F]
+    python bench/router_feedback.py [TRACE] [--replicas 8] [--rule reference] [--seed 0] [--limit N] [--jobs 2]
+                                    [--json F]
 
-The trace's requests get their priority from ``--rule`` (the registry of ``kvretain simulate --priority-rule``);
+The trace's requests get their priority from ``--rule`` (as ``kvretain simulate --priority-rule``; it must make two
+classes);
 priority scheduling, Llama-3-8B on H100 replicas (the catalog's roofline), the settings of ``kvretain simulate``.
 Last line JSON: ``{"replicas": n, "routers": {router: {"unified_vs_lru_hits": r, "weights_vs_lru_hits": r,
 "unified_vs_lru_recomputed": r, "lru_unmatched": n, "unified_unmatched": n}}}``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -38,12 +41,15 @@ from kvretain.cli_args import (
     check_output_file,
     fail,
     integer,
+    json_text,
     path_arg,
     summary_of,
 )
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
-from kvretain.workloads import PRIORITY_RULES, load_mooncake, tag_priorities
+from kvretain.fileio import output_file
+from kvretain.workloads import WorkloadRequest, load_mooncake, tag_priorities
+from kvretain.workloads.priority import make_rule, rule_choices
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 PROG = "router_feedback"
@@ -55,11 +61,19 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> (policy, PolicyC
 }
 
 
+def requests(trace: str, rule: str, limit: int | None, seed: int) -> list[WorkloadRequest]:
+    """The trace's requests with their priorities from ``rule`` (as ``kvretain simulate --priority-rule``, its
+    random rules drawn from ``Random(seed + 1)``); a bad line or setting is a ``ValueError``."""
+    reqs = load_mooncake(trace, limit=limit)
+    tagger = make_rule(rule, reqs, random.Random(seed + 1))
+    return reqs if tagger is None else tag_priorities(reqs, tagger)
+
+
 def run_one(
-    trace: str, rule: str, limit: int | None, replicas: int, router: str, label: str
+    trace: str, rule: str, limit: int | None, seed: int, replicas: int, router: str, label: str
 ) -> dict[str, Any]:
-    """One simulation's summary, with ``unmatched``: the requests whose prefix no replica's cache held when the
-    router placed them."""
+    """One simulation's summary, with ``unmatched``: the requests with at least one full block whose prefix no
+    replica's cache held when the router placed them."""
     policy, over = SETTINGS[label]
     cfg = SimConfig(
         policy=policy,
@@ -67,13 +81,13 @@ def run_one(
         router=router,
         policy_config=dataclasses.replace(SIM_POLICY_DEFAULTS, **over),
     )  # (the scheduler's queue: priority, as ``kvretain simulate``'s default)
-    reqs = tag_priorities(load_mooncake(trace, limit=limit), PRIORITY_RULES.create(rule))
-    sim = Simulation(cfg, reqs)
+    sim = Simulation(cfg, requests(trace, rule, limit, seed))
     unmatched = [0]
     route = sim.router.route
+    bs = cfg.block_size
 
     def counted(req: Any, reps: Any) -> int:
-        if all(r.kv.prefix_match(req) == 0 for r in reps):
+        if req.num_prompt_tokens - 1 >= bs and all(r.kv.prefix_match(req) == 0 for r in reps):
             unmatched[0] += 1
         return route(req, reps)
 
@@ -83,8 +97,16 @@ def run_one(
     return {"router": router, "setting": label, "summary": out}
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 4) if b else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r}x"
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def table(router: str, runs: dict[str, dict[str, Any]]) -> str:
@@ -98,13 +120,16 @@ def table(router: str, runs: dict[str, dict[str, Any]]) -> str:
     for label, s in runs.items():
         cells = [
             label,
-            f"{s['hit_rate']:.4f} ({_ratio(s['hit_rate'], base['hit_rate'])}x)",
-            f"{s['recomputed_tokens']:,} ({_ratio(s['recomputed_tokens'], base['recomputed_tokens'])}x)",
+            f"{_f(s['hit_rate'], '.4f')} ({_x(_ratio(s['hit_rate'], base['hit_rate']))})",
+            f"{s['recomputed_tokens']:,} ({_x(_ratio(s['recomputed_tokens'], base['recomputed_tokens']))})",
             f"{s['unmatched']:,}",
         ]
         for c in classes:
-            k = s["classes"][c]
-            cells.append(f"{k['ttft_p99_s']:.3f} s / {k['e2e_mean_s']:.3f} s / {k['hit_rate']:.3f}")
+            k = s["classes"].get(c, {})
+            cells.append(
+                f"{_f(k.get('ttft_p99_s'), '.3f')} s / {_f(k.get('e2e_mean_s'), '.3f')} s / "
+                f"{_f(k.get('hit_rate'), '.3f')}"
+            )
         rows.append(cells)
     width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"-- {router}", "  ".join(h.ljust(w) for h, w in zip(head, width, strict=True))]
@@ -126,12 +151,23 @@ def build_parser() -> Parser:
     ap.add_argument(
         "--rule",
         default="reference",
-        choices=[r for r in PRIORITY_RULES.names() if r != "none"],
-        help="priority rule for the trace's requests",
+        choices=rule_choices(),
+        help="how the trace's requests get a priority (as `kvretain simulate --priority-rule`; keep: the trace's "
+        "own field)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=integer(0),
+        default=0,
+        help="seed of the random priority rules (drawn from Random(seed + 1), as `kvretain simulate`)",
     )
     add_limit_option(ap, "only the first N requests of the trace (default: all)")
     ap.add_argument("--jobs", type=integer(1), default=2, help="simulations run at once, one process each")
-    ap.add_argument("--json", help="write every run's summary to this file as JSON (default: not written)")
+    ap.add_argument(
+        "--json",
+        type=path_arg("a file name"),
+        help="write every run's summary to this file as JSON (default: not written)",
+    )
     return ap
 
 
@@ -140,21 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.trace).is_file():
         why = "is a folder" if Path(args.trace).is_dir() else "not found"
         return fail(PROG, f"argument trace: {args.trace} {why} (pass a Mooncake-format JSONL file)")
-    if args.json:
+    if args.json is not None:
         try:
             check_output_file(args.json, "--json")
         except ValueError as exc:
             return fail(PROG, str(exc))
-    try:  # (a bad line names the file, the line and the field): before the simulations start
-        load_mooncake(args.trace, limit=1)
+    try:  # the whole trace, tagged (a bad line names the file, the line and the field): before any simulation
+        reqs = requests(args.trace, args.rule, args.limit, args.seed)
     except ValueError as exc:
         return fail(PROG, f"argument trace: {exc}")
+    if not any(r.priority == 0 for r in reqs) or all(r.priority == 0 for r in reqs):
+        return fail(
+            PROG,
+            f"argument --rule: {args.rule} gives the trace's requests one priority (pick a rule "
+            "that makes two classes)",
+        )
+    del reqs
     jobs = [(r, label) for r in ROUTERS for label in SETTINGS]
     t0 = time.perf_counter()
     done: dict[str, dict[str, dict[str, Any]]] = {r: {} for r in ROUTERS}
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
         futs = [
-            pool.submit(run_one, args.trace, args.rule, args.limit, args.replicas, r, label)
+            pool.submit(run_one, args.trace, args.rule, args.limit, args.seed, args.replicas, r, label)
             for r, label in jobs
         ]
         for i, fut in enumerate(as_completed(futs), 1):
@@ -176,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             "lru_unmatched": lru["unmatched"],
             "unified_unmatched": uni["unmatched"],
         }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "runs": done}, f, indent=1)
+    if args.json is not None:
+        with output_file(
+            args.json
+        ) as f:  # (whole or not at all; a standard stream through its own descriptor)
+            f.write(json_text({"config": vars(args), "runs": done}, indent=1) + "\n")
     print(json.dumps(out))
     return 0
 

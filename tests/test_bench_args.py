@@ -224,10 +224,11 @@ def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: 
         (["{empty}"], "argument trace: {empty}: no requests in the trace"),
         (["{binary}"], "argument trace: {binary}:1: not UTF-8 text"),
         (["{trace}", "--replicas", "1"], "argument --replicas: must be an integer >= 2"),
-        (["{trace}", "--rule", "none"], "argument --rule: invalid choice: 'none'"),
+        (["{trace}", "--rule", "nope"], "argument --rule: invalid choice: 'nope'"),
+        (["{trace}", "--rule", "none"], "argument --rule: none gives the trace's requests one priority"),
         (["{trace}", "--json", "{a-file}/x.json"], "--json"),
     ],
-    ids=["missing", "folder", "empty", "binary", "one-replica", "rule", "json-under-a-file"],
+    ids=["missing", "folder", "empty", "binary", "one-replica", "rule", "one-class", "json-under-a-file"],
 )
 def test_router_feedback_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
     f = {k: str(v) for k, v in _files(tmp_path).items()}
@@ -238,7 +239,18 @@ def test_router_feedback_refuses_bad_arguments(tmp_path: Path, argv: list[str], 
 
 def test_router_feedback_runs_each_setting_behind_each_router(tmp_path: Path, tiny: Path) -> None:
     out = tmp_path / "runs.json"
-    res = _run("router_feedback.py", str(tiny), "--replicas", "2", "--jobs", "1", "--json", str(out))
+    res = _run(
+        "router_feedback.py",
+        str(tiny),
+        "--rule",
+        "keep",
+        "--replicas",
+        "2",
+        "--jobs",
+        "1",
+        "--json",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr
     last = json.loads(res.stdout.strip().splitlines()[-1])
     assert last["replicas"] == 2 and sorted(last["routers"]) == ["prefix-affinity", "prefix-memory"]
@@ -249,6 +261,19 @@ def test_router_feedback_runs_each_setting_behind_each_router(tmp_path: Path, ti
         assert figures["lru_unmatched"] == lru["unmatched"] and 0 < lru["unmatched"] <= lru["requests"]
         assert sorted(runs[router]) == ["lru", "unified", "weights"]
     assert "-- prefix-affinity" in res.stdout and "-- prefix-memory" in res.stdout
+    assert (
+        "Nonex" not in res.stdout
+    )  # (a ratio to a figure of 0, lru recomputing nothing on a small trace: "-")
+
+
+def test_router_feedback_refuses_a_bad_line_anywhere_in_the_trace_before_running(
+    tmp_path: Path, tiny: Path
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    lines = tiny.read_text().splitlines()
+    bad.write_text("\n".join([*lines[:3], '{"timestamp": 1000, "input_length": "x"}', *lines[3:]]) + "\n")
+    res = _run("router_feedback.py", str(bad), "--rule", "keep", "--replicas", "2")
+    _refused(res, "router_feedback: error", f"argument trace: {bad}:4:")
 
 
 # ---------------------------------------------------------------------------------------------- sim_fidelity.py

@@ -408,6 +408,10 @@ def test_a_floor_miss_is_judged_against_that_share_of_lru_request_by_request() -
     assert real["z"] == pytest.approx(-4.478, abs=1e-3)
     assert grid.floor_shortfall(real).endswith(": resolved")
     assert grid.floor_shortfall(None) == "not compared request by request"
+    # every request short by the same share: no spread (not a float residue read as a z of -10^15)
+    alike = grid.floor_paired([9] * 100, lru)
+    assert alike["se_hits"] == 0.0 and alike["z"] == 0.0 and alike["diff_hits"] == pytest.approx(-80.0)
+    assert grid.floor_shortfall(alike).endswith(": no spread among the requests to judge it by")
     # at a floor of 1 it is the paired difference against lru itself
     a, b = [3, 0, 5, 1], [3, 2, 1, 4]
     same, p = grid.floor_paired(a, b, 1.0), paired_difference(a, b)

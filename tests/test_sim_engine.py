@@ -228,7 +228,9 @@ def _replicas(loads: list[int], pool_blocks: int) -> list[Any]:
         )
         for _ in loads
     ]  # (caches that hold nothing: every prefix evicted)
-    return [SimpleNamespace(load=load, kv=k) for load, k in zip(loads, kv, strict=True)]
+    return [
+        SimpleNamespace(index=i, load=load, kv=k) for i, (load, k) in enumerate(zip(loads, kv, strict=True))
+    ]
 
 
 def test_prefix_memory_routes_by_what_it_sent_not_by_what_the_caches_kept() -> None:
@@ -255,6 +257,16 @@ def test_prefix_memory_routes_by_what_it_sent_not_by_what_the_caches_kept() -> N
     reps[0].load, reps[1].load = 9, 0
     assert pm.route(_Req([b"p", b"q"]), reps) == 1
     assert pm.route(first, _replicas([5], pool_blocks=4)) == 0  # (one replica: always it)
+    # the simulator offers only the replicas that can hold a request: the record follows each replica's index
+    pm = ROUTERS.create("prefix-memory")
+    reps = _replicas([0, 0, 0], pool_blocks=8)
+    assert pm.route(first, reps) == 0
+    reps[0].load = 1
+    assert pm.route(other, reps) == 1  # (x y on replica 1)
+    reps[1].load = 1
+    assert pm.route(_Req([b"big"]), [reps[1], reps[2]]) == 1  # (two of three fit it: position 1 is replica 2)
+    assert pm.route(other, reps) == 1  # still replica 1's conversation
+    assert pm.route(first, [reps[2], reps[0]]) == 1  # position 1 of this offer: replica 0, where it was sent
     # a prompt's first blocks are dropped last: a shorter prompt of a longer one's prefix still matches
     pm = ROUTERS.create("prefix-memory")
     reps = _replicas([0, 0], pool_blocks=3)

@@ -76,25 +76,23 @@ def _longest_match(match: Sequence[int], replicas: Sequence[Replica], slack: int
 
 @ROUTERS.register("prefix-memory", "longest prefix this router sent there (its own record), bounded by load")
 class PrefixMemory(Router):
-    """``prefix-affinity``'s rule on a record of what was routed where: per replica, the hashes of the first
-    ``max_blocks`` blocks of the prompts sent there, least recently routed dropped first beyond the replica's
-    pool size in blocks (what the replica could hold at most)."""
+    """``prefix-affinity``'s rule on a record of what was routed where: per replica (by its ``index``: the
+    simulator offers only the replicas that can hold a request), the hashes of the first ``max_blocks`` blocks of
+    the prompts sent there, least recently routed dropped first beyond the replica's pool size in blocks (what
+    the replica could hold at most); a prompt is recorded deepest first, so its first blocks are dropped last."""
 
     def __init__(self, slack: int = 8, max_blocks: int = 64) -> None:
         self.slack = slack
         self.max_blocks = max_blocks
-        self._sent: list[OrderedDict[BlockHash, None]] = []
+        self._sent: dict[int, OrderedDict[BlockHash, None]] = {}
 
     def route(self, req: SimRequest, replicas: Sequence[Replica]) -> int:
-        if len(replicas) == 1:
-            return 0
-        if len(self._sent) != len(replicas):
-            self._sent = [OrderedDict() for _ in replicas]
         bs = replicas[0].kv.block_size
         n = max(0, min(self.max_blocks, (req.num_prompt_tokens - 1) // bs))
         hashes = req.block_hashes(bs, n)[:n] if n else ()
+        records = [self._sent.setdefault(r.index, OrderedDict()) for r in replicas]
         match = []
-        for sent in self._sent:
+        for sent in records:
             k = 0
             for h in hashes:
                 if h not in sent:
@@ -102,8 +100,8 @@ class PrefixMemory(Router):
                 k += 1
             match.append(k)
         i = _longest_match(match, replicas, self.slack)
-        sent = self._sent[i]
-        for h in reversed(hashes):  # (deepest first: a prompt's first block is its most recent, dropped last)
+        sent = records[i]
+        for h in reversed(hashes):
             sent[h] = None
             sent.move_to_end(h)
         over = len(sent) - replicas[i].kv.pool.num_blocks
