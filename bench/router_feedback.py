@@ -46,6 +46,7 @@ from kvretain.cli_args import (
     summary_of,
 )
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS
+from kvretain.engine.sim.replica import routing_blocks
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.fileio import output_file
 from kvretain.workloads import WorkloadRequest, load_mooncake, tag_priorities
@@ -87,7 +88,7 @@ def run_one(
     bs = cfg.block_size
 
     def counted(req: Any, reps: Any) -> int:
-        if req.num_prompt_tokens - 1 >= bs and all(r.kv.prefix_match(req) == 0 for r in reps):
+        if routing_blocks(req, bs) and all(r.kv.prefix_match(req) == 0 for r in reps):
             unmatched[0] += 1
         return route(req, reps)
 

@@ -9,7 +9,7 @@ too: recomputing an evicted block is work whichever lookup finds it missing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.kv_cache_manager import CacheRequest, KVCacheManager
@@ -66,14 +66,24 @@ class TrackingKVCacheManager(KVCacheManager):
 
     def prefix_match(self, req: SimRequest, max_blocks: int = 64) -> int:
         """Leading blocks of ``req`` cached here (no statistics; for routing)."""
-        n = min(max_blocks, (req.num_prompt_tokens - 1) // self.block_size)
-        cached = self.pool.cached
-        k = 0
-        for h in req.block_hashes(self.block_size, n)[:n]:
-            if h not in cached:
-                break
-            k += 1
-        return k
+        return leading_in(routing_blocks(req, self.block_size, max_blocks), self.pool.cached)
+
+
+def routing_blocks(req: SimRequest, block_size: int, max_blocks: int = 64) -> Sequence[BlockHash]:
+    """The hashes a router matches ``req`` by: its first full prompt blocks, at most ``max_blocks``, never the
+    block of its last prompt token (as vLLM's prefix lookup)."""
+    n = min(max_blocks, (req.num_prompt_tokens - 1) // block_size)
+    return req.block_hashes(block_size, n)[:n] if n > 0 else ()
+
+
+def leading_in(hashes: Sequence[BlockHash], held: Container[BlockHash]) -> int:
+    """How many of ``hashes``, from the first, are in ``held`` (a prefix match)."""
+    k = 0
+    for h in hashes:
+        if h not in held:
+            break
+        k += 1
+    return k
 
 
 class Replica:

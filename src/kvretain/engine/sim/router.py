@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvretain.core.hashing import BlockHash
-from kvretain.engine.sim.replica import Replica
+from kvretain.engine.sim.replica import Replica, leading_in, routing_blocks
 from kvretain.engine.sim.request import SimRequest
 from kvretain.registry import Registry
 
@@ -87,19 +87,9 @@ class PrefixMemory(Router):
         self._sent: dict[int, OrderedDict[BlockHash, None]] = {}
 
     def route(self, req: SimRequest, replicas: Sequence[Replica]) -> int:
-        bs = replicas[0].kv.block_size
-        n = max(0, min(self.max_blocks, (req.num_prompt_tokens - 1) // bs))
-        hashes = req.block_hashes(bs, n)[:n] if n else ()
+        hashes = routing_blocks(req, replicas[0].kv.block_size, self.max_blocks)
         records = [self._sent.setdefault(r.index, OrderedDict()) for r in replicas]
-        match = []
-        for sent in records:
-            k = 0
-            for h in hashes:
-                if h not in sent:
-                    break
-                k += 1
-            match.append(k)
-        i = _longest_match(match, replicas, self.slack)
+        i = _longest_match([leading_in(hashes, sent) for sent in records], replicas, self.slack)
         sent = records[i]
         for h in reversed(hashes):
             sent[h] = None
