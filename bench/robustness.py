@@ -3,6 +3,7 @@ and capacities it was not tuned on?
 
     python bench/robustness.py [--quick] [--jobs N] [--set key=value ...] [--json FILE] [--out DIR]
     python bench/robustness.py --trace mine.jsonl [--trace other.jsonl]   # your own Mooncake-format traces
+    python bench/robustness.py --trace mine.jsonl --block-tokens 16       # ... whose hash ids are 16 tokens each
     python bench/robustness.py --ray auto          # a bigger grid on the Ray cluster this node belongs to
 
 Traces (default set):
@@ -11,7 +12,9 @@ Traces (default set):
     written in the Mooncake replay format by ``kvretain.workloads.export`` (what ``kvretain workload
     export`` writes; the files land in ``OUT/traces/``) and read back through the one trace parser
     (``kvretain.workloads.mooncake.read_trace``, as ``kvretain replay`` reads them).
-  ``--trace FILE`` (repeatable) replaces the set with your files.
+  ``--trace FILE`` (repeatable) replaces the set with your files; ``--block-tokens N`` reads them at N tokens
+  per hash id (default 512, the published Mooncake traces'; 16 is vLLM's block size, as in traces recorded from
+  a vLLM engine), with the policies configured for that block size.
   ``--held-out`` replaces the set with generated traffic the grid does not hold (``HELD_OUT``: seeds the grid
   does not use, and one shape per generator with settings no run used), fixed before it was first run (session
   11): the check that the defaults were not fitted to the grid's own draws. NOTE: no knob default was set on
@@ -32,7 +35,9 @@ Priority rules (class 0 = important), one row each:
   priorities only: a generated trace's retention directives (the multi-tenant agents' 80 for 12 s) stay on
   their requests, whatever class the rule puts them in (the one-class runs drop them).
 Capacities: 8 points log-spaced from 500 to 32,000 blocks of 512 tokens, ``500 * 64 ** (i / 7)`` rounded to
-  the nearest integer: 500, 906, 1641, 2972, 5384, 9752, 17665, 32000.
+  the nearest integer: 500, 906, 1641, 2972, 5384, 9752, 17665, 32000. With ``--block-tokens N`` the same
+  token capacities in blocks of N tokens (x 512 / N: 16,000 to 1,024,000 blocks at 16), unless
+  ``--capacities`` names the pools.
 Every cell (trace x rule x capacity): ``lru``, ``s3fifo``, ``arc``, ``priority``, ``unified`` (defaults, plus
   any ``--set``), ``belady`` and the isolation reference (class 0 alone in the same pool under ``lru``, as
   bench/replay_table.py computes it); a policy not registered is skipped with one warning. The class-0
@@ -159,6 +164,7 @@ class Trace:
     start: int = 0
     stop: int | None = None
     native: bool = False  # the first rule is the trace's own priorities, not the reference rule
+    block_tokens: int = BLOCK_TOKENS  # tokens per hash id (the pool's block size)
 
     @property
     def first_rule(self) -> str:
@@ -178,7 +184,7 @@ def _load(trace: Trace) -> tuple[list[ReplayRequest], list[TraceRecord]]:
     in the same order: the priority rules read the records, the replay the requests."""
     got = _LOADED.get(trace)
     if got is None:
-        records = read_trace(trace.path, BLOCK_TOKENS)[trace.start : trace.stop]
+        records = read_trace(trace.path, trace.block_tokens)[trace.start : trace.stop]
         got = _LOADED[trace] = (replay_requests(records), records)
     return got
 
@@ -209,7 +215,7 @@ def tagged(trace: Trace, rule: str, seed: int, loaded: Loaded | None = None) -> 
 
 
 def _figures(reqs: Sequence[ReplayRequest], cap: int, policy: str, cfg: PolicyConfig) -> dict[str, Any]:
-    return _figures_of(replay(reqs, cap, policy, cfg, block_tokens=BLOCK_TOKENS))
+    return _figures_of(replay(reqs, cap, policy, cfg, block_tokens=cfg.block_size))
 
 
 def _figures_of(res: ReplayResult) -> dict[str, Any]:
@@ -277,8 +283,9 @@ class Job:
 
 def run_job(job: Job, loaded: Loaded | None = None) -> dict[str, Any]:
     """One job's figures (``loaded``: its trace, when a Ray driver ships it; else read in this process)."""
-    base = PolicyConfig(block_size=BLOCK_TOKENS)
-    tuned = PolicyConfig(**{"block_size": BLOCK_TOKENS, **dict(job.overrides)})
+    bt = job.trace.block_tokens
+    base = PolicyConfig(block_size=bt)
+    tuned = PolicyConfig(**{"block_size": bt, **dict(job.overrides)})
     reqs = tagged(job.trace, job.rule, job.seed, loaded)
     out: dict[str, Any] = {
         "kind": job.kind,
@@ -299,7 +306,7 @@ def run_job(job: Job, loaded: Loaded | None = None) -> dict[str, Any]:
             job.capacity,
             p,
             tuned if p == "unified" else base,
-            block_tokens=BLOCK_TOKENS,
+            block_tokens=bt,
             record_hits=p in PAIRED,
         )
         for p in job.policies
@@ -312,7 +319,7 @@ def run_job(job: Job, loaded: Loaded | None = None) -> dict[str, Any]:
         c0 = [reqs[i] for i in class0]
         out["class0_requests"] = len(c0)
         out["class0_block_share"] = round(sum(len(r.hashes) for r in c0) / max(1, _blocks(reqs)), 4)
-        out[ISO] = replay(c0, job.capacity, "lru", base, block_tokens=BLOCK_TOKENS).hit_rate if c0 else None
+        out[ISO] = replay(c0, job.capacity, "lru", base, block_tokens=bt).hit_rate if c0 else None
     return out
 
 
@@ -372,13 +379,14 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
         raise ValueError("--held-out and --trace exclude each other")
     if held_out and args.quick:
         raise ValueError("--held-out and --quick exclude each other (--quick is a two-trace smoke test)")
+    bt = getattr(args, "block_tokens", BLOCK_TOKENS)
     if args.trace:
         traces = []
         for p in args.trace:
             if not Path(p).is_file():
                 raise TraceError(f"trace file not found: {p}")
-            native = any(r.priority != 0 for r in read_trace(p, BLOCK_TOKENS))
-            traces.append(Trace(Path(p).stem, str(p), native=native))
+            native = any(r.priority != 0 for r in read_trace(p, bt))
+            traces.append(Trace(Path(p).stem, str(p), native=native, block_tokens=bt))
         return traces
     traces = [] if held_out else _mooncake_traces(args.mooncake, args.quick)
     gen_dir = out_dir / "traces"
@@ -424,6 +432,13 @@ def job_cost(job: Job, blocks: dict[Trace, int]) -> float:
     return n * (sum(COST[p] for p in job.policies) + (COST[ISO] if job.kind == "cell" else 0.0))
 
 
+def capacities(quick: bool, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """The grid's pool sizes in blocks of ``block_tokens`` tokens: the same token capacities as its blocks of
+    :data:`BLOCK_TOKENS` (module docstring)."""
+    caps = QUICK_CAPACITIES if quick else CAPACITIES
+    return [max(1, round(c * BLOCK_TOKENS / block_tokens)) for c in caps]
+
+
 def timing(traces: Sequence[Trace]) -> tuple[dict[Trace, int], float, str]:
     """Block lookups per trace, and the seconds per lookup of one lru replay of the largest trace."""
     blocks = {}
@@ -432,12 +447,14 @@ def timing(traces: Sequence[Trace]) -> tuple[dict[Trace, int], float, str]:
         blocks[t] = _blocks(rr)
     big = max(traces, key=lambda t: blocks[t])
     rr, _ = _load(big)
+    bt = big.block_tokens
+    cap = capacities(False, bt)[3]
     t0 = time.perf_counter()
-    replay(rr, CAPACITIES[3], "lru", PolicyConfig(block_size=BLOCK_TOKENS), block_tokens=BLOCK_TOKENS)
+    replay(rr, cap, "lru", PolicyConfig(block_size=bt), block_tokens=bt)
     wall = time.perf_counter() - t0
     note = (
         f"timing: one lru replay of {big.name} ({len(rr)} requests, {blocks[big]} block lookups, "
-        f"{CAPACITIES[3]} blocks): {wall:.2f} s"
+        f"{cap} blocks): {wall:.2f} s"
     )
     return blocks, wall / max(1, blocks[big]), note
 
@@ -761,11 +778,16 @@ def check_json_output(path: str) -> None:
         check_output_file(path, "--json")
 
 
-def check_capacities(caps: Sequence[int], jobs: int, overrides: Mapping[str, Any] | None = None) -> None:
+def check_capacities(
+    caps: Sequence[int],
+    jobs: int,
+    overrides: Mapping[str, Any] | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+) -> None:
     """``--capacities``: the largest pool, one per process (each holds one pool at a time), fits in the memory
     available (:func:`kvretain.core.memory.check_pool_fits`, ``kvretain replay``'s check; measured only past its
     sample size), checked before anything runs: a pool of 10^9 blocks otherwise ran the machine out of memory."""
-    cfg = PolicyConfig(**{"block_size": BLOCK_TOKENS, **dict(overrides or {})})
+    cfg = PolicyConfig(**{"block_size": block_tokens, **dict(overrides or {})})
     names = [p for p in POLICIES if p in set(policy_names())]
     check_pool_fits(
         max(caps), names, cfg, what="argument --capacities", pools=max(1, jobs), pools_are="processes"
@@ -829,7 +851,15 @@ def build_parser() -> Parser:
         type=integer(1, what=" (blocks)"),
         nargs="+",
         default=None,
-        help="override the capacities: pool sizes in blocks of 512 tokens (default: the grid's 8, 3 with --quick)",
+        help="override the capacities: pool sizes in blocks (of --block-tokens tokens; default: the grid's 8, 3 "
+        "with --quick)",
+    )
+    ap.add_argument(
+        "--block-tokens",
+        type=integer(1, what=" (tokens per hash id)"),
+        default=BLOCK_TOKENS,
+        help="tokens per hash id of the --trace files (the pool's block size); the default capacities keep their "
+        "token sizes (x 512 / N blocks)",
     )
     ap.add_argument(
         "--set",
@@ -868,8 +898,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         overrides = parse_sets(args.set)
-        caps = args.capacities or (QUICK_CAPACITIES if args.quick else CAPACITIES)
-        check_capacities(caps, args.jobs, overrides)
+        if args.block_tokens != BLOCK_TOKENS and not args.trace:
+            raise ValueError(
+                f"--block-tokens {args.block_tokens} applies to --trace files only (the grid's own traces are "
+                f"{BLOCK_TOKENS} tokens per hash id)"
+            )
+        caps = args.capacities or capacities(args.quick, args.block_tokens)
+        check_capacities(caps, args.jobs, overrides, args.block_tokens)
         out_dir = Path(args.out)
         # the outputs, before the grid runs: a folder that cannot be made fails now, not after the grid
         if args.json:
@@ -990,7 +1025,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.json:
         doc = {
-            "config": {"overrides": overrides, "capacities": caps, "seed": args.seed, "skipped": missing},
+            "config": {
+                "overrides": overrides,
+                "capacities": caps,
+                "block_tokens": args.block_tokens,
+                "seed": args.seed,
+                "skipped": missing,
+            },
             "traces": {
                 t.name: {
                     "path": t.path,

@@ -416,3 +416,40 @@ def test_a_floor_miss_is_judged_against_that_share_of_lru_request_by_request() -
     a, b = [3, 0, 5, 1], [3, 2, 1, 4]
     same, p = grid.floor_paired(a, b, 1.0), paired_difference(a, b)
     assert same["diff_hits"] == p.diff and same["se_hits"] == pytest.approx(p.se, abs=1e-3)
+
+
+# --- session 47: traces whose hash ids are not 512 tokens -----------------------------------------------------
+
+
+def test_the_default_capacities_keep_their_token_sizes_at_another_block_size() -> None:
+    grid = _grid()
+    assert grid.capacities(False) == grid.CAPACITIES and grid.capacities(True) == grid.QUICK_CAPACITIES
+    assert grid.capacities(False, 16) == [c * 32 for c in grid.CAPACITIES]
+    assert grid.capacities(True, 1024) == [250, 2000, 16000]
+
+
+@pytest.mark.bench
+def test_a_trace_of_16_token_hash_ids_runs_with_block_tokens(tmp_path: Path) -> None:
+    """A trace recorded at vLLM's block size (16 tokens per hash id) was refused by the grid, which read every
+    file at 512 tokens per id; ``--block-tokens 16`` reads it and sizes the policies for it."""
+    trace = tmp_path / "tiny16.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace, 16)
+    base = ["--quick", "--trace", str(trace), "--no-progress", "--no-plots"]
+    res = _run(*base)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "512-token block" in res.stderr
+    out = tmp_path / "grid.json"
+    res = _run(*base, "--block-tokens", "16", "--capacities", "400", "3000", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["block_tokens"] == 16 and doc["config"]["capacities"] == [400, 3000]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["cells"] == 2 * 2
+    assert all(c["lru"]["overall"] > 0.0 for c in doc["cells"])
+    # the grid's own traces are 512 tokens per id: the option is refused there, in one line
+    res = _run("--quick", "--block-tokens", "16", "--no-progress", "--no-plots")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "robustness: error: --block-tokens 16 applies to --trace files only (the grid's own traces are 512 "
+        "tokens per hash id)"
+    ]
