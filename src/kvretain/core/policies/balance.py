@@ -42,7 +42,17 @@ promise is measured against) and leaves it only on evidence: it moves towards fr
 frequency's lead ``G - E`` that stands above ``z`` standard errors of the two candidates' paired
 difference (``sqrt(D)``, ``D`` the decayed sum over lookups of ``(e_hits - g_hits) ** 2`` for the best rung: a
 lookup's blocks hit or miss together, so lookups are the independent units, as in
-:mod:`kvretain.core.policies.evidence`), and back towards recency on any lead of recency. ``one_class_z`` is
+:mod:`kvretain.core.policies.evidence`), and back towards recency on any lead of recency. The test's sums
+(``E``, ``G``, ``D`` of this rule alone) decay over the longer of the balance's window and the references that
+resolve, at ``z``, the lead they measure (or the margin, if larger): :func:`~kvretain.core.policies.evidence.
+needed_refs`, the rule that sizes the protection controller's window, so a small lead that persists is
+resolved once enough lookups have shown it, and a large one as fast as the balance's window allows. Read over
+the balance's window alone (until session 47) a lead of a few percent on lumpy traffic stayed near one
+standard error however long it lasted, and the order kept LRU's where frequency hit more (Mooncake's
+conversation trace at 500-906 blocks: 1.00x lru where the better of S3-FIFO and ARC read 1.10-1.29x; LMBench's
+GMI trace at 500: 1.00x against 1.04-1.05x); it now leaves recency there (1.12-1.61x lru on the conversation
+trace, 1.04x on GMI's), and on a lead
+that is only noise it moves off recency less often than before (docs/history.md, session 47). ``one_class_z`` is
 1.645 (``ONE_CLASS_Z`` in :mod:`kvretain.core.policies.protection`): a one-sided test at 95%, the textbook
 level, not a value chosen on the grid (its sensitivity is in docs/results.md). The lead tested is the best of
 the rungs' leads, so each is held to ``1 / len(RUNGS)`` of that level (Bonferroni, :func:`rung_z`: 2.128 for
@@ -78,7 +88,7 @@ from collections.abc import Sequence
 from statistics import NormalDist
 
 from kvretain.core.hashing import BlockHash
-from kvretain.core.policies.evidence import MIN_TOLERANCE
+from kvretain.core.policies.evidence import MIN_TOLERANCE, needed_refs
 from kvretain.core.policies.rules import HALF_USE
 from kvretain.core.policies.shadow import GDShadow, LRUShadow
 from kvretain.core.policy import FREQUENCY_RUNGS
@@ -108,13 +118,17 @@ class FrequencyBalance:
     __slots__ = (
         "_d2",
         "_e",
+        "_e1",
         "_ep",
         "_exps",
         "_g",
+        "_g1",
         "_gain",
         "_gp",
         "_lru",
+        "_margin",
         "_mixed",
+        "_refs1",
         "_shadows",
         "_tracked",
         "_z",
@@ -142,6 +156,7 @@ class FrequencyBalance:
         self._lru = LRUShadow(tracked)
         self._tracked = tracked
         self._gain = 1.0 / max(margin, MIN_TOLERANCE)
+        self._margin = margin
         self._e = 0.0
         self._ep = 0.0
         # per rung: decayed hits (all traffic, protected traffic) and the decayed sum over lookups of (LRU hits -
@@ -149,6 +164,11 @@ class FrequencyBalance:
         self._g = [0.0] * k
         self._gp = [0.0] * k
         self._d2 = [0.0] * k
+        # the one-class test's own sums: recency's hits, each rung's, and the sampled references, decayed over the
+        # test's window (:meth:`_one_class_sums`; ``_d2`` is its paired noise)
+        self._e1 = 0.0
+        self._g1 = [0.0] * k
+        self._refs1 = 0.0
         self._z = rung_z(one_class_z, k)
         self.rung = 0  # the frequency candidate that hits most over the window: the share's frequency end
         # ``share`` is the recency share the order follows; ``_mixed`` the mixed-traffic rule's, run alongside
@@ -201,19 +221,15 @@ class FrequencyBalance:
             for k in range(rungs):
                 GP[k] *= decay
         if self.one_class:
-            if one_class:  # (the paired noise is the one-class rule's alone)
-                for k in range(rungs):
-                    dk = e_hits - g_hits[k]
-                    D2[k] = D2[k] * decay + dk * dk
+            if one_class:
+                self._one_class_sums(n, e_hits, g_hits, decay, window)
             else:  # a second retention priority ends the one-class rule: the mixed rule's share from now on
                 self.one_class = False
                 self.share = self._mixed
-        best = self.rung
-        for k in range(rungs):
-            if G[k] > G[best]:
-                best = k
-        moved = best != self.rung and self.level > 0
-        self.rung = best
+        best = _best(G, self.rung)
+        rung = _best(self._g1, self.rung) if self.one_class else best  # (the frequency end the order follows)
+        moved = rung != self.rung and self.level > 0
+        self.rung = rung
         gg = G[best]
         m = e if e > gg else gg
         if m <= 0.0:
@@ -231,15 +247,35 @@ class FrequencyBalance:
         p = self._mixed + step * u
         self._mixed = p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         if self.one_class:  # the one-class rule: towards frequency only by its lead beyond the noise
-            if e >= gg:
-                u = (e - gg) / m
+            e1, g1 = self._e1, self._g1[rung]
+            m1 = e1 if e1 > g1 else g1
+            if e1 >= g1:
+                u = (e1 - g1) / m1 if m1 > 0.0 else 0.0
             else:
-                lead = gg - e - self._z * math.sqrt(D2[best])
-                u = -lead / m if lead > 0.0 else 0.0
+                lead = g1 - e1 - self._z * math.sqrt(D2[rung])
+                u = -lead / m1 if lead > 0.0 else 0.0
             p = self.share + step * u
             p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         self.share = p
         return self._set_level() or moved
+
+    def _one_class_sums(
+        self, n: int, e_hits: int, g_hits: Sequence[int], decay: float, window: float
+    ) -> None:
+        """Add one lookup to the one-class test's sums, decayed over the longer of the balance's ``window`` (whose
+        ``decay`` it is) and the references that resolve, at the test's ``z``, the lead its sums measure (or the
+        margin, if larger): :func:`~kvretain.core.policies.evidence.needed_refs`, the rule that sizes the
+        protection controller's window (module docstring, "One class")."""
+        G1, D2 = self._g1, self._d2
+        b = _best(G1, self.rung)
+        need = needed_refs(self._refs1, self._z * self._z * D2[b], self._e1, G1[b], self._margin)
+        d = decay if need <= window else math.exp(-n / need)
+        self._refs1 = self._refs1 * d + n
+        self._e1 = self._e1 * d + e_hits
+        for k in range(len(G1)):
+            G1[k] = G1[k] * d + g_hits[k]
+            dk = e_hits - g_hits[k]
+            D2[k] = D2[k] * d + dk * dk
 
     def start(self, share: float) -> bool:
         """The mixed-traffic rule starts at recency share ``share``, where the controller's warm-up measured it at
@@ -262,6 +298,15 @@ class FrequencyBalance:
         """``uses ** alpha`` for uses 0..cap (0 uses count as ``HALF_USE``)."""
         a = self.alpha
         return [HALF_USE if u == 0 else float(u) ** a for u in range(cap + 1)]
+
+
+def _best(hits: Sequence[float], current: int) -> int:
+    """The rung with the most ``hits`` (``current`` on a tie with it: the order does not switch on equal hits)."""
+    best = current
+    for k in range(len(hits)):
+        if hits[k] > hits[best]:
+            best = k
+    return best
 
 
 def rung_z(z: float, rungs: int) -> float:

@@ -1,7 +1,9 @@
 """When a difference of two hit counts measured on the same lookups is evidence: the rule that sets the protection
 controller's window and confidence (:mod:`kvretain.core.policies.protection`: the pool's hits against its LRU
-shadow's). NOTE: the recency/frequency balance keeps its fixed window of ``BALANCE_TURNOVERS``: given this rule
-too, it moved the grid's worst cell from 0.975x to 0.954x lru and changed no miss count (docs/history.md).
+shadow's) and the window of the recency/frequency balance's one-class test (:mod:`kvretain.core.policies.balance`,
+"One class", since session 47). NOTE: the balance's mixed-traffic rule keeps its fixed window of
+``BALANCE_TURNOVERS``: given this rule too, it moved the grid's worst cell from 0.975x to 0.954x lru and changed
+no miss count (docs/history.md).
 
 Two counts ``a`` and ``b`` of hits on the same sampled blocks of the same lookups are *paired*: a lookup's
 blocks hit or miss together (a request's prefix hits up to a point, then misses), so ``N`` hits of a few
