@@ -813,6 +813,26 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_block_tokens_option(ap: argparse.ArgumentParser) -> None:
+    """``--block-tokens N``: the ``--trace`` files' tokens per hash id (this grid's and the benches built on it)."""
+    ap.add_argument(
+        "--block-tokens",
+        type=integer(1, what=" (tokens per hash id)"),
+        default=BLOCK_TOKENS,
+        help="tokens per hash id of the --trace files (the pool's block size); the default capacities keep their "
+        "token sizes (x 512 / N blocks)",
+    )
+
+
+def check_block_tokens(args: argparse.Namespace) -> None:
+    """``--block-tokens`` other than the grid's is for ``--trace`` files only (``ValueError`` otherwise)."""
+    if args.block_tokens != BLOCK_TOKENS and not args.trace:
+        raise ValueError(
+            f"--block-tokens {args.block_tokens} applies to --trace files only (the grid's own traces are "
+            f"{BLOCK_TOKENS} tokens per hash id)"
+        )
+
+
 def add_json_option(ap: argparse.ArgumentParser, what: str) -> None:
     """``--json FILE``, as this grid and the benches built on it take it: ``what`` is written there."""
     ap.add_argument(
@@ -854,13 +874,7 @@ def build_parser() -> Parser:
         help="override the capacities: pool sizes in blocks (of --block-tokens tokens; default: the grid's 8, 3 "
         "with --quick)",
     )
-    ap.add_argument(
-        "--block-tokens",
-        type=integer(1, what=" (tokens per hash id)"),
-        default=BLOCK_TOKENS,
-        help="tokens per hash id of the --trace files (the pool's block size); the default capacities keep their "
-        "token sizes (x 512 / N blocks)",
-    )
+    add_block_tokens_option(ap)
     ap.add_argument(
         "--set",
         action="append",
@@ -898,11 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         overrides = parse_sets(args.set)
-        if args.block_tokens != BLOCK_TOKENS and not args.trace:
-            raise ValueError(
-                f"--block-tokens {args.block_tokens} applies to --trace files only (the grid's own traces are "
-                f"{BLOCK_TOKENS} tokens per hash id)"
-            )
+        check_block_tokens(args)
         caps = args.capacities or capacities(args.quick, args.block_tokens)
         check_capacities(caps, args.jobs, overrides, args.block_tokens)
         out_dir = Path(args.out)

@@ -5,7 +5,7 @@ figures with every knob at its default and at 0.5x and 2x it, one knob at a time
     python bench/sensitivity.py --quick            # smoke test: bench/robustness.py's --quick grid
 
 The traces, priority rules and capacities are bench/robustness.py's (imported, not copied: ``--mooncake``,
-``--trace``, ``--held-out``, ``--quick``, ``--capacities``, ``--seed``, ``--out`` as there), and so are the cell analysis and
+``--trace``, ``--block-tokens``, ``--held-out``, ``--quick``, ``--capacities``, ``--seed``, ``--out`` as there), and so are the cell analysis and
 the summary. Per cell (trace x rule x capacity) ``lru`` and the isolation reference run once (they do not
 depend on ``unified``'s knobs); ``unified`` runs once per setting. Per trace x capacity the one-class run
 (every request priority 0) of ``lru`` once and of ``unified`` at the default and at the settings of
@@ -296,6 +296,7 @@ def build_parser() -> Parser:
         type=path_arg("a Mooncake-format JSONL file"),
         help="use this Mooncake-format JSONL file instead of the grid's traces (repeatable; default: the grid's)",
     )
+    grid.add_block_tokens_option(ap)
     ap.add_argument(
         "--quick", action="store_true", help="the grid's smoke test: 2 traces, 2 rules, 3 capacities"
     )
@@ -361,8 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [k for k in args.knobs if k not in KNOBS]
         if bad:
             raise ValueError(f"--knobs: unknown {', '.join(bad)}; choose from {', '.join(KNOBS)}")
-        caps = args.capacities or (grid.QUICK_CAPACITIES if args.quick else grid.CAPACITIES)
-        grid.check_capacities(caps, args.jobs)
+        grid.check_block_tokens(args)
+        caps = args.capacities or grid.capacities(args.quick, args.block_tokens)
+        grid.check_capacities(caps, args.jobs, None, args.block_tokens)
         settings = make_settings(list(dict.fromkeys(args.knobs)))
         # the outputs, before the grid runs: a file or folder that cannot be written fails now, not after it
         if args.json:
@@ -420,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "config": {
                 "capacities": caps,
+                "block_tokens": args.block_tokens,
                 "seed": args.seed,
                 "knobs": args.knobs,
                 "one_class": [s.key for s in one_class],

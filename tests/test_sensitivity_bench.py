@@ -161,3 +161,24 @@ def test_bad_knob_is_one_line_and_status_2(tmp_path: Path) -> None:
     assert res.stderr.strip().splitlines() == [
         "sensitivity: error: --held-out and --trace exclude each other"
     ]
+
+
+@pytest.mark.bench
+def test_sensitivity_reads_a_trace_of_16_token_hash_ids_with_block_tokens(tmp_path: Path) -> None:
+    """The knob sensitivity runs the grid's cells on ``--trace`` files as the grid does; a file of 16 tokens an id
+    was refused with a pointer to ``--block-tokens``, an option this bench did not have."""
+    trace = tmp_path / "tiny16.jsonl"
+    cfg = AgentPausesConfig(duration_s=200.0, agent_rate=0.1, steps=(2, 4))
+    write_mooncake(generate_agent_pauses(cfg, random.Random(0)), trace, 16)
+    out = tmp_path / "sens.json"
+    argv = ["--quick", "--trace", str(trace), "--knobs", "budget", "--no-one-class", "--no-progress"]
+    res = _run(*argv, "--capacities", "400", "--out", str(tmp_path / "report"))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    res = _run(
+        *argv, "--block-tokens", "16", "--capacities", "400", "--json", str(out), "--out", str(tmp_path)
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert (
+        doc["config"]["block_tokens"] == 16 and json.loads(res.stdout.strip().splitlines()[-1])["cells"] == 2
+    )
