@@ -43,7 +43,8 @@ Every cell (trace x rule x capacity): ``lru``, ``s3fifo``, ``arc``, ``priority``
   bench/replay_table.py computes it); a policy not registered is skipped with one warning. The class-0
   target is ``min(0.9 x isolation, 1.25 x lru's class 0)``. Per trace x capacity also a one-class run
   (every request priority 0, no directives): ``unified`` against ``lru`` / ``s3fifo`` / ``arc``; and the
-  frontier: ``unified`` at fixed protected shares (``isolation_goal=None``) under the trace's first rule,
+  frontier: ``unified`` at fixed protected shares (``isolation_goal=None``) under the trace's first rule (or
+  the first that puts a request in class 0),
   one PNG per trace in ``OUT/`` (``--out``, default reports/robustness).
 
 Where ``unified`` falls below ``lru`` (class 0 in a cell, every request in a one-class run) the listing says
@@ -407,6 +408,17 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
     return traces
 
 
+def frontier_rule(trace: Trace, quick: bool, seed: int) -> str | None:
+    """The rule a trace's frontier runs under: its first rule, or the first of its rules that puts a request in
+    class 0 (the reference rule keys on ``hash_ids[1]``, which on a trace whose requests all open with one long
+    system prompt is the same block everywhere: no class 0, and a frontier with no class-0 axis); None when
+    none does."""
+    for rule in trace.rules(quick):
+        if any(r.priority == 0 for r in tagged(trace, rule, seed)):
+            return rule
+    return None
+
+
 def make_jobs(
     traces: Sequence[Trace], caps: Sequence[int], args: argparse.Namespace, overrides: dict[str, Any]
 ) -> list[Job]:
@@ -417,11 +429,13 @@ def make_jobs(
     budgets = tuple(QUICK_BUDGETS if args.quick else BUDGETS)
     jobs = []
     for t in traces:
+        front = frontier_rule(t, args.quick, args.seed)
         for cap in caps:
             for rule in t.rules(args.quick):
                 jobs.append(Job("cell", t, rule, cap, cell_pols, ov, seed=args.seed))
             jobs.append(Job("one-class", t, "one-class", cap, one_pols, ov, seed=args.seed))
-            jobs.append(Job("frontier", t, t.first_rule, cap, (), ov, budgets, args.seed))
+            if front is not None:
+                jobs.append(Job("frontier", t, front, cap, (), ov, budgets, args.seed))
     return jobs
 
 
@@ -702,7 +716,9 @@ def dominating_shares(frontier: dict[str, Any], cell: dict[str, Any]) -> list[fl
     class-0 hit ratios on the same cell, and more of one of them: where the controller is not on the frontier
     (the price it paid for class 0 is more than priority must cost there)."""
     u = cell["unified"]
-    o, c0 = u["overall"], u["class0"] if u["class0"] is not None else 0.0
+    if u["class0"] is None:  # (no class 0 in the cell: no class-0 axis, nothing to dominate on)
+        return []
+    o, c0 = u["overall"], u["class0"]
     out = []
     for p in frontier["points"]:
         po, pc = p["overall"], p["class0"] if p["class0"] is not None else 0.0
@@ -968,12 +984,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for t in traces:
         mine = [c for c in cells if c["trace"] == t.name]
         print(trace_tables(t.name, mine, [c for c in one if c["trace"] == t.name], pols))
-        if not args.no_plots:
+        its = [f for f in fronts if f["trace"] == t.name]
+        if not its:
+            print(f"no frontier for {t.name}: none of its rules puts a request in class 0")
+        elif not args.no_plots:
             out_dir.mkdir(parents=True, exist_ok=True)
             png = out_dir / f"frontier-{_slug(t.name)}.png"
-            plot_frontiers(
-                t.name, [f for f in fronts if f["trace"] == t.name], mine, t.first_rule, png, setting
-            )
+            plot_frontiers(t.name, its, mine, its[0]["rule"], png, setting)
             print(f"frontier plot: {png}")
     summary = summarise(cells, one)
     bad = [c for c in cells if c["misses"]]

@@ -453,3 +453,60 @@ def test_a_trace_of_16_token_hash_ids_runs_with_block_tokens(tmp_path: Path) -> 
         "robustness: error: --block-tokens 16 applies to --trace files only (the grid's own traces are 512 "
         "tokens per hash id)"
     ]
+
+
+def _shared_prompt_trace(path: Path) -> Path:
+    """Conversations that all open with one 2-block system prompt (``hash_ids[1]`` the same everywhere: the
+    reference rule puts no request in class 0), 40 sessions of 6 turns, each turn re-reading its context."""
+    rng = random.Random(0)
+    lines = []
+    nxt = 100
+    ctx: dict[int, list[int]] = {}
+    for i in range(240):
+        s = rng.randrange(40)
+        ids = ctx.setdefault(s, [0, 1])
+        ids += [nxt, nxt + 1]
+        nxt += 2
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": float(i * 100),
+                    "input_length": 512 * len(ids),
+                    "output_length": 8,
+                    "hash_ids": list(ids),
+                    "session_id": f"s{s}",
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.bench
+def test_the_frontier_runs_under_a_rule_that_has_a_class_0(tmp_path: Path) -> None:
+    """On a trace whose reference rule puts no request in class 0 the frontier ran under that rule anyway: an
+    empty plot, and "dominated" claims made on overall reuse alone (every share ties, with nothing protected)."""
+    trace = _shared_prompt_trace(tmp_path / "shared.jsonl")
+    out = tmp_path / "grid.json"
+    res = _run(
+        "--quick",
+        "--trace",
+        str(trace),
+        "--capacities",
+        "40",
+        "120",
+        "--json",
+        str(out),
+        "--no-progress",
+        "--no-plots",
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    ref = [c for c in doc["cells"] if c["rule"] == "reference"]
+    assert ref and all(c["class0_requests"] == 0 for c in ref)
+    assert doc["frontiers"] and all(f["rule"] == "random-10%" for f in doc["frontiers"])
+    assert all(p["class0"] is not None for f in doc["frontiers"] for p in f["points"])
+    grid = _grid()
+    cell = {"unified": {"overall": 0.5, "class0": None}}
+    front = {"points": [{"budget": 0.2, "overall": 0.6, "class0": None}]}
+    assert grid.dominating_shares(front, cell) == []
