@@ -54,7 +54,7 @@ conversation trace at 500-906 blocks: 1.00x lru where the better of S3-FIFO and 
 GMI trace at 500: 1.00x against 1.04-1.05x); it now leaves recency there (1.12-1.61x lru on the conversation
 trace, 1.04x on GMI's). On a lead that is only noise it applies less frequency on average than before; the
 price is adaptation: a window grown to resolve a small lead also remembers it, so after a phase change the order
-takes longer to follow (measured in docs/results.md, "Two more public traces", with the faster variants that gave
+takes longer to follow (measured in docs/results.md, "Three more public traces", with the faster variants that gave
 the gains back; docs/history.md, session 47). ``one_class_z`` is
 1.645 (``ONE_CLASS_Z`` in :mod:`kvretain.core.policies.protection`): a one-sided test at 95%, the textbook
 level, not a value chosen on the grid (its sensitivity is in docs/results.md). The lead tested is the best of
