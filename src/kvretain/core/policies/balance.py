@@ -45,17 +45,16 @@ lookup's blocks hit or miss together, so lookups are the independent units, as i
 :mod:`kvretain.core.policies.evidence`), and back towards recency on any lead of recency. The test's sums
 (``E``, ``G``, ``D`` of this rule alone) decay over the longer of the balance's window and the references that
 resolve, at ``z``, the lead they measure (or the margin, if larger): :func:`~kvretain.core.policies.evidence.
-needed_refs`, the rule that sizes the protection controller's window, so a small lead that persists is
-resolved once enough lookups have shown it, and a large one from a fresh start as fast as the balance's window
-allows. Read over
-the balance's window alone (until session 47) a lead of a few percent on lumpy traffic stayed near one
+needed_refs`, the rule that sizes the protection controller's window, so a small lead that persists is resolved
+once enough lookups have shown it, and a large one from a fresh start as fast as the balance's window allows.
+Read over the balance's window alone (until session 47) a lead of a few percent on lumpy traffic stayed near one
 standard error however long it lasted, and the order kept LRU's where frequency hit more (Mooncake's
 conversation trace at 500-906 blocks: 1.00x lru where the better of S3-FIFO and ARC read 1.10-1.29x; LMBench's
 GMI trace at 500: 1.00x against 1.04-1.05x); it now leaves recency there (1.12-1.61x lru on the conversation
 trace, 1.04x on GMI's). On a lead that is only noise it applies less frequency on average than before; the
-price is adaptation: a window grown to resolve a small lead also remembers it, so after a phase change the order
-takes longer to follow (measured in docs/results.md, "Three more public traces", with the faster variants that gave
-the gains back; docs/history.md, session 47). ``one_class_z`` is
+price is adaptation: a window grown to resolve a small lead also remembers it, so after a phase change the
+order takes longer to follow (measured in docs/results.md, "Three more public traces", with the faster variants
+that gave the gains back; docs/history.md, session 47). ``one_class_z`` is
 1.645 (``ONE_CLASS_Z`` in :mod:`kvretain.core.policies.protection`): a one-sided test at 95%, the textbook
 level, not a value chosen on the grid (its sensitivity is in docs/results.md). The lead tested is the best of
 the rungs' leads, so each is held to ``1 / len(RUNGS)`` of that level (Bonferroni, :func:`rung_z`: 2.128 for
