@@ -25,10 +25,12 @@ that is not there is an error, before anything runs).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
 import random
+import stat
 import statistics
 import subprocess
 import sys
@@ -250,6 +252,25 @@ def replay_command_seconds(trace: Path, capacity: int, repeats: int) -> float:
 PROG = "pool_ops"
 
 
+def fifo_arg(text: str) -> str:
+    """``--perf-fifo``: an existing named pipe (``mkfifo``), checked as the command line is read: each timed part
+    writes ``enable``/``disable`` into it, which would overwrite a regular file and fail (after runs) on a path
+    that is not there."""
+    path_arg("a fifo made by mkfifo")(text)
+    try:
+        mode = os.stat(text).st_mode
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text} not found (pass a fifo made by mkfifo)") from None
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot use {text}: {exc.strerror}") from None
+    if not stat.S_ISFIFO(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "not a fifo"
+        raise argparse.ArgumentTypeError(f"{text} is {what} (pass a fifo made by mkfifo)")
+    if not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
 def build_parser() -> Parser:
     """The command line (``--help`` shows every option's default)."""
     ap = Parser(prog=PROG, description=summary_of(__doc__), formatter_class=DefaultsHelpFormatter)
@@ -285,6 +306,7 @@ def build_parser() -> Parser:
     )
     ap.add_argument(
         "--perf-fifo",
+        type=fifo_arg,
         help="control fifo of `perf record -D -1 --control fifo:PATH`: sample only the timed parts "
         "(a path; bench/pool_ops_perf.py drives it; default: none)",
     )

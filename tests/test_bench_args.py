@@ -193,6 +193,26 @@ def test_pool_ops_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: s
     _refused(res, "pool_ops: error", says.format(**f))
 
 
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("a-file", "argument --perf-fifo: {path} is not a fifo"),
+        ("missing", "argument --perf-fifo: {path} not found"),
+        ("folder", "argument --perf-fifo: {path} is a folder"),
+    ],
+)
+def test_pool_ops_refuses_a_perf_fifo_that_is_not_a_fifo(tmp_path: Path, name: str, says: str) -> None:
+    """A regular file was overwritten with ``disable`` after each timed part; a missing path was a traceback."""
+    path = _files(tmp_path)[name]
+    if name == "a-file":
+        path.write_text("keep me\n")
+    small = ["--sizes", "100", "--ops", "100", "--repeats", "1", "--pools", "lru", "--command-capacities"]
+    res = _run("pool_ops.py", *small, "--perf-fifo", str(path))
+    _refused(res, "pool_ops: error", says.format(path=path))
+    if name == "a-file":
+        assert path.read_text() == "keep me\n"
+
+
 # ------------------------------------------------------------------------------------------------- sim_speed.py
 @pytest.mark.parametrize(
     ("argv", "says"),
