@@ -80,7 +80,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, check_output_file, integer, path_arg, summary_of
+from kvretain.cli_args import (
+    DefaultsHelpFormatter,
+    Parser,
+    check_distinct,
+    check_output_file,
+    integer,
+    path_arg,
+    summary_of,
+)
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
@@ -333,13 +341,21 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """``--set key=value`` -> PolicyConfig overrides (numbers, ``none``); one clear error per mistake."""
     known = {f.name for f in dataclasses.fields(PolicyConfig)} - {"next_use", "block_size"}
     out: dict[str, Any] = {}
+    flags = {f.name for f in dataclasses.fields(PolicyConfig) if isinstance(f.default, bool)}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or key not in known:
             raise ValueError(f"--set {item!r}: expected key=value with key one of {', '.join(sorted(known))}")
+        if key in out:
+            raise ValueError(f"--set {item!r}: {key!r} is given twice")
         value: Any
-        if raw.strip().lower() in ("none", "null"):
+        if key in flags:  # (PolicyConfig takes any value here: 2 or 0.5 would read as true)
+            word = raw.strip().lower()
+            if word not in ("true", "false"):
+                raise ValueError(f"--set {item!r}: {key} is true or false")
+            value = word == "true"
+        elif raw.strip().lower() in ("none", "null"):
             value = None
         else:
             try:
@@ -374,6 +390,24 @@ def _mooncake_traces(given: str | None, quick: bool) -> list[Trace]:
     ]
 
 
+def check_trace_names(paths: Sequence[str]) -> None:
+    """``--trace`` files: each given once, and no two with one name (a trace is named by its file's name without
+    the folder and suffix: two ``x.jsonl`` in different folders mixed their rows in the tables and kept one in
+    the JSON). A ``ValueError``, before any is read."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        name = Path(p).stem
+        other = seen.get(name)
+        if other is not None:
+            if os.path.realpath(other) == os.path.realpath(p):
+                raise ValueError(f"argument --trace: {p} is given twice")
+            raise ValueError(
+                f"argument --trace: {other} and {p} are both named {name!r} (the grid names a trace by its file "
+                "name: rename or link one)"
+            )
+        seen[name] = p
+
+
 def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
     held_out = getattr(args, "held_out", False)
     if held_out and args.trace:
@@ -382,11 +416,13 @@ def prepare_traces(args: argparse.Namespace, out_dir: Path) -> list[Trace]:
         raise ValueError("--held-out and --quick exclude each other (--quick is a two-trace smoke test)")
     bt = getattr(args, "block_tokens", BLOCK_TOKENS)
     if args.trace:
+        check_trace_names(args.trace)
         traces = []
         for p in args.trace:
-            if not Path(p).is_file():
-                raise TraceError(f"trace file not found: {p}")
-            native = any(r.priority != 0 for r in read_trace(p, bt))
+            try:
+                native = any(r.priority != 0 for r in read_trace(p, bt))
+            except TraceError as exc:
+                raise TraceError(f"argument --trace: {exc}") from None
             traces.append(Trace(Path(p).stem, str(p), native=native, block_tokens=bt))
         return traces
     traces = [] if held_out else _mooncake_traces(args.mooncake, args.quick)
@@ -803,6 +839,7 @@ def check_capacities(
     """``--capacities``: the largest pool, one per process (each holds one pool at a time), fits in the memory
     available (:func:`kvretain.core.memory.check_pool_fits`, ``kvretain replay``'s check; measured only past its
     sample size), checked before anything runs: a pool of 10^9 blocks otherwise ran the machine out of memory."""
+    check_distinct(caps, "--capacities")
     cfg = PolicyConfig(**{"block_size": block_tokens, **dict(overrides or {})})
     names = [p for p in POLICIES if p in set(policy_names())]
     check_pool_fits(

@@ -134,6 +134,62 @@ def test_sensitivity_refuses_no_one_class_with_one_class_all(tmp_path: Path, tin
 
 
 # ------------------------------------------------------------------------------------------ replay_table.py
+@pytest.mark.parametrize("script", ["robustness.py", "sensitivity.py"])
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("same-name", "argument --trace: {d1} and {d2} are both named 'x'"),
+        ("same-file", "argument --trace: {d1} is given twice"),
+        ("capacity-twice", "argument --capacities: 16 is given twice"),
+        ("folder", "argument --trace: {folder} is a directory"),
+    ],
+)
+def test_grid_scripts_refuse_traces_and_capacities_that_would_merge(
+    tmp_path: Path, tiny: Path, script: str, case: str, says: str
+) -> None:
+    """Two ``x.jsonl`` in different folders ran as one trace name (tables mixed their rows, the JSON kept one);
+    a folder was "trace file not found"."""
+    d1, d2 = tmp_path / "d1" / "x.jsonl", tmp_path / "d2" / "x.jsonl"
+    for d in (d1, d2):
+        d.parent.mkdir()
+        shutil.copy(tiny, d)
+    folder = _files(tmp_path)["folder"]
+    traces = {
+        "same-name": [d1, d2],
+        "same-file": [d1, d1],
+        "capacity-twice": [d1],
+        "folder": [folder],
+    }[case]
+    caps = ["16", "16"] if case == "capacity-twice" else ["16"]
+    argv = ["--quick", "--jobs", "1", "--no-progress", "--capacities", *caps, "--out", str(tmp_path / "o")]
+    res = _run(script, *argv, *[a for t in traces for a in ("--trace", str(t))])
+    _refused(res, f"{script.removesuffix('.py')}: error", says.format(d1=d1, d2=d2, folder=folder))
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["budget=0.5", "budget=0.6"], "'budget' is given twice"),
+        (["adapt_frequency=2"], "adapt_frequency is true or false"),
+        (["adapt_frequency=none"], "adapt_frequency is true or false"),
+    ],
+)
+def test_robustness_refuses_a_set_given_twice_or_a_flag_that_is_not_true_or_false(
+    tmp_path: Path, tiny: Path, sets: list[str], says: str
+) -> None:
+    argv = [*GRID, "--trace", str(tiny), "--out", str(tmp_path / "o")]
+    res = _run("robustness.py", *argv, *[a for v in sets for a in ("--set", v)])
+    _refused(res, "robustness: error", says)
+
+
+def test_robustness_set_reads_a_flag_as_true_or_false() -> None:
+    sys.path.insert(0, str(BENCH))
+    import robustness as grid
+
+    assert grid.parse_sets(["adapt_frequency=false"]) == {"adapt_frequency": False}
+    assert grid.parse_sets(["adapt_frequency=True"]) == {"adapt_frequency": True}
+
+
 def test_replay_table_says_na_for_a_class_without_requests_or_hits(tmp_path: Path) -> None:
     """The reference rule makes class 0 of ``hash_ids[1] % 4 == 0``: a trace with no such request, and one whose
     class-0 requests never hit (its isolation reference is 0), were ZeroDivisionErrors."""

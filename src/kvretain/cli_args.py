@@ -201,6 +201,16 @@ def shares(text: str) -> list[float]:
     return values
 
 
+def check_distinct(values: Iterable[Any], option: str) -> None:
+    """A ``ValueError`` naming ``option`` when a value of a list option (``--capacities 16 16``) is given twice:
+    each value is a run whose results are keyed by it, so a repeat would run twice and show (or keep) one."""
+    seen: set[Any] = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"argument {option}: {v} is given twice")
+        seen.add(v)
+
+
 def path_arg(kind: str) -> Callable[[str], str]:
     """A path option's value, refused when empty: ``Path("")`` is the current folder, so an unset shell variable
     (``--model "$MODEL"``) would quietly mean ``.`` or fall back to a default. ``kind``: what to pass instead."""
