@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
-from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, fail, integer, missing_module
 
 PROG = "sched_equivalence"
 
@@ -377,19 +376,27 @@ def build_parser() -> Parser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    from kvretain.workloads.mooncake import TraceError
+
     args = build_parser().parse_args(argv)
-    if not args.trace.is_file():
-        sys.exit(f"trace not found: {args.trace} (pass --trace)")
     args.max_model_len = args.max_prompt + args.max_output
     if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
-        sys.exit(
-            f"--max-prompt + --max-output ({args.max_model_len}) must fit the pool "
-            f"({args.pool_blocks - 1} usable blocks of {args.block_size})"
+        return fail(
+            PROG,
+            f"argument --max-prompt/--max-output: --max-prompt + --max-output ({args.max_model_len}) must fit "
+            f"the pool ({args.pool_blocks - 1} usable blocks of {args.block_size})",
         )
     os.environ.pop("KVRETAIN_POLICY", None)
 
-    specs = load_workload(args.trace, args.requests, args.step_ms, args.max_prompt, args.max_output)
+    try:  # (the trace parser's message names a missing file, a folder, the file's line and field)
+        specs = load_workload(args.trace, args.requests, args.step_ms, args.max_prompt, args.max_output)
+    except TraceError as exc:
+        return fail(PROG, f"argument --trace: {exc}")
+    # before the kvretain side runs: without vLLM its run would end in a traceback at the vLLM side
+    missing = missing_module(["torch", "vllm"], "the vLLM side")
+    if missing:
+        return fail(PROG, missing)
     print(
         f"{len(specs)} requests of {args.trace.name} (class 0: {sum(s.priority == 0 for s in specs)}), "
         f"{sum(len(s.prompt) for s in specs):,} prompt tokens; policy {args.policy}"
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         results[q] = res
     if len(queues) == 1:
         print(json.dumps(results[queues[0]]))
-        return
+        return 0
     firsts = [r["first_divergence"] for r in results.values() if r["first_divergence"] is not None]
     tot = {
         side: {key: sum(r[side][key] for r in results.values()) for key in ("hit_tokens", "preemptions")}
@@ -432,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
-from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, integer
+from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, fail, integer, missing_module
 
 PROG = "vllm_plugin"
 
@@ -656,24 +656,31 @@ def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
 
-    if not args.trace.is_file():
-        sys.exit(f"trace not found: {args.trace} (pass --trace)")
     os.environ.pop("KVRETAIN_POLICY", None)
     if args.child:
         run_child(args)
         return
 
-    from kvretain.integrations.vllm.config import PluginConfigError, parse_options
+    from kvretain.core.retention import PriorityMapping
+    from kvretain.integrations.vllm.config import PluginConfig, PluginConfigError, parse_options
     from kvretain.workloads.mooncake import TraceError
 
+    # checked here, before any child starts (a child's traceback came after the stock run)
     try:
-        parse_options(args.options)  # (checked here, before any child starts)
+        options = parse_options(args.options)
     except PluginConfigError as e:
-        ap.error(f"--options: {e}")
+        ap.error(f"argument --options: {e}")
+    try:  # the policy, and the options against it (frequency_cap at run granularity)
+        PluginConfig(args.policy, options, PriorityMapping(), args.granularity)
+    except PluginConfigError as e:
+        ap.error(f"argument --policy/--options: {e}")
     try:
         reqs = load_trace(args.trace, args.requests, args.step_ms, args.max_output, args.priority_rule)
-    except TraceError as e:  # the parser's message names the file, line and field
-        sys.exit(str(e))
+    except TraceError as e:  # the parser's message names a missing file, a folder, the line and field
+        raise SystemExit(fail(PROG, f"argument --trace: {e}")) from None
+    missing = missing_module(["torch", "vllm"], "each run")
+    if missing:
+        raise SystemExit(fail(PROG, missing))
     print(
         f"{len(reqs)} requests of {args.trace.name} (class 0: {sum(r.priority == 0 for r in reqs)}), "
         f"block size {args.block_size}, pool {args.pool_blocks} blocks "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import random
 import shutil
@@ -267,6 +268,63 @@ def test_pool_ops_refuses_a_perf_fifo_that_is_not_a_fifo(tmp_path: Path, name: s
     _refused(res, "pool_ops: error", says.format(path=path))
     if name == "a-file":
         assert path.read_text() == "keep me\n"
+
+
+# ------------------------------------------------------------------------------ sched_equivalence.py, vllm_plugin.py
+NO_VLLM = importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None
+
+
+@pytest.mark.parametrize("script", ["sched_equivalence.py", "vllm_plugin.py"])
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("missing", "argument --trace: trace file not found: {path}"),
+        ("empty", "argument --trace: {path}: no requests in the trace"),
+        ("folder", "argument --trace: {path} is a directory"),
+        ("binary", "argument --trace: {path}:1: not UTF-8 text"),
+    ],
+)
+def test_vllm_benches_refuse_a_bad_trace_in_one_line(
+    tmp_path: Path, script: str, name: str, says: str
+) -> None:
+    """An empty trace was a TraceError traceback (sched_equivalence) or a bare line with exit status 1; a folder
+    was "trace not found"."""
+    path = _files(tmp_path)[name]
+    res = _run(script, "--trace", str(path), timeout=60)
+    _refused(res, f"{script.removesuffix('.py')}: error", says.format(path=path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--policy", "bogus"], "argument --policy/--options: KVRETAIN_POLICY='bogus': unknown policy"),
+        (["--options", "frequency_cap=1000"], "frequency_cap=1000 is over 255"),
+    ],
+)
+def test_vllm_plugin_refuses_a_policy_before_any_child_starts(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
+    _refused(_run("vllm_plugin.py", "--trace", str(trace), *argv, timeout=60), "vllm_plugin: error", says)
+
+
+@pytest.mark.skipif(not NO_VLLM, reason="vLLM and PyTorch are importable here")
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [("sched_equivalence.py", "the vLLM side needs "), ("vllm_plugin.py", "each run needs ")],
+)
+def test_vllm_benches_without_vllm_say_so_before_they_run(tmp_path: Path, script: str, says: str) -> None:
+    """A traceback from the first child (vllm_plugin) or after the kvretain side's whole run (sched_equivalence)."""
+    trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
+    res = _run(script, "--trace", str(trace), timeout=60)
+    _refused(res, f"{script.removesuffix('.py')}: error", says)
+    assert "not importable by this python" in res.stderr
+
+
+def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path) -> None:
+    trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
+    res = _run("sched_equivalence.py", "--trace", str(trace), "--max-prompt", "100000", timeout=60)
+    _refused(res, "sched_equivalence: error", "argument --max-prompt/--max-output: ")
 
 
 # ------------------------------------------------------------------------------------------------- sim_speed.py

@@ -264,6 +264,26 @@ def check_output_file(path: str, option: str) -> None:
         raise ValueError(f"argument {option}: cannot write {path!r}: permission denied")
 
 
+VLLM_PYTHON = ".venv-vllm/bin/python"
+"""The interpreter of the environment that has vLLM (and PyTorch), as the bench scripts that need it name it."""
+
+
+def missing_module(modules: Iterable[str], needed_by: str) -> str | None:
+    """``None`` when this python can import each of ``modules`` (top-level names), else the message of the first
+    it cannot: ``{needed_by} needs vllm, not importable by this python (...)``. Looked up (``find_spec``), not
+    imported: checked before a script's first long step, at no cost (importing vLLM takes seconds)."""
+    import importlib.util
+
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{needed_by} needs {name}, not importable by this python ({sys.executable}; use {VLLM_PYTHON})"
+    return None
+
+
 def fail(prog: str, message: str) -> int:
     """Print a user error as one line (as :class:`Parser` does) and return the exit status 2."""
     print(f"{prog}: error: {message}", file=sys.stderr)
