@@ -43,8 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
 from kvretain.core.block_pool import BlockPool
+from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy
 from kvretain.core.retention import BlockRetention
+from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceError, read_trace
 
 POLICIES = ["lru", "lfu", "priority", "unified", "s3fifo", "arc"]
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -345,6 +347,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace is not None and not trace.is_file():
         why = "is a folder" if trace.is_dir() else "not found"
         return fail(PROG, f"argument --trace: {args.trace} {why} (pass a Mooncake-format JSONL file)")
+    pools = args.pools or [*POLICIES, "vllm"]
+    try:  # before anything runs: a pool past the memory, a trace that the replay command would refuse at the end
+        check_pool_fits(
+            max(args.sizes), [p for p in pools if p != "vllm"] or ["lru"], what="argument --sizes"
+        )
+        if args.command_capacities and trace.is_file():
+            cfg = PolicyConfig(block_size=MOONCAKE_BLOCK_TOKENS)
+            check_pool_fits(
+                max(args.command_capacities), ["unified"], cfg, what="argument --command-capacities"
+            )
+            read_trace(trace, MOONCAKE_BLOCK_TOKENS)
+    except TraceError as exc:
+        return fail(PROG, f"argument --trace: {exc}")
+    except ValueError as exc:
+        return fail(PROG, str(exc))
     if args.ops is None:
         args.ops = 20_000 if args.count_opcodes else 300_000
     if args.count_opcodes:
@@ -357,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         have_vllm = False
         print("vLLM not importable: comparing kvretain policies only", file=sys.stderr)
-    pools = args.pools or [*POLICIES, "vllm"]
     if "vllm" in pools and not have_vllm:
         pools.remove("vllm")
         if not pools:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, missing_module, summary_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "pool_ops_perf"
@@ -151,13 +151,17 @@ def build_parser() -> Parser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.chase:
         print(json.dumps(chase(args.sizes)))
-        return
+        return 0
+    # before the first profiled run (the vllm pool's run failed under perf after the others)
+    missing = missing_module(["vllm"], "argument --pools: the vllm pool") if "vllm" in args.pools else None
+    if missing:
+        return fail(PROG, missing)
     if shutil.which("perf") is None:
-        raise SystemExit("perf not found: install linux-perf (Debian) to attribute the pool's time")
+        return fail(PROG, "perf not found: install linux-perf (Debian) to attribute the pool's time")
     result: dict[str, dict[str, dict[str, object]]] = {}
     print(f"{'pool':>9} {'blocks':>9} {'ns/op':>7} {'dict lookups':>13} {'rest':>7}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

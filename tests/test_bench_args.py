@@ -251,6 +251,36 @@ def test_pool_ops_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: s
 
 
 @pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--trace", "{empty}"], "argument --trace: {empty}: no requests in the trace"),
+        (["--trace", "{binary}"], "argument --trace: {binary}:1: not UTF-8 text"),
+        (["--trace", "{trace}", "--command-capacities", "1e30"], "argument --command-capacities: "),
+        (["--sizes", "1e30"], "argument --sizes: "),
+    ],
+    ids=["empty-trace", "binary-trace", "command-capacity-past-memory", "size-past-memory"],
+)
+def test_pool_ops_refuses_what_failed_after_the_timed_runs(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    """The replay command's refusal of the trace or capacity was a CalledProcessError traceback after the timed
+    runs; a size past the memory grew until the machine ran out of it."""
+    f = {k: str(v) for k, v in _files(tmp_path).items()}
+    f["trace"] = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
+    small = ["--sizes", "100", "--ops", "100", "--repeats", "1", "--pools", "lru", "--command-repeats", "1"]
+    res = _run("pool_ops.py", *small, *[a.format(**f) for a in argv], timeout=60)
+    _refused(res, "pool_ops: error", says.format(**f))
+    if argv[-1] == "1e30":
+        assert "of memory" in res.stderr and "use fewer blocks" in res.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")
+def test_pool_ops_perf_refuses_the_vllm_pool_without_vllm_before_it_profiles() -> None:
+    res = _run("pool_ops_perf.py", "--pools", "lru", "vllm", "--sizes", "100", "--ops", "100", timeout=60)
+    _refused(res, "pool_ops_perf: error", "argument --pools: the vllm pool needs vllm, not importable")
+
+
+@pytest.mark.parametrize(
     ("name", "says"),
     [
         ("a-file", "argument --perf-fifo: {path} is not a fifo"),
