@@ -67,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, number, summary_of  # noqa: E402
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, number, summary_of  # noqa: E402
 from kvretain.core.policy import PolicyConfig  # noqa: E402
 from kvretain.engine.sim.metrics import percentile  # noqa: E402
 from kvretain.engine.sim.profiled import (  # noqa: E402
@@ -1130,10 +1130,42 @@ def check_inputs(args: argparse.Namespace, limits: Limits) -> str | None:
             limits.sim_config(POLICIES[0], args.cost_model).cost()
         except ValueError as exc:
             return f"argument --cost-model: {exc}"
-    if args.real is not None and not Path(args.real).is_file():
-        why = "is a folder" if Path(args.real).is_dir() else "not found"
-        return f"argument --real: {args.real} {why} (pass the results.json of an earlier run)"
+    if args.real is not None:
+        try:
+            load_real(args.real)
+        except ValueError as exc:
+            return f"argument --real: {exc}"
     return None
+
+
+SavedRun = tuple[WorkloadSpec, dict[str, list[Record]], dict[str, Any]]
+"""An earlier run's workload shape, real records per policy and idle TTFTs (:func:`load_real`)."""
+
+
+def load_real(path: str) -> SavedRun:
+    """The ``results.json`` of an earlier run (``--real``): a ``ValueError`` saying what is wrong with it (not a
+    file, not JSON, a field missing or of the wrong shape), as one line."""
+    p = Path(path)
+    hint = "(pass the results.json of an earlier run)"
+    if not p.is_file():
+        raise ValueError(f"{path} {'is a folder' if p.is_dir() else 'not found'} {hint}")
+    try:
+        saved = json.loads(p.read_bytes())
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ValueError(f"{path}: not readable as JSON ({exc}) {hint}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a JSON object {hint}")
+    try:
+        spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
+        real = {pol: [Record(**r) for r in recs] for pol, recs in saved["real_records"].items()}
+        idle = saved.get("idle_ttft", {})
+        if not isinstance(idle, dict):
+            raise TypeError("idle_ttft is not an object")
+    except KeyError as exc:
+        raise ValueError(f"{path}: no {exc.args[0]!r} field {hint}") from None
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not the results of a run ({exc}) {hint}") from None
+    return spec, real, idle
 
 
 def build_parser() -> Parser:
@@ -1263,17 +1295,12 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(args.blocks, args.max_num_seqs, args.max_num_batched_tokens)
     need_server = args.real is None and not args.sim_only
     if need_server and not (args.model / "config.json").exists():
-        print(
-            f"bench/sim_fidelity.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr
-        )
-        return 2
+        return fail(PROG, f"no model at {args.model}; run scripts/smollm2.sh first")
     in_run = args.calibrate == "in-run"
     if (args.sim_only or (args.real and not in_run)) and args.cost_model is None:
-        print("bench/sim_fidelity.py: --sim-only and --real need --cost-model FILE", file=sys.stderr)
-        return 2
+        return fail(PROG, "--sim-only and --real need --cost-model FILE")
     if in_run and args.sim_only:
-        print("bench/sim_fidelity.py: --calibrate in-run needs server runs (or --real)", file=sys.stderr)
-        return 2
+        return fail(PROG, "--calibrate in-run needs server runs (or --real)")
     mistake = check_inputs(args, limits)
     if mistake is None:
         try:
@@ -1281,8 +1308,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             mistake = f"argument --out: cannot make the folder {args.out!r} ({exc.strerror or exc})"
     if mistake is not None:
-        print(f"{PROG}: {mistake}", file=sys.stderr)
-        return 2
+        return fail(PROG, mistake)
     load = os.getloadavg()
     loads = [load[0]]  # at the start and as each server starts
     print(
@@ -1299,10 +1325,7 @@ def main(argv: list[str] | None = None) -> int:
     workload: list[WorkloadRequest] | None = None
     logs_dir = out
     if args.real:
-        saved = json.loads(Path(args.real).read_text())
-        spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["spec"].items()})
-        real_recs = {p: [Record(**r) for r in recs] for p, recs in saved["real_records"].items()}
-        idle = saved.get("idle_ttft", {})
+        spec, real_recs, idle = load_real(args.real)  # (check_inputs read it)
         logs_dir = Path(args.real).resolve().parent
     horizon_cost = args.cost_model
     for pol in POLICIES:

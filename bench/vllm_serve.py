@@ -404,7 +404,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not (args.model / "config.json").exists():
-        print(f"bench/vllm_serve.py: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr)
+        print(f"{PROG}: error: no model at {args.model}; run scripts/smollm2.sh first", file=sys.stderr)
         return 2
     plan = make_plan(args)
     figures = run_servers(plan, args)

@@ -448,6 +448,36 @@ def test_sim_fidelity_refuses_a_cost_model_file_that_is_not_there(tmp_path: Path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("not json\n", "{path}: not readable as JSON"),
+        ('{"real_records": {}}', "{path}: no 'spec' field"),
+        ("[1]", "{path}: not a JSON object"),
+        ('{"spec": {"no_such_field": 1}, "real_records": {}}', "{path}: not the results of a run"),
+    ],
+    ids=["not-json", "no-spec", "a-list", "bad-spec"],
+)
+def test_sim_fidelity_refuses_a_real_file_that_is_not_a_runs_results(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    """A JSONDecodeError or KeyError traceback."""
+    real = tmp_path / "results.json"
+    real.write_text(text)
+    res = _run("sim_fidelity.py", "--real", str(real), "--calibrate", "in-run", "--out", str(tmp_path / "o"))
+    _refused(res, "bench/sim_fidelity.py: error", "argument --real: " + says.format(path=real))
+
+
+@pytest.mark.parametrize(
+    ("script", "prefix"), [("sim_fidelity.py", "bench/sim_fidelity.py"), ("vllm_serve.py", "vllm_serve")]
+)
+def test_no_model_is_an_error_line(tmp_path: Path, script: str, prefix: str) -> None:
+    """The line said ``bench/...py: no model`` without ``error:``."""
+    out = ["--out", str(tmp_path / "o")] if script == "sim_fidelity.py" else []
+    res = _run(script, "--model", str(tmp_path / "none"), *out)
+    _refused(res, f"{prefix}: error", f"no model at {tmp_path / 'none'}")
+
+
 # ----------------------------------------------------------------------------------------- pool_instructions.py
 def _pool_instructions():  # type: ignore[no-untyped-def]
     import importlib.util
