@@ -337,6 +337,37 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     assert err.count("\n") == 1 and "failed with status 1: RuntimeError: no vLLM here" in err
 
 
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('{"event": "point", "label": "x"}', "no 'seconds' field"),
+        ('{"event": "point", "label": "x", "tokens": "8", "pairs": 1, "sampled": 1, "kind": "prefill", '
+         '"seconds": {"core": 0.01, "step": 0.02}, "median_seconds": {"core": 0.01, "step": 0.02}}',
+         "point tokens must be an integer >= 0"),
+        ('{"event": "point", "label": "x", "tokens": 8, "pairs": 1, "sampled": 1, "kind": "prefill", '
+         '"seconds": [0.01], "median_seconds": [0.01]}', "list indices must be integers"),
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not an object with an 'event' name"),
+        ('{"event": "plan", "total": "many"}', "total must be an integer >= 0"),
+    ],
+    ids=["no-seconds", "tokens-a-string", "seconds-a-list", "not-json", "a-list", "total-a-string"],
+)  # fmt: skip
+def test_a_malformed_measuring_line_is_one_line_that_says_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, says: str
+) -> None:
+    """A TypeError traceback, or a bare ``'seconds'``."""
+    data = tmp_path / "lines.txt"
+    data.write_text(f"KVRETAIN-PROFILE {line}\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvretain profile: error: the measuring process"), err
+    assert "malformed KVRETAIN-PROFILE line" in err and says in err, err
+
+
 def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

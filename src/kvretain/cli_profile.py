@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,41 @@ def point_of(ev: dict[str, Any], what: str, statistic: str) -> StepPoint:
     )
 
 
+def _event(text: str, python: str) -> tuple[dict[str, Any], Callable[[str], ValueError]]:
+    """A measuring module's line (after :data:`MARK`) as its event, and the error to raise for a field of it
+    that is wrong: ``the measuring process (PYTHON) printed a malformed KVRETAIN-PROFILE line (WHY): LINE``
+    (a ``--python`` whose module is not this kvretain's printed lines that ended in a TypeError or a bare
+    ``'seconds'``)."""
+    shown = text.strip()
+    shown = shown if len(shown) <= 120 else shown[:117] + "..."
+
+    def bad(why: str) -> ValueError:
+        return ValueError(
+            f"the measuring process ({python}) printed a malformed {MARK.strip()} line ({why}): {shown} "
+            "(is its kvretain this one?)"
+        )
+
+    try:
+        ev = json.loads(text)
+    except ValueError:
+        raise bad("not JSON") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
+        raise bad("not an object with an 'event' name")
+    return ev, bad
+
+
+def _point(ev: dict[str, Any], args: argparse.Namespace, bad: Callable[[str], ValueError]) -> StepPoint:
+    """:func:`point_of` of a ``point`` event, a field missing or of the wrong kind said by ``bad``."""
+    try:
+        if not isinstance(ev["label"], str):
+            raise TypeError(f"label must be a string, got {ev['label']!r}")
+        return point_of(ev, args.what, args.statistic)
+    except KeyError as exc:
+        raise bad(f"no {exc.args[0]!r} field") from None
+    except (TypeError, ValueError) as exc:  # (StepPoint's own checks are ValueErrors)
+        raise bad(str(exc)) from None
+
+
 def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict[str, Any]]:
     import kvretain
 
@@ -264,13 +300,16 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
             if not line.startswith(MARK):
                 tail.append(line.rstrip())
                 continue
-            ev = json.loads(line[len(MARK) :])
+            ev, bad = _event(line[len(MARK) :], args.python)
             if ev["event"] == "plan" and not args.no_progress:
                 from tqdm import tqdm
 
-                bar = tqdm(total=ev["total"], desc="profile", unit="pt", file=sys.stderr, disable=None)
+                total = ev.get("total")
+                if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+                    raise bad(f"total must be an integer >= 0, got {total!r}")
+                bar = tqdm(total=total, desc="profile", unit="pt", file=sys.stderr, disable=None)
             elif ev["event"] == "point":
-                points.append(point_of(ev, args.what, args.statistic))
+                points.append(_point(ev, args, bad))
                 labels.append(ev["label"])
                 if bar is not None:
                     bar.set_postfix_str(ev["label"])
