@@ -93,6 +93,7 @@ from kvretain.cli_args import (
     integer,
     json_text,
     number,
+    script_main,
     summary_of,
 )
 from kvretain.core.hashing import BlockIdHasher
@@ -1199,4 +1200,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -58,6 +58,7 @@ from kvretain.cli_args import (
     DefaultsHelpFormatter,
     Parser,
     integer,
+    script_main,
     summary_of,
 )
 from kvretain.workloads import WORKLOADS
@@ -384,4 +385,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(script_main(main))

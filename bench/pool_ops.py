@@ -41,7 +41,7 @@ from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, script_main, summary_of
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy
@@ -429,4 +429,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, script_main, summary_of
 from kvretain.core.memory import PoolTooLargeError, check_pool_fits
 from kvretain.core.policy import PolicyConfig, policy_names
 from kvretain.replay import ReplayResult, TraceError, load_trace, replay
@@ -144,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

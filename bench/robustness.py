@@ -87,6 +87,7 @@ from kvretain.cli_args import (
     check_output_file,
     integer,
     path_arg,
+    script_main,
     summary_of,
 )
 from kvretain.core.memory import check_pool_fits
@@ -1220,4 +1221,4 @@ def _slug(name: str) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

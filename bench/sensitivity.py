@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import robustness as grid
-from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, path_arg, summary_of
+from kvretain.cli_args import DefaultsHelpFormatter, Parser, integer, path_arg, script_main, summary_of
 from kvretain.core.policies import protection
 from kvretain.core.policy import PolicyConfig
 from kvretain.replay import TraceError
@@ -442,4 +442,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -735,3 +735,32 @@ def test_adversarial_list_shows_the_names_given() -> None:
     first = res.stdout.split()[0]
     one = _run("adversarial.py", "--list", first, timeout=60)
     assert one.returncode == 0 and one.stdout.split()[0] == first and len(one.stdout.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("adversarial.py", ["--list"]),
+        ("pool_ops.py", ["--sizes", "100", "--ops", "100", "--repeats", "1", "--command-capacities"]),
+        ("replay_table.py", ["--trace", "{trace}", "--capacities", "4", "--no-frontier"]),
+        ("robustness.py", [*GRID, "--trace", "{tiny}", "--no-plots"]),
+    ],
+)
+def test_a_reader_of_the_output_that_went_away_ends_the_script_quietly(
+    tmp_path: Path, tiny: Path, script: str, argv: list[str]
+) -> None:
+    """``bench/X.py | head -1``: a BrokenPipeError traceback (or "Exception ignored"); now as ``kvretain`` ends,
+    no message and exit status 141 (128 + SIGPIPE)."""
+    trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
+    args = [a.format(trace=trace, tiny=tiny) for a in argv]
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the script writes
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

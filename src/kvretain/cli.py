@@ -31,6 +31,7 @@ from kvretain.cli_args import (
     json_text,
     option_error,
     policy_config,
+    stdout_closed,
     trace_arg,
 )
 from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits
@@ -357,30 +358,6 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-STDOUT_CLOSED = 141
-"""The exit status when stdout's reader went away (``kvretain workload list | head -1``): 128 + SIGPIPE, what
-a shell reports for a program SIGPIPE ended (``yes | head -1``), as Ctrl-C's 130 and SIGTERM's 143 are the
-shell's statuses for those signals. Not 0: the output was cut short, and ``set -o pipefail`` should see it."""
-
-
-def _stdout_closed() -> int:
-    """stdout's reader went away: no message (a shell prints none for SIGPIPE) and stdout pointed at the null
-    device, so that the interpreter's last flush at exit does not fail again (Python would print "Exception
-    ignored ... BrokenPipeError"); returns :data:`STDOUT_CLOSED`."""
-    import os
-
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (
-        OSError,
-        ValueError,
-    ):  # stdout with no file descriptor (captured, replaced): nothing to flush at exit
-        pass
-    return STDOUT_CLOSED
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     with _sigterm_raises():
         return _main(argv)
@@ -405,12 +382,12 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.flush()  # here, not at exit: a reader gone away is handled below, not reported by Python
         return status
     except BrokenPipeError:
-        return _stdout_closed()
+        return stdout_closed()
     except (TraceError, RetentionError, ValueError, KeyError) as exc:
         return fail(prog, str(exc))
     except OSError as exc:  # a write that failed: a full disk, standard output on /dev/full, an I/O error
         if exc.filename is None:  # (standard output: the interpreter's last flush at exit would fail again)
-            _stdout_closed()
+            stdout_closed()
             return fail(prog, f"cannot write to standard output: {exc.strerror or exc}")
         return fail(prog, f"{exc.strerror or exc}: {exc.filename}")
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT

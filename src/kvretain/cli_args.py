@@ -284,6 +284,40 @@ def missing_module(modules: Iterable[str], needed_by: str) -> str | None:
     return None
 
 
+STDOUT_CLOSED = 141
+"""The exit status when stdout's reader went away (``kvretain workload list | head -1``): 128 + SIGPIPE, what
+a shell reports for a program SIGPIPE ended (``yes | head -1``), as Ctrl-C's 130 and SIGTERM's 143 are the
+shell's statuses for those signals. Not 0: the output was cut short, and ``set -o pipefail`` should see it."""
+
+
+def stdout_closed() -> int:
+    """stdout's reader went away: no message (a shell prints none for SIGPIPE) and stdout pointed at the null
+    device, so that the interpreter's last flush at exit does not fail again (Python would print "Exception
+    ignored ... BrokenPipeError"); returns :data:`STDOUT_CLOSED`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (
+        OSError,
+        ValueError,
+    ):  # stdout with no file descriptor (captured, replaced): nothing to flush at exit
+        pass
+    return STDOUT_CLOSED
+
+
+def script_main(main: Callable[[], int | None]) -> int:
+    """A bench script's exit status from its ``main()``, as the ``kvretain`` command ends (``cli.main``): a
+    reader of standard output that went away (``bench/draws.py | head -3``) ends it quietly with
+    :data:`STDOUT_CLOSED`, no ``BrokenPipeError`` traceback. ``raise SystemExit(script_main(main))``."""
+    try:
+        status = main()
+        sys.stdout.flush()  # here, not at exit: a reader gone away is handled below, not reported by Python
+    except BrokenPipeError:
+        return stdout_closed()
+    return int(status or 0)
+
+
 def fail(prog: str, message: str) -> int:
     """Print a user error as one line (as :class:`Parser` does) and return the exit status 2."""
     print(f"{prog}: error: {message}", file=sys.stderr)
