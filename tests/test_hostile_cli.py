@@ -1002,3 +1002,24 @@ def test_a_budget_of_minus_zero_is_zero() -> None:
     assert shares("-0,0.5") == [0.0, 0.5] and str(shares("-0")[0]) == "0.0"
     with pytest.raises(argparse.ArgumentTypeError, match="listed twice"):
         shares("0,-0")
+
+
+# ---------------------------------------------------------------- a trace named with bytes that are not UTF-8
+def test_compare_reports_on_a_trace_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    # every run ran, then writing summary.md failed: "'utf-8' codec can't encode character '\udcff'" (status 2)
+    import os
+    import sys
+
+    name = os.fsdecode(b"\xffbad.jsonl")
+    with open(tmp_path / name, "w") as f:
+        f.write(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "timestamp": 1}) + "\n")
+    argv = ["compare", name, "--kv-blocks", "10", "--no-progress", "--policies", "lru", "--budgets", "0.5"]
+    env = {k: v for k, v in cli_env().items() if k != "PYTHONIOENCODING"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvretain", *argv, "--out", "rep"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert b"Traceback" not in proc.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert md.startswith("# kvretain compare: mooncake:\\udcffbad.jsonl\n"), md
+    assert json.loads((tmp_path / "rep" / "summary.json").read_text())[0]["workload"] == "mooncake:" + name

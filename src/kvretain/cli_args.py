@@ -324,6 +324,13 @@ def fail(prog: str, message: str) -> int:
     return 2
 
 
+def printable(text: str) -> str:
+    """``text`` safe to write as UTF-8 (a text file, standard output): a file name that is not valid UTF-8 holds
+    its undecodable bytes as surrogates (``os.fsdecode``), which strict UTF-8 refuses; each becomes ``\\udcXX``,
+    as standard error shows it, instead of a ``UnicodeEncodeError`` after the work is done."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def json_text(obj: Any, indent: int | None = None) -> str:
     """``obj`` as JSON text for a command's ``--json`` output or a JSON file it writes. A number JSON cannot hold
     (``inf``, ``nan``: ``json.dumps`` would write ``Infinity`` / ``NaN``, which no JSON parser reads) is a

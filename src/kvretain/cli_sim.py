@@ -28,6 +28,7 @@ from kvretain.cli_args import (
     number,
     path_arg,
     policy_config,
+    printable,
     shares,
     slo_spec,
     trace_arg,
@@ -506,7 +507,7 @@ def _compare_runs(
     except OSError as e:  # checked before the runs; the disk may still fill up meanwhile
         raise ValueError(f"--out {args.out}: cannot write the report ({_os_reason(e)})") from None
     files = ["summary.json", "summary.md", "runs.csv", *plots]
-    print(f"wrote {', '.join(files)} to {stage.target}/ for {len(results)} runs")
+    print(f"wrote {', '.join(files)} to {printable(str(stage.target))}/ for {len(results)} runs")
     print(markdown)
     return 0
 
@@ -576,7 +577,7 @@ def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, fro
     head = ["run", "out tok/s", "hit", "recomputed", "preempt", "rejected"]
     head += [f"c{c} {k}" for c in classes for k in ("ttft mean", "ttft p99", "hit", "SLO")]
     lines = [
-        f"# kvretain compare: {source}",
+        f"# kvretain compare: {printable(source)}",
         "",
         f"{capacity}. `unified-bX`: unified with a fixed protection budget X and priority weight "
         f"{frontier_weight:g}. TTFT (s), recomputed tokens and preemptions: lower is better; hit ratios and "
