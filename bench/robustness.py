@@ -966,6 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         overrides = parse_sets(args.set)
+        check_ray(args.ray)
         check_block_tokens(args)
         caps = args.capacities or capacities(args.quick, args.block_tokens)
         check_capacities(caps, args.jobs, overrides, args.block_tokens)
@@ -977,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_output_folder(args.out, "--out")
         traces = prepare_traces(args, out_dir)
         blocks, per_block, note = timing(traces)
-    except (ValueError, TraceError, WorkloadError, OSError) as exc:
+    except (ValueError, TraceError, WorkloadError, OSError, RayUnavailable) as exc:
         print(f"robustness: error: {exc}", file=sys.stderr)
         return 2
     missing = [p for p in POLICIES if p not in set(policy_names())]
@@ -1150,6 +1151,26 @@ class RayUnavailable(Exception):
     """``--ray`` without Ray installed, or no cluster at the address."""
 
 
+def check_ray(address: str | None) -> None:
+    """``--ray``'s address, Ray itself and the cluster there, checked before anything runs (the timing replay
+    included): a mistyped address is one line up front, not after the grid's first output. ``None``: local
+    processes, nothing to check. :func:`run_ray` checks again when it starts."""
+    if address is None:
+        return
+    if address not in ("local", "auto"):
+        _check_address(address)
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # (ValueError: a module set to None, or without a spec)
+        found = False
+    if not found:
+        raise RayUnavailable("--ray needs Ray: pip install -e '.[ray]'")
+    if address not in ("local", "auto"):
+        _check_reachable(address)
+
+
 def run_ray(
     jobs: Sequence[Any],
     address: str,
@@ -1206,14 +1227,19 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     ``ray://HOST:PORT``): Ray itself retries an address nobody answers for minutes before it gives up."""
     import socket
 
-    hostport = address.removeprefix("ray://")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise RayUnavailable(f"--ray {address}: expected local, auto, HOST:PORT or ray://HOST:PORT")
+    host, port = _check_address(address)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()  # ([::1]:6379)
     except OSError as exc:
         raise RayUnavailable(f"--ray {address}: no Ray cluster answers there ({exc})") from None
+
+
+def _check_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``ray://HOST:PORT`` -> ``(host, port)``; anything else is :class:`RayUnavailable`."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise RayUnavailable(f"--ray {address}: expected local, auto, HOST:PORT or ray://HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def _slug(name: str) -> str:

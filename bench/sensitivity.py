@@ -362,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [k for k in args.knobs if k not in KNOBS]
         if bad:
             raise ValueError(f"--knobs: unknown {', '.join(bad)}; choose from {', '.join(KNOBS)}")
+        grid.check_ray(args.ray)
         grid.check_block_tokens(args)
         caps = args.capacities or grid.capacities(args.quick, args.block_tokens)
         grid.check_capacities(caps, args.jobs, None, args.block_tokens)
@@ -379,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--traces: unknown {', '.join(unknown)}; the grid has {', '.join(names)}")
             traces = [t for t in traces if t.name in args.traces]
         blocks, per_block, note = grid.timing(traces)
-    except (ValueError, TraceError, WorkloadError, OSError) as exc:
+    except (ValueError, TraceError, WorkloadError, OSError, grid.RayUnavailable) as exc:
         print(f"sensitivity: error: {exc}", file=sys.stderr)
         return 2
     one_class = (

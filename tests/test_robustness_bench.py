@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import random
@@ -510,3 +511,19 @@ def test_the_frontier_runs_under_a_rule_that_has_a_class_0(tmp_path: Path) -> No
     cell = {"unified": {"overall": 0.5, "class0": None}}
     front = {"points": [{"budget": 0.2, "overall": 0.6, "class0": None}]}
     assert grid.dominating_shares(front, cell) == []
+
+
+@pytest.mark.parametrize("script", ["robustness", "sensitivity"])
+def test_a_bad_ray_address_is_refused_before_anything_runs(
+    script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it was checked only after the timing replay had run and its note and the grid's estimate were printed
+    sys.path.insert(0, str(SCRIPT.parent))
+    mod = importlib.import_module(script)
+    argv = ["--quick", "--trace", str(_tiny(tmp_path)), "--ray", "bogus", "--no-progress"]
+    assert mod.main([*argv, "--no-plots"] if script == "robustness" else argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert err.strip().splitlines() == [
+        f"{script}: error: --ray bogus: expected local, auto, HOST:PORT or ray://HOST:PORT"
+    ], err
