@@ -43,6 +43,7 @@ from typing import Any
 from kvretain.cli_args import (
     DefaultsHelpFormatter,
     Parser,
+    check_other_file,
     check_output_file,
     fail,
     integer,
@@ -521,6 +522,17 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_file(path, opt)
             except ValueError as exc:
                 return fail(PROG, str(exc))
+    if args.out is not None and args.json_out is not None:
+        try:  # (the profile is written after the JSON: it would replace the rows and the summary)
+            check_other_file(
+                args.json_out,
+                "--json",
+                args.out,
+                "the profile's own file (--out)",
+                "the profile would replace the rows and the summary",
+            )
+        except ValueError as exc:
+            return fail(PROG, str(exc))
     if model.tp != 1:
         return fail(
             PROG, f"argument --model: {model.name} runs at tp={model.tp}; this bench times one GPU (tp=1)"

@@ -546,6 +546,18 @@ def test_gpu_roofline_refuses_a_profile_from_fewer_steps_than_its_coefficients(t
     assert not out.exists()
 
 
+def test_gpu_roofline_refuses_one_file_for_out_and_json(tmp_path: Path) -> None:
+    # the JSON (rows and summary) was written, then replaced by the profile: refused before torch, as
+    # `kvretain profile` refuses --plot and --out on one file
+    same = tmp_path / "r.out"
+    res = _run("gpu_roofline.py", "--out", str(same), "--json", str(tmp_path / "." / "r.out"))
+    _refused(res, "gpu_roofline", "argument --json: ")
+    assert (
+        "is the profile's own file (--out): the profile would replace the rows and the summary" in res.stderr
+    )
+    assert not same.exists()
+
+
 # ------------------------------------------------------------------------------------ every script's --help
 SCRIPTS = [
     "robustness",

@@ -264,6 +264,14 @@ def check_output_file(path: str, option: str) -> None:
         raise ValueError(f"argument {option}: cannot write {path!r}: permission denied")
 
 
+def check_other_file(path: str, option: str, other: str, what: str, why: str) -> None:
+    """A ``ValueError`` naming ``option`` when ``path`` is the file ``other`` names (``--plot`` and ``--out`` one
+    file, by any spelling: ``./x``, a link): one output would replace the other. ``what``: what ``other`` is,
+    with its option (``"the cost model's own file (--out)"``); ``why``: what would be lost."""
+    if os.path.realpath(path) == os.path.realpath(other):
+        raise ValueError(f"argument {option}: {path!r} is {what}: {why}; give one of them another name")
+
+
 VLLM_PYTHON = ".venv-vllm/bin/python"
 """The interpreter of the environment that has vLLM (and PyTorch), as the bench scripts that need it name it."""
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_output_file, integer, json_text, path_arg
+from kvretain.cli_args import check_other_file, check_output_file, integer, json_text, path_arg
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -178,11 +178,13 @@ def check_profile(args: argparse.Namespace) -> None:
             "(--out with .png); name it with --plot"
         )
     plot = plot_path(args)
-    if os.path.realpath(plot) == os.path.realpath(args.out):
-        raise ValueError(
-            f"argument --plot: {plot!r} is the cost model's own file (--out): the plot would replace the "
-            "measurement; give one of them another name"
-        )
+    check_other_file(
+        plot,
+        "--plot",
+        args.out,
+        "the cost model's own file (--out)",
+        "the plot would replace the measurement",
+    )
     check_output_file(plot, "--plot")
     bad = [p for p in args.cached if p % args.block_size]
     if bad:
