@@ -48,14 +48,57 @@ def test_a_gpu_entry_that_is_not_finite_is_refused(
     one_line(capsys, "must be a finite number")
 
 
-def test_a_gpu_so_slow_that_the_clock_overflows_is_one_line(
+def test_a_gpu_so_slow_that_the_clock_would_overflow_is_refused_when_the_catalog_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # finite, positive and absurd: the steps were priced at inf, the table printed nan and inf
+    # finite, positive and absurd: the steps were priced at inf, the table printed nan and inf (later: one
+    # line after the run about the simulated clock; now the catalog's bounds refuse it before any run)
     cat = tmp_path / "c.toml"
     cat.write_text("[gpus.g]\npeak_flops = 1e-300\nmem_bandwidth = 1e-300\nmem_bytes = 68719476736\n")
     assert main([*SIM, "--catalog", str(cat), "--gpu", "g"]) == 2
-    one_line(capsys, "simulated clock", "'g'")
+    one_line(capsys, "GPU 'g'", "field 'peak_flops' must be in [1e+09, 1e+18] FLOP/s", "got 1e-300")
+
+
+GPU_OK = {"peak_flops": "1e15", "mem_bandwidth": "3e12", "mem_bytes": "68719476736"}
+MODEL_OK = {"n_layers": "2", "d_model": "64", "n_q_heads": "4", "n_kv_heads": "2", "head_dim": "16"}
+MODEL_OK |= {"ffn_dim": "96", "vocab_size": "128"}
+
+
+@pytest.mark.parametrize(
+    ("table", "field", "value", "says"),
+    [
+        ("gpus", "peak_flops", "1e-300", "[1e+09, 1e+18] FLOP/s"),
+        ("gpus", "peak_flops", "1e+30", "[1e+09, 1e+18] FLOP/s"),
+        ("gpus", "mem_bandwidth", "0.001", "[1e+08, 1e+15] B/s"),
+        ("gpus", "mem_bytes", "80", "[1048576, 1125899906842624] bytes"),
+        ("gpus", "compute_efficiency", "1e-300", "[0.001, 1]"),
+        ("gpus", "bandwidth_efficiency", "1e-09", "[0.001, 1]"),
+        ("gpus", "step_overhead_s", "1e+300", "[0, 10] s"),
+        ("gpus", "link_bandwidth", "1e-300", "[1e+06, 1e+15] B/s"),
+        ("gpus", "allreduce_latency_s", "3600", "[0, 1] s"),
+        ("models", "n_layers", "1000000000", "[1, 10000]"),
+        ("models", "vocab_size", "99999999999", "[1, 16777216]"),
+        ("models", "bytes_per_param", "1024", "[1, 8]"),
+        ("models", "tp", "100000", "[1, 1024]"),
+    ],
+)
+def test_an_implausible_catalog_number_is_one_line_naming_field_value_and_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str, field: str, value: str, says: str
+) -> None:
+    # accepted before: peak_flops = 1e-300 reported "simulated 1.79e302 s" and e2e_mean_s inf, with status 0
+    entry = {**(GPU_OK if table == "gpus" else MODEL_OK), field: value}
+    cat = tmp_path / "c.toml"
+    cat.write_text(f"[{table}.x]\n" + "".join(f"{k} = {v}\n" for k, v in entry.items()))
+    pick = ["--gpu", "x"] if table == "gpus" else ["--model", "x"]
+    assert main([*SIM, "--catalog", str(cat), *pick, "--kv-blocks", "100"]) == 2
+    one_line(capsys, f"field {field!r} must be in {says} (a plausible range), got {value}")
+
+
+def test_the_builtin_catalog_is_within_the_bounds() -> None:
+    from kvretain.engine.sim.catalog import builtin_catalog
+
+    cat = builtin_catalog()
+    assert cat.models and cat.gpus
 
 
 def test_standard_output_that_cannot_be_written_is_one_line() -> None:

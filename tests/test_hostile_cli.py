@@ -911,8 +911,8 @@ MODEL = "d_model = 4096\nn_q_heads = 32\nn_kv_heads = 8\nffn_dim = 14336\nvocab_
     [
         # a field past 1.8e308: math.isfinite raised OverflowError (a traceback, exit 1)
         ("n_layers = 32\nhead_dim = 1" + "0" * 400 + "\n", "field 'head_dim' must be a finite number"),
-        # each field a float, their product not: the KV capacity overflowed
-        ("n_layers = 1" + "0" * 300 + "\nhead_dim = 128\n", "the catalog's sizes are too large to compute"),
+        # each field a float, their product not: the KV capacity overflowed (now past the catalog's bounds)
+        ("n_layers = 1" + "0" * 300 + "\nhead_dim = 128\n", "field 'n_layers' must be in [1, 10000]"),
         # past Python's 4,300-digit limit for int(): the message named no file
         ("n_layers = 1" + "0" * 5000 + "\nhead_dim = 128\n", "{cat}: invalid TOML: Exceeds the limit"),
     ],

@@ -104,6 +104,37 @@ _GPU_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 _FRACTIONS = {"compute_efficiency", "bandwidth_efficiency"}
 _NON_NEGATIVE = {"step_overhead_s", "allreduce_latency_s"}
+
+# Field name -> (lowest, highest, unit): the physically plausible range of each number, checked when a catalog is
+# read. Generous on purpose: from a phone's NPU or a small embedded model to devices and models years past
+# today's, so that only a typo or a unit mistake (1e-300 FLOP/s, a size in GB where bytes are meant) is refused,
+# not a real part. Past them the simulated clock ran to ~1e302 s and the means to inf, reported as a result.
+_BOUNDS: dict[str, tuple[float, float, str]] = {
+    # models: sizes of one transformer's shapes
+    "n_layers": (1, 10_000, ""),  # today's largest stacks have ~100-200 layers
+    "d_model": (1, 1 << 20, ""),  # today's widest models ~16-32k; 1M is far past any
+    "n_q_heads": (1, 1 << 16, ""),  # 64-128 heads today
+    "n_kv_heads": (1, 1 << 16, ""),  # (at most n_q_heads: ModelSpec checks the multiple)
+    "head_dim": (1, 1 << 16, ""),  # 64-256 today
+    "ffn_dim": (1, 1 << 22, ""),  # ~50-100k today; 4M is far past any
+    "vocab_size": (1, 1 << 24, ""),  # ~250k today (multilingual); 16M covers byte-pair tables of any size
+    "bytes_per_param": (1, 8, ""),  # int8/fp8 (1) to fp64 (8) weights
+    "tp": (1, 1024, ""),  # tensor parallelism of one replica: 8-64 GPUs today
+    # GPUs: one device's rates and sizes
+    "peak_flops": (1e9, 1e18, " FLOP/s"),  # a microcontroller-class NPU ~1e9-1e12; a GPU today ~1e15-1e16
+    "mem_bandwidth": (1e8, 1e15, " B/s"),  # LPDDR on a phone ~5e10; HBM today ~5e12-1e13
+    "mem_bytes": (1 << 20, 1 << 50, " bytes"),  # 1 MiB (an embedded accelerator's SRAM) to 1 PiB; today ~1e11
+    "compute_efficiency": (
+        1e-3,
+        1,
+        "",
+    ),  # the share of peak a step sustains: well under 0.1% is not a GPU at work
+    "bandwidth_efficiency": (1e-3, 1, ""),  # the same, of the memory bandwidth
+    "step_overhead_s": (0, 10, " s"),  # per engine step: ~0.1-5 ms today; a 10 s step is no serving engine
+    "link_bandwidth": (1e6, 1e15, " B/s"),  # 1 MB/s (slower than any network link) to 1 PB/s; NVLink ~1e12
+    "allreduce_latency_s": (0, 1, " s"),  # ~5-50 us today; a second is slower than any interconnect
+}
+assert set(_BOUNDS) == (set(_MODEL_FIELDS) | set(_GPU_FIELDS)) - {"tied_embeddings"}
 assert set(_MODEL_FIELDS) | {"name"} == {f.name for f in fields(ModelSpec)}
 assert set(_GPU_FIELDS) | {"name"} == {f.name for f in fields(GPUSpec)}
 
@@ -143,6 +174,10 @@ def is_finite(value: object) -> bool:
         return False
 
 
+def _bound(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _check_fields(
     where: str, raw: Any, schema: Mapping[str, tuple[tuple[type, ...], bool]]
 ) -> dict[str, Any]:
@@ -172,6 +207,12 @@ def _check_fields(
                 raise CatalogError(f"{where}: field {key!r} must be >= 0, got {as_written(value)}")
             if key not in _FRACTIONS | _NON_NEGATIVE and value <= 0:
                 raise CatalogError(f"{where}: field {key!r} must be > 0, got {as_written(value)}")
+            lo, hi, unit = _BOUNDS[key]
+            if not lo <= value <= hi:
+                raise CatalogError(
+                    f"{where}: field {key!r} must be in [{_bound(lo)}, {_bound(hi)}]{unit} (a plausible range), "
+                    f"got {as_written(value)}"
+                )
         out[key] = value
     return out
 
