@@ -45,7 +45,7 @@ from kvretain.cli_args import (
     path_arg,
     summary_of,
 )
-from kvretain.cli_sim import SIM_POLICY_DEFAULTS
+from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit
 from kvretain.engine.sim.replica import routing_blocks
 from kvretain.engine.sim.simulator import SimConfig, Simulation
 from kvretain.fileio import output_file
@@ -70,18 +70,23 @@ def requests(trace: str, rule: str, limit: int | None, seed: int) -> list[Worklo
     return reqs if tagger is None else tag_priorities(reqs, tagger)
 
 
-def run_one(
-    trace: str, rule: str, limit: int | None, seed: int, replicas: int, router: str, label: str
-) -> dict[str, Any]:
-    """One simulation's summary, with ``unmatched``: the requests with at least one full block whose prefix no
-    replica's cache held when the router placed them."""
+def sim_config(replicas: int, router: str, label: str) -> SimConfig:
+    """The simulator's settings of one run: setting ``label`` behind ``router``."""
     policy, over = SETTINGS[label]
-    cfg = SimConfig(
+    return SimConfig(
         policy=policy,
         replicas=replicas,
         router=router,
         policy_config=dataclasses.replace(SIM_POLICY_DEFAULTS, **over),
     )  # (the scheduler's queue: priority, as ``kvretain simulate``'s default)
+
+
+def run_one(
+    trace: str, rule: str, limit: int | None, seed: int, replicas: int, router: str, label: str
+) -> dict[str, Any]:
+    """One simulation's summary, with ``unmatched``: the requests with at least one full block whose prefix no
+    replica's cache held when the router placed them."""
+    cfg = sim_config(replicas, router, label)
     sim = Simulation(cfg, requests(trace, rule, limit, seed))
     unmatched = [0]
     route = sim.router.route
@@ -182,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
             check_output_file(args.json, "--json")
         except ValueError as exc:
             return fail(PROG, str(exc))
+    jobs = [(r, label) for r in ROUTERS for label in SETTINGS]
+    try:  # the replicas' pools of the runs at once in memory (kvretain simulate's bound), before any is read
+        cfg = sim_config(args.replicas, next(iter(ROUTERS)), "lru")
+        check_replicas_fit(
+            cfg, [p for p, _ in SETTINGS.values()], "argument --replicas", min(args.jobs, len(jobs))
+        )
+    except ValueError as exc:
+        return fail(PROG, str(exc))
     try:  # the whole trace, tagged (a bad line names the file, the line and the field): before any simulation
         reqs = requests(args.trace, args.rule, args.limit, args.seed)
     except ValueError as exc:
@@ -193,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
             "that makes two classes)",
         )
     del reqs
-    jobs = [(r, label) for r in ROUTERS for label in SETTINGS]
     t0 = time.perf_counter()
     done: dict[str, dict[str, dict[str, Any]]] = {r: {} for r in ROUTERS}
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:

@@ -24,7 +24,7 @@ from kvretain.cli_args import (
     path_arg,
     summary_of,
 )
-from kvretain.cli_sim import SIM_POLICY_DEFAULTS
+from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit
 from kvretain.core.policy import make_policy, policy_names
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         make_policy(cfg.policy, 1, cfg.policy_config)
     except ValueError as exc:
         return fail(PROG, f"argument --policy: {exc}")
+    try:  # the replicas' pools in memory (kvretain simulate's bound): before the trace is read
+        check_replicas_fit(cfg, [cfg.policy], "argument --replicas")
+    except ValueError as exc:
+        return fail(PROG, str(exc))
     t0 = time.perf_counter()
     try:  # (TraceError and WorkloadError are ValueErrors: they name the file, the line and the field)
         reqs = tag_priorities(load_mooncake(args.trace, limit=args.limit), PRIORITY_RULES.create("reference"))

@@ -369,8 +369,23 @@ def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path)
         (["{trace}", "--router", "nope"], "argument --router: invalid choice: 'nope'"),
         (["{trace}", "--replicas", "0"], "argument --replicas: must be an integer >= 1"),
         (["{trace}", "--policy", "belady"], "argument --policy: policy 'belady' is an offline oracle"),
+        # (memory grew without bound: kvretain simulate's up-front check of the replicas' pools)
+        (
+            ["{trace}", "--replicas", "100000"],
+            "argument --replicas: 29,206 blocks x 100000 replicas need about",
+        ),
     ],
-    ids=["missing", "empty", "binary", "limit-0", "policy", "router", "replicas-0", "offline-policy"],
+    ids=[
+        "missing",
+        "empty",
+        "binary",
+        "limit-0",
+        "policy",
+        "router",
+        "replicas-0",
+        "offline-policy",
+        "replicas-huge",
+    ],
 )
 def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
     f = {k: str(v) for k, v in _files(tmp_path).items()}
@@ -391,8 +406,16 @@ def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: 
         (["{trace}", "--rule", "nope"], "argument --rule: invalid choice: 'nope'"),
         (["{trace}", "--rule", "none"], "argument --rule: none gives the trace's requests one priority"),
         (["{trace}", "--json", "{a-file}/x.json"], "--json"),
+        # (memory grew without bound: kvretain simulate's up-front check, for the runs --jobs holds at once)
+        (
+            ["{trace}", "--replicas", "100000", "--jobs", "3"],
+            "argument --replicas: 29,206 blocks x 300000 replicas (3 simulations at once) need about",
+        ),
     ],
-    ids=["missing", "folder", "empty", "binary", "one-replica", "rule", "one-class", "json-under-a-file"],
+    ids=[
+        *("missing", "folder", "empty", "binary", "one-replica", "rule", "one-class", "json-under-a-file"),
+        "replicas-huge",
+    ],
 )
 def test_router_feedback_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
     f = {k: str(v) for k, v in _files(tmp_path).items()}

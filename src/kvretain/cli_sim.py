@@ -328,7 +328,24 @@ def check_sim(args: argparse.Namespace) -> None:
     what = (
         "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
     )
-    check_pool_fits(blocks, policies, cfg.policy_config, what=what, pools=cfg.replicas)
+    check_replicas_fit(cfg, policies, what)
+
+
+def check_replicas_fit(cfg: SimConfig, policies: Sequence[str], what: str, at_once: int = 1) -> None:
+    """A ``ValueError`` (``PoolTooLargeError``) naming ``what`` when the KV pools of ``cfg.replicas`` replicas
+    (``cfg``'s blocks per replica, under the most demanding of ``policies``) would not fit in memory, times
+    ``at_once`` simulations run together: checked before any run, as ``--replicas 100000`` grew memory until
+    the machine gave out. ``kvretain simulate``/``compare``'s check, and the bench scripts' that simulate."""
+    blocks = cfg.blocks_per_replica(cfg.cost())
+    pools_are = "replicas" if at_once == 1 else f"replicas ({at_once} simulations at once)"
+    check_pool_fits(
+        blocks,
+        list(policies),
+        cfg.policy_config,
+        what=what,
+        pools=cfg.replicas * at_once,
+        pools_are=pools_are,
+    )
 
 
 def _run(cfg: SimConfig, reqs: Sequence[WorkloadRequest], show: bool, desc: str) -> Simulation:
