@@ -86,6 +86,7 @@ from kvretain.cli_args import (
     check_distinct,
     check_output_file,
     integer,
+    missing_module,
     path_arg,
     script_main,
     summary_of,
@@ -1159,13 +1160,7 @@ def check_ray(address: str | None) -> None:
         return
     if address not in ("local", "auto"):
         _check_address(address)
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("ray") is not None
-    except (ImportError, ValueError):  # (ValueError: a module set to None, or without a spec)
-        found = False
-    if not found:
+    if missing_module(["ray"], "--ray") is not None:
         raise RayUnavailable("--ray needs Ray: pip install -e '.[ray]'")
     if address not in ("local", "auto"):
         _check_reachable(address)
