@@ -131,18 +131,6 @@ passed):
   lookups' hits in pairs matters: a request's prefix hits or misses together, so N hits of a few lookups carry
   the information of a few, not of N (16-token blocks: hundreds of sampled blocks a lookup). The rule, once:
   :mod:`kvretain.core.policies.evidence`;
-- a drift: a window long enough to resolve a small difference also averages in the traffic before a change, so
-  a deficit that starts late is diluted by what came before it (Mooncake's synthetic trace: its last 493
-  requests hold 44% of LRU's hits, and there protection costs class 1 a fifth of its hits, while the long window
-  still read the pool within 1% of its LRU shadow). The same sums are kept over the last turnover alone (window
-  (a), the shortest on which a move shows), and where they resolve, by the same rule, a deficit below the floor
-  larger than the long window reads, the step is taken on them (the error, its window and the confidence): the
-  last turnover is then evidence enough on its own, as ADWIN (Bifet and Gavalda, SDM'07) drops a window's older
-  part once the two parts differ beyond their noise. Only a deficit below the floor (the harder promise) is read
-  this way; the goal's errors keep the long window. Measured (docs/results.md, "A public trace no session
-  had"): the synthetic trace's floor misses 6 -> 3, each cleared for every one-request deletion of the trace;
-  at a cost of 3 class-0 targets of 307 on the grid and 5 of 335 held out, where a turnover of a few lumpy
-  lookups resolves a deficit on too few independent units;
 - the gain lets the level cross half its range in one window at an error as large as the constraint's own
   tolerance: ``1 - isolation_goal`` (10% by default) for the isolation gap and the cost beyond the goal,
   ``max_reuse_loss`` (2%) for the floor (the floor is the harder promise, so an error of its size moves the
@@ -469,7 +457,6 @@ class ProtectionController:
 
     __slots__ = (
         "_acc",
-        "_acc_last",
         "_balance_cut",
         "_balance_refs",
         "_balance_share",
@@ -585,10 +572,6 @@ class ProtectionController:
         # (protected traffic); sampled references of each; LRU-shadow hits of protected traffic; the sum of
         # squared per-lookup differences between the pool's and the LRU shadow's hits (the paired noise)
         self._acc = [0.0] * 9
-        # the same sums over the last turnover alone (``WINDOW_TURNOVERS``: the shortest window on which a move of
-        # the level shows), read where they resolve a deficit below the floor that the long window does not
-        # (module docstring, "Windows and gains": a drift)
-        self._acc_last = [0.0] * 9
         self.binding = "none"
         self.goal_met = False
         self._lock = threading.Lock()  # (the shadows: on_arrival may run on an engine's input thread)
@@ -653,12 +636,12 @@ class ProtectionController:
         if self._goal is None:
             return changed
         if protected:
-            for acc in (self._acc, self._acc_last):
-                acc[2] += hits
-                acc[3] += seen.iso_hits
-                acc[5] += n
-                acc[6] += lru_hits
-                acc[8] += seen.top_hits
+            acc = self._acc
+            acc[2] += hits
+            acc[3] += seen.iso_hits
+            acc[5] += n
+            acc[6] += lru_hits
+            acc[8] += seen.top_hits
         if protected_blocks is not None:
             held = self._held * d
             self._held = held = protected_blocks if protected_blocks > held else held
@@ -741,17 +724,12 @@ class ProtectionController:
         if need > window:
             window = need
         d = math.exp(-n / window)
-        last = self._acc_last
-        d_last = d if window == self._floor_refs else math.exp(-n / self._floor_refs)
-        sq = (hits - lru_hits) * (hits - lru_hits)
         for i in range(9):
             acc[i] *= d
-            last[i] *= d_last
-        for a in (acc, last):
-            a[0] += hits
-            a[1] += lru_hits
-            a[4] += n
-            a[7] += sq
+        acc[0] += hits
+        acc[1] += lru_hits
+        acc[4] += n
+        acc[7] += (hits - lru_hits) * (hits - lru_hits)
         return window, d
 
     def _balance_update(
@@ -774,8 +752,6 @@ class ProtectionController:
         more references of a ``window`` (``held``: the pool's protected blocks, decayed peak; None: not known); set
         the target and the retention weights from it. True when the weights changed."""
         acc = self._acc
-        if window > self._floor_refs and self._drift():
-            acc, window = self._acc_last, self._floor_refs
         a, e, ap, ep, lp, tp = acc[0], acc[1], acc[2], acc[3], acc[6], acc[8]
         # the goal: isolation_goal of what protected traffic would hit alone, and never less than what plain
         # LRU gives it in the shared pool (protection must not leave it worse off than no protection at all)
@@ -838,22 +814,6 @@ class ProtectionController:
             lam -= conf * (lam - held / self.max_target)
         lam += gain / window * conf * u * n
         return self._set_level(-1.0 if lam < -1.0 else (1.0 if lam > 1.0 else lam))
-
-    def _drift(self) -> bool:
-        """Whether the last turnover alone resolves a deficit below the reuse floor larger than the long window
-        reads (module docstring, "Windows and gains"): the step is then taken on the last turnover's sums."""
-        last, acc, keep = self._acc_last, self._acc, self._keep
-        a, e = last[0], last[1]
-        m = a if a > e else e
-        if m <= 0.0:
-            return False
-        slack = (a - keep * e) / m
-        if slack >= 0.0:
-            return False
-        big = acc[0] if acc[0] > acc[1] else acc[1]
-        if big > 0.0 and slack >= (acc[0] - keep * acc[1]) / big:
-            return False
-        return needed_refs(last[4], last[7], a, e, self._margin) <= self._floor_refs
 
     def _set_level(self, lam: float) -> bool:
         """Put the level at ``lam`` (in [-1, 1]) and the target and the retention weights where it says (module
