@@ -124,11 +124,8 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "peak_flops": (1e9, 1e18, " FLOP/s"),  # a microcontroller-class NPU ~1e9-1e12; a GPU today ~1e15-1e16
     "mem_bandwidth": (1e8, 1e15, " B/s"),  # LPDDR on a phone ~5e10; HBM today ~5e12-1e13
     "mem_bytes": (1 << 20, 1 << 50, " bytes"),  # 1 MiB (an embedded accelerator's SRAM) to 1 PiB; today ~1e11
-    "compute_efficiency": (
-        1e-3,
-        1,
-        "",
-    ),  # the share of peak a step sustains: well under 0.1% is not a GPU at work
+    # the share of peak a step sustains: well under 0.1% is not a GPU at work
+    "compute_efficiency": (1e-3, 1, ""),
     "bandwidth_efficiency": (1e-3, 1, ""),  # the same, of the memory bandwidth
     "step_overhead_s": (0, 10, " s"),  # per engine step: ~0.1-5 ms today; a 10 s step is no serving engine
     "link_bandwidth": (1e6, 1e15, " B/s"),  # 1 MB/s (slower than any network link) to 1 PB/s; NVLink ~1e12
