@@ -15,6 +15,7 @@ from kvretain.core.policies import balance as balance_module
 from kvretain.core.policies.balance import FrequencyBalance, rung_z
 from kvretain.core.policies.protection import (
     BALANCE_SAMPLE,
+    BIAS_STEPS,
     SHARDS_SAMPLE,
     ProtectionController,
     Warmup,
@@ -83,8 +84,19 @@ def test_the_reuse_floor_stops_protection() -> None:
 def test_weights_soften_in_steps_below_level_zero() -> None:
     ctl = _ctl()
     ctl.level = -0.5 + 1e-9
-    changed = ctl.on_lookup([1], 0, 25) or ctl.on_lookup([1], 0, 25)
-    assert changed or ctl.weights[45] == pytest.approx(2.0**0.5, rel=0.05)
+    # the level was put just above -0.5 by hand (the table still the full one): the lookup's control step
+    # rebuilds the table at the level's step, BIAS_STEPS / 2 of BIAS_STEPS: half the exponent, 2 ** (+-1 x 0.5)
+    assert ctl.on_lookup([1], 0, 25) is True
+    assert round(BIAS_STEPS * (1.0 + ctl.level)) == BIAS_STEPS // 2
+    assert ctl.weights[45] == pytest.approx(2.0**0.5) and ctl.weights[25] == pytest.approx(2.0**-0.5)
+    assert ctl.weights[35] == 1.0
+    # in steps: a move of the level inside one step leaves the table as it is (the same list, no rebuild)
+    table = ctl.weights
+    assert ctl._set_level(ctl.level + 0.1 / BIAS_STEPS) is False and ctl.weights is table
+    # the next step softens further; level -1 is no priority effect at all
+    assert ctl._set_level(-0.5 - 1.0 / BIAS_STEPS) is True
+    assert ctl.weights[45] == pytest.approx(2.0 ** ((BIAS_STEPS // 2 - 1) / BIAS_STEPS))
+    assert ctl._set_level(-1.0) is True and ctl.weights[45] == 1.0 == ctl.weights[0]
 
 
 def _give_back(held: Sequence[float | None]) -> tuple[ProtectionController, list[float]]:
