@@ -434,4 +434,44 @@ def test_available_memory_is_known_here() -> None:
     from kvretain.core.memory import available_memory_bytes
 
     avail = available_memory_bytes()
-    assert avail is None or avail > 0
+    if Path("/proc/meminfo").exists():  # Linux says: a number of bytes, never None
+        assert isinstance(avail, int) and avail > 0
+    else:
+        assert avail is None or avail > 0
+
+
+def test_available_memory_is_meminfo_capped_by_the_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from kvretain.core import memory
+
+    root = tmp_path / "root"
+    monkeypatch.setattr(memory, "Path", lambda p: root / str(p).lstrip("/"))  # /proc, /sys under tmp_path
+
+    def files(**text: str) -> None:
+        for name, body in text.items():
+            path = root / {"meminfo": "proc/meminfo", "limit": "sys/fs/cgroup/memory.max"}.get(
+                name, "sys/fs/cgroup/memory.current"
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body)
+
+    files(meminfo="MemTotal:       8000 kB\nMemFree:  10 kB\nMemAvailable:   2048 kB\n")
+    assert memory.available_memory_bytes() == 2048 * 1024  # kB are KiB
+    files(limit="1000000\n", current="400000\n")
+    assert memory.available_memory_bytes() == 600_000  # the cgroup leaves less than the machine
+    files(limit="max\n")  # no cgroup limit: the machine's figure
+    assert memory.available_memory_bytes() == 2048 * 1024
+    files(limit="9000000\n")
+    assert memory.available_memory_bytes() == 2048 * 1024  # the machine leaves less than the cgroup
+    (root / "proc" / "meminfo").unlink()
+
+    def no_sysconf(name: str) -> int:
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    assert memory.available_memory_bytes() == 9_000_000 - 400_000  # only the cgroup says
+    files(limit="max\n")
+    assert memory.available_memory_bytes() is None  # nothing says
