@@ -246,12 +246,18 @@ def test_policy_config_rejects_hostile_values(kwargs: dict[str, object], field: 
 
 
 def test_policy_config_edges_that_stay_valid() -> None:
-    PolicyConfig(priority_weight=1.0, frequency_exponent=0.0, cost_scale_tokens=0.0, budget=0.0)
-    PolicyConfig(budget=1, protect_threshold=0, isolation_goal=1.0, cost_scale_tokens=1.0)
-    PolicyConfig(priority_weight=8.0, protect_threshold=100)
-    PolicyConfig(max_reuse_loss=0.0)
-    PolicyConfig(max_reuse_loss=1)
-    PolicyConfig(frequency_cap=65536)
+    # each edge is accepted and kept as given (validation refuses or passes, it never clamps)
+    cases: list[dict[str, float]] = [
+        {"priority_weight": 1.0, "frequency_exponent": 0.0, "cost_scale_tokens": 0.0, "budget": 0.0},
+        {"budget": 1, "protect_threshold": 0, "isolation_goal": 1.0, "cost_scale_tokens": 1.0},
+        {"priority_weight": 8.0, "protect_threshold": 100},
+        {"max_reuse_loss": 0.0},
+        {"max_reuse_loss": 1},
+        {"frequency_cap": 65536},
+    ]
+    for kwargs in cases:
+        cfg = PolicyConfig(**kwargs)  # type: ignore[arg-type]
+        assert {k: getattr(cfg, k) for k in kwargs} == kwargs
 
 
 # ---------------------------------------------------------------- Python API: retention

@@ -122,8 +122,10 @@ def test_policy_config_validation(kwargs: dict[str, float], pattern: str) -> Non
 
 
 def test_policy_config_edges_are_valid() -> None:
-    PolicyConfig(budget=0.0, isolation_goal=None, frequency_cap=1, ghost_factor=0.0)
-    PolicyConfig(budget=1.0, isolation_goal=1.0)
+    low = PolicyConfig(budget=0.0, isolation_goal=None, frequency_cap=1, ghost_factor=0.0)
+    assert (low.budget, low.isolation_goal, low.frequency_cap, low.ghost_factor) == (0.0, None, 1, 0.0)
+    high = PolicyConfig(budget=1.0, isolation_goal=1.0)
+    assert (high.budget, high.isolation_goal) == (1.0, 1.0)  # (a goal of 1 is kept: only 0 means "no goal")
 
 
 @pytest.mark.parametrize("goal", [0, 0.0, None])

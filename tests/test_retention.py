@@ -489,9 +489,17 @@ def test_block_retention_refuses_what_the_rules_cannot_rank(kwargs: dict[str, An
 
 
 def test_block_retention_accepts_the_whole_range() -> None:
-    BlockRetention()
-    BlockRetention([0, 100, 35], [None, 0.0, math.inf], "s", -3, 0)  # inf: no expiry, as a directive's
-    BlockRetention([100] * 3, [1, 2.5, None], None, 0, 100)  # an int duration is seconds too
+    empty = BlockRetention()
+    assert (empty.priorities, empty.durations, empty.base_priority) == ((), (), DEFAULT_RETENTION_PRIORITY)
+    edges = BlockRetention(
+        [0, 100, 35], [None, 0.0, math.inf], "s", -3, 0
+    )  # inf: no expiry, as a directive's
+    assert (edges.priorities, edges.durations) == ((0, 100, 35), (None, 0.0, math.inf))
+    assert (edges.scope, edges.request_priority, edges.base_priority) == ("s", -3, 0)
+    top = BlockRetention([100] * 3, [1, 2.5, None], None, 0, 100)  # an int duration is seconds too
+    assert (top.priorities, top.durations, top.base_priority) == ((100, 100, 100), (1, 2.5, None), 100)
+    # durations left out beside priorities: no expiry for each block (stored, one per priority)
+    assert BlockRetention([0, 100]).durations == (None, None)
 
 
 _WINDOW = range(-400, 401)  # (wide enough: a formula's threshold is within 20 + 100 of 0 here)
