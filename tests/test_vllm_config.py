@@ -44,17 +44,40 @@ def test_env_config() -> None:
 
 
 @pytest.mark.parametrize(
-    "env",
+    ("env", "says"),
     [
-        {"KVRETAIN_POLICY": "belady"},
-        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=2"},
-        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "bogus=1"},
-        {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=lots"},
-        {"KVRETAIN_POLICY": "unified", "KVRETAIN_PRIORITY_MAPPING": "0:x"},
+        (
+            {"KVRETAIN_POLICY": "belady"},
+            r"^KVRETAIN_POLICY='belady': unknown policy; choose one of: unified, ",
+        ),
+        (
+            {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=2"},
+            r"^KVRETAIN_POLICY_OPTIONS: budget must be a finite number in \[0, 1\] .*, got 2\.0$",
+        ),
+        (
+            {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "bogus=1"},
+            r"^KVRETAIN_POLICY_OPTIONS: bad entry 'bogus=1'; use key=value with keys adapt_frequency, budget, ",
+        ),
+        (
+            {"KVRETAIN_POLICY": "unified", "KVRETAIN_POLICY_OPTIONS": "budget=lots"},
+            r"^KVRETAIN_POLICY_OPTIONS: budget='lots' is not a number$",
+        ),
+        (
+            {"KVRETAIN_POLICY": "unified", "KVRETAIN_PRIORITY_MAPPING": "0:x"},
+            r"^KVRETAIN_PRIORITY_MAPPING: priority mapping entry '0:x': expected 'request_priority:retention_",
+        ),
+    ],
+    ids=[
+        "unknown-policy",
+        "budget-out-of-range",
+        "unknown-option",
+        "budget-not-a-number",
+        "mapping-not-ints",
     ],
 )
-def test_bad_env_config(env: dict[str, str]) -> None:
-    with pytest.raises(PluginConfigError):
+def test_bad_env_config(env: dict[str, str], says: str) -> None:
+    # the error names the variable, the entry and what is wrong with it (the server's log is all a user sees)
+    with pytest.raises(PluginConfigError, match=says):
         config_from_env(env)
 
 
