@@ -138,10 +138,14 @@ def _req(ids, t, prio=0, retention=None, input_length=0):
 
 
 def test_replay_advances_the_clock_so_durations_lapse():
-    ret = RetentionConfig.from_request_fields([{"start": 0, "end": None, "priority": 90, "duration_s": 1}])
-    reqs = [_req([101], 0.0, retention=ret), _req([102], 10.0), _req([103], 20.0), _req([101], 30.0)]
-    res = replay(reqs, 2, "priority", block_tokens=512, record_hits=True)
-    assert res.request_hits == [0, 0, 0, 0]  # 101 lapsed to 35 at t=1, was oldest at 35: evicted at t=20
+    def hits(duration_s):
+        fields = {"start": 0, "end": None, "priority": 90, "duration_s": duration_s}
+        ret = RetentionConfig.from_request_fields([fields])
+        reqs = [_req([101], 0.0, retention=ret), _req([102], 10.0), _req([103], 20.0), _req([101], 30.0)]
+        return replay(reqs, 2, "priority", block_tokens=512, record_hits=True).request_hits
+
+    assert hits(1) == [0, 0, 0, 0]  # 101 lapsed to 35 at t=1, was oldest at 35: evicted at t=20
+    assert hits(100) == [0, 0, 0, 1]  # (not lapsed by t=30: kept at 90 over 102, and hit)
 
 
 def test_replay_passes_the_scope_so_the_owner_may_lower():
@@ -158,6 +162,12 @@ def test_replay_passes_the_scope_so_the_owner_may_lower():
         reqs, 2, "unified", config=PolicyConfig(isolation_goal=None, block_size=512), record_hits=True
     )
     assert res.request_hits[-1] == 0  # lowered to 10 by its owner: evicted before 102
+    # the same lowering from another scope may not lower it: 101 stays at 90 and is hit
+    reqs[1] = _req([101], 1.0, retention=RetentionConfig.from_request_fields([{"priority": 10}], scope="t"))
+    other = replay(
+        reqs, 2, "unified", config=PolicyConfig(isolation_goal=None, block_size=512), record_hits=True
+    )
+    assert other.request_hits[-1] == 1
 
 
 def test_a_directive_past_the_prompt_covers_no_block():
@@ -171,6 +181,10 @@ def test_a_directive_past_the_prompt_covers_no_block():
     ]
     a = replay(reqs, 3, "priority", block_tokens=512, record_hits=True)
     assert a.request_hits[-1] == 0
+    # the same directive from 512 (inside the prompt) covers block 1: the prompt comes back with a hit
+    inside = RetentionConfig.from_request_fields([{"start": 512, "end": None, "priority": 90}])
+    reqs[0] = _req([1, 2], 0.0, retention=inside, input_length=600)
+    assert replay(reqs, 3, "priority", block_tokens=512, record_hits=True).request_hits[-1] == 1
 
 
 def test_replay_default_config_uses_the_trace_block_size():
