@@ -514,6 +514,27 @@ def test_rules_a_plain_release_never_lowers_not_even_its_scopes_level() -> None:
     assert rules.release(*low, 25, None, "a", 1.0, 25)[:3] == (25, 35, 10.0)
 
 
+def test_rules_an_owners_plain_release_at_its_lowered_level_does_not_extend_it() -> None:
+    # rule 4: a level below base is extended only by its owner's directive; a plain release of the owner's scope
+    # at that level (a less important request of the scope, mapping to 20) leaves the rise to base where it was
+    fresh = (rules.UNSET, rules.UNSET, INF, None)
+    low = rules.release(*fresh, 20, 10.0, "a", 0.0, 35)
+    assert low == (20, 35, 10.0, "a")
+    assert rules.release(*low, 20, None, "a", 1.0, 20) == low
+    # the owner's directive at that level does extend it
+    assert rules.release(*low, 20, 30.0, "a", 1.0, 35) == (20, 35, 31.0, "a")
+
+
+def test_rules_a_refused_lower_ask_by_a_user_mapped_at_the_level_keeps_its_end() -> None:
+    # rule 3: a refused lower ask ends the level at the ask's end only because the asker's mapped priority, above
+    # the level, takes over then; a user mapped at the level itself takes over nothing, so the owner's hold stays
+    fresh = (rules.UNSET, rules.UNSET, INF, None)
+    low = rules.release(*fresh, 20, 10.0, "a", 0.0, 35)
+    state = rules.release(*low, 5, 1.0, "b", 1.0, 20)
+    assert state == low
+    assert rules.effective(*state[:3], 5.0) == 20
+
+
 def test_unified_pool_keeps_a_reused_block_at_its_users_highest_mapped_priority() -> None:
     # the rule above in the pool: the block rises to 35 at 10 s and outlives a one-use block of 35 by its uses
     sim = unified(2, 1.0)
