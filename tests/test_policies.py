@@ -607,6 +607,44 @@ def test_unified_lapse_falls_back_to_the_highest_base_of_its_users() -> None:
     assert sim.retention(1) == 45
 
 
+def test_unified_a_reuse_asking_the_current_level_still_raises_the_fallback() -> None:
+    # highest wins among users: a request mapping to 45 that asks the block's level (25) is one of its users, so
+    # a later lapse falls back to 45, not to the 25 of the block's earlier user
+    sim = unified(2, 1.0)
+    sim.run([1], 25, base=25)
+    sim.run([1], 25, base=45)
+    assert sim.retention(1) == 25
+    sim.run([1], 60, 5.0, scope="a")
+    sim.now = 5.0
+    assert sim.retention(1) == 45
+
+
+def test_unified_a_uniform_reuse_at_the_level_raises_the_fallback_to_it() -> None:
+    # the same through a uniform release (no plan: the pool's batched call): a request mapping to 75 reuses a
+    # block an owner raised to 75; the owner's later lowering lapses back to 75, its users' highest mapped priority
+    sim = unified(2, 1.0)
+    sim.run([1], 75, scope="a")
+    ids = sim.start([1])
+    sim.pool.free_blocks(ids, BlockRetention((), (), None, -4, 75))
+    sim.run([1], 10, 5.0, scope="a")
+    assert sim.retention(1) == 10
+    sim.now = 5.0
+    assert sim.retention(1) == 75
+
+
+def _lapse_within_the_unprotected_tier(now: float) -> list[int]:
+    sim = unified(2, 1.0)
+    sim.run([1], 30, 1.0, base=20)  # unprotected at 30 for 1 s, then at its request's mapped 20
+    sim.run([2], 25, base=25)  # unprotected at 25, released later
+    sim.now = now
+    return sim.evict_all()
+
+
+def test_unified_a_lapse_within_a_tier_moves_the_block_to_its_new_key() -> None:
+    assert _lapse_within_the_unprotected_tier(0.5) == [2, 1]  # 30 is worth more than 25
+    assert _lapse_within_the_unprotected_tier(2.0) == [1, 2]  # lapsed to 20: worth less than 25
+
+
 def test_unified_lapsed_directive_does_not_become_permanent_on_reuse() -> None:
     # Released at 90 for 1 s, then released again at 35 after 2 s, before any eviction ran the lapse: the
     # second release must see the lapse (back to 35), not refresh the 90 for ever.
