@@ -745,6 +745,17 @@ def test_unified_protected_parent_is_not_taken_ahead_of_unprotected_blocks() -> 
     assert sim2.evict(4) == [3, 4, 2, 1]
 
 
+def test_unified_an_exposed_protected_parent_waits_when_its_tier_is_back_at_the_target() -> None:
+    sim = unified(3, 1 / 3)  # target 1 protected block
+    sim.run([1, 2], 35)  # protected chain, keys 1
+    for _ in range(4):
+        sim.run([3], 25, base=25)  # unprotected, key 2
+    assert sim.policy.stats()["protected_target"] == 1.0
+    # 2 protected > 1: the tiers compete and 2 (key 1) goes; its parent 1 then leaves the protected tier at its
+    # target, so unprotected 3 goes before it although 1 has the lower key
+    assert sim.evict(3) == [2, 3, 1]
+
+
 def _tie_across_tiers() -> Sim:
     sim = unified(3, 0.0, priority_weight=1.0)  # no budget: the tiers compete on keys; equal weights
     sim.run([1, 2], 35)  # protected chain: both keys 1
