@@ -227,6 +227,15 @@ def test_rates():
     assert j["resume_hit_rate"] == 0.4 and j["hit_rate"] == 0.333333
 
 
+def test_lookups_that_hit_nothing_read_a_zero_rate_not_null():
+    # null means no lookup (or no resume); lookups that missed everything are a ratio of 0
+    s = ClassStats()
+    s.record_lookup(100, 0, True)
+    s.record_lookup(300, 0, False)
+    j = s.to_json()
+    assert (j["hit_rate"], j["resume_hit_rate"]) == (0.0, 0.0)
+
+
 # ------------------------------------------------------------- priority / belady
 def test_strict_levels_hold_after_many_releases():
     n = 1200
