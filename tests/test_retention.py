@@ -433,6 +433,14 @@ def test_plan_decode_blocks_take_the_decode_priority() -> None:
     assert cfg.block_plan(5, BS, 40, 35) == ([90, 90, 90, 10, 10], [None, None, None, 4.0, 4.0])
 
 
+def test_a_decode_priority_alone_needs_a_plan() -> None:
+    # the generated tokens' blocks ask the decode priority, not the mapped one: releases must resolve a plan
+    cfg = RetentionConfig(decode_priority=10)
+    assert cfg.needs_plan
+    assert cfg.block_plan(3, 16, 20, 35) == ([35, 35, 10], [None, None, None])
+    assert not RetentionConfig(decode_duration_s=5.0).needs_plan  # the mapped priority for a while: no plan
+
+
 def test_plan_decode_defaults_to_the_mapped_priority() -> None:
     cfg = RetentionConfig.from_request_fields([{"start": 0, "end": 16, "priority": 90}])
     assert cfg.block_plan(4, BS, 32, 25) == ([90, 25, 25, 25], [None] * 4)
