@@ -427,3 +427,85 @@ def test_a_lookup_counts_with_the_hits_it_was_admitted_with() -> None:
     assert b.num_cached_tokens == 12
     st = s.kv.stats[0]
     assert st.requests == 3 and st.hit_tokens == 12  # (before: 8, the first lookup's)
+
+
+def test_without_chunked_prefill_a_decode_takes_the_last_token_of_the_budget() -> None:
+    # three decodes in a budget of three tokens: the third fits the one token left exactly
+    s = make(64, max_num_batched_tokens=3, enable_chunked_prefill=False)
+    for r in "abc":
+        s.add_request(req(r, 1, out=2))
+    assert ids(step(s)) == [("a", 1), ("b", 1), ("c", 1)]
+    assert ids(step(s)) == [("a", 1), ("b", 1), ("c", 1)]
+    assert not s.has_unfinished()
+
+
+def test_a_running_victim_ahead_in_running_order_leaves_the_next_request_its_turn() -> None:
+    # running order lo, a, b; a's decode needs a block, so lo (least important, ahead of a) goes: b, now at a's
+    # old index, still decodes in this step
+    s = make(10, policy="priority")
+    lo = req("lo", 12, out=8, prio=1)
+    s.add_request(lo)
+    step(s)  # lo's 3 blocks
+    s.add_request(req("a", 12, out=4, t=1.0))
+    s.add_request(req("b", 12, out=4, t=2.0))
+    assert ids(step(s)) == [("lo", 1), ("a", 12), ("b", 12)]  # 4 + 3 + 3 = 10 blocks
+    out = step(s)
+    assert out.preempted == ("lo",) and ids(out) == [("a", 1), ("b", 1)]
+
+
+def test_a_victim_preempted_after_its_chunk_gives_its_tokens_back_to_the_budget() -> None:
+    # budget 4, 4 blocks: step 4 gives lo its decode token, then a's decode needs a block and preempts lo; lo's
+    # token returns to the budget, so c's prompt chunk is 3 tokens (4 - a's 1), not 2
+    s = make(4, policy="priority", max_num_batched_tokens=4, reserve_full_prompt=False)
+    s.add_request(req("lo", 4, out=8, prio=1))
+    assert ids(step(s)) == [("lo", 4)]
+    s.add_request(req("a", 4, out=8, t=1.0))
+    s.add_request(req("c", 12, out=2, t=2.0))
+    assert ids(step(s)) == [("lo", 1), ("a", 3)]
+    assert ids(step(s)) == [("lo", 1), ("a", 1), ("c", 2)]
+    out = step(s)
+    assert out.preempted == ("lo",) and ids(out) == [("a", 1), ("c", 3)]
+    assert out.num_scheduled_tokens == 4
+
+
+def test_fcfs_waiting_request_never_preempts_one_just_admitted_whose_chunk_completes_no_block() -> None:
+    # lo's 3-token prompt completes no block, so only the admitted-in-this-step rule keeps hi from preempting it
+    s = make(4, policy="fcfs", waiting_preempts_running=True)
+    lo, hi = req("lo", 3, out=1, prio=2), req("hi", 13, out=1, prio=0)
+    s.add_request(lo)
+    s.add_request(hi)
+    out = step(s)
+    assert ids(out) == [("lo", 3)] and out.preempted == ()
+    assert lo.num_preemptions == 0 and hi.status is RequestStatus.WAITING
+
+
+def test_a_resume_after_preemption_keeps_the_first_admissions_cached_tokens() -> None:
+    # lo's first admission hit nothing; its resume hits its own 4 freed blocks, which is no prefix-cache hit
+    s = make(8, policy="priority")
+    s.add_request(req("hi", 12, out=5, prio=0))
+    lo = req("lo", 16, out=4, prio=1, t=1.0)
+    s.add_request(lo)
+    step(s)
+    assert step(s).preempted == ("lo",) and lo.num_cached_tokens == 0
+    while s.has_unfinished():
+        step(s)
+    assert lo.num_preemptions == 1 and lo.num_cached_tokens == 0
+
+
+def test_fcfs_puts_a_preempted_request_back_at_the_front_of_the_queue() -> None:
+    # c is preempted in a step where d already waits: c resumes before d, as in vLLM
+    s = make(10, policy="fcfs")
+    for r in "abc":
+        s.add_request(req(r, 12, prio=0, t=0.0))
+    step(s)  # 9 of 10 blocks
+    s.add_request(req("d", 4, t=1.0))
+    out = step(s)
+    assert out.preempted == ("c",)
+    assert [r.request_id for r in s.waiting] == ["c", "d"]
+
+
+def test_priority_queue_iterates_in_scheduling_order() -> None:
+    s = make(64, policy="priority", max_num_seqs=1)
+    for rid, prio, t in (("a", 0, 0.0), ("b", 2, 0.0), ("c", 1, 0.0), ("d", 1, 0.5), ("e", 0, 1.0)):
+        s.add_request(req(rid, 4, prio=prio, t=t))
+    assert [r.request_id for r in s.waiting] == ["a", "e", "c", "d", "b"]
