@@ -13,12 +13,12 @@ from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import PriorityMapping
 from kvretain.engine.sim.catalog import builtin_catalog
 from kvretain.engine.sim.costmodel import CostModel
-from kvretain.engine.sim.metrics import SLO, parse_slos, percentile
+from kvretain.engine.sim.metrics import SLO, latency_summary, meets_slo, parse_slos, percentile, slo_for
 from kvretain.engine.sim.replica import Replica
 from kvretain.engine.sim.request import SimRequest
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation, simulate
-from kvretain.sched import RequestStatus, SchedulerConfig
+from kvretain.sched import Request, RequestStatus, SchedulerConfig
 from kvretain.workloads import MultiTenantConfig, TokenSeq, WorkloadRequest, generate_multi_tenant
 
 SMALL = MultiTenantConfig(
@@ -398,3 +398,64 @@ def test_metrics_helpers() -> None:
     assert parse_slos("0=1:0.05, 2=30:1") == {0: SLO(1.0, 0.05), 2: SLO(30.0, 1.0)}
     with pytest.raises(ValueError, match="class=ttft_s:tpot_s"):
         parse_slos("0=fast")
+
+
+def _served(rid: str, token_times: list[float], prio: int = 0) -> Request:
+    """A finished request sent at 0 with one output token at each of ``token_times``."""
+    r = Request(rid, [1], len(token_times), priority=prio)
+    r.output_token_ids = [7] * len(token_times)
+    r.token_times = list(token_times)
+    r.first_scheduled_time = 0.0
+    r.finish_time = token_times[-1]
+    r.status = RequestStatus.FINISHED
+    return r
+
+
+def test_percentile_interpolates_up_from_the_lower_order_statistic() -> None:
+    assert percentile([0.0, 10.0], 90) == 9.0
+    assert percentile([0.0, 10.0, 20.0, 30.0], 25) == 7.5
+    assert percentile([0.0, 10.0, 20.0, 30.0], 100) == 30.0
+
+
+def test_a_class_without_an_slo_takes_the_nearest_lower_classes() -> None:
+    a, b, c = SLO(1.0, 0.1), SLO(2.0, 0.2), SLO(3.0, 0.3)
+    slos = {0: a, 2: b, 5: c}
+    assert slo_for(slos, 3) is b and slo_for(slos, 9) is c and slo_for(slos, 2) is b
+    assert slo_for({1: a, 3: b}, 0) is a  # (below every class: the most important one's)
+
+
+def test_a_request_exactly_at_its_targets_meets_its_slo() -> None:
+    r = _served("r", [2.0, 2.5, 3.0])  # TTFT 2.0, TPOT 0.5
+    assert meets_slo(r, SLO(2.0, 0.5))
+    assert not meets_slo(r, SLO(1.5, 0.5)) and not meets_slo(r, SLO(2.0, 0.25))
+
+
+def test_a_one_token_request_meets_its_slo_on_ttft_alone() -> None:
+    assert _served("r", [1.0]).tpot is None
+    assert meets_slo(_served("r", [1.0]), SLO(2.0, 0.1))
+    assert not meets_slo(_served("r", [3.0]), SLO(2.0, 0.1))
+
+
+def test_latency_summary_reports_mean_p50_p90_p99_and_slo_attainment_over_every_request_sent() -> None:
+    reqs = [_served(f"r{k:03}", [float(k)]) for k in range(101)]  # TTFTs 0, 1, ..., 100 s
+    out = latency_summary(reqs, {0: SLO(10.0, 1.0)}, simulated_s=100.0, rejected=9)
+    assert (out["ttft_mean_s"], out["ttft_p50_s"], out["ttft_p90_s"], out["ttft_p99_s"]) == (
+        50.0,
+        50.0,
+        90.0,
+        99.0,
+    )
+    assert out["e2e_p99_s"] == 99.0 and out["tpot_p99_s"] is None
+    assert out["slo_attainment"] == 0.1  # 11 of 110 sent: TTFT 0..10 s
+    assert out["goodput_rps"] == 0.11 and out["output_tokens_per_s"] == 1.01
+
+
+def test_a_prefix_match_keeps_its_replica_at_exactly_slack_more_requests_than_the_least_loaded() -> None:
+    pm = ROUTERS.create("prefix-memory")
+    reps = _replicas([0, 0], pool_blocks=8)
+    conv = _Req([b"a", b"b"])
+    assert pm.route(conv, reps) == 0
+    reps[0].load = 8  # the slack (8): not more than it
+    assert pm.route(conv, reps) == 0
+    reps[0].load = 9
+    assert pm.route(conv, reps) == 1
