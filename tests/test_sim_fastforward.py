@@ -116,3 +116,15 @@ def test_an_arrival_on_a_step_boundary_joins_that_steps_schedule(tmp_path: Any, 
     fast, fast_reqs = run(SimConfig(fast_forward=True, **kw), wl)
     assert fast_reqs == slow_reqs and fast == slow
     assert slow_reqs["b"][0][0] == 1.25  # (its first token at the end of the step that starts at its arrival)
+
+
+def test_fast_forward_runs_while_max_num_seqs_requests_run_and_others_wait() -> None:
+    # two of three requests run (max_num_seqs 2), the third waits: no admission is possible, so the decode steps
+    # are fast-forwarded anyway, with the step-by-step results
+    wl = [WorkloadRequest(f"r{i}", 0.0, TokenSeq.seeded(i, 40), 200) for i in range(3)]
+    kw: dict[str, Any] = {"kv_blocks": 2_000, "sched": SchedulerConfig(max_num_seqs=2)}
+    slow, fast = (Simulation(SimConfig(fast_forward=ff, **kw), wl).run() for ff in (False, True))
+    steps = slow.summary()["steps"]
+    assert fast.summary()["steps"] == steps and steps >= 400
+    assert fast.fast_forwarded_steps > 0.9 * steps
+    assert run(SimConfig(fast_forward=True, **kw), wl) == run(SimConfig(fast_forward=False, **kw), wl)
