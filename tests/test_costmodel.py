@@ -270,3 +270,15 @@ def test_executor_charges_the_lm_head_only_for_chunks_that_sample() -> None:
     assert flops == F_LAYERS * tokens + 2 * F_HEAD + A_PAIR * pairs
     assert t == max(flops / 989e12, nbytes / 3.35e12)
     assert ex.busy_s == t
+
+
+def test_executor_prices_a_one_token_chunk_that_does_not_sample_without_the_lm_head() -> None:
+    # beside a large prefill the step is compute-bound, so an LM head charged to the one-token chunk shows
+    from kvretain.engine.sim.executor import SimExecutor
+    from kvretain.sched.output import ScheduledChunk, SchedulerOutput
+
+    cm = ideal()
+    chunks = (ScheduledChunk("partial", 1, 511, False), ScheduledChunk("big", 4096, 0, True))
+    t = SimExecutor(cm, {}).step_time(SchedulerOutput(1, chunks))
+    assert t == cm.step_time([(1, 511, False), (4096, 0, True)], [])
+    assert t < cm.step_time([(4096, 0, True)], [512])  # (as a decode it would sample: one more LM head)
