@@ -65,6 +65,15 @@ def test_lora_id_changes_every_block(hasher: BlockHasher) -> None:
     assert lora1[1] == hasher.hash_block(lora1[0], TOKENS[4:8], b"L1")
 
 
+def test_lora_id_zero_is_an_adapter_not_the_base_model(hasher: BlockHasher) -> None:
+    # 0 is a valid adapter id (ExtraKeys takes any 64-bit int): its blocks must not be shared with requests
+    # that use no adapter
+    plain = hasher.hash_blocks(TOKENS)
+    lora0 = hasher.hash_blocks(TOKENS, ExtraKeys(lora_id=0))
+    assert all(x != y for x, y in zip(plain, lora0, strict=True))
+    assert BlockHasher.encode_extra(ExtraKeys(lora_id=0), False) == b"L0"
+
+
 def test_encode_extra() -> None:
     both = ExtraKeys(cache_salt="s", lora_id=3)
     assert BlockHasher.encode_extra(both, True) == b"L3|Ss"
