@@ -137,6 +137,34 @@ def test_s3fifo_frequency_is_capped_and_spent_one_per_reinsertion() -> None:
     assert sim.evict_all() == [6, 7, 8, 9, 10, 2, 3, 4, 5, 1]
 
 
+def test_s3fifo_main_reinsertion_spends_one_unit_of_frequency_not_all() -> None:
+    sim = Sim("s3fifo", 10)  # small queue: 1 block
+    sim.run([1], [1], *singles(range(2, 11)))
+    assert sim.evict() == [2]  # 1 to main, 2 to the ghost
+    sim.run([1], [1])  # 1 accessed twice in main: frequency 2
+    assert sim.run([2]) == 0  # a ghost hit: 2 enters main behind 1
+    assert sim.evict(8) == [3, 4, 5, 6, 7, 8, 9, 10]  # small empties first (3..10 to the ghost)
+    # main: 1 (frequency 2) is reinserted with frequency 1, and 2 (frequency 0) goes
+    assert sim.evict() == [2]
+    assert sim.run([3]) == 0  # a ghost hit: 3 enters main behind 1
+    # 1 still has a unit of frequency: reinserted once more, so 3 goes before it
+    assert sim.evict() == [3]
+    assert sim.evict() == [1]
+
+
+def test_s3fifo_promotion_to_main_clears_the_frequency() -> None:
+    sim = Sim("s3fifo", 10)  # small queue: 1 block
+    sim.run([1], [1], [1], *singles(range(2, 11)))  # 1 accessed twice in small: frequency 2
+    assert sim.evict() == [2]  # 1 moves to main with its frequency cleared; 2 to the ghost
+    pol = sim.policy
+    assert isinstance(pol, S3FIFOPolicy)
+    assert pol._meta[sim.pool.cached[1]].freq == 0
+    assert sim.run([2]) == 0  # a ghost hit: 2 enters main behind 1
+    assert sim.evict(8) == [3, 4, 5, 6, 7, 8, 9, 10]
+    # both in main with frequency 0: FIFO, 1 goes first (its accesses in small bought the move, nothing more)
+    assert sim.evict_all() == [1, 2]
+
+
 def test_s3fifo_block_in_use_is_skipped_and_comes_back_at_the_old_end() -> None:
     sim = Sim("s3fifo", 4)  # small queue: 1 block
     sim.run([1], [2], [3], [4])
