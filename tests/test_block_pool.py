@@ -334,6 +334,23 @@ def test_the_first_copy_takes_the_index_when_the_indexed_block_goes() -> None:
     assert pool.get_cached_block(1) == 1  # a lookup of hash 1 finds the copy
 
 
+def test_of_several_copies_the_earliest_registered_takes_the_index() -> None:
+    # vLLM's BlockHashToBlockMap keeps the copies of a key in registration order: when the indexed block goes,
+    # the next lookup finds the oldest remaining copy
+    pool = new_pool()
+    a = start(pool, [1])
+    b = pool.get_new_blocks(1)
+    c = pool.get_new_blocks(1)
+    assert (a, b, c) == ([0], [1], [2])
+    pool.cache_blocks(b, [1], 0, 1)
+    pool.cache_blocks(c, [1], 0, 1)
+    assert pool.copies == {1: [1, 2]}
+    finish(pool, a)  # the indexed block is the only evictable one
+    assert pool.get_new_blocks(N - 3) is not None  # the empty blocks
+    assert evictions(pool, 1) == [0]
+    assert pool.cached == {1: 1} and pool.copies == {1: [2]}
+
+
 def test_block_whose_parent_is_not_cached_is_not_registered() -> None:
     pool = new_pool("lfu")
     ids = pool.get_new_blocks(3)
@@ -589,6 +606,22 @@ def test_a_reset_counts_the_dropped_blocks_as_evictions() -> None:
     run(pool, [1, 2, 3])
     assert pool.reset_prefix_cache()
     assert pool.num_evictions == len(seen) == 3
+
+
+def test_a_reset_drops_every_copy_and_counts_each_as_an_eviction() -> None:
+    pool = new_pool()
+    a = start(pool, [1])
+    b = pool.get_new_blocks(1)
+    assert (a, b) == ([0], [1])
+    pool.cache_blocks(b, [1], 0, 1)  # a copy of hash 1
+    finish(pool, a)
+    finish(pool, b)
+    seen: list[tuple[int, int]] = []
+    pool.on_evict = lambda bid, h: seen.append((bid, int(h)))
+    assert pool.reset_prefix_cache()
+    pool.check_integrity()
+    assert sorted(seen) == [(0, 1), (1, 1)] and pool.num_evictions == 2
+    assert pool.cached == {} and pool.copies == {}
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "unified"])
