@@ -351,6 +351,53 @@ def test_of_several_copies_the_earliest_registered_takes_the_index() -> None:
     assert pool.cached == {1: 1} and pool.copies == {1: [2]}
 
 
+@pytest.mark.parametrize("policy", LEAF_ONLY)
+def test_leaf_only_a_call_that_covers_a_copy_again_leaves_the_blocks_after_it_unhashed(policy: str) -> None:
+    pool = new_pool(policy)
+    start(pool, [1, 2])
+    b = pool.get_new_blocks(3)
+    assert b == [2, 3, 4]
+    pool.cache_blocks(b, [1, 2, 3], 0, 1)  # block 2: a copy of hash 1
+    assert pool.copies == {1: [2]}
+    # the call covers the copy again: lookups would reach the blocks after it through block 0, not block 2
+    pool.cache_blocks(b, [1, 2, 3], 0, 3)
+    pool.check_integrity()
+    assert pool.block_hash[2:5] == [1, None, None]
+    assert pool.copies == {1: [2]}
+
+
+@pytest.mark.parametrize("policy", LEAF_ONLY)
+def test_a_refused_cache_blocks_gives_a_free_parent_back_to_the_order(policy: str) -> None:
+    # a request may hold a block whose parent is free (hits that are not a prefix): registering a child takes
+    # the parent out of the eviction order, and a refused call must put it back
+    pool = new_pool(policy, 4)
+    run(pool, [1])  # block 0: cached, free, evictable
+    got = pool.get_new_blocks(2)
+    assert got == [1, 2]
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="is None"):
+        pool.cache_blocks([0, *got], [1, 2, None], 1, 3)  # type: ignore[list-item]
+    assert snapshot(pool) == before
+    pool.check_integrity()
+    finish(pool, got)
+    assert evictions(pool, 4) == [0]
+
+
+@pytest.mark.parametrize("policy", LEAF_ONLY)
+def test_leaf_only_a_later_call_does_not_register_blocks_after_a_copy(policy: str) -> None:
+    # the request's next full block (decode) follows a copy: lookups of the copy's hash find block 0, so a
+    # block registered under the copy would be reached through a parent its holders do not hold
+    pool = new_pool(policy)
+    start(pool, [1, 2])
+    b = pool.get_new_blocks(2)
+    assert b == [2, 3]
+    pool.cache_blocks(b, [1, 2], 0, 1)  # block 2: a copy of hash 1
+    pool.cache_blocks(b, [1, 2], 1, 2)
+    pool.check_integrity()
+    assert pool.block_hash[2:4] == [1, None]
+    assert pool.copies == {1: [2]}
+
+
 def test_block_whose_parent_is_not_cached_is_not_registered() -> None:
     pool = new_pool("lfu")
     ids = pool.get_new_blocks(3)
