@@ -122,6 +122,24 @@ def test_refused_hits_count_nothing() -> None:
     m.check_integrity()
 
 
+def test_hits_passed_after_the_first_allocation_are_refused_and_change_nothing() -> None:
+    m = KVCacheManager(8, block_size=BS)
+    a = Req("a", list(range(6)))
+    admit(m, a)
+    m.free(a)  # type: ignore[arg-type]  # its 3 full blocks stay cached
+    b = Req("b", list(range(6)))
+    hits, n = m.get_computed_blocks(b)  # type: ignore[arg-type]
+    assert (hits, n) == ([0, 1], 4)
+    assert m.allocate_slots(b, 2, 0) is not None  # type: ignore[arg-type]  # b's first allocation takes no hits
+    free = m.get_num_free_blocks()
+    with pytest.raises(
+        ValueError, match=r"request 'b': prefix hits can only be added on the first allocation"
+    ):
+        m.allocate_slots(b, 2, 4, hits)  # type: ignore[arg-type]
+    assert m.get_num_free_blocks() == free and m.num_blocks_of(b) == 1  # type: ignore[arg-type]
+    m.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
