@@ -165,6 +165,16 @@ def test_s3fifo_promotion_to_main_clears_the_frequency() -> None:
     assert sim.evict_all() == [1, 2]
 
 
+def test_s3fifo_ghost_holds_as_many_hashes_as_main_holds_blocks() -> None:
+    sim = Sim("s3fifo", 10)  # ghost capacity: 9
+    sim.run(*singles(range(1, 11)))
+    assert sim.evict_all() == list(range(1, 11))  # one-hit wonders, all from small, all to the ghost
+    assert sim.policy.stats() == {"small": 0, "main": 0, "ghost": 9}  # 1, the oldest, was dropped
+    assert sim.run([2]) == 0  # the oldest hash kept: a ghost hit, straight into main
+    assert sim.run([1]) == 0  # forgotten: a plain miss, into small
+    assert sim.policy.stats() == {"small": 1, "main": 1, "ghost": 8}
+
+
 def test_s3fifo_block_in_use_is_skipped_and_comes_back_at_the_old_end() -> None:
     sim = Sim("s3fifo", 4)  # small queue: 1 block
     sim.run([1], [2], [3], [4])
