@@ -903,3 +903,91 @@ def test_a_body_nested_past_the_parser_is_priority_0_for_the_latency_classes():
     # json.loads raised RecursionError in ClassLatency's receive: a 500 and a traceback instead of the request
     assert metrics._priority_of(b"[" * 200_000, {"headers": []}) == 0
     assert metrics._priority_of(b'{"priority": 3}', {"headers": []}) == 3
+
+
+def test_an_exact_scope_owns_only_that_name_and_no_scopes_owns_none():
+    pol = AccessPolicy.from_json(
+        {
+            "keys": [
+                {"key": "sk-exact-0001", "name": "exact", "scopes": ["alice"]},
+                {"key": "sk-noscope-01", "name": "noscope"},
+            ]
+        }
+    )
+    exact, noscope = pol.keys
+    assert pol.check({"retention_scope": "alice"}, exact).body["vllm_xargs"]["retention_scope"] == "alice"
+    for scope in ("alice-2", "alicex", "alic"):
+        assert "does not own" in _denied(lambda s=scope: pol.check({"retention_scope": s}, exact), 403)
+    for scope in ("alice", "anyone"):
+        assert "it owns: none" in _denied(lambda s=scope: pol.check({"retention_scope": s}, noscope), 403)
+
+
+def test_only_the_whole_key_with_the_bearer_scheme_authenticates():
+    assert POLICY.authenticate("bearer sk-bob-00000") is BOB  # (the scheme in any case)
+    for header in ("Basic sk-bob-00000", "Token sk-bob-00000", "Bearer sk-bob-0000", "Bearer sk-bob"):
+        _denied(lambda h=header: POLICY.authenticate(h), 401)
+
+
+def test_a_request_priority_that_maps_exactly_to_the_cap_is_allowed():
+    # the default mapping puts priority 0 at 35: a cap of 35 allows it (and -1, at 45, not)
+    pol = AccessPolicy.from_json({"keys": [{"key": "sk-12345678", "max_retention_priority": 35}]})
+    d = pol.check({"priority": 0}, pol.keys[0])
+    assert d.priority == 0 and not d.notes
+    assert pol.check({}, pol.keys[0]).priority == 0
+
+
+def test_a_cap_whose_priorities_lie_past_int64_is_a_config_error():
+    # normal = the int64 maximum: retention 10 needs a priority past it, which no request can carry
+    mapping = PriorityMapping.parse(f"normal={2**63 - 1},step=1")
+    with pytest.raises(AccessConfigError, match="no request priority"):
+        AccessPolicy.from_json(
+            {"keys": [{"key": "sk-12345678", "max_retention_priority": 10}]}, mapping=mapping
+        )
+
+
+def test_zero_limits_are_limits_not_unlimited():
+    # max_retention_priority 0 and max_duration_s 0 (the docstring's batch key) hold as any other value
+    keys = [
+        {"key": "sk-zero-0001", "name": "zero", "max_retention_priority": 0, "max_duration_s": 0},
+        {
+            "key": "sk-zeroc-001",
+            "name": "zeroc",
+            "max_retention_priority": 0,
+            "max_duration_s": 0,
+            "mode": "clamp",
+        },
+    ]
+    pol = AccessPolicy.from_json({"keys": keys})
+    refuse, clamp = pol.keys
+    body = {"priority": 10, "vllm_xargs": {"retention_directives": _d(1, 0)}}
+    assert "up to 0; got 1" in _denied(lambda: pol.check(dict(body), refuse), 403)
+    body = {"priority": 10, "vllm_xargs": {"retention_directives": _d(0, 5)}}
+    assert "at most 0 s; got 5 s" in _denied(lambda: pol.check(dict(body), refuse), 403)
+    body = {"priority": 10, "vllm_xargs": {"retention_directives": _d(0)}}
+    assert "got no duration" in _denied(lambda: pol.check(dict(body), refuse), 403)
+    d = pol.check({"priority": 10, "vllm_xargs": {"retention_directives": _d(60)}}, clamp)
+    (dv,) = json.loads(d.body["vllm_xargs"]["retention_directives"])
+    assert dv["priority"] == 0 and dv["duration"] == 0
+
+
+def test_the_servers_duration_limit_holds_to_the_second():
+    pol = AccessPolicy.from_json({"max_duration_s": 60})
+    pol.check({"vllm_xargs": {"retention_directives": _d(50, 60)}}, None)
+    assert "over this server's limit of 60 s" in _denied(
+        lambda: pol.check({"vllm_xargs": {"retention_directives": _d(50, 60.5)}}, None), 400
+    )
+
+
+def test_a_clamp_key_bound_to_a_salt_replaces_any_salt_it_sends():
+    pol = AccessPolicy.from_json(
+        {
+            "keys": [
+                {"key": "sk-dave-0001", "name": "dave", "cache_salt": "salt-dave", "mode": "clamp"},
+                {"key": "sk-erin-0001", "name": "erin", "cache_salt": "salt-erin"},
+            ]
+        }
+    )
+    dave = pol.keys[0]
+    for given in ("salt-erin", "other"):
+        d = pol.check({"cache_salt": given}, dave)
+        assert d.body["cache_salt"] == "salt-dave" and d.changed
