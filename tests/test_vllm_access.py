@@ -991,3 +991,25 @@ def test_a_clamp_key_bound_to_a_salt_replaces_any_salt_it_sends():
     for given in ("salt-erin", "other"):
         d = pol.check({"cache_salt": given}, dave)
         assert d.body["cache_salt"] == "salt-dave" and d.changed
+
+
+def test_a_key_owning_no_scopes_is_limited_on_the_other_endpoints():
+    # no limit fields but no scopes either: it may not name a scope, so it is a limited key (only ["*"] is not)
+    pol = AccessPolicy.from_json(
+        {"keys": [{"key": "sk-plain-001", "name": "plain"}, {"key": "sk-star-0001", "scopes": ["*"]}]}
+    )
+    plain = [(b"authorization", b"Bearer sk-plain-001")]
+    star = [(b"authorization", b"Bearer sk-star-0001")]
+    status, reply, _ = _asgi(pol, {"prompt": "x"}, plain, "/invocations")
+    assert status == 403 and "not open to limited API keys" in reply["error"]["message"]
+    assert _asgi(pol, {"prompt": "x"}, star, "/invocations")[0] == 200
+
+
+def test_the_body_limit_admits_a_body_of_exactly_that_size():
+    def body(size):
+        raw = json.dumps({"messages": [], "pad": ""}).encode()
+        return json.dumps({"messages": [], "pad": "x" * (size - len(raw))}).encode()
+
+    assert len(body(4096)) == 4096
+    assert _asgi(AccessPolicy(), body(4096))[0] == 200
+    assert _asgi(AccessPolicy(), body(4097))[0] == 413
