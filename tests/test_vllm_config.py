@@ -15,6 +15,7 @@ from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig, RetentionDi
 from kvretain.integrations.vllm.config import (
     PluginConfig,
     PluginConfigError,
+    check_vllm_version,
     config_from_env,
     extra_args_for,
     parse_options,
@@ -436,3 +437,23 @@ def test_a_frequency_cap_the_run_queue_cannot_count_is_refused() -> None:
     assert block is not None and block.policy_config(16).frequency_cap == 1000
     at_most = config_from_env({**env, "KVRETAIN_POLICY_OPTIONS": "frequency_cap=255"})
     assert at_most is not None and at_most.policy_config(16).frequency_cap == 255
+
+
+def test_a_decode_duration_of_zero_survives_extra_args_for() -> None:
+    # 0 s: the decode priority lapses at release; dropped, it would never lapse
+    cfg = RetentionConfig((), 80, 0.0)
+    assert extra_args_for(cfg) == {"retention_decode_priority": 80, "retention_decode_duration": 0.0}
+    back = retention_from_extra_args(extra_args_for(cfg))
+    assert back is not None and back.decode_duration_s == 0.0
+
+
+def test_the_policy_variable_is_read_in_any_case() -> None:
+    cfg = config_from_env({"KVRETAIN_POLICY": " Unified "})
+    assert cfg is not None and cfg.policy == "unified"
+    assert config_from_env({"KVRETAIN_POLICY": "OFF"}) is None
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", ""])
+def test_only_a_true_value_allows_an_unsupported_vllm(value: str) -> None:
+    assert check_vllm_version("0.31.1", {"KVRETAIN_ALLOW_UNSUPPORTED_VLLM": value}) is not None
+    assert check_vllm_version("0.31.1", {"KVRETAIN_ALLOW_UNSUPPORTED_VLLM": "yes"}) is None
