@@ -438,3 +438,41 @@ def test_re_exporting_at_another_block_size_keys_blocks_by_their_tokens(tmp_path
     assert _export_trace(trace, out, "--block-tokens", "400") == 0
     a, b = (json.loads(line)["hash_ids"] for line in out.read_text().splitlines())
     assert a[0] == b[0] and a[1] != b[1]
+
+
+def test_longest_rule_breaks_a_tie_in_turns_by_more_prompt_tokens_and_rounds_the_count() -> None:
+    # three two-turn sessions; "b" has the most prompt tokens, then "c": fraction 0.5 picks round(1.5) = 2
+    def turn(rid: str, session: str, tokens: int) -> WorkloadRequest:
+        return WorkloadRequest(rid, 0.0, TokenSeq.seeded(1, tokens), 1, session_id=session)
+
+    reqs = [turn(f"{s}{t}", s, n) for s, n in (("a", 10), ("b", 30), ("c", 20)) for t in range(2)]
+    rule = make_rule("longest", reqs, fraction=0.5)
+    assert {r.session_id for r in reqs if rule(r) == 0} == {"b", "c"}
+    one = make_rule("longest", reqs, fraction=0.2)  # round(0.6) = 1: the most tokens
+    assert {r.session_id for r in reqs if one(r) == 0} == {"b"}
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25])
+def test_by_session_rule_picks_about_that_share_of_sessions(fraction: float) -> None:
+    # (CRC-32 of short sequential names is uneven over a few thousand: 7% of s0..s1999 for 0.1; even by 20,000)
+    prompt = TokenSeq.seeded(1, 5)
+    reqs = [WorkloadRequest(f"r{i}", 0.0, prompt, 1, session_id=f"s{i}") for i in range(20_000)]
+    rule = make_rule("by-session", fraction=fraction)
+    share = sum(rule(r) == 0 for r in reqs) / len(reqs)
+    assert share == pytest.approx(fraction, abs=0.01)
+
+
+def test_records_are_written_in_arrival_order() -> None:
+    late = WorkloadRequest("late", 2.0, TokenSeq.seeded(1, 600), 1)
+    early = WorkloadRequest("early", 1.0, TokenSeq.seeded(2, 600), 1)
+    assert [r["timestamp"] for r in mooncake_records([late, early])] == [1000.0, 2000.0]
+
+
+def test_an_equal_block_after_different_prefixes_gets_different_ids() -> None:
+    # block 1 has the same tokens in both requests, block 0 differs: they share no prefix, so no id
+    def prompt(first: int) -> TokenSeq:
+        return TokenSeq.seeded(first, 16) + TokenSeq.seeded(99, 16)
+
+    a, b = (WorkloadRequest(n, float(i), prompt(i + 1), 1) for i, n in enumerate("ab"))
+    ra, rb = mooncake_records([a, b], block_size=16)
+    assert ra["hash_ids"][0] != rb["hash_ids"][0] and ra["hash_ids"][1] != rb["hash_ids"][1]
