@@ -226,3 +226,15 @@ def test_trace_record_fields_for_rules(tmp_path: Path) -> None:
         900,
         2,
     )
+
+
+@pytest.mark.parametrize("input_length", [31, 32, 33, 17])
+def test_a_trace_request_has_exactly_its_input_length_in_tokens(tmp_path: Path, input_length: int) -> None:
+    from kvretain.workloads import load_mooncake
+
+    ids = list(range(-(-input_length // 16)))
+    line = {"timestamp": 0, "input_length": input_length, "output_length": 1, "hash_ids": ids}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (req,) = load_mooncake(path, block_size=16)
+    assert req.prompt_len == input_length
