@@ -310,6 +310,30 @@ def test_by_session_keeps_a_trace_conversation_without_session_id_in_one_class()
     assert classes == {0, 1}
 
 
+def test_by_session_chooses_its_share_of_sequentially_named_sessions() -> None:
+    # session names are often sequential (s0, s1, ...; a trace's conversations by their block ids): the share
+    # chosen must be the fraction asked within sampling noise, whatever the names look like (CRC-32, linear in
+    # its input, gave s0..s1999 6.95% at 10% and 44.6% at 50%)
+    for keys in ([f"s{i}" for i in range(2000)], [f"conv-{i}" for i in range(2000)]):
+        reqs = [req(k, session=k) for k in keys]
+        for fraction in (0.1, 0.25, 0.5):
+            share = sum(
+                r.priority == 0
+                for r in tag_priorities(reqs, PRIORITY_RULES.create("by-session", fraction=fraction))
+            ) / len(keys)
+            assert abs(share - fraction) <= 4 * (fraction * (1 - fraction) / len(keys)) ** 0.5, (
+                keys[0],
+                fraction,
+                share,
+            )
+    convs = [req(f"c{i}", (0, 1000 + i)) for i in range(2000)]  # no session id: named by hash_ids[1]
+    share = (
+        sum(r.priority == 0 for r in tag_priorities(convs, PRIORITY_RULES.create("by-session", fraction=0.5)))
+        / 2000
+    )
+    assert abs(share - 0.5) <= 4 * (0.25 / 2000) ** 0.5
+
+
 def test_other_rules() -> None:
     reqs = [req(f"r{i}", session=f"s{i % 40}") for i in range(400)]
     by_session = tag_priorities(reqs, PRIORITY_RULES.create("by-session", fraction=0.25))

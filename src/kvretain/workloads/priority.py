@@ -17,9 +17,9 @@ conversation's first own block after the shared system prompt; ``hash_ids[0]`` f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import random
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -110,12 +110,18 @@ def random_rule(
 
 @PRIORITY_RULES.register("by-session")
 def by_session_rule(fraction: float = 0.25, important: int = 0, other: int = 1) -> PriorityRule:
-    """Important for a stable ``fraction`` of conversations: CRC-32 of ``session_key`` (a trace's conversation
-    without a ``session_id`` is named by its block ids, as every session rule names it)."""
+    """Important for a stable ``fraction`` of conversations: the first 8 bytes of BLAKE2b of ``session_key`` (a
+    trace's conversation without a ``session_id`` is named by its block ids, as every session rule names it),
+    the same in every process.
+
+    NOTE: a cryptographic hash, not CRC-32: session names are often sequential (``s0``, ``s1``, ...), and CRC-32,
+    linear in its input, chose 6.95% of ``s0``..``s1999`` at a fraction of 10% and 44.6% at 50%."""
     _check_fraction(fraction)
+    cut = fraction * 2**64
 
     def rule(r: WorkloadRequest) -> int:
-        return important if zlib.crc32(str(session_key(r)).encode()) < fraction * 2**32 else other
+        digest = hashlib.blake2b(str(session_key(r)).encode(), digest_size=8).digest()
+        return important if int.from_bytes(digest, "big") < cut else other
 
     return rule
 
