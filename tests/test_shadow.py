@@ -398,3 +398,18 @@ def test_tiered_shadow_equals_one_loop_per_block(
         assert fast.reference(blocks, protected) == ref.reference(blocks, protected)
         assert list(fast.protected.items()) == list(ref.protected.items())
         assert list(fast.unprotected.items()) == list(ref.unprotected.items())
+
+
+def test_a_digest_whose_key_equals_the_cut_is_not_sampled() -> None:
+    # the key must be *below* the cut: a digest whose two first bytes spell the cut exactly (second byte equal
+    # to the cut's high byte, so the first byte decides) is left out, one a key below it is taken; random
+    # digests hit this boundary once in 65,536
+    cut = 0x1234
+    at = bytes([0x34, 0x12]) + bytes(30)
+    below = bytes([0x33, 0x12]) + bytes(30)
+    assert spatial_key(at) == cut and spatial_key(below) == cut - 1
+    for one_size in (False, True):
+        sampled, hits, _ = spatial_sample([at, below], 2, SpatialCut(cut), None, one_size)
+        assert (list(sampled), hits) == ([below], 1)
+        sampled, mask, _ = spatial_mask([at, below], SpatialCut(cut), None, one_size)
+        assert list(sampled) == [below] and sampled_hits(mask, 2, 2) == 1
