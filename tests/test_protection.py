@@ -13,6 +13,7 @@ import pytest
 from kvretain.core import PolicyConfig, make_policy
 from kvretain.core.policies import balance as balance_module
 from kvretain.core.policies.balance import FrequencyBalance, rung_z
+from kvretain.core.policies.evidence import confidence
 from kvretain.core.policies.protection import (
     BALANCE_SAMPLE,
     BIAS_STEPS,
@@ -897,3 +898,79 @@ def test_the_balance_starts_at_recency_where_the_warm_up_measured_it_dominates()
     mid.on_lookup([5, 6], 2, 80, protected_blocks=2.0)
     assert mid.stats()["balance_start"] == 0.5
     assert _ctl(isolation_goal=None).stats()["balance_start"] == -1.0
+
+
+# --- mutation review: the control law's terms as the module docstring states them ---------------------------
+
+
+def test_where_the_ends_tie_the_fall_is_the_smaller_of_the_two_shortfalls() -> None:
+    # the shadows cannot tell the ends apart (T_p == L_p) and plain LRU gives every request and protected
+    # traffic more: the level falls by the smaller shortfall, max((A - E) / max(A, E), (A_p - L_p) / L_p)
+    # overall 1% short, protected traffic 20% or 40% short: the overall shortfall sets the fall
+    one = _steered(a=99.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0)
+    assert one.level < 0.0
+    assert one.level == pytest.approx(_steered(a=99.0, e=100.0, ap=30.0, ep=45.0, lp=50.0, tp=50.0).level)
+    # protected traffic 0.4% short, overall 1% or 1.5%: the protected shortfall sets it
+    two = _steered(a=99.0, e=100.0, ap=49.8, ep=45.0, lp=50.0, tp=50.0)
+    assert one.level < two.level < 0.0
+    assert two.level == pytest.approx(_steered(a=98.5, e=100.0, ap=49.8, ep=45.0, lp=50.0, tp=50.0).level)
+
+
+def test_where_the_ends_tie_the_level_rises_unless_lru_gives_both_more() -> None:
+    # the prior rule: rise, unless plain LRU gives every request *and* protected traffic more. The pool short of
+    # LRU overall while protected traffic gets from it what LRU gives it: still a rise
+    assert _steered(a=99.0, e=100.0, ap=40.0, ep=60.0, lp=40.0, tp=40.0).level > 0.0
+    # protected traffic short of what LRU gives it while the pool hits more overall: a rise by the gap, as where
+    # the top gives protected traffic more (well above the floor: the gap's move)
+    tied = _steered(a=110.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=50.0)
+    top = _steered(a=110.0, e=100.0, ap=40.0, ep=45.0, lp=50.0, tp=55.0)
+    assert tied.level > 0.0 and tied.level == pytest.approx(top.level)
+
+
+def test_a_pool_at_its_floor_exactly_reports_the_floor_binding() -> None:
+    # reuse_floor_binds: the floor moved the level, *or the pool is at or below its floor*. Here the pool hits
+    # exactly (1 - max_reuse_loss) x LRU's, protected traffic at its goal: the give-back moves the level, and the
+    # floor is reported binding all the same
+    keep = 1.0 - PolicyConfig().max_reuse_loss
+    c = _steered(a=keep * 100.0, e=100.0, ap=50.0, ep=50.0, lp=50.0, tp=50.0)
+    assert c.level < 0.0  # (the give-back: protection costs reuse)
+    assert c.stats()["reuse_floor_binds"] == 1.0 and c.stats()["isolation_goal_met"] == 1.0
+
+
+def test_the_jump_to_the_held_share_is_scaled_by_the_confidence() -> None:
+    # beyond the goal and costing reuse, the level falls first to the share the protected blocks fill (8 of 80
+    # here): in one step where the window holds the evidence it needs, by its confidence's share of the way while
+    # it holds less (a cold start; the step itself is negligible here: one reference of a huge window)
+    def jump(noise: float) -> tuple[float, float]:
+        c = _ctl()
+        c._acc[:] = [99.0, 100.0, 50.0, 50.0, 1000.0, 300.0, 50.0, noise, 50.0]
+        c._steer(1, 1e9, 8.0)
+        return c.level, confidence(noise, 99.0, 100.0, c._margin)
+
+    level, conf = jump(0.0)
+    assert conf == 1.0 and level == pytest.approx(0.1)
+    level, conf = jump(16.0)
+    assert 0.0 < conf < 1.0
+    assert level == pytest.approx(1.0 - conf * (1.0 - 0.1))
+
+
+def test_the_held_count_ignores_a_dip_and_follows_a_lasting_drop_over_the_window() -> None:
+    # the count is the most protected blocks held at a lookup, decayed over the window: a dip right after the
+    # peak is not taken, a drop that lasts many windows is
+    ctl = _ctl()
+    ctl.on_lookup([1, 2], 0, 80, protected_blocks=40.0)
+    ctl.on_lookup([1, 2], 2, 80, protected_blocks=2.0)
+    assert ctl._held > 30.0
+    for _ in range(500):  # 1,000 references: ten windows of this 100-block pool
+        ctl.on_lookup([1, 2], 2, 80, protected_blocks=2.0)
+    assert ctl._held == pytest.approx(2.0)
+
+
+def test_recency_dominates_against_the_best_frequency_candidate() -> None:
+    # plain LRU dominates only if it hits no fewer than the *best* rung (in all and for protected traffic)
+    w = Warmup(4, 0.5, (1.0, 2.0, 4.0), 8, 1.0)
+    w.e, w.lp = 10, 5
+    w.g, w.gp = [8, 12, 9], [4, 6, 5]  # the second rung hits more than LRU: no dominance
+    assert not w.recency_dominates()
+    w.g, w.gp = [8, 9, 9], [4, 5, 4]  # every rung below LRU in all, none above it for protected traffic
+    assert w.recency_dominates()
