@@ -974,3 +974,32 @@ def test_recency_dominates_against_the_best_frequency_candidate() -> None:
     assert not w.recency_dominates()
     w.g, w.gp = [8, 9, 9], [4, 5, 4]  # every rung below LRU in all, none above it for protected traffic
     assert w.recency_dominates()
+
+
+def test_the_balance_start_leaves_a_one_class_order_where_its_evidence_put_it() -> None:
+    # the mixed rule starts at the warm-up's share; the order takes it only once the one-class rule has ended
+    b = FrequencyBalance(100, 1.0, 64, 2.0, 0.02, 1.645)
+    b.share, b.level = 0.0, 32  # (one class: the evidence moved the order to frequency)
+    assert b.one_class and b.alpha == 1.0
+    assert b.start(1.0) is False
+    assert b.share == 0.0 and b.alpha == 1.0 and b.start_share == 1.0
+    # a second retention priority: the order takes the mixed rule's share (the start's)
+    b.update(20, 10, (10, 10, 10), 1.0, 400.0, False, False)
+    assert not b.one_class and b.alpha == 0.0
+
+
+def test_a_one_class_order_keeps_the_rung_its_own_window_resolved() -> None:
+    # one class: the frequency end the order follows is the rung that leads over the one-class test's own sums,
+    # whose window grew to resolve a lumpy lead (rung 4x: 30 or 0 hits where recency hits 10). A short stretch in
+    # which the weakest rung leads (by one hit a lookup) turns the balance's window, not the test's: the order
+    # keeps the strong rung (a window grown to resolve a lead also remembers it)
+    b = FrequencyBalance(100, 1.0, 64, 2.0, 0.02, 1.645)
+    window = 400.0  # 20 lookups of 20 sampled blocks
+    d = math.exp(-20 / window)
+    for i in range(2000):
+        b.update(20, 10, (10, 10, 30 if i % 2 else 0), d, window, False, True)
+    assert b.rung == 2 and b.alpha == 4.0
+    for _ in range(60):  # three of the balance's windows
+        b.update(20, 10, (11, 10, 10), d, window, False, True)
+    assert b._g[0] > b._g[2]  # (the balance's window: the weakest rung ahead)
+    assert b.rung == 2 and b.alpha == 4.0
