@@ -15,7 +15,9 @@ quiet_step "installing kvretain and its dev tools into .venv (pip install -e '.[
 step "ruff (lint and format check)" bash -c \
   '.venv/bin/ruff check src tests bench && .venv/bin/ruff format --check src tests bench'
 quiet_step "mypy (strict on kvretain.core and kvretain.sched)" .venv/bin/mypy
-step "pytest (unit, property and CLI tests)" .venv/bin/python -m pytest "$@"
+# a test that hangs (a loop a bug never leaves) fails after 15 min with its stack instead of stalling the run;
+# the slowest test takes well under a minute (pass --timeout N to change it)
+step "pytest (unit, property and CLI tests)" .venv/bin/python -m pytest --timeout 900 "$@"
 if [ "${KVRETAIN_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/test_vllm.sh
 fi
