@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvretain.engine.sim.catalog import CatalogError, builtin_catalog, load_catalog
+from kvretain.engine.sim.catalog import CatalogError, GPUSpec, ModelSpec, builtin_catalog, load_catalog
 from kvretain.engine.sim.costmodel import COST_MODELS, CostModel
 
 CAT = builtin_catalog()
@@ -282,3 +282,64 @@ def test_executor_prices_a_one_token_chunk_that_does_not_sample_without_the_lm_h
     t = SimExecutor(cm, {}).step_time(SchedulerOutput(1, chunks))
     assert t == cm.step_time([(1, 511, False), (4096, 0, True)], [])
     assert t < cm.step_time([(4096, 0, True)], [512])  # (as a decode it would sample: one more LM head)
+
+
+# A toy model small enough to price by hand: L=2, d=8, n_q=4, n_kv=2, h=2, ffn=16, V=10, bf16.
+TOY = ModelSpec(
+    "toy", n_layers=2, d_model=8, n_q_heads=4, n_kv_heads=2, head_dim=2, ffn_dim=16, vocab_size=10
+)
+TOY_P = 8 * 2 * (4 + 2 * 2) + 4 * 2 * 8 + 3 * 8 * 16  # 576 weights per layer
+TOY_FL = 2 * 2 * TOY_P  # 2,304 layer FLOPs per token
+TOY_FV = 2 * 10 * 8  # 160 LM-head FLOPs per sampled token
+TOY_A = 4 * 2 * 4 * 2  # 64 attention FLOPs per pair
+TOY_KV = 2 * 2 * 2 * 2 * 2  # 32 KV bytes per token
+TOY_WEIGHTS = (2 * TOY_P + 2 * 10 * 8) * 2  # 2,624 bytes: layers, embedding and (untied) LM head
+
+
+def toy_gpu(**kw: float) -> GPUSpec:
+    """An ideal GPU (no derating, no step overhead) with the given rates."""
+    base = {"peak_flops": 1e30, "mem_bandwidth": 1e30, "mem_bytes": 2**30}
+    base.update(kw)
+    return GPUSpec("toy-gpu", **base).ideal()  # type: ignore[arg-type]
+
+
+def test_decode_prices_its_context_as_pairs_and_kv_by_hand() -> None:
+    # contexts 5 and 7 count the tokens being generated: 12 pairs and 12 KV tokens, two sampled tokens
+    compute = CostModel(TOY, toy_gpu(peak_flops=1e3))
+    flops = 2 * (TOY_FL + TOY_FV) + TOY_A * 12  # 5,696
+    assert compute.decode_time([5, 7]) == pytest.approx(flops / 1e3, rel=1e-12)
+    assert compute.decode_step_time(2, 12) == compute.decode_time([5, 7])
+    memory = CostModel(TOY, toy_gpu(mem_bandwidth=1e3))
+    nbytes = 2 * TOY_P * 2 + 10 * 8 * 2 + 2 * 8 * 2 + TOY_KV * 12  # layers, LM head, 2 rows, KV: 2,880
+    assert memory.decode_time([5, 7]) == pytest.approx(nbytes / 1e3, rel=1e-12)
+    assert memory.decode_step_time(2, 12) == memory.decode_time([5, 7])
+
+
+def test_tensor_parallel_splits_flops_and_adds_two_ring_allreduces_per_layer() -> None:
+    # tp=4: FLOPs over 4 GPUs; 2*L = 4 all-reduces of tokens*d*bytes = 16 bytes a token, each
+    # latency + 2*(tp-1)/tp * message / link = 0.25 s + 1.5 * 16 / 96 s a token
+    gpu = toy_gpu(peak_flops=1e3, link_bandwidth=96.0, allreduce_latency_s=0.25)
+    cm = CostModel(TOY, gpu, tp=4)
+    flops = 2 * (TOY_FL + TOY_FV) + TOY_A * 12
+    assert cm.decode_time([5, 7]) == pytest.approx(flops / 4e3 + 4 * 0.25 + 2 * 4 * 1.5 * 16 / 96, rel=1e-12)
+    assert CostModel(TOY, gpu, tp=1).decode_time([5, 7]) == pytest.approx(flops / 1e3, rel=1e-12)
+
+
+def test_kv_capacity_by_hand_replicates_kv_heads_beyond_n_kv() -> None:
+    gpu = toy_gpu(mem_bytes=10_000)
+    # tp=2 splits the 2 KV heads, one a GPU: a token stores its logical 32 bytes
+    assert CostModel(TOY, gpu, tp=2).kv_capacity_tokens(1.0) == (2 * 10_000 - TOY_WEIGHTS) // TOY_KV
+    # tp=4 > n_kv=2: each GPU holds a whole KV head, so a token takes 4 x 16 = 64 bytes of the replica
+    assert CostModel(TOY, gpu, tp=4).kv_capacity_tokens(1.0) == (4 * 10_000 - TOY_WEIGHTS) // (2 * TOY_KV)
+
+
+def test_kv_capacity_utilization_range_and_room_for_one_token() -> None:
+    cm = CostModel(TOY, toy_gpu(mem_bytes=TOY_WEIGHTS + TOY_KV))
+    assert cm.kv_capacity_tokens(1.0) == 1  # utilization 1 is in (0, 1]
+    for bad in (0.0, 1.01, -0.5):
+        with pytest.raises(ValueError, match=r"gpu_mem_utilization must be in \(0, 1\]"):
+            cm.kv_capacity_tokens(bad)
+    # weights that leave less than one token's KV: no room, not a pool of 0 tokens
+    tight = CostModel(TOY, toy_gpu(mem_bytes=TOY_WEIGHTS + TOY_KV - 1))
+    with pytest.raises(ValueError, match="no KV room"):
+        tight.kv_capacity_tokens(1.0)
