@@ -25,6 +25,7 @@ from kvretain.engine.sim.profiled import (
     load_profile,
     loads,
     median_relative_error,
+    step_point,
     write_profile,
 )
 
@@ -407,3 +408,50 @@ def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixtur
         prof = load_profile(out)
         assert prof.coefficients.per_token_s == pytest.approx(factor * TRUE.per_token_s, rel=1e-6)
         assert prof.info["statistic"].startswith("fastest" if stat == "min" else "median")
+
+
+def test_step_point_counts_and_kind() -> None:
+    # a decode is a sampled single token; a one-token chunk that does not finish its prompt is prefill work
+    decode = step_point([(1, 9, True), (1, 4, 1)], 0.01)
+    assert (decode.tokens, decode.pairs, decode.sampled, decode.kind) == (2, 10 + 5, 2, "decode")
+    partial = step_point([(1, 9, False)], 0.01)
+    assert (partial.tokens, partial.pairs, partial.sampled, partial.kind) == (1, 10, 0, "prefill")
+    mixed = step_point([(3, 2, False), (1, 7, True)], 0.01, 0.02)
+    assert (mixed.tokens, mixed.pairs, mixed.sampled, mixed.kind) == (4, 3 * 2 + 6 + 8, 1, "mixed")
+    assert mixed.step_seconds == 0.02
+    with pytest.raises(ValueError, match="point tokens must be >= 1"):
+        StepPoint(0, 0, 0, 0.01)
+
+
+def test_coefficients_refuse_only_a_free_step() -> None:
+    # either the overhead or the per-token cost may be 0, not both
+    assert StepCoefficients(0.0, 1e-5, 0.0, 0.0).predict(10, 0, 0) == pytest.approx(1e-4)
+    assert StepCoefficients(0.01, 0.0, 0.0, 0.0).predict(10, 0, 0) == 0.01
+    with pytest.raises(ValueError, match="both 0"):
+        StepCoefficients(0.0, 0.0, 1e-9, 1e-4)
+
+
+def test_fit_with_exactly_four_points() -> None:
+    shapes = [(32, 528, 1), (1024, 1024 * 1025 // 2, 1), (4, 4 * 34, 4), (32, 32 * 1026, 32)]
+    pts = [StepPoint(t, p, s, TRUE.predict(t, p, s)) for t, p, s in shapes]
+    got = fit(pts)
+    for a, b in zip(got.as_tuple(), TRUE.as_tuple(), strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_fit_keeps_a_single_coefficient_when_every_pair_wants_one_negative() -> None:
+    # time falls with tokens and every step samples one sequence (the same column as the overhead): only
+    # a one-coefficient model is non-negative
+    pts = [StepPoint(t, 0, 1, 0.01 - 1e-5 * t) for t in (8, 64, 256, 512)]
+    got = fit(pts)
+    assert got.per_token_s == 0 and got.per_pair_s == 0
+    assert got.step_overhead_s + got.per_sequence_s > 0
+
+
+def test_fit_never_drops_both_the_overhead_and_the_per_token_cost() -> None:
+    # steps priced exactly by pairs and sampled sequences alone: that model would price a prefill chunk that
+    # samples nothing at 0, so the fit keeps an overhead or a per-token cost instead
+    shapes = [(32, 528, 1), (1024, 524_800, 1), (4, 136, 4), (32, 32_832, 32), (256, 32_896, 0)]
+    pts = [StepPoint(t, p, s, 1e-9 * p + 1e-4 * s) for t, p, s in shapes]
+    got = fit(pts)
+    assert got.step_overhead_s > 0 or got.per_token_s > 0
