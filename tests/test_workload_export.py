@@ -223,6 +223,9 @@ def test_generator_configs_reject_bad_values() -> None:
         AgentPausesConfig(long_pause_prob=1.5)
     with pytest.raises(WorkloadError, match="document_tokens"):
         RetrievalScanConfig(document_tokens=(10, 5))
+    with pytest.raises(WorkloadError, match="a first prompt needs at least one token"):
+        AgentPausesConfig(system_tokens=0, task_tokens=(0, 5))  # a first step could have an empty prompt
+    AgentPausesConfig(system_tokens=0, task_tokens=(1, 5))  # one token is enough
     with pytest.raises(WorkloadError, match="retrieval-scan"):
         WORKLOADS.create("retrieval-scan", rng=random.Random(0), bogus=1)
 

@@ -364,6 +364,16 @@ def test_multi_tenant_is_deterministic() -> None:
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
 
 
+def test_multi_tenant_classes_draw_from_their_own_rngs() -> None:
+    # each class has its own child rng: more chat sessions leave the agents and the batch jobs as they were
+    def others(cfg: MultiTenantConfig) -> list[WorkloadRequest]:
+        return [r for r in generate_multi_tenant(cfg, random.Random(5)) if r.priority != cfg.chat_priority]
+
+    busier = dataclasses.replace(SMALL, chat_session_rate=0.3, chat_turns=(2, 3))
+    assert others(busier) == others(SMALL)
+    assert len(others(SMALL)) > 0
+
+
 def test_multi_tenant_structure() -> None:
     reqs = generate_multi_tenant(SMALL, random.Random(3))
     by_id = {r.request_id: r for r in reqs}
@@ -503,6 +513,13 @@ def test_template_drift_premium_share_sets_the_priorities() -> None:
         assert {r.priority for r in some} == expected
 
 
+def test_template_drift_retires_the_nearest_whole_number_of_templates() -> None:
+    assert TemplateDriftConfig().retired_per_drift == 18  # 0.3 x 60 (17.999... in floating point)
+    assert TemplateDriftConfig(active=5, drift_share=0.3).retired_per_drift == 2  # 1.5 rounds up
+    assert TemplateDriftConfig(active=7, drift_share=0.3).retired_per_drift == 2  # 2.1 rounds down
+    assert TemplateDriftConfig(active=7, drift_share=0.0).retired_per_drift == 0
+
+
 @pytest.mark.parametrize(("share", "kept"), [(0.0, 5), (0.4, 3), (1.0, 0)])
 def test_template_drift_replaces_a_share_of_the_active_templates(share: float, kept: int) -> None:
     # 5 active templates, uniform popularity, a drift every 30 s: ~60 calls a period use all 5
@@ -624,6 +641,19 @@ def test_working_set_counts_live_reuse() -> None:
     assert ws.distinct_tokens == 130
     assert ws.reused_tokens == 100 + 100 + 10
     assert Counter(len(c.materialize()) for c in mk[0].prompt.chunks) == Counter({100: 1, 10: 1})
+
+
+def test_working_set_peak_time_is_when_the_peak_is_first_reached() -> None:
+    x, y = TokenSeq.seeded(1, 10), TokenSeq.seeded(2, 10)
+    mk = [
+        WorkloadRequest("x0", 0.0, x, 1),
+        WorkloadRequest("x1", 1.0, x, 1),  # x alive over [0, 1]
+        WorkloadRequest("y0", 2.0, y, 1),
+        WorkloadRequest("y1", 3.0, y, 1),  # y alive over [2, 3]: the same peak again
+    ]
+    ws = working_set(mk)
+    assert (ws.peak_tokens, ws.peak_time_s) == (10, 0.0)
+    assert ws.mean_tokens == pytest.approx(20 / 3)
 
 
 def test_time_scale_scales_retention_durations_with_the_pauses() -> None:
