@@ -436,6 +436,25 @@ def test_pool_too_large_for_the_memory_available_is_refused_with_the_estimate(
     memory.check_pool_fits(10**12, ["lru"])
 
 
+def test_pool_check_counts_every_pool_and_the_most_demanding_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvretain.core.memory as memory
+
+    per_block = {"lru": 10.0, "unified": 100.0}
+    monkeypatch.setattr(memory, "pool_bytes_per_block", lambda p, config=None: per_block[p])
+    n = 10_000
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: int(50 * n))
+    memory.check_pool_fits(n, ["lru"], pools=4)  # 4 x 10 bytes a block: fits in 50
+    with pytest.raises(memory.PoolTooLargeError, match="100 bytes per block under 'unified'"):
+        memory.check_pool_fits(n, ["lru", "unified"])  # priced at the larger of the two
+    with pytest.raises(memory.PoolTooLargeError, match=r"10,000 blocks x 6 replicas"):
+        memory.check_pool_fits(n, ["lru"], pools=6)  # 60 bytes a block in all
+    # pools below the measured sample one by one still add up past it
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1)
+    memory.check_pool_fits(memory.SAMPLE_BLOCKS, ["lru"])
+    with pytest.raises(memory.PoolTooLargeError):
+        memory.check_pool_fits(memory.SAMPLE_BLOCKS, ["lru"], pools=2)
+
+
 def test_available_memory_is_known_here() -> None:
     from kvretain.core.memory import available_memory_bytes
 
