@@ -473,6 +473,26 @@ def test_a_parent_kept_below_its_child_goes_after_it_as_in_the_pool() -> None:
     q.check()
 
 
+def test_a_prefix_freed_after_its_childs_run_waits_for_it_even_at_a_lower_key() -> None:
+    # a (priority 2, 15) holds p0 p1 while b (priority 1, 25) hits them, keeps them at 10 by a directive and
+    # ends: b's ten own blocks are queued, p0 p1 are not free yet. When a ends, p0 p1 (15: a lower key than the
+    # child's, in the same tier) are freed by another release than their child's: the pool evicts leaves only,
+    # so they still wait for b's blocks (the waiting child's key is their floor, not only its tier)
+    pool = fixed_pool()
+    low = {"retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}]}
+    a, b = request("a", 2), request("b", 1, low, tokens=12 * BLOCK)
+    ab = pool.admit(a, chain(0, 2, 0), False)
+    bb = pool.admit(b, chain(0, 2, 10), False)
+    assert ab is not None and bb is not None and bb[:2] == ab
+    pool.free(b, bb)
+    pool.free(a, ab)
+    q = pool.q
+    assert [q._r[x.block_id] for x in bb] == [15, 15] + [25] * 10
+    q.popleft_n(16 - 12)
+    assert [x.block_id for x in q.popleft_n(12)] == [x.block_id for x in reversed(bb)]
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
