@@ -493,6 +493,27 @@ def test_a_prefix_freed_after_its_childs_run_waits_for_it_even_at_a_lower_key() 
     q.check()
 
 
+def test_a_lifted_prompt_evicted_from_the_protected_tier_was_never_counted_protected() -> None:
+    # a priority 1 request (25) with two generated tokens' blocks at 90: its prompt's run is queued in the
+    # protected tier behind them (leaves only) but its blocks are not protected. Once the generated blocks are
+    # gone by evict_blocks (no eviction relifts the prompt), evicting the prompt from the protected tier leaves
+    # the protected count at the cached blocks at or above the threshold: none
+    pool = fixed_pool()
+    a = request("a", 1, {"retention_decode_priority": 90}, tokens=2 * BLOCK)
+    ab = pool.admit(a, chain(0, 4, 0), False)
+    assert ab is not None
+    pool.free(a, ab)
+    q = pool.q
+    assert [q._r[x.block_id] for x in ab] == [25, 25, 90, 90]
+    assert q.stats()["protected_blocks"] == 2
+    pool.evict_blocks({ab[2].block_id, ab[3].block_id})
+    assert q.stats()["protected_blocks"] == 0
+    got = [x.block_id for x in q.popleft_n(q.num_free_blocks)][-2:]
+    assert got == [ab[1].block_id, ab[0].block_id]
+    assert q.stats()["protected_blocks"] == 0
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
