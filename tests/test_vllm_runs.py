@@ -514,6 +514,31 @@ def test_a_lifted_prompt_evicted_from_the_protected_tier_was_never_counted_prote
     q.check()
 
 
+def test_a_wait_behind_a_child_ends_with_the_content_it_was_for() -> None:
+    # b (scoped: the full rules per block) ends while a still holds p1: b's blocks wait-link p1 behind them. p1's
+    # content then goes while a holds it (evict_blocks), a ends, and the block id is reused by new content of c
+    # and d (15): that content is no parent of b's blocks, so it is ranked on its own key, before b's (25)
+    pool = fixed_pool()
+    a, b = request("a", 2), request("b", 1, {"retention_scope": "s"})
+    c, d = request("c", 2), request("d", 2)
+    ab = pool.admit(a, chain(0, 2, 0), False)
+    bb = pool.admit(b, chain(0, 2, 2), False)
+    assert ab is not None and bb is not None
+    pool.free(b, bb)
+    pool.evict_blocks({ab[1].block_id})
+    pool.free(a, ab)
+    cb = pool.admit(c, chain(5, 1, 0), False)
+    assert cb is not None and cb[0] is ab[1]  # (the unhashed block is reused first)
+    pool.free(c, cb)
+    db = pool.admit(d, chain(5, 1, 1), False)  # a hit on the reused block: its second release is a known one
+    assert db is not None
+    pool.free(d, db)
+    q = pool.q
+    order = [x.block_id for x in q.get_all_free_blocks()][-5:]
+    assert order == [db[1].block_id, db[0].block_id, bb[3].block_id, bb[2].block_id, ab[0].block_id]
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
