@@ -539,6 +539,28 @@ def test_a_wait_behind_a_child_ends_with_the_content_it_was_for() -> None:
     q.check()
 
 
+def test_keying_every_run_again_keeps_parents_behind_their_children() -> None:
+    # the controller changed its tables (here: the same ones): every run is keyed again, and a run a deeper one
+    # lifted is lifted again, into the protected tier (a prompt at 25 under its generated blocks at 90) or to
+    # the deeper run's key (a head kept at 10 under blocks at 25); the eviction order stays what it was
+    pool = fixed_pool()
+    a = request("a", 1, {"retention_decode_priority": 90}, tokens=2 * BLOCK)
+    low = {"retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}]}
+    b = request("b", 1, low, tokens=4 * BLOCK)
+    ab = pool.admit(a, chain(0, 4, 0), False)
+    bb = pool.admit(b, chain(1, 4, 0), False)
+    assert ab is not None and bb is not None
+    pool.free(a, ab)
+    pool.free(b, bb)
+    q = pool.q
+    assert [q._r[x.block_id] for x in ab + bb] == [25, 25, 90, 90, 10, 10, 25, 25]
+    before = [x.block_id for x in q.get_all_free_blocks()]
+    assert before[-8:] == [x.block_id for x in reversed(bb)] + [x.block_id for x in reversed(ab)]
+    q._rekey()
+    assert [x.block_id for x in q.get_all_free_blocks()] == before
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
