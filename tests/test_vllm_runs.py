@@ -561,6 +561,37 @@ def test_keying_every_run_again_keeps_parents_behind_their_children() -> None:
     q.check()
 
 
+def test_the_listed_order_counts_the_protected_blocks_it_passes() -> None:
+    # a fixed protected target of 4.25 blocks, 6 protected (p1, p2 at 35, released at L = 0) and u (25) released
+    # after an eviction raised L past 0.5: over the target the tiers compete and p1 (the lower key) goes first;
+    # then 3 protected blocks are left, within the target, so u goes before p2. The listed order (the walk
+    # without evicting) passes p1 the same way: it goes over the target no longer
+    pool = Pool(17, PolicyConfig(budget=0.25, isolation_goal=None, block_size=BLOCK))
+    q = pool.q
+
+    def run(req: Any, hashes: list[bytes]) -> list[KVCacheBlock]:
+        got = pool.admit(req, hashes, False)
+        assert got is not None
+        pool.free(req, got)
+        return got
+
+    p1 = run(request("p1", 0), chain(0, 3, 0))
+    p2 = run(request("p2", 0), chain(1, 3, 0))
+    v = run(request("v", 1, {"retention_directives": [{"start": 0, "priority": 34}]}, BLOCK), chain(2, 1, 0))
+    taken = q.popleft_n(q.num_free_blocks - q._held + 1)  # the never-used blocks, then one eviction: v
+    assert taken[-1] is v[0] and q._L > 0.5
+    for b in taken:  # a request took them and ends before caching anything (vLLM's get_new_blocks, free)
+        pool._strip(b)
+        b.ref_cnt = 1
+    pool.free_blocks(list(reversed(taken)))
+    u = run(request("u", 1), chain(3, 3, 0))
+    listed = [x.block_id for x in q.get_all_free_blocks()][-9:]
+    evicted = [x.block_id for x in q.popleft_n(q.num_free_blocks)][-9:]
+    assert evicted == [x.block_id for blocks in (p1, u, p2) for x in reversed(blocks)]
+    assert listed == evicted
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
