@@ -592,6 +592,29 @@ def test_the_listed_order_counts_the_protected_blocks_it_passes() -> None:
     q.check()
 
 
+def test_new_content_counts_this_use_plus_what_the_ghost_remembers_of_its_segment() -> None:
+    # a 3-block prompt's new content is used once; evicted, the ghost keeps its segment head's count, so the
+    # same content cached again counts that use and this one (the segment's blocks share the count)
+    pool = fixed_pool()
+    q = pool.q
+    a = request("a", 1)
+    ab = pool.admit(a, chain(0, 3, 0), False)
+    assert ab is not None
+    pool.free(a, ab)
+    assert [q._uses[x.block_id] for x in ab] == [1, 1, 1]
+    taken = q.popleft_n(q.num_free_blocks)  # every block, the cached ones evicted
+    for x in taken:  # a request took them and ends before caching anything (vLLM's get_new_blocks, free)
+        pool._strip(x)
+        x.ref_cnt = 1
+    pool.free_blocks(list(reversed(taken)))
+    b = request("b", 1)
+    bb = pool.admit(b, chain(0, 3, 0), False)
+    assert bb is not None
+    pool.free(b, bb)
+    assert [q._uses[x.block_id] for x in bb] == [2, 2, 2]
+    q.check()
+
+
 def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     # it asks the mapped priority for a while, which every release asks: the same retention, order and path as
     # no field at all (before: a per-block plan whose durations also stopped a parent's ranking behind its
