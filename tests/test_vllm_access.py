@@ -1013,3 +1013,74 @@ def test_the_body_limit_admits_a_body_of_exactly_that_size():
     assert len(body(4096)) == 4096
     assert _asgi(AccessPolicy(), body(4096))[0] == 200
     assert _asgi(AccessPolicy(), body(4097))[0] == 413
+
+
+def test_class_latency_reads_a_chunked_bodys_priority_and_times_successes_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the priority is read from the whole body, however many chunks it came in; a response other than 200 is
+    # not timed (an error's latency is no request's latency)
+    seen: list[tuple[str, str]] = []
+
+    class Histogram:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def labels(self, label: str) -> Any:
+            name = self.name
+
+            class Series:
+                def observe(self, seconds: float) -> None:
+                    seen.append((name, label))
+
+            return Series()
+
+    monkeypatch.setattr(
+        metrics, "latency_histograms", lambda: {"ttft": Histogram("ttft"), "e2e": Histogram("e2e")}
+    )
+
+    def app_with(status: int) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await receive()
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        return app
+
+    async def request(status: int) -> None:
+        msgs = [
+            {"type": "http.request", "body": b'{"priority": ', "more_body": True},
+            {"type": "http.request", "body": b"3}", "more_body": False},
+        ]
+
+        async def receive() -> Any:
+            return msgs.pop(0)
+
+        async def send(msg: Any) -> None:
+            return None
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "headers": []}
+        await metrics.ClassLatency(app_with(status))(scope, receive, send)
+
+    asyncio.run(request(200))
+    assert seen == [("e2e", metrics._LABELS.of(3))]
+    asyncio.run(request(500))
+    assert len(seen) == 1
+
+
+def test_a_snapshot_of_pid_zero_is_skipped():
+    # local_snapshot writes its own process id (> 0); pid 0 would make the liveness check signal the process group
+    assert not metrics._snapshot_ok({"pid": 0, "by_priority": {}, "gauges": {}})
+    assert metrics._snapshot_ok({"pid": 1, "by_priority": {}, "gauges": {}})
+
+
+def test_a_queues_balance_gauges_read_its_values_not_their_absent_marker():
+    # frequency_exponent_now and balance_start read -1 until a queue reports them; then they read its value
+    from types import SimpleNamespace
+
+    q = SimpleNamespace(
+        stats=lambda: {"frequency_exponent_now": 2.0, "balance_start": 0.5}, pool_blocks=range(4)
+    )
+    g = metrics.queue_gauges([q])
+    assert g["frequency_exponent_now"] == 2.0 and g["balance_start"] == 0.5
