@@ -741,9 +741,8 @@ def test_a_huge_priority_is_not_echoed_whole():
     assert len(msg) < 200
 
 
-def test_class_latency_counts_requests_behind_a_root_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    # behind a path-prefix proxy (--root-path /api, the prefix kept in the path) the access limits read the route
-    # without the prefix, but the latency middleware compared the raw path and recorded nothing
+def _recorded_latencies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Replace the latency histograms with fakes; the list they fill with (histogram, priority label)."""
     seen: list[tuple[str, str]] = []
 
     class Histogram:
@@ -762,6 +761,13 @@ def test_class_latency_counts_requests_behind_a_root_path(monkeypatch: pytest.Mo
     monkeypatch.setattr(
         metrics, "latency_histograms", lambda: {"ttft": Histogram("ttft"), "e2e": Histogram("e2e")}
     )
+    return seen
+
+
+def test_class_latency_counts_requests_behind_a_root_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # behind a path-prefix proxy (--root-path /api, the prefix kept in the path) the access limits read the route
+    # without the prefix, but the latency middleware compared the raw path and recorded nothing
+    seen = _recorded_latencies(monkeypatch)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
@@ -1020,24 +1026,7 @@ def test_class_latency_reads_a_chunked_bodys_priority_and_times_successes_only(
 ) -> None:
     # the priority is read from the whole body, however many chunks it came in; a response other than 200 is
     # not timed (an error's latency is no request's latency)
-    seen: list[tuple[str, str]] = []
-
-    class Histogram:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def labels(self, label: str) -> Any:
-            name = self.name
-
-            class Series:
-                def observe(self, seconds: float) -> None:
-                    seen.append((name, label))
-
-            return Series()
-
-    monkeypatch.setattr(
-        metrics, "latency_histograms", lambda: {"ttft": Histogram("ttft"), "e2e": Histogram("e2e")}
-    )
+    seen = _recorded_latencies(monkeypatch)
 
     def app_with(status: int) -> Any:
         async def app(scope: Any, receive: Any, send: Any) -> None:
