@@ -90,6 +90,13 @@ class Pool:
         self.free_blocks(list(reversed(blocks)))
         self.q._expect = -1
 
+    def run(self, req: Any, hashes: list[bytes]) -> list[KVCacheBlock]:
+        """A request that is admitted (it must fit) and ends: its blocks, freed."""
+        blocks = self.admit(req, hashes, False)
+        assert blocks is not None
+        self.free(req, blocks)
+        return blocks
+
     def free_fused(self, req: Any, blocks: list[KVCacheBlock]) -> None:
         """KVCacheManager.free with the plugin on a full-attention group: the release and the free in one pass."""
         self.q.free_request(req, blocks, BLOCK, len(req.block_hashes), self.free_blocks)
@@ -337,9 +344,7 @@ def test_a_directive_on_a_whole_prompt_schedules_one_lapse_per_release() -> None
         pool = fixed_pool(33)
         d = {"retention_directives": [{"start": 0, "priority": 90, "duration": 10}]}
         a = request("a", 1, d, tokens=8 * BLOCK)
-        ab = pool.admit(a, chain(0, 8, 0), False)
-        assert ab is not None
-        pool.free(a, ab)
+        ab = pool.run(a, chain(0, 8, 0))
         q = pool.q
         assert len(q._expiries) == 1 and sorted(q._expiries[0][2]) == sorted(x.block_id for x in ab)
         t[0] = 5.0
@@ -363,9 +368,7 @@ def test_a_directive_on_a_whole_prompt_schedules_one_lapse_per_release() -> None
 def test_hits_leave_a_run_and_eviction_skips_them() -> None:
     pool = fixed_pool()
     a = request("a", 1)
-    ab = pool.admit(a, chain(0, 6, 0), False)
-    assert ab is not None
-    pool.free(a, ab)
+    ab = pool.run(a, chain(0, 6, 0))
     b = request("b", 1)
     bb = pool.admit(b, chain(0, 3, 0), False)  # hits the first two (never the whole prompt), recomputes none
     assert bb is not None and bb[:2] == ab[:2]
@@ -379,9 +382,7 @@ def test_hits_leave_a_run_and_eviction_skips_them() -> None:
 def test_a_more_important_user_raises_a_cached_prefix() -> None:
     pool = fixed_pool()
     lo, hi = request("lo", 1), request("hi", 0)
-    lb = pool.admit(lo, chain(0, 3, 0), False)
-    assert lb is not None
-    pool.free(lo, lb)
+    lb = pool.run(lo, chain(0, 3, 0))
     assert [pool.q._r[b.block_id] for b in lb] == [25, 25, 25]
     hb = pool.admit(hi, chain(0, 3, 1), False)  # hits all three, adds one
     assert hb is not None and hb[:3] == lb
@@ -439,9 +440,7 @@ def test_generated_tokens_blocks_take_the_decode_priority_and_lapse_to_the_mappe
         pool = fixed_pool()
         d = {"retention_decode_priority": 90, "retention_decode_duration": 30}
         a = request("a", 1, d, tokens=2 * BLOCK)
-        ab = pool.admit(a, chain(0, 4, 0), False)
-        assert ab is not None
-        pool.free(a, ab)
+        ab = pool.run(a, chain(0, 4, 0))
         q = pool.q
         assert [q._r[x.block_id] for x in ab] == [25, 25, 90, 90]
         assert q.stats()["protected_blocks"] == 2
@@ -463,9 +462,7 @@ def test_a_parent_kept_below_its_child_goes_after_it_as_in_the_pool() -> None:
     pool = fixed_pool()
     d = {"retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}]}
     a = request("a", 1, d, tokens=4 * BLOCK)
-    ab = pool.admit(a, chain(0, 4, 0), False)
-    assert ab is not None
-    pool.free(a, ab)
+    ab = pool.run(a, chain(0, 4, 0))
     q = pool.q
     assert [q._r[x.block_id] for x in ab] == [10, 10, 25, 25]
     q.popleft_n(16 - 4)
@@ -500,9 +497,7 @@ def test_a_lifted_prompt_evicted_from_the_protected_tier_was_never_counted_prote
     # the protected count at the cached blocks at or above the threshold: none
     pool = fixed_pool()
     a = request("a", 1, {"retention_decode_priority": 90}, tokens=2 * BLOCK)
-    ab = pool.admit(a, chain(0, 4, 0), False)
-    assert ab is not None
-    pool.free(a, ab)
+    ab = pool.run(a, chain(0, 4, 0))
     q = pool.q
     assert [q._r[x.block_id] for x in ab] == [25, 25, 90, 90]
     assert q.stats()["protected_blocks"] == 2
@@ -598,9 +593,7 @@ def test_new_content_counts_this_use_plus_what_the_ghost_remembers_of_its_segmen
     pool = fixed_pool()
     q = pool.q
     a = request("a", 1)
-    ab = pool.admit(a, chain(0, 3, 0), False)
-    assert ab is not None
-    pool.free(a, ab)
+    ab = pool.run(a, chain(0, 3, 0))
     assert [q._uses[x.block_id] for x in ab] == [1, 1, 1]
     taken = q.popleft_n(q.num_free_blocks)  # every block, the cached ones evicted
     for x in taken:  # a request took them and ends before caching anything (vLLM's get_new_blocks, free)
@@ -608,9 +601,7 @@ def test_new_content_counts_this_use_plus_what_the_ghost_remembers_of_its_segmen
         x.ref_cnt = 1
     pool.free_blocks(list(reversed(taken)))
     b = request("b", 1)
-    bb = pool.admit(b, chain(0, 3, 0), False)
-    assert bb is not None
-    pool.free(b, bb)
+    bb = pool.run(b, chain(0, 3, 0))
     assert [q._uses[x.block_id] for x in bb] == [2, 2, 2]
     q.check()
 
@@ -627,9 +618,7 @@ def test_a_decode_duration_without_a_decode_priority_changes_nothing() -> None:
     ):
         pool = fixed_pool()
         a = request("a", 1, extra, tokens=2 * BLOCK)  # 2 prompt blocks, 2 of generated tokens
-        ab = pool.admit(a, chain(0, 4, 0), False)
-        assert ab is not None
-        pool.free(a, ab)
+        ab = pool.run(a, chain(0, 4, 0))
         q = pool.q
         assert [q._r[x.block_id] for x in ab] == [10, 25, 25, 25]
         q.popleft_n(16 - 4)
@@ -655,15 +644,11 @@ def test_a_requests_retention_is_parsed_once_whatever_its_releases(monkeypatch: 
     d = {"retention_directives": [{"start": 0, "end": BLOCK, "priority": 90}]}
     a = request("a", 1, d, tokens=3 * BLOCK)
     for _ in range(3):  # admitted, preempted (released), admitted again...
-        ab = pool.admit(a, chain(0, 3, 0), False)
-        assert ab is not None
-        pool.free(a, ab)
+        ab = pool.run(a, chain(0, 3, 0))
         assert pool.q._r[ab[0].block_id] == 90
     assert len(parsed) == 1
     a.sampling_params = SimpleNamespace(extra_args={"retention_directives": [{"start": 0, "priority": 10}]})
-    ab = pool.admit(a, chain(1, 3, 0), False)
-    assert ab is not None
-    pool.free(a, ab)
+    ab = pool.run(a, chain(1, 3, 0))
     assert len(parsed) == 2 and pool.q._r[ab[0].block_id] == 10
     pool.q.check()
 
