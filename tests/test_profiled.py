@@ -4,11 +4,17 @@ FILE`` prices steps with it, and bad files or options fail on one line with stat
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import subprocess
 import sys
+import types
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -455,3 +461,158 @@ def test_fit_never_drops_both_the_overhead_and_the_per_token_cost() -> None:
     pts = [StepPoint(t, p, s, 1e-9 * p + 1e-4 * s) for t, p, s in shapes]
     got = fit(pts)
     assert got.step_overhead_s > 0 or got.per_token_s > 0
+
+
+class _FakeEngine:
+    """vLLM's ``LLMEngine`` as the measuring module drives it, on a fake clock: a step prefills every new request
+    whole (its cached part: the longest prefix of full blocks an earlier prompt held) and decodes the others,
+    one token each; its engine-core step costs 10 ms plus 1 ms per token computed (500 ms more once ``slow``, 1 s
+    more the first time a step has its shape), the whole step 2 ms more (the output processor). ``quirk``: what a
+    wrong engine does instead."""
+
+    def __init__(self, clock: list[float], block: int, quirk: str | None) -> None:
+        self.clock = clock
+        self.block = block
+        self.quirk = quirk
+        self.slow = False
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: 1000)
+        self.engine_core = SimpleNamespace(get_output=self._core_step)
+        self.reqs: dict[str, tuple[list[int], int, list[int], list[int]]] = {}
+        self.cached: set[tuple[int, ...]] = set()
+        self.shapes: set[tuple[int, int]] = set()  # (tokens computed, requests) of the steps so far
+        self.added: Counter[tuple[int, int]] = Counter()  # (prompt tokens, max_tokens) of the requests added
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        tokens = prompt["prompt_token_ids"]
+        self.reqs[rid] = (tokens, params.max_tokens, [], [])
+        self.added[len(tokens), params.max_tokens] += 1
+
+    def _core_step(self) -> list[Any]:
+        outs, computed = [], 0
+        for rid, (prompt, max_tokens, gen, hit) in list(self.reqs.items()):
+            if not gen:
+                full = range(self.block, len(prompt), self.block)  # (never the whole prompt)
+                hit.append(max([k for k in full if tuple(prompt[:k]) in self.cached], default=0))
+                if self.quirk != "no prefix cache":
+                    self.cached.update(
+                        tuple(prompt[:k]) for k in range(self.block, len(prompt) + 1, self.block)
+                    )
+                computed += len(prompt) - hit[0]
+            else:
+                computed += 1
+            gen.append(7)
+            done = len(gen) >= max_tokens + (self.quirk == "a token too many")
+            out = SimpleNamespace(request_id=rid, finished=done, num_cached_tokens=hit[0])
+            outs.append(SimpleNamespace(**vars(out), outputs=[SimpleNamespace(token_ids=list(gen))]))
+            if done:
+                del self.reqs[rid]
+        first = (computed, len(outs)) not in self.shapes  # (a new shape's first call builds its kernels)
+        self.shapes.add((computed, len(outs)))
+        self.clock[0] += 0.010 + 0.001 * computed + (0.5 if self.slow else 0.0) + (1.0 if first else 0.0)
+        return outs
+
+    def step(self) -> list[Any]:
+        outs = self._core_step() if self.quirk == "no engine core" else self.engine_core.get_output()
+        self.clock[0] += 0.002
+        return outs  # type: ignore[no-any-return]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def abort_request(self, rids: list[str]) -> None:
+        for rid in rids:
+            if self.quirk == "aborts nothing":  # (it runs on for 50 more tokens)
+                prompt, _, gen, hit = self.reqs[rid]
+                self.reqs[rid] = (prompt, len(gen) + 50, gen, hit)
+            else:
+                del self.reqs[rid]
+
+
+def _measure_on_a_fake_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quirk: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[int]]:
+    """Run the measuring module (``kvretain profile``'s half in vLLM's Python) on a :class:`_FakeEngine` whose
+    second round's steps are 0.5 s slower (another process took the cores): its events, the ``LLM`` arguments
+    (and ``engine``) and the cores it was given."""
+    from kvretain.integrations.vllm import stepprofile
+
+    clock = [0.0]
+    monkeypatch.setattr(stepprofile, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    made: dict[str, Any] = {}
+
+    def llm(**kwargs: Any) -> Any:
+        made.update(kwargs)
+        made["engine"] = _FakeEngine(clock, kwargs["block_size"], quirk)
+        return SimpleNamespace(llm_engine=made["engine"])
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = llm, SimpleNamespace, "0.0-fake"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)  # (what the module sets for vLLM goes afterwards)
+    monkeypatch.setenv("OMP_NUM_THREADS", "x")
+    events: list[dict[str, Any]] = []
+    real_emit = stepprofile.emit
+
+    def emit(obj: dict[str, Any]) -> None:
+        events.append(obj)
+        if obj == {"event": "done", "what": "decode 2 8"}:  # the first round is over
+            made["engine"].slow = True
+        real_emit(obj)
+
+    monkeypatch.setattr(stepprofile, "emit", emit)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # (Linux only)
+    spec = {"model": "m", "block_size": 4, "prefill": [[8, 0], [4, 8]], "decode": [[2, 8]], "cpus": cpus}
+    spec |= {"repeats": 3, "decode_steps": 2, "rounds": 2}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert stepprofile.main(str(tmp_path / "spec.json")) == 0
+    return events, made, cpus
+
+
+def test_the_measuring_module_times_each_shape_and_reports_its_fastest_and_median_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvretain.integrations.vllm.stepprofile import MARK
+
+    events, made, cpus = _measure_on_a_fake_engine(tmp_path, monkeypatch)
+    assert capsys.readouterr().out.splitlines() == [MARK + json.dumps(e) for e in events]
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert os.environ["OMP_NUM_THREADS"] == (str(len(cpus)) if cpus else "x")
+    assert made["max_model_len"] == 13 and made["max_num_batched_tokens"] == 8192  # 4 + 8 cached + 1 sampled
+    assert made["enable_prefix_caching"] and made["block_size"] == 4 and made["max_num_seqs"] == 8
+    # (prompt tokens, max_tokens): the warm-up; per round, each prefill shape once untimed and 3 times timed
+    # (after one request that caches the 8-token prefix), the decode batch's 2 requests
+    assert made["engine"].added == {(5, 4): 1, (64, 4): 4, (8, 1): 8, (9, 1): 2, (12, 1): 8, (8, 8): 4}
+    assert events[0] == {"event": "plan", "total": 7} and events[-1]["engine"] == "vllm 0.0-fake"
+    points = [e for e in events if e["event"] == "point"]
+    # (label, tokens, pairs, sampled, fastest engine-core step)
+    expected = [
+        ("prefill n=8 p=0", 8, 36, 1, 0.018),  # pairs: each new token attends to what is before it and itself
+        ("prefill n=4 p=8", 4, 4 * 8 + 10, 1, 0.014),
+        ("decode b=2 c=8", 2, 21, 2, 0.012),  # contexts 2 x (8 + 2) and 2 x (8 + 3): 21 on average
+    ]
+    for point, (label, tokens, pairs, sampled, core) in zip(points, expected, strict=True):
+        assert (point["label"], point["tokens"], point["pairs"], point["sampled"]) == (
+            label,
+            tokens,
+            pairs,
+            sampled,
+        )
+        assert point["seconds"] == pytest.approx({"core": core, "step": core + 0.002})
+        assert point["median_seconds"] == pytest.approx({"core": core + 0.25, "step": core + 0.252})
+
+
+@pytest.mark.parametrize(
+    ("quirk", "error"),
+    [
+        ("no prefix cache", "prefill n=4 p=8: 0 tokens cached, not 8"),
+        ("a token too many", "prefill n=8 p=0 did not finish in one step"),
+        ("aborts nothing", "prefill n=8 p=0 did not finish in one step"),  # (round 2: a decode is left)
+        ("no engine core", "did not call engine_core.get_output()"),
+    ],
+)
+def test_the_measuring_module_refuses_an_engine_that_does_not_run_the_step_it_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quirk: str, error: str
+) -> None:
+    with pytest.raises(RuntimeError, match=re.escape(error)):
+        _measure_on_a_fake_engine(tmp_path, monkeypatch, quirk)

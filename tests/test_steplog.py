@@ -163,6 +163,10 @@ def test_a_step_log_that_cannot_be_written_is_refused_at_install(
         ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "more": 1}', "more must be true or false"),
         ('{"t0": "x", "t1": 2, "reqs": [[1, 2, 1]], "more": true}', "t0 must be a finite number"),
         ('{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "ids": ["a", "b"], "more": true}', "one per reqs entry"),
+        (
+            '{"t0": 1, "t1": 2, "reqs": [[1, 2, 1], [3, 0, 0]], "ids": ["a"], "more": true}',
+            "one per reqs entry",
+        ),
     ],
 )
 def test_bad_lines_name_the_line_and_field(line: str, needle: str) -> None:
@@ -170,6 +174,50 @@ def test_bad_lines_name_the_line_and_field(line: str, needle: str) -> None:
     with pytest.raises(ValueError, match="step log line 2") as e:
         steplog.parse_step_log([good, line])
     assert needle in str(e.value)
+
+
+def test_a_step_of_no_measurable_time_and_blank_lines_read_back() -> None:
+    # t1 == t0 (a step shorter than the clock's resolution) is a step, not an error; blank lines are skipped
+    last = '{"t0": 2, "t1": 3, "reqs": [[1, 3, 1]], "ids": ["a"], "more": false}'
+    recs = steplog.parse_step_log(
+        ['{"t0": 1.5, "t1": 1.5, "reqs": [[3, 0, 1]], "more": true}', "", "  ", last]
+    )
+    assert [r.seconds for r in recs] == [0.0, 1.0] and recs[1].ids == ("a",)
+
+
+def test_a_log_switched_off_by_a_second_install_writes_no_more_lines(fake: Any, tmp_path: Path) -> None:
+    # a step in flight when the file was switched (a second install) ends on the old log: it is closed for good,
+    # so the old file neither stays open nor gets the line
+    cls, first = fake
+    old = steplog._log
+    assert old is not None
+    old.begin(1.0, [[3, 0, 1]], ["a"], step="s1")
+    old.end(True, step="s1")
+    second = tmp_path / "second.jsonl"
+    steplog.install(second, cls)
+    assert old._file is None
+    old.begin(2.0, [[1, 3, 1]], ["a"], step="s2")
+    old.end(False, step="s2")
+    assert len(first.read_text().splitlines()) == 1 and not second.exists()
+
+
+def test_installing_again_wraps_the_methods_once_and_another_class_gets_the_hook_alone(
+    fake: Any, tmp_path: Path
+) -> None:
+    cls, log = fake
+    # the same class again: the file switches, nothing is wrapped twice
+    steplog.install(tmp_path / "again.jsonl", cls)
+    s = cls([{"a": 5}], {"a": req(5, 0, 3)})
+    s.update_from_output(s.schedule(), None)
+    assert len((tmp_path / "again.jsonl").read_text().splitlines()) == 1 and not log.exists()
+    own = {"schedule": FakeScheduler.schedule, "update_from_output": FakeScheduler.update_from_output}
+    other = type("Other", (FakeScheduler,), own)
+    steplog.install(tmp_path / "other.jsonl", other)
+    assert cls.__dict__["schedule"] is FakeScheduler.schedule  # the first class is restored
+    assert cls.__dict__["update_from_output"] is FakeScheduler.update_from_output
+    steplog.uninstall()
+    assert other.__dict__["schedule"] is FakeScheduler.schedule
+    assert other.__dict__["update_from_output"] is FakeScheduler.update_from_output
 
 
 def test_a_missing_file_is_one_clear_error(tmp_path: Path) -> None:

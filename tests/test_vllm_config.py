@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import MAX_DIRECTIVES, RetentionConfig, RetentionDirective, RetentionError
 from kvretain.integrations.vllm.config import (
     PluginConfig,
@@ -96,6 +103,8 @@ def test_parse_options_empty() -> None:
         ("budget=0.8,budget=0.5", "given twice"),  # (the last one won)
         ("isolation_goal=", "has no value"),  # (taken as none: a fixed share, silently)
         ("budget=none", "needs a value"),
+        ("priority_weight=inf", "must be finite"),
+        ("budget=nan", "must be finite"),
     ],
 )
 def test_policy_options_are_read_as_their_types_or_refused(spec: str, words: str) -> None:
@@ -218,6 +227,22 @@ def test_a_misspelt_retention_field_fails_validation() -> None:
     assert msg is not None and "did you mean 'retention_decode_duration'?" in msg, msg
 
 
+def test_a_message_names_three_misspelt_fields_and_counts_the_rest() -> None:
+    three = {f"retention_x{i}": 1 for i in range(3)}
+    msg = validation_message(three)
+    assert (
+        msg is not None and "['retention_x0', 'retention_x1', 'retention_x2'] in" in msg and "more" not in msg
+    )
+    msg = validation_message({**three, "retention_x3": 1})
+    assert msg is not None and "'retention_x2'] and 1 more in vllm_xargs" in msg, msg
+
+
+def test_the_plugin_names_its_policy_with_the_granularity_only_for_unified() -> None:
+    assert PluginConfig().describe() == "unified (run granularity)"
+    assert PluginConfig(granularity="block").describe() == "unified (block granularity)"
+    assert PluginConfig(policy="lfu").describe() == "lfu"
+
+
 @pytest.mark.parametrize(
     "retention",
     [
@@ -239,6 +264,13 @@ def test_a_retention_config_round_trips_through_vllm_xargs(retention: RetentionC
 def test_no_retention_asks_nothing() -> None:
     assert extra_args_for(None) is None
     assert extra_args_for(RetentionConfig()) is None
+
+
+def test_extra_args_that_are_not_a_mapping_carry_no_retention() -> None:
+    # (what vLLM does with them is vLLM's business: the plugin neither reads nor refuses them)
+    for extra in (["retention_scope", "s"], "retention_scope=s", 7):
+        assert retention_from_extra_args(extra) is None  # type: ignore[arg-type]
+        assert validation_message(extra) is None  # type: ignore[arg-type]
 
 
 def _fake_interpreter(tmp_path: Path, reported: str, first: str = "") -> tuple[Path, Path]:
@@ -334,6 +366,146 @@ def test_a_temporary_folder_too_long_for_a_socket_path_falls_back_to_tmp(monkeyp
         assert len(str(made / "12345678-1234-1234-1234-123456789012")) <= launch.UNIX_SOCKET_PATH_MAX
     finally:
         made.rmdir()
+
+
+def test_a_temporary_folder_is_used_up_to_the_socket_path_limit_and_only_if_it_exists(monkeypatch) -> None:
+    from kvretain.integrations.vllm import launch
+
+    room = (
+        launch.UNIX_SOCKET_PATH_MAX - len("/kvr-12345678") - launch._IPC_NAME
+    )  # the longest folder that fits
+    top = Path(tempfile.mkdtemp(prefix="kvr-len-", dir="/tmp"))
+    try:
+        for length, fits in ((room, True), (room + 1, False)):
+            base = top / ("d" * (length - len(str(top)) - 1))
+            base.mkdir()
+            assert len(str(base)) == length
+            monkeypatch.setattr(tempfile, "tempdir", str(base))
+            made = launch._private_ipc_dir()
+            assert made is not None and made.parent == (base if fits else Path("/tmp"))
+            made.rmdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(top / "gone"))  # (no such folder)
+        made = launch._private_ipc_dir()
+        assert made is not None and made.parent == Path("/tmp")
+        made.rmdir()
+    finally:
+        shutil.rmtree(top)
+
+
+def test_a_server_that_exits_during_start_up_is_named_with_its_log_tail(tmp_path: Path) -> None:
+    from kvretain.integrations.vllm.launch import ServerError, VLLMServer
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nfor i in $(seq 1 50); do echo "log line $i"; done\nexit 1\n')
+    fake.chmod(0o755)
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    server.start()
+    try:
+        assert server.port > 0 and server.base_url == f"http://127.0.0.1:{server.port}"  # a free port taken
+        with pytest.raises(ServerError, match="exited during start-up") as e:
+            server.wait_ready(timeout_s=20)
+    finally:
+        server.stop(grace_s=5)
+    shown = str(e.value).splitlines()[1:]
+    assert shown == [f"log line {i}" for i in range(11, 51)]  # the last 40 lines
+
+
+def test_a_server_not_ready_in_time_is_stopped(tmp_path: Path) -> None:
+    from kvretain.integrations.vllm.launch import ServerError, VLLMServer
+
+    fake, seen = _fake_interpreter(tmp_path, "up")  # runs, never answers /health
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    _started_and_seen(server, seen)
+    proc, rpc = server.proc, server.rpc_dir
+    assert proc is not None and rpc is not None
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match="not ready after 1 s"):
+            server.wait_ready(timeout_s=1)
+        waited = time.monotonic() - t0
+        stopped = (server.proc, proc.poll() is not None, rpc.exists())
+    finally:
+        server.stop(grace_s=5)
+    assert waited < 15 and stopped == (None, True, False)  # stopped before the error was raised
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # (a killed child no one has reaped yet is gone too)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_stop_kills_what_outlives_the_api_server_in_its_process_group(tmp_path: Path) -> None:
+    # the engine core may outlive the API server by a moment: a child that ignores SIGTERM stands in for it
+    from kvretain.integrations.vllm.launch import VLLMServer
+
+    child = tmp_path / "child"
+    fake, seen = _fake_interpreter(
+        tmp_path, "up", f"sh -c 'trap \"\" TERM; echo $$ > {child}; exec sleep 60' &\n"
+    )
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    _started_and_seen(server, seen)
+    deadline = time.monotonic() + 10
+    while not (child.exists() and child.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(child.read_text())
+    try:
+        server.stop(grace_s=5)
+        deadline = time.monotonic() + 5
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid)
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+class _Stream:
+    """An ``openai`` stream as ``launch``'s loop reads it: each chunk advances the (fake) clock by a second."""
+
+    def __init__(self, clock: list[float], chunks: list[Any]) -> None:
+        self.clock = clock
+        self.chunks = chunks
+
+    async def __aiter__(self) -> Any:
+        for chunk in self.chunks:
+            self.clock[0] += 1.0
+            yield chunk
+
+
+def test_a_streams_first_token_is_its_first_choice_for_completions_and_its_first_text_for_chats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a completion's first token may decode to no text yet (it counts); a chat's first chunk is the role alone
+    from kvretain.integrations.vllm import launch
+
+    clock = [0.0]
+    monkeypatch.setattr(launch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    usage = SimpleNamespace(prompt_tokens=3, completion_tokens=2)
+
+    def chunks(kind: str, texts: list[str]) -> list[Any]:
+        if kind == "chat":
+            made = [SimpleNamespace(delta=SimpleNamespace(content=t or None)) for t in texts]
+        else:
+            made = [SimpleNamespace(text=t) for t in texts]
+        return [SimpleNamespace(usage=None, choices=[c]) for c in made] + [
+            SimpleNamespace(usage=usage, choices=[])
+        ]
+
+    async def create(**kwargs: Any) -> _Stream:
+        assert kwargs["stream"] and kwargs["extra_body"] == {"priority": 2, "ignore_eos": True}
+        return _Stream(clock, chunks("chat" if "messages" in kwargs else "completion", ["", "a", "b"]))
+
+    client = SimpleNamespace(completions=SimpleNamespace(create=create))
+    client.chat = SimpleNamespace(completions=SimpleNamespace(create=create))
+    got = asyncio.run(launch.stream_completion(client, "m", [1, 2, 3], 2, 2))
+    assert (got.ttft, got.e2e, got.text, got.usage) == (1.0, 4.0, "ab", usage)
+    clock[0] = 0.0
+    got = asyncio.run(launch.stream_chat(client, "m", [{"role": "user", "content": "hi"}], 2, 2))
+    assert (got.ttft, got.e2e, got.text, got.usage) == (2.0, 4.0, "ab", usage)
 
 
 def test_a_server_takes_the_callers_environment_over_the_launchers_defaults(
@@ -437,6 +609,14 @@ def test_a_frequency_cap_the_run_queue_cannot_count_is_refused() -> None:
     assert block is not None and block.policy_config(16).frequency_cap == 1000
     at_most = config_from_env({**env, "KVRETAIN_POLICY_OPTIONS": "frequency_cap=255"})
     assert at_most is not None and at_most.policy_config(16).frequency_cap == 255
+
+
+def test_the_run_queues_own_defaults_apply_to_the_run_queue_alone_and_yield_to_options() -> None:
+    # no ghost table in the run queue by default (RUN_QUEUE_DEFAULTS); the per-block queue keeps the policy's own
+    assert PluginConfig().policy_config(16).ghost_factor == 0.0
+    assert PluginConfig(granularity="block").policy_config(16).ghost_factor == PolicyConfig().ghost_factor > 0
+    assert PluginConfig(policy="lfu").policy_config(16).ghost_factor == PolicyConfig().ghost_factor
+    assert PluginConfig(options={"ghost_factor": 4.0}).policy_config(16).ghost_factor == 4.0
 
 
 def test_a_decode_duration_of_zero_survives_extra_args_for() -> None:

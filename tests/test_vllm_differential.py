@@ -689,3 +689,36 @@ def test_a_blocked_block_evicted_anyway_is_forgotten_by_the_policy() -> None:
     assert policy._num_protected == 1  # the child only (before: 2)
     assert policy._meta[parent.block_id].content is None
     side.q.check()
+
+
+def test_a_reused_block_takes_no_decrement_from_the_child_of_its_old_content() -> None:
+    """A blocked parent evicted anyway leaves its in-use child a stale link (the parent's generation moves on):
+    once the block holds new content with a child of its own and is blocked again, the old child's eviction must
+    not unblock it (before: it did, and the policy offered the block ahead of free blocks without children)."""
+    side = VllmSide(4, PolicyConfig(protect_threshold=0, isolation_goal=None), "block")
+    q = side.q
+    a = _Request("a", 0, None, [b"p" * 32, b"c" * 32])
+    z = _Request("z", 0, None, [b"w" * 32])
+    v = _Request("v", 0, None, [b"v" * 32])
+    got_a, got_z, got_v = side.admit(a), side.admit(z), side.admit(v)
+    assert got_a is not None and got_z is not None and got_v is not None
+    (parent, child), (w,), (last,) = got_a[1], got_z[1], got_v[1]
+    side.free(a, [parent, child])
+    q.remove(child)  # a hit on the child alone: the parent stays blocked
+    child.ref_cnt = 1
+    b1 = _Request("b1", 0, None, [b"x" * 32])
+    got = side.admit(b1)  # the policy has nothing to offer: the blocked parent is evicted anyway
+    assert got is not None and got[1] == [parent]
+    side.free(z, [w])
+    b2 = _Request("b2", 0, None, [b"x" * 32, b"y" * 32])
+    got = side.admit(b2)  # a hit on x; y goes into w, the new child of the parent's block
+    assert got is not None and got[1] == [parent, w]
+    side.free(b1, [parent])
+    side.free(b2, [parent, w])
+    q.remove(w)  # a hit on the new child alone: the parent's block is blocked again
+    w.ref_cnt = 1
+    side._free_blocks([child])  # the old child's last reference goes
+    assert q.popleft_n(1) == [child]
+    side.free(v, [last])
+    assert q.popleft_n(2) == [last, parent], "the block with a cached child goes after the free leaf"
+    q.check()

@@ -170,3 +170,46 @@ def test_a_stale_cursor_ends_the_walk(clock: list[float]) -> None:
     assert [b.block_id for b in cached] == [b.block_id for b in reversed(kvm.block_pool.blocks[1:4])], (
         "a request's cached blocks go deepest first, after the unhashed ones"
     )
+
+
+def test_the_listing_turns_to_unprotected_blocks_once_the_protected_ones_fall_to_the_target(
+    clock: list[float],
+) -> None:
+    """Over the protected target the tiers compete on release order; a protected victim that brings them down
+    to the target hands the next places to the unprotected tier (the walk counts the protected ones it takes)."""
+    # target 0.1 x 21 = 2.1 blocks; flat weights: every key the same, so only the tiers' turn decides
+    kvm = manager("unified", "block", 21, "budget=0.1,isolation_goal=0,priority_weight=1,adapt_frequency=0")
+    protected = make_request("p", list(range(3 * BLOCK + 1)), 0)  # retention 35: protected
+    unprotected = make_request("u", list(range(100, 100 + 3 * BLOCK + 1)), 1)  # retention 25
+    assert admit(kvm, protected) and admit(kvm, unprotected)
+    p_ids = [b.block_id for b in kvm.coordinator.get_blocks("p")[0][:3]]
+    u_ids = [b.block_id for b in kvm.coordinator.get_blocks("u")[0][:3]]
+    kvm.free(protected)
+    kvm.free(unprotected)
+    q = kvm.block_pool.free_block_queue
+    cached = [b.block_id for b in q.get_all_free_blocks() if b.block_hash is not None]
+    # three protected blocks are over the target: the oldest release (p's deepest) goes first; the other two
+    # are within it, so u's chain goes before them
+    assert cached == [p_ids[2], *reversed(u_ids), p_ids[1], p_ids[0]]
+    assert [b.block_id for b in q.popleft_n(q.num_free_blocks) if b.block_id in cached] == cached
+
+
+def test_blocked_blocks_evicted_anyway_are_listed_once_each(clock: list[float]) -> None:
+    """A blocked parent evicted anyway (the policy has nothing left) leaves its children's links stale: when its
+    blocked child follows it, the walk must not count that child against it and list the parent again."""
+    kvm = manager("unified", "block", 21)
+    req = make_request("a", list(range(3 * BLOCK + 1)), 0)
+    assert admit(kvm, req)
+    kvm.free(req)
+    q = kvm.block_pool.free_block_queue
+    b0, b1, b2 = kvm.block_pool.blocks[1:4]
+    assert [b.block_hash is not None for b in (b0, b1, b2)] == [True, True, True]
+    for b in (b1, b2):  # hits on the chain's tail alone (duplicate blocks): b0 stays blocked
+        q.remove(b)
+        b.ref_cnt = 1
+    b1.ref_cnt = 0
+    q.append_n([b1])  # b1 goes back blocked (b2 is in use), after b0
+    q.check()
+    cached = [b.block_id for b in q.get_all_free_blocks() if b.block_hash is not None]
+    assert cached == [b0.block_id, b1.block_id], "blocked blocks go last, in the order they were blocked"
+    assert [b.block_id for b in q.popleft_n(q.num_free_blocks) if b.block_id in cached] == cached
