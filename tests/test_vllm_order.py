@@ -213,3 +213,37 @@ def test_blocked_blocks_evicted_anyway_are_listed_once_each(clock: list[float]) 
     cached = [b.block_id for b in q.get_all_free_blocks() if b.block_hash is not None]
     assert cached == [b0.block_id, b1.block_id], "blocked blocks go last, in the order they were blocked"
     assert [b.block_id for b in q.popleft_n(q.num_free_blocks) if b.block_id in cached] == cached
+
+
+@pytest.mark.parametrize(("policy", "granularity"), QUEUES)
+def test_evict_blocks_keeps_the_queue_with_what_vllm_stripped_for_a_negative_or_refused_id(
+    policy: str, granularity: str, clock: list[float]
+) -> None:
+    # a KV connector's bad id: vLLM's evict_blocks indexes ``blocks[-1]`` (the last block) and stops at an id it
+    # refuses (its assertion, ``bid < len``) with the blocks before it already stripped; the queue must follow
+    # both (it kept ranking the last block as cached after ``{-1}``, and lost the stripped ones after a refusal)
+    kvm = manager(policy, granularity, 6)
+    pool = kvm.block_pool
+    req = make_request("a", list(range(5 * BLOCK)), 0)
+    assert admit(kvm, req)
+    kvm.free(req)
+    q = pool.free_block_queue
+    last = pool.blocks[-1]
+    assert last.block_hash is not None
+    pool.evict_blocks({-1})
+    assert last.block_hash is None
+    q.check()
+    assert last.block_id in [b.block_id for b in q.get_all_free_blocks()]  # free, unhashed
+
+    ids = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    refused = len(pool.blocks) + 1
+    bad = {
+        ids[0],
+        refused,
+    }  # (small ints of a small set iterate in value order: the cached id, then the refused)
+    assert list(bad) == [ids[0], refused]
+    with pytest.raises(AssertionError, match="Invalid block_id"):
+        pool.evict_blocks(bad)
+    assert pool.blocks[ids[0]].block_hash is None  # vLLM stripped it before refusing the other
+    q.check()
+    assert q.num_free_blocks == len(pool.blocks) - 1  # (the null block) nothing lost

@@ -171,21 +171,28 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             return
         moved = []
         try:
+            # the blocks vLLM's loop reaches, in its order: ``self.blocks[bid]`` as it indexes (a negative id
+            # counts from the end), up to the first id it refuses (its assertion, ``bid < len``, or the index's
+            # own error), where its loop stops with the blocks before it already stripped
+            n = len(self.blocks)
             for bid in block_ids:
-                if 0 <= bid < len(self.blocks):
-                    blk = self.blocks[bid]
-                    if blk.block_hash is not None and q.forget(blk):
-                        moved.append(blk)
+                if not -n <= bid < n:
+                    break
+                blk = self.blocks[bid]
+                if blk.block_hash is not None and q.forget(blk):
+                    moved.append(blk)
         except (
             Exception
         ):  # (vLLM's own eviction still runs: vLLM calls this from its step, which must not die)
             _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
-        orig(self, block_ids)
-        if moved:
-            try:
-                q.put_unhashed(moved)
-            except Exception:
-                _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
+        try:
+            orig(self, block_ids)
+        finally:  # (what vLLM stripped before an id it refused is free and unhashed all the same)
+            if moved:
+                try:
+                    q.put_unhashed(moved)
+                except Exception:
+                    _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
 
     return evict_blocks
 
