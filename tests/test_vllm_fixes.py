@@ -1,5 +1,6 @@
 """The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
-the counters under concurrent reads, and how lookups are counted per request.
+the counters under concurrent reads, how lookups are counted per request, and the blocks a sliding window frees
+mid-request.
 
 (The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
 """
@@ -30,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.request import Request
 
@@ -259,6 +261,35 @@ def test_a_failing_release_hook_is_counted_and_the_engine_goes_on(
     assert plugin.stats()["hook_errors"] == {"free": 1}
     kvm.block_pool.free_block_queue.check()
     assert kvm.block_pool.get_num_free_blocks() == 15
+
+
+def test_a_free_vllm_fails_before_freeing_leaves_no_placement_for_a_later_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-block queue's release places the blocks whose last reference goes and vLLM's ``append_n`` that
+    follows only counts them. When vLLM's free raises before that ``append_n``, the placement is for that free
+    only: the next ``append_n`` (a deferred free's, which no release places) queues its blocks. Taken as placed
+    there, they were counted free but never queued (lost to the pool)."""
+    plugin.enable(PluginConfig(policy="unified", granularity="block"))
+    kvm = plain_manager()
+    q = kvm.block_pool.free_block_queue
+    a = make_request("a", list(range(2 * BLOCK)))
+    b = make_request("b", list(range(100, 100 + 2 * BLOCK)))  # as many hashed blocks as a
+    for req in (a, b):
+        assert kvm.allocate_slots(req, req.num_tokens) is not None
+    ids_b = {blk.block_id for blk in kvm.coordinator.single_type_managers[0].req_to_blocks["b"]}
+
+    def fails(request_id: str) -> None:
+        raise RuntimeError("vLLM's free failed")
+
+    with monkeypatch.context() as m, pytest.raises(RuntimeError):
+        m.setattr(kvm.coordinator, "free", fails)
+        kvm.free(a)
+    kvm.block_pool.free_blocks(reversed(kvm.pop_blocks_for_free(b)))  # a deferred free
+    assert ids_b <= {blk.block_id for blk in q.get_all_free_blocks()}
+    kvm.free(a)  # (again: it goes through this time)
+    q.check()
+    assert len(q.get_all_free_blocks()) == kvm.block_pool.get_num_free_blocks() == 15
 
 
 def _two_users() -> tuple[KVCacheManager, Request, list[Any]]:
@@ -501,6 +532,40 @@ def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
     assert (c["preempted_requests"], c["preempted_query_tokens"], c["preempted_hit_tokens"]) == (2, 112, 96)
 
 
+def test_a_request_that_skips_the_prefix_cache_lookup_is_not_counted() -> None:
+    """vLLM's scheduler records the lookup of every first admission, a request that skips reading the prefix cache
+    (prompt logprobs) included, and its own counters leave that one out: so do the plugin's counters and the
+    policy's lookup hook (it was counted as a request of its class that hit nothing)."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = KVCacheManager(
+        plain_manager().kv_cache_config,
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        log_stats=True,
+    )
+    init_none_hash(sha256)
+    looked_up = []
+    for rid, params in (
+        ("skip", SamplingParams(max_tokens=4, prompt_logprobs=1)),
+        ("plain", SamplingParams(max_tokens=4)),
+    ):
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(range(48)),
+            sampling_params=params,
+            pooling_params=None,
+            priority=2,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        _, hits, _ = kvm.get_computed_blocks(req)
+        kvm.record_prefix_cache_stats(req, hits)  # what the scheduler records at admission
+        looked_up.append(plugin.stats()["by_priority"].get(2, {}).get("requests", 0))
+    assert kvm.prefix_cache_stats is not None and kvm.prefix_cache_stats.requests == 1  # (vLLM's own)
+    assert looked_up == [0, 1]
+
+
 def test_the_plugin_counts_with_the_cores_one_per_class_type() -> None:
     """Issue 11, item 14: the plugin had its own counters type; it counts with ``kvretain.core.stats`` (the
     type and the rules of the core manager, replay and simulator), under its own public names."""
@@ -561,3 +626,43 @@ def test_the_controller_is_told_the_last_block_only_when_the_pool_held_it() -> N
 
     assert run(evict_last=False) == (16, 32)
     assert run(evict_last=True) == (16, 16)
+
+
+# ---------------------------------------------------------------------------- blocks freed mid-request
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_skipped_block_hook_releases_what_vllms_remove_blocks_in_range_frees(granularity: str) -> None:
+    """``SingleTypeKVCacheManager._remove_blocks_in_range(first, last)`` caps ``last`` at the request's table (its
+    callers may pass more: the default ``remove_skipped_blocks`` caps first, R-SWA's gap does not) and frees from
+    ``last - 1`` down to the first null block (one an earlier call freed). The hook releases those blocks and no
+    others, at the request's class: not the ones under the null block, still in use, nor a hook error past the
+    table's end. (vLLM 0.33's own callers keep a window's nulls below its blocks and ``last`` within the table.)"""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    config = KVCacheConfig(
+        num_blocks=40,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(["window"], SlidingWindowSpec(**shape, sliding_window=2 * BLOCK)),
+        ],
+    )
+    kvm = KVCacheManager(
+        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+    q = kvm.block_pool.free_block_queue
+    req = make_request("a", list(range(6 * BLOCK)), priority=5)
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    window = kvm.coordinator.single_type_managers[1]
+    table = window.req_to_blocks["a"]
+    ids = [blk.block_id for blk in table]
+    assert len(ids) == 6 and all(blk.block_hash is not None for blk in table)
+    q.allocating = req  # (as KVCacheManager.allocate_slots sets it around vLLM's calls)
+    try:
+        window._remove_blocks_in_range("a", 2, 3)  # a null block at 2
+        window._remove_blocks_in_range("a", 0, 10)  # past the table's end: 5, 4, 3 go; 1 and 0 stay in use
+    finally:
+        q.allocating = None
+    assert [None if blk.is_null else blk.block_id for blk in table] == ids[:2] + [None] * 4
+    assert plugin.stats()["hook_errors"] == {}
+    assert plugin.stats()["by_priority"][5]["released_blocks"] == 4
+    q.check()
