@@ -1,6 +1,6 @@
 """The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
-the counters under concurrent reads, how lookups are counted per request, and the blocks a sliding window frees
-mid-request.
+the counters under concurrent reads, how lookups are counted per request, and the blocks a sliding window or
+align-mode Mamba frees mid-request.
 
 (The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
 """
@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -665,4 +666,153 @@ def test_the_skipped_block_hook_releases_what_vllms_remove_blocks_in_range_frees
     assert [None if blk.is_null else blk.block_id for blk in table] == ids[:2] + [None] * 4
     assert plugin.stats()["hook_errors"] == {}
     assert plugin.stats()["by_priority"][5]["released_blocks"] == 4
+    q.check()
+
+
+def mamba_manager(num_blocks: int) -> KVCacheManager:
+    """A hybrid layout as prefix caching runs it for a Mamba model: full attention, and Mamba states in align mode
+    (one state block per block of tokens, the older ones freed while the request runs)."""
+    shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    mamba = MambaSpec(block_size=BLOCK, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(["mamba"], mamba),
+        ],
+    )
+    return KVCacheManager(
+        config, max_model_len=512, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+
+
+def _placed_at(q: Any, bid: int) -> tuple[int, Any]:
+    """A cached free block's retention and the class it is queued (charged) under."""
+    if type(q).__name__ == "RunFreeQueue":
+        run_ = q._run_of[bid]
+        return q._r[bid], run_.cls if run_ is not None else None
+    return q.policy.retention_of(bid, 0.0), q._cls[bid]
+
+
+def run_chunks(
+    kvm: KVCacheManager, req: Request, steps: int, before_step: Any = None
+) -> list[tuple[int, int, tuple[int, Any]]]:
+    """Prefill ``req`` two blocks a step, then decode. The hashed Mamba state blocks freed while it runs, as
+    (step, block id, where the queue placed it right after that step)."""
+    mamba = kvm.coordinator.single_type_managers[1]
+    q = kvm.block_pool.free_block_queue
+    held: set[int] = set()
+    freed = []
+    for step in range(steps):
+        if req.num_computed_tokens >= req.num_tokens:
+            req.append_output_token_ids(7)
+        n = min(2 * BLOCK, req.num_tokens - req.num_computed_tokens)
+        if before_step is not None:
+            before_step(step)
+        assert kvm.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+        table = mamba.req_to_blocks[req.request_id]
+        for bid in sorted(held - {b.block_id for b in table}):
+            blk = kvm.block_pool.blocks[bid]
+            if blk.block_hash is not None and blk.ref_cnt == 0:
+                freed.append((step, bid, _placed_at(q, bid)))
+        held = {b.block_id for b in table if b.block_hash is not None}
+        q.check()
+    return freed
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_state_blocks_align_mode_mamba_frees_mid_request_take_their_requests_retention(
+    granularity: str,
+) -> None:
+    """Align-mode Mamba frees a running request's older state blocks (hashed: they are its prefix-cache states)
+    through its own ``_remove_blocks_in_range``, past the window hook: they were queued at the retention and class
+    of whoever last released those block ids (here request ``a``, class 0), not at the request that computed them.
+    Released at the running request's priority now, before vLLM frees them."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = mamba_manager(14)
+    q = kvm.block_pool.free_block_queue
+    a = make_request("a", list(range(8 * BLOCK)))
+    run_chunks(kvm, a, 5)
+    kvm.free(a)
+    by_a = {b.block_id for b in kvm.block_pool.blocks if b.block_hash is not None}
+    b = make_request("b", list(range(1000, 1000 + 8 * BLOCK)), priority=-5)
+    freed = run_chunks(kvm, b, 6)
+    ids = {bid for _, bid, _ in freed}
+    assert len(freed) >= 3 and ids & by_a, (freed, by_a)  # (ids a released before: their retention is stale)
+    want = (q.mapping.retention_for(-5), -5)
+    assert want[0] != q.mapping.retention_for(0)
+    assert [placed for *_, placed in freed] == [want] * len(freed), freed
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == len(freed)
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_last_state_block_mamba_frees_itself_takes_its_requests_retention(granularity: str) -> None:
+    """``MambaManager.remove_skipped_blocks`` (align mode) also frees ``blocks[last_state_block_idx]`` with
+    ``free_blocks`` directly. In vLLM 0.33 its ``_remove_blocks_in_range`` retires every state below the same bound
+    first, so that free finds a null block; here the retirement mark is set past the state block (as if a retired
+    slot had been written again) so that the direct free is the one that frees it: released at the request's
+    priority too, exactly that block."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = mamba_manager(14)
+    q = kvm.block_pool.free_block_queue
+    mamba: Any = kvm.coordinator.single_type_managers[1]
+    a = make_request("a", list(range(8 * BLOCK)))
+    run_chunks(kvm, a, 5)
+    kvm.free(a)
+    b = make_request("b", list(range(1000, 1000 + 8 * BLOCK)), priority=-5)
+
+    def retire_past_the_state(step: int) -> None:
+        if step == 2:
+            idx = mamba.last_state_block_idx["b"]
+            assert not mamba.req_to_blocks["b"][idx].is_null
+            mamba._num_retired_blocks["b"] = idx + 1
+
+    freed = run_chunks(kvm, b, 4, retire_past_the_state)
+    assert [step for step, *_ in freed] == [2, 3], freed  # the direct free at step 2, the range at step 3
+    want = (q.mapping.retention_for(-5), -5)
+    assert [placed for *_, placed in freed] == [want] * 2, freed
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
+
+
+def test_a_failing_mamba_release_is_counted_and_vllm_frees_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release before align-mode Mamba's free fails: counted as a hook error, and vLLM's free goes on (the
+    blocks placed as before the hook, at their last releaser's retention); the manager keeps its own pool."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = mamba_manager(14)
+    q = kvm.block_pool.free_block_queue
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("release")
+
+    monkeypatch.setattr(q, "release_freed", fail)
+    freed = run_chunks(kvm, make_request("b", list(range(8 * BLOCK)), priority=-5), 4)
+    assert [placed for *_, placed in freed] == [(q.mapping.retention_for(0), 0)] * 2, freed
+    assert plugin.stats()["hook_errors"] == {"skip": 2}
+    assert kvm.coordinator.single_type_managers[1].block_pool is kvm.block_pool
+    q.check()
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_release_freed_releases_only_the_freed_blocks_of_the_table(granularity: str) -> None:
+    """``release_freed`` releases the blocks it is handed that the table holds, at their positions, and no other:
+    not the table's blocks between them, nor a block the table does not hold."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = mamba_manager(24)
+    q = kvm.block_pool.free_block_queue
+    req = make_request("b", list(range(6 * BLOCK)), priority=-5)
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    table = kvm.coordinator.single_type_managers[0].req_to_blocks["b"]
+    assert all(b.block_hash is not None for b in table)
+    other = kvm.block_pool.get_new_blocks(1)
+    q.release_freed(req, table, [table[4], other[0], table[1]], BLOCK, kvm.block_pool.null_block)
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
+    kvm.block_pool.free_blocks(other)
     q.check()

@@ -17,6 +17,9 @@ be swapped):
   mid-request) and, on hybrid models, ``KVCacheManager.allocate_slots`` (which calls it, and knows the request):
   the blocks freed there are released at their request's priority and retention
   (:meth:`HookedFreeQueue.release_skipped`). ``KVCacheManager.__init__`` installs the latter on a hybrid model.
+* ``MambaManager.remove_skipped_blocks``: align-mode Mamba (the mode prefix caching uses) frees its retired state
+  blocks mid-request by rules of its own, past the hook above; what it hands ``free_blocks`` during this call is
+  released at the running request's priority and retention first (:meth:`HookedFreeQueue.release_freed`).
 * ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
   starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -36,7 +39,11 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+)
 
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm import metrics
@@ -350,8 +357,9 @@ def _make_allocate_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _remove_blocks_in_range(self: Any, request_id: str, first_block: int, last_block: int) -> None:
-        q = self.block_pool.free_block_queue
-        if type(q) in QUEUE_TYPES:
+        pool = self.block_pool
+        q = pool.free_block_queue
+        if type(q) in QUEUE_TYPES and type(pool) is not _ReleasingPool:  # (that one releases what is freed)
             request = q.allocating
             # (None: a KV connector's finished request (Scheduler._connector_finished): placed as before)
             if request is not None and request.request_id == request_id:
@@ -366,6 +374,76 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
         orig(self, request_id, first_block, last_block)
 
     return _remove_blocks_in_range
+
+
+class _ReleasingPool:
+    """What an align-mode ``MambaManager`` sees as its ``block_pool`` while ``remove_skipped_blocks`` serves the
+    request ``KVCacheManager.allocate_slots`` is allocating for: the manager's pool, whose ``free_blocks`` first
+    releases the request's blocks it is handed (:meth:`HookedFreeQueue.release_freed`, ``table``: the group's
+    blocks when the call began, which give each freed block its position).
+
+    NOTE: vLLM 0.33's ``MambaManager`` in align mode frees blocks twice there, neither through
+    ``SingleTypeKVCacheManager._remove_blocks_in_range`` (the window hook): its own ``_remove_blocks_in_range``
+    (from ``_num_retired_blocks``, past null gaps) and ``blocks[last_state_block_idx]``. Whatever it hands
+    ``free_blocks`` during the call is what it frees, so its rules are not copied here."""
+
+    __slots__ = ("_block_size", "_pool", "_queue", "_request", "_table")
+
+    def __init__(self, pool: Any, queue: Any, request: Any, table: list[Any], block_size: int) -> None:
+        self._pool = pool
+        self._queue = queue
+        self._request = request
+        self._table = table
+        self._block_size = block_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        blocks = list(ordered_blocks)
+        pool = self._pool
+        try:
+            self._queue.release_freed(self._request, self._table, blocks, self._block_size, pool.null_block)
+        except Exception:
+            _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
+        pool.free_blocks(blocks)
+
+
+def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
+    """The pool view for an align-mode Mamba manager's ``remove_skipped_blocks`` of the request being allocated
+    for; ``None`` where the call keeps the manager's own pool (no retention queue, another mode, another caller:
+    a KV connector's finished request, ``Scheduler._connector_finished``, placed as before)."""
+    pool = manager.block_pool
+    q = pool.free_block_queue
+    if type(q) not in QUEUE_TYPES or manager.mamba_cache_mode != "align":
+        return None
+    request = q.allocating
+    if request is None or request.request_id != request_id:
+        return None
+    table = manager.req_to_blocks.get(request_id)
+    if not table:
+        return None
+    return _ReleasingPool(pool, q, request, list(table), int(manager.block_size))
+
+
+def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
+        pool = self.block_pool
+        try:
+            view = _releasing_pool(self, request_id)
+        except Exception:
+            view = None
+            _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
+        if view is None:
+            orig(self, request_id, *args, **kwargs)
+            return
+        self.block_pool = view
+        try:
+            orig(self, request_id, *args, **kwargs)
+        finally:
+            self.block_pool = pool
+
+    return remove_skipped_blocks
 
 
 def _resident_tokens(manager: Any, request: Any, num_hits: int, block_size: int) -> int:
@@ -481,6 +559,7 @@ def install(cfg: PluginConfig) -> None:
     _patch(KVCacheManager, "record_prefix_cache_stats", _make_record_stats)
     _patch(KVCacheManager, "__init__", _make_manager_init)
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
+    _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
     for modname, clsname, meth, make in (
         ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
         ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),
