@@ -63,6 +63,14 @@ def test_simulate_reports_one_controller_a_replica(capsys: pytest.CaptureFixture
     assert one["policy_stats"] == [{}]
 
 
+def test_simulate_with_one_replica_prints_its_controller_unnumbered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate", "--policy", "unified", *SIM]) == 0
+    out = capsys.readouterr().out
+    assert "\ncontroller: protection level" in out and "replica 0" not in out
+
+
 def test_the_line_says_which_constraint_binds_and_when_nothing_protected_was_seen() -> None:
     base = dict.fromkeys(CONTROLLER_KEYS, 0.0) | {"protection_level": 0.5, "protected_budget": 100.0}
     base["isolation_goal"] = 0.9

@@ -222,6 +222,24 @@ def test_an_empty_out_is_refused_not_the_current_folder(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_replay_gives_a_traces_requests_the_priority_rules_classes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the reference rule: class 0 when hash_ids[1] (else hash_ids[0]) is a multiple of 4
+    rows = [[5, 8, 1], [4, 9], [12], [13]]
+    lines = [
+        {"timestamp": 0, "input_length": 512 * len(ids), "output_length": 0, "hash_ids": ids} for ids in rows
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["replay", str(path), "--policy", "lru", "--json", "--no-progress"]
+    assert main(argv) == 0
+    assert {c: v["requests"] for c, v in json.loads(capsys.readouterr().out)["classes"].items()} == {"0": 4}
+    assert main([*argv, "--priority-rule", "reference"]) == 0
+    classes = json.loads(capsys.readouterr().out)["classes"]
+    assert {c: v["requests"] for c, v in classes.items()} == {"0": 2, "1": 2}
+
+
 # ---------------------------------------------------------------- replay: the built-in workload's options
 def test_replay_priority_rule_needs_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
     # the built-in conversations set their own priorities: a rule given for them was dropped silently
@@ -429,6 +447,35 @@ def test_replaced_writes_a_device_in_place_and_removes_its_file_on_error(tmp_pat
         p.write_text("half")
         raise RuntimeError
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_named_as_standard_output_comes_after_what_was_printed_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from kvretain.fileio import output_file
+
+    path = tmp_path / "out.txt"  # (the file the shell redirected standard output to)
+    with path.open("w", encoding="utf-8") as stdout, monkeypatch.context() as m:
+        m.setattr(sys, "stdout", stdout)
+        print("first")  # (still in the stream's buffer)
+        with output_file(path) as fh:
+            fh.write("second\n")
+        print("third")
+    assert path.read_text() == "first\nsecond\nthird\n"
+
+
+def test_dev_null_is_never_a_standard_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a command silenced with > /dev/null and writing --out /dev/null is not writing to its own output
+    import os
+    import sys
+
+    from kvretain.fileio import standard_stream
+
+    with open(os.devnull, "w") as null, monkeypatch.context() as m:
+        m.setattr(sys, "stdout", null)
+        assert standard_stream(os.devnull) is None
 
 
 # ---------------------------------------------------------------- replay --json: one shape

@@ -97,6 +97,7 @@ def test_scheduler_settings_that_would_stall_or_crash_are_refused(
         ),
         ({"arrival_time": math.inf}, ValueError, "arrival_time must be a finite number >= 0, got inf"),
         ({"max_tokens": 1.5}, ValueError, "request 'r': max_tokens must be an integer >= 1, got 1.5"),
+        ({"max_tokens": True}, ValueError, "request 'r': max_tokens must be an integer >= 1, got True"),
         ({"priority": None}, TypeError, "request 'r': priority must be an integer"),
         ({"priority": 1.5}, TypeError, "request 'r': priority must be an integer"),
     ],

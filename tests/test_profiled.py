@@ -356,8 +356,9 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
         ("{not json", "not JSON"),
         ("[1, 2]", "not an object with an 'event' name"),
         ('{"event": "plan", "total": "many"}', "total must be an integer >= 0"),
+        ('{"event": "plan", "total": true}', "total must be an integer >= 0, got True"),
     ],
-    ids=["no-seconds", "tokens-a-string", "seconds-a-list", "not-json", "a-list", "total-a-string"],
+    ids=["no-seconds", "tokens-a-string", "seconds-a-list", "not-json", "a-list", "total-a-string", "total-true"],
 )  # fmt: skip
 def test_a_malformed_measuring_line_is_one_line_that_says_what_is_wrong(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, says: str
@@ -373,6 +374,36 @@ def test_a_malformed_measuring_line_is_one_line_that_says_what_is_wrong(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvretain profile: error: the measuring process"), err
     assert "malformed KVRETAIN-PROFILE line" in err and says in err, err
+
+
+def test_a_long_malformed_measuring_line_is_shown_shortened(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "lines.txt"
+    data.write_text("KVRETAIN-PROFILE {not json" + "x" * 300 + "\n")  # (117 characters shown, then ...)
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "): {not json" + "x" * 108 + "... (is its kvretain this one?)" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--contexts=-4", "argument --contexts: expected comma-separated integers >= 0, got '-4'"),
+        ("--contexts=32,0", "arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1"),
+        ("--batch-sizes=0", "arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1"),
+    ],
+)
+def test_profile_sizes_below_one_are_refused_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, says: str
+) -> None:
+    assert main(["profile", "--model", str(tmp_path), "--python", sys.executable, flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
 
 
 def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(

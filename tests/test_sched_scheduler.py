@@ -62,6 +62,11 @@ def test_request_total_order_priority_arrival_id() -> None:
     assert sorted([a, b, c, d]) == [d, b, c, a]
 
 
+def test_a_status_is_finished_from_finished_on() -> None:
+    done = [s for s in RequestStatus if s.is_finished]
+    assert done == [RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED]
+
+
 @pytest.mark.parametrize(
     ("policy", "order"), [("fcfs", ["a", "b", "c", "d"]), ("priority", ["d", "b", "c", "a"])]
 )

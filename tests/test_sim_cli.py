@@ -136,6 +136,13 @@ def test_simulate_reports_rejected_requests_and_exits_0(capsys: pytest.CaptureFi
     assert out.count("but the replica has only 1") == 3
 
 
+def test_simulate_lists_three_rejected_requests_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--limit", "3", "--kv-blocks", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "rejected at admission: 3 requests\n" in out and "the first 3" not in out
+    assert out.count("but the replica has only 1") == 3
+
+
 @pytest.mark.parametrize("command", ["simulate", "compare"])
 def test_a_result_json_cannot_hold_is_one_line_not_invalid_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str

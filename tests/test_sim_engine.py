@@ -14,12 +14,13 @@ from kvretain.core.retention import PriorityMapping
 from kvretain.engine.sim.catalog import builtin_catalog
 from kvretain.engine.sim.costmodel import CostModel
 from kvretain.engine.sim.metrics import SLO, latency_summary, meets_slo, parse_slos, percentile, slo_for
-from kvretain.engine.sim.replica import Replica
+from kvretain.engine.sim.replica import Replica, leading_in
 from kvretain.engine.sim.request import SimRequest
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation, simulate
 from kvretain.sched import Request, RequestStatus, SchedulerConfig
 from kvretain.workloads import MultiTenantConfig, TokenSeq, WorkloadRequest, generate_multi_tenant
+from kvretain.workloads.tokens import SeededChunk
 
 SMALL = MultiTenantConfig(
     duration_s=40.0,
@@ -195,6 +196,87 @@ def test_recomputed_tokens_count_misses_on_evicted_blocks() -> None:
     assert big["recomputed_tokens"] == 0 and big["classes"]["0"]["hit_rate"] > 0
     assert small["recomputed_tokens"] > 0 and small["recomputed_tokens"] % 16 == 0
     assert small["evictions"] > 0
+
+
+def test_recomputed_tokens_leave_out_the_block_of_the_last_prompt_token() -> None:
+    # a lookup never reaches the block of a prompt's last token: of a 20-block prompt evicted whole and sent
+    # again, 19 blocks count as recomputed
+    doc = TokenSeq.seeded(5, 320)
+    reqs = [
+        wr("a", doc, 1, t=0.0),
+        wr("flood", TokenSeq.seeded(7, 639), 1, t=1.0),  # 40 blocks: evicts every block of a
+        wr("b", doc, 1, t=2.0),
+    ]
+    assert simulate(SimConfig(kv_blocks=40), reqs)["recomputed_tokens"] == 19 * 16
+
+
+def _replica() -> Replica:
+    """A replica of 64 blocks of 16 tokens, its clock stopped at 0."""
+    return Replica(
+        0, cost(), 64, 16, "lru", PolicyConfig(), PriorityMapping(), SchedulerConfig(), lambda: 0.0, {}
+    )
+
+
+def test_an_evicted_block_counts_as_recomputed_at_its_first_miss_only() -> None:
+    # a resume after preemption misses again what its admission missed (and may not have computed): counted once
+    rep = _replica()
+    req = SimRequest(wr("x", TokenSeq.seeded(1, 96), 1, priority=2))
+    hashes = req.block_hashes(16, 6)
+    rep.kv.evicted.update(hashes)
+    rep.kv.on_admitted(req, 2)  # 2 blocks hit; the lookup stops before block 5, the last prompt token's
+    assert rep.kv.recomputed_tokens == {2: 3 * 16}
+    rep.kv.on_admitted(req, 2)
+    assert rep.kv.recomputed_tokens == {2: 3 * 16}
+    assert rep.kv.evicted == {hashes[0], hashes[1], hashes[5]}
+
+
+def test_a_class_counts_the_evictions_of_the_blocks_its_requests_released() -> None:
+    doc = TokenSeq.seeded(5, 320)
+    reqs = [
+        wr("a", doc, 1, t=0.0, priority=1),
+        wr("flood", TokenSeq.seeded(7, 639), 1, t=1.0),  # evicts the 20 blocks a released
+        wr("b", doc, 1, t=2.0, priority=2),  # evicts 19 of flood's
+    ]
+    s = simulate(SimConfig(kv_blocks=40), reqs)
+    assert {c: v["evicted_blocks"] for c, v in s["classes"].items()} == {"0": 19, "1": 20, "2": 0}
+    assert s["evictions"] == 39
+
+
+def test_a_request_without_output_tokens_is_simulated_with_one() -> None:
+    reqs = [
+        wr("none", TokenSeq.seeded(1, 40), 0),
+        wr("empty", TokenSeq.seeded(2, 40), 0, output=TokenSeq.of([])),
+    ]
+    sim = Simulation(SimConfig(kv_blocks=100), reqs).run()
+    outputs = {r.request_id: len(r.output_token_ids) for r in sim.finished}
+    assert outputs == {"empty": 1, "none": 1}
+
+
+def test_an_empty_chunk_changes_no_block_hash() -> None:
+    doc = TokenSeq.seeded(3, 40)
+    padded = TokenSeq((SeededChunk(9, 0),)) + doc + TokenSeq((SeededChunk(4, 0),))
+    hashes = [
+        SimRequest(wr(rid, prompt, 1)).block_hashes(16, 2) for rid, prompt in (("x", padded), ("y", doc))
+    ]
+    assert hashes[0] == hashes[1]
+
+
+def test_a_replicas_prefix_match_counts_leading_cached_blocks_but_not_the_last_prompt_tokens() -> None:
+    # a prefix: c, past the missing b, does not count
+    assert leading_in([b"a", b"b", b"c"], {b"a", b"c"}) == 1
+    long, five = TokenSeq.seeded(1, 1_600), TokenSeq.seeded(2, 80)  # 100 blocks; 5 blocks
+    sim = Simulation(SimConfig(kv_blocks=200), [wr("a", long, 1), wr("f", five, 1, t=1.0)]).run()
+    kv = sim.replicas[0].kv
+    assert kv.prefix_match(SimRequest(wr("x", long, 1))) == 64  # at most 64 blocks by default
+    assert kv.prefix_match(SimRequest(wr("y", five, 1))) == 4  # (all 5 cached; the 5th holds the last token)
+    assert kv.prefix_match(SimRequest(wr("z", five + TokenSeq.seeded(3, 1), 1))) == 5
+
+
+def test_a_replicas_load_counts_its_waiting_requests() -> None:
+    rep = _replica()
+    for i in range(2):
+        rep.scheduler.add_request(SimRequest(wr(f"r{i}", TokenSeq.seeded(i, 20), 2)))
+    assert rep.load == 2 and not rep.scheduler.running
 
 
 def test_routers() -> None:

@@ -87,6 +87,14 @@ def test_fast_forward_covers_most_decode_steps() -> None:
     assert slow.fast_forwarded_steps == 0 and fast.fast_forwarded_steps > 0.9 * steps
 
 
+def test_fast_forward_counts_its_steps_in_each_replicas_scheduler_too() -> None:
+    kw: dict[str, Any] = {"kv_blocks": 2_000, "replicas": 2, "router": "round-robin"}
+    slow, fast = (Simulation(SimConfig(fast_forward=ff, **kw), contended()).run() for ff in (False, True))
+    assert fast.fast_forwarded_steps > 0
+    steps = [rep.scheduler.num_steps for rep in slow.replicas]
+    assert [rep.scheduler.num_steps for rep in fast.replicas] == steps and min(steps) > 0
+
+
 def test_decode_step_time_is_bit_identical_to_step_time() -> None:
     cat = builtin_catalog()
     for model, gpu, tp in (("llama-3-8b", "h100-sxm", 1), ("llama-3-70b", "a100-80gb", 4)):

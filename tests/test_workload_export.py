@@ -296,6 +296,18 @@ def test_session_key_matches_the_reference_rule() -> None:
     assert session_key(WorkloadRequest("y", 0.0, TokenSeq.seeded(1, 5), 1, block_ids=(9,))) == 9
 
 
+def test_an_empty_session_id_still_names_the_session() -> None:
+    # the trace format refuses an empty session_id; a WorkloadRequest built in memory may hold one, and it names
+    # a conversation as any other id does (not "no session": the block ids or the request id)
+    a, b = (
+        WorkloadRequest(rid, 0.0, TokenSeq.seeded(1, 5), 1, session_id="", block_ids=(7, ids))
+        for rid, ids in (("a", 1), ("b", 2))
+    )
+    assert session_key(a) == session_key(b) == ""
+    rule = make_rule("random-sessions", [a, b], random.Random(0), fraction=0.5)
+    assert rule is not None and rule(a) == rule(b)
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.5])
 def test_random_sessions_picks_that_share_of_whole_sessions(fraction: float) -> None:
     reqs = _mooncake_like(2000)

@@ -597,6 +597,23 @@ def test_template_drift_bad_option_names_the_field(option: str, value: object, m
     assert f"template-drift config: {message}" in str(err.value)
 
 
+def test_template_drift_popularity_is_zipf_over_the_ranks() -> None:
+    # no drift, zipf_s = 1 over 10 templates: the most popular draws 1 / H(10) = 34% of the sessions
+    # (linear weights would give it 18%)
+    cfg = TemplateDriftConfig(duration_s=600.0, rate=4.0, active=10, drift_share=0.0, followup_prob=0.0)
+    reqs = generate_template_drift(cfg, random.Random(2))
+    top = Counter(r.prompt.chunks[0] for r in reqs).most_common(1)[0][1] / len(reqs)
+    assert 0.28 < top < 0.40
+
+
+def test_template_drift_expects_no_follow_up_that_would_start_after_the_window() -> None:
+    # a follow-up comes about 20 s after its predecessor (210 output tokens at 0.02 s, then 16 s): in a 10 s
+    # window, every session is one call
+    cfg = TemplateDriftConfig(duration_s=10.0, rate=4.0, followup_prob=1.0)
+    size = cfg.expected_size()
+    assert size.requests == 40.0 and size.chunk_refs == 40 * 2 + size.spans
+
+
 def test_template_drift_unknown_option_and_trace_are_refused() -> None:
     with pytest.raises(WorkloadError, match=r"template-drift: unknown option 'drift_period' \(its options: "):
         WORKLOADS.create("template-drift", rng=random.Random(0), drift_period=10.0)
