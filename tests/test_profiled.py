@@ -344,6 +344,19 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     assert err.count("\n") == 1 and "failed with status 1: RuntimeError: no vLLM here" in err
 
 
+def _profile_refusing(tmp_path: Path, capsys: pytest.CaptureFixture[str], printed: str) -> str:
+    """``kvretain profile`` with a measuring process that prints ``printed``: it must refuse (status 2); its
+    standard error."""
+    data = tmp_path / "lines.txt"
+    data.write_text(printed)
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [
@@ -364,14 +377,7 @@ def test_a_malformed_measuring_line_is_one_line_that_says_what_is_wrong(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, says: str
 ) -> None:
     """A TypeError traceback, or a bare ``'seconds'``."""
-    data = tmp_path / "lines.txt"
-    data.write_text(f"KVRETAIN-PROFILE {line}\n")
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ncat {data}\n")
-    fake.chmod(0o755)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = _profile_refusing(tmp_path, capsys, f"KVRETAIN-PROFILE {line}\n")
     assert err.count("\n") == 1 and err.startswith("kvretain profile: error: the measuring process"), err
     assert "malformed KVRETAIN-PROFILE line" in err and says in err, err
 
@@ -379,14 +385,9 @@ def test_a_malformed_measuring_line_is_one_line_that_says_what_is_wrong(
 def test_a_long_malformed_measuring_line_is_shown_shortened(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = tmp_path / "lines.txt"
-    data.write_text("KVRETAIN-PROFILE {not json" + "x" * 300 + "\n")  # (117 characters shown, then ...)
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ncat {data}\n")
-    fake.chmod(0o755)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = _profile_refusing(
+        tmp_path, capsys, "KVRETAIN-PROFILE {not json" + "x" * 300 + "\n"
+    )  # (117 characters shown, then ...)
     assert err.count("\n") == 1 and "): {not json" + "x" * 108 + "... (is its kvretain this one?)" in err, err
 
 

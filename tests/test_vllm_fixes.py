@@ -504,11 +504,10 @@ def test_counters_snapshot_while_the_engine_inserts_priorities(monkeypatch: pyte
 
 
 # ---------------------------------------------------------------------------- lookups per request
-def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
-    """A preempted request looks the cache up again when it resumes: that is counted apart (``preempted_*``),
-    not as another request of its class (vLLM's own prefix-cache metrics do the same)."""
+def counting_manager() -> KVCacheManager:
+    """A plain manager under ``unified`` that records prefix-cache stats (as the scheduler's, with ``log_stats``)."""
     plugin.enable(PluginConfig(policy="unified"))
-    kvm = KVCacheManager(
+    return KVCacheManager(
         plain_manager().kv_cache_config,
         max_model_len=256,
         scheduler_block_size=BLOCK,
@@ -516,6 +515,12 @@ def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
         enable_caching=True,
         log_stats=True,
     )
+
+
+def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
+    """A preempted request looks the cache up again when it resumes: that is counted apart (``preempted_*``),
+    not as another request of its class (vLLM's own prefix-cache metrics do the same)."""
+    kvm = counting_manager()
     warm = make_request("warm", list(range(48)), priority=1)
     assert kvm.allocate_slots(warm, 48) is not None
     kvm.free(warm)
@@ -537,15 +542,7 @@ def test_a_request_that_skips_the_prefix_cache_lookup_is_not_counted() -> None:
     """vLLM's scheduler records the lookup of every first admission, a request that skips reading the prefix cache
     (prompt logprobs) included, and its own counters leave that one out: so do the plugin's counters and the
     policy's lookup hook (it was counted as a request of its class that hit nothing)."""
-    plugin.enable(PluginConfig(policy="unified"))
-    kvm = KVCacheManager(
-        plain_manager().kv_cache_config,
-        max_model_len=256,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        log_stats=True,
-    )
+    kvm = counting_manager()
     init_none_hash(sha256)
     looked_up = []
     for rid, params in (
