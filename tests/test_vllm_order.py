@@ -247,3 +247,55 @@ def test_evict_blocks_keeps_the_queue_with_what_vllm_stripped_for_a_negative_or_
     assert pool.blocks[ids[0]].block_hash is None  # vLLM stripped it before refusing the other
     q.check()
     assert q.num_free_blocks == len(pool.blocks) - 1  # (the null block) nothing lost
+
+
+@pytest.mark.parametrize(("policy", "granularity"), QUEUES)
+def test_evict_blocks_vllm_fails_part_way_leaves_the_blocks_it_did_not_reach_in_the_order(
+    policy: str, granularity: str, clock: list[float]
+) -> None:
+    # vLLM's loop fails for a reason of its own (here its metrics collector, on the second block): the blocks it
+    # stripped before are free and unhashed, the ones it did not reach keep their hash and their place among the
+    # cached free blocks (they went to the unhashed list, to be reused first, as if stripped)
+    kvm = manager(policy, granularity, 8)
+    pool = kvm.block_pool
+    req = make_request("a", list(range(6 * BLOCK)), 0)
+    assert admit(kvm, req)
+    kvm.free(req)
+    q = pool.free_block_queue
+    ids = [b.block_id for b in pool.blocks if b.block_hash is not None][:3]
+
+    class Collector:
+        seen = 0
+
+        def on_block_evicted(self, block: Any) -> None:
+            Collector.seen += 1
+            if Collector.seen == 2:
+                raise RuntimeError("collector failed")
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None
+
+    pool.metrics_collector = Collector()
+    with pytest.raises(RuntimeError, match="collector failed"):
+        pool.evict_blocks(ids)  # (a list: vLLM's order is the list's)
+    assert pool.blocks[ids[0]].block_hash is None and pool.blocks[ids[2]].block_hash is not None
+    assert all(b.block_hash is None for b in q.unhashed_blocks())
+    q.check()
+    assert q.num_free_blocks == len(pool.blocks) - 1  # (the null block) nothing lost
+
+
+@pytest.mark.parametrize(("policy", "granularity"), QUEUES)
+def test_evict_blocks_of_a_one_shot_iterable_strips_what_it_names(
+    policy: str, granularity: str, clock: list[float]
+) -> None:
+    # the hook and vLLM both read the ids: a generator used up by the hook left vLLM nothing to strip, and the
+    # block, still hashed, on the unhashed list
+    kvm = manager(policy, granularity, 8)
+    pool = kvm.block_pool
+    req = make_request("a", list(range(6 * BLOCK)), 0)
+    assert admit(kvm, req)
+    kvm.free(req)
+    bid = next(b.block_id for b in pool.blocks if b.block_hash is not None)
+    pool.evict_blocks(i for i in [bid])
+    assert pool.blocks[bid].block_hash is None
+    pool.free_block_queue.check()

@@ -254,23 +254,23 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         freed: Sequence[KVCacheBlock],
         block_size: int,
         null: KVCacheBlock,
+        start: int = 0,
     ) -> None:
         """Before vLLM's ``free_blocks(freed)``, called by a group's manager while it serves a running ``request``
         (align-mode Mamba frees its retired state blocks this way, by rules of its own: see
         ``_patches._make_mamba_remove_skipped_blocks``): one release for each block of ``freed`` that ``table``,
-        the group's blocks before that manager's call, holds, at its position there, as :meth:`release_skipped`
-        does for a window. Blocks not in ``table`` are left to vLLM (placed as before); so are the table's other
-        blocks, which this release masks with ``null``."""
-        pos = {id(b): i for i, b in enumerate(table) if not b.is_null}
+        the group's blocks from position ``start`` on before that manager's call, holds, at its position there,
+        as :meth:`release_skipped` does for a window. Blocks not in ``table`` are left to vLLM (placed as before);
+        so are the group's other blocks, which this release masks with ``null`` (a release reads none below its
+        first position)."""
+        pos = {id(b): start + i for i, b in enumerate(table) if not b.is_null}
         at = {pos[id(b)]: b for b in freed if id(b) in pos}
         if not at:
             return
-        lo, hi = min(at), max(at)
-        blocks = list(table[: hi + 1])
-        for i in range(lo, hi + 1):
-            if i not in at:
-                blocks[i] = null  # (still in use: not released)
-        self.on_request_release(request, (blocks,), (block_size,), first=(lo,))
+        blocks = [null] * (max(at) + 1)  # (still in use, or below the first released: not released)
+        for i, b in at.items():
+            blocks[i] = b
+        self.on_request_release(request, (blocks,), (block_size,), first=(min(at),))
 
     def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
         """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""

@@ -177,6 +177,10 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             orig(self, block_ids)
             return
         moved = []
+        if not isinstance(block_ids, (set, frozenset, list, tuple)):
+            block_ids = list(
+                block_ids
+            )  # (read twice, here and by vLLM: a one-shot iterable would be used up)
         try:
             # the blocks vLLM's loop reaches, in its order: ``self.blocks[bid]`` as it indexes (a negative id
             # counts from the end), up to the first id it refuses (its assertion, ``bid < len``, or the index's
@@ -194,10 +198,15 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
         try:
             orig(self, block_ids)
-        finally:  # (what vLLM stripped before an id it refused is free and unhashed all the same)
+        finally:
+            # what vLLM stripped (all of it, or what it reached before raising) is free and unhashed; a block it
+            # did not reach keeps its hash and goes back to the order
             if moved:
                 try:
-                    q.put_unhashed(moved)
+                    q.put_unhashed([b for b in moved if b.block_hash is None])
+                    kept = [b for b in moved if b.block_hash is not None]
+                    if kept:
+                        q.append_n(kept)
                 except Exception:
                     _hook_failed("evict", "kvretain: evict_blocks hook failed (ignored)")
 
@@ -380,20 +389,24 @@ class _ReleasingPool:
     """What an align-mode ``MambaManager`` sees as its ``block_pool`` while ``remove_skipped_blocks`` serves the
     request ``KVCacheManager.allocate_slots`` is allocating for: the manager's pool, whose ``free_blocks`` first
     releases the request's blocks it is handed (:meth:`HookedFreeQueue.release_freed`, ``table``: the group's
-    blocks when the call began, which give each freed block its position).
+    blocks from position ``start`` on when the call began, which give each freed block its position).
 
     NOTE: vLLM 0.33's ``MambaManager`` in align mode frees blocks twice there, neither through
     ``SingleTypeKVCacheManager._remove_blocks_in_range`` (the window hook): its own ``_remove_blocks_in_range``
     (from ``_num_retired_blocks``, past null gaps) and ``blocks[last_state_block_idx]``. Whatever it hands
-    ``free_blocks`` during the call is what it frees, so its rules are not copied here."""
+    ``free_blocks`` during the call is what it frees, so its rules are not copied here; only where the copy of the
+    table starts is (:func:`_releasing_pool`)."""
 
-    __slots__ = ("_block_size", "_pool", "_queue", "_request", "_table")
+    __slots__ = ("_block_size", "_pool", "_queue", "_request", "_start", "_table")
 
-    def __init__(self, pool: Any, queue: Any, request: Any, table: list[Any], block_size: int) -> None:
+    def __init__(
+        self, pool: Any, queue: Any, request: Any, table: list[Any], start: int, block_size: int
+    ) -> None:
         self._pool = pool
         self._queue = queue
         self._request = request
         self._table = table
+        self._start = start
         self._block_size = block_size
 
     def __getattr__(self, name: str) -> Any:
@@ -403,7 +416,9 @@ class _ReleasingPool:
         blocks = list(ordered_blocks)
         pool = self._pool
         try:
-            self._queue.release_freed(self._request, self._table, blocks, self._block_size, pool.null_block)
+            self._queue.release_freed(
+                self._request, self._table, blocks, self._block_size, pool.null_block, self._start
+            )
         except Exception:
             _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
         pool.free_blocks(blocks)
@@ -423,7 +438,19 @@ def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     table = manager.req_to_blocks.get(request_id)
     if not table:
         return None
-    return _ReleasingPool(pool, q, request, list(table), int(manager.block_size))
+    # NOTE: the call runs once per step for each running request, and the table grows with the sequence while
+    # only its last few entries can still be freed: vLLM 0.33 frees from the request's retired count on, and the
+    # state block it kept (``_num_retired_blocks``, ``last_state_block_idx``), so the copy starts at the lower
+    # of the two (a block freed below it would be placed as before, at its last release's retention)
+    start = 0
+    retired = getattr(manager, "_num_retired_blocks", None)
+    state = getattr(manager, "last_state_block_idx", None)
+    if isinstance(retired, dict) and isinstance(state, dict):
+        start = int(retired.get(request_id, 0))
+        kept = state.get(request_id)
+        if kept is not None and kept < start:
+            start = int(kept)
+    return _ReleasingPool(pool, q, request, table[start:], start, int(manager.block_size))
 
 
 def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
