@@ -809,7 +809,8 @@ def test_release_freed_releases_only_the_freed_blocks_of_the_table(granularity: 
     table = kvm.coordinator.single_type_managers[0].req_to_blocks["b"]
     assert all(b.block_hash is not None for b in table)
     other = kvm.block_pool.get_new_blocks(1)
-    q.release_freed(req, table, [table[4], other[0], table[1]], BLOCK, kvm.block_pool.null_block)
+    held = {i: b for i, b in enumerate(table)}  # (what the call may free: the whole table here)
+    q.release_freed(req, held, [table[4], other[0], table[1]], BLOCK, kvm.block_pool.null_block)
     assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
     kvm.block_pool.free_blocks(other)
     q.check()

@@ -7,7 +7,7 @@ hashed (cached) free blocks themselves; ``num_free_blocks`` stays the total, so 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -250,20 +250,19 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     def release_freed(
         self,
         request: Any,
-        table: Sequence[KVCacheBlock],
+        held: Mapping[int, KVCacheBlock],
         freed: Sequence[KVCacheBlock],
         block_size: int,
         null: KVCacheBlock,
-        start: int = 0,
     ) -> None:
         """Before vLLM's ``free_blocks(freed)``, called by a group's manager while it serves a running ``request``
         (align-mode Mamba frees its retired state blocks this way, by rules of its own: see
-        ``_patches._make_mamba_remove_skipped_blocks``): one release for each block of ``freed`` that ``table``,
-        the group's blocks from position ``start`` on before that manager's call, holds, at its position there,
-        as :meth:`release_skipped` does for a window. Blocks not in ``table`` are left to vLLM (placed as before);
+        ``_patches._make_mamba_remove_skipped_blocks``): one release for each block of ``freed`` that ``held``
+        (position -> block: the group's blocks the call may free, as they stood before it) names, at that
+        position, as :meth:`release_skipped` does for a window. Other blocks are left to vLLM (placed as before);
         so are the group's other blocks, which this release masks with ``null`` (a release reads none below its
         first position)."""
-        pos = {id(b): start + i for i, b in enumerate(table) if not b.is_null}
+        pos = {id(b): i for i, b in held.items()}
         at = {pos[id(b)]: b for b in freed if id(b) in pos}
         if not at:
             return

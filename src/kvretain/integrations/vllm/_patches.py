@@ -388,37 +388,42 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
 class _ReleasingPool:
     """What an align-mode ``MambaManager`` sees as its ``block_pool`` while ``remove_skipped_blocks`` serves the
     request ``KVCacheManager.allocate_slots`` is allocating for: the manager's pool, whose ``free_blocks`` first
-    releases the request's blocks it is handed (:meth:`HookedFreeQueue.release_freed`, ``table``: the group's
-    blocks from position ``start`` on when the call began, which give each freed block its position).
+    releases the request's blocks it is handed (:meth:`HookedFreeQueue.release_freed`; ``held``: the blocks the
+    call may free, by position, as they stood before it).
 
     NOTE: vLLM 0.33's ``MambaManager`` in align mode frees blocks twice there, neither through
     ``SingleTypeKVCacheManager._remove_blocks_in_range`` (the window hook): its own ``_remove_blocks_in_range``
-    (from ``_num_retired_blocks``, past null gaps) and ``blocks[last_state_block_idx]``. Whatever it hands
-    ``free_blocks`` during the call is what it frees, so its rules are not copied here; only where the copy of the
-    table starts is (:func:`_releasing_pool`)."""
+    (from ``_num_retired_blocks``, past null gaps: the range is noted as it begins, :meth:`note`) and the state
+    block it kept, ``blocks[last_state_block_idx]`` (noted when the view is made). Whatever it hands
+    ``free_blocks`` is what it frees, so its rules for what to free are not copied; only where it may free is
+    read, so that the work per call is the range it frees, not the request's whole table (the call runs once per
+    step for every running request)."""
 
-    __slots__ = ("_block_size", "_pool", "_queue", "_request", "_start", "_table")
+    __slots__ = ("_block_size", "_pool", "_queue", "_request", "held")
 
-    def __init__(
-        self, pool: Any, queue: Any, request: Any, table: list[Any], start: int, block_size: int
-    ) -> None:
+    def __init__(self, pool: Any, queue: Any, request: Any, held: dict[int, Any], block_size: int) -> None:
         self._pool = pool
         self._queue = queue
         self._request = request
-        self._table = table
-        self._start = start
+        self.held = held
         self._block_size = block_size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 
+    def note(self, table: list[Any], lo: int, hi: int) -> None:
+        """The blocks of ``table[lo:hi]`` (not null) may be freed now: their positions."""
+        held = self.held
+        for i in range(lo, hi):
+            b = table[i]
+            if not b.is_null:
+                held[i] = b
+
     def free_blocks(self, ordered_blocks: Any) -> None:
         blocks = list(ordered_blocks)
         pool = self._pool
         try:
-            self._queue.release_freed(
-                self._request, self._table, blocks, self._block_size, pool.null_block, self._start
-            )
+            self._queue.release_freed(self._request, self.held, blocks, self._block_size, pool.null_block)
         except Exception:
             _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
         pool.free_blocks(blocks)
@@ -438,19 +443,11 @@ def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     table = manager.req_to_blocks.get(request_id)
     if not table:
         return None
-    # NOTE: the call runs once per step for each running request, and the table grows with the sequence while
-    # only its last few entries can still be freed: vLLM 0.33 frees from the request's retired count on, and the
-    # state block it kept (``_num_retired_blocks``, ``last_state_block_idx``), so the copy starts at the lower
-    # of the two (a block freed below it would be placed as before, at its last release's retention)
-    start = 0
-    retired = getattr(manager, "_num_retired_blocks", None)
-    state = getattr(manager, "last_state_block_idx", None)
-    if isinstance(retired, dict) and isinstance(state, dict):
-        start = int(retired.get(request_id, 0))
-        kept = state.get(request_id)
-        if kept is not None and kept < start:
-            start = int(kept)
-    return _ReleasingPool(pool, q, request, table[start:], start, int(manager.block_size))
+    held: dict[int, Any] = {}
+    kept = getattr(manager, "last_state_block_idx", {}).get(request_id)
+    if kept is not None and 0 <= kept < len(table) and not table[kept].is_null:
+        held[kept] = table[kept]
+    return _ReleasingPool(pool, q, request, held, int(manager.block_size))
 
 
 def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -471,6 +468,22 @@ def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[...,
             self.block_pool = pool
 
     return remove_skipped_blocks
+
+
+def _make_mamba_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _remove_blocks_in_range(self: Any, request_id: str, first_block: int, last_block: int) -> None:
+        view = self.block_pool
+        if type(view) is _ReleasingPool:
+            try:
+                # where align mode frees (vLLM 0.33: from the blocks it retired before, up to the table's end)
+                table = self.req_to_blocks.get(request_id, [])
+                lo = max(first_block, getattr(self, "_num_retired_blocks", {}).get(request_id, 0))
+                view.note(table, lo, min(last_block, len(table)))
+            except Exception:
+                _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
+        orig(self, request_id, first_block, last_block)
+
+    return _remove_blocks_in_range
 
 
 def _resident_tokens(manager: Any, request: Any, num_hits: int, block_size: int) -> int:
@@ -587,6 +600,7 @@ def install(cfg: PluginConfig) -> None:
     _patch(KVCacheManager, "__init__", _make_manager_init)
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
+    _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
     for modname, clsname, meth, make in (
         ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
         ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),
