@@ -215,6 +215,16 @@ def test_blocked_blocks_evicted_anyway_are_listed_once_each(clock: list[float]) 
     assert [b.block_id for b in q.popleft_n(q.num_free_blocks) if b.block_id in cached] == cached
 
 
+def cached_and_free(policy: str, granularity: str, num_blocks: int, prompt_blocks: int) -> KVCacheManager:
+    """A manager of ``num_blocks`` (one of them vLLM's null block) after one request of ``prompt_blocks`` whole
+    blocks ran and finished: its blocks cached and free."""
+    kvm = manager(policy, granularity, num_blocks)
+    req = make_request("a", list(range(prompt_blocks * BLOCK)), 0)
+    assert admit(kvm, req)
+    kvm.free(req)
+    return kvm
+
+
 @pytest.mark.parametrize(("policy", "granularity"), QUEUES)
 def test_evict_blocks_keeps_the_queue_with_what_vllm_stripped_for_a_negative_or_refused_id(
     policy: str, granularity: str, clock: list[float]
@@ -222,11 +232,8 @@ def test_evict_blocks_keeps_the_queue_with_what_vllm_stripped_for_a_negative_or_
     # a KV connector's bad id: vLLM's evict_blocks indexes ``blocks[-1]`` (the last block) and stops at an id it
     # refuses (its assertion, ``bid < len``) with the blocks before it already stripped; the queue must follow
     # both (it kept ranking the last block as cached after ``{-1}``, and lost the stripped ones after a refusal)
-    kvm = manager(policy, granularity, 6)
+    kvm = cached_and_free(policy, granularity, 6, 5)
     pool = kvm.block_pool
-    req = make_request("a", list(range(5 * BLOCK)), 0)
-    assert admit(kvm, req)
-    kvm.free(req)
     q = pool.free_block_queue
     last = pool.blocks[-1]
     assert last.block_hash is not None
@@ -256,11 +263,8 @@ def test_evict_blocks_vllm_fails_part_way_leaves_the_blocks_it_did_not_reach_in_
     # vLLM's loop fails for a reason of its own (here its metrics collector, on the second block): the blocks it
     # stripped before are free and unhashed, the ones it did not reach keep their hash and their place among the
     # cached free blocks (they went to the unhashed list, to be reused first, as if stripped)
-    kvm = manager(policy, granularity, 8)
+    kvm = cached_and_free(policy, granularity, 8, 6)
     pool = kvm.block_pool
-    req = make_request("a", list(range(6 * BLOCK)), 0)
-    assert admit(kvm, req)
-    kvm.free(req)
     q = pool.free_block_queue
     ids = [b.block_id for b in pool.blocks if b.block_hash is not None][:3]
 
@@ -290,11 +294,8 @@ def test_evict_blocks_of_a_one_shot_iterable_strips_what_it_names(
 ) -> None:
     # the hook and vLLM both read the ids: a generator used up by the hook left vLLM nothing to strip, and the
     # block, still hashed, on the unhashed list
-    kvm = manager(policy, granularity, 8)
+    kvm = cached_and_free(policy, granularity, 8, 6)
     pool = kvm.block_pool
-    req = make_request("a", list(range(6 * BLOCK)), 0)
-    assert admit(kvm, req)
-    kvm.free(req)
     bid = next(b.block_id for b in pool.blocks if b.block_hash is not None)
     pool.evict_blocks(i for i in [bid])
     assert pool.blocks[bid].block_hash is None
