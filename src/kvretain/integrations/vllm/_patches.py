@@ -178,9 +178,8 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             return
         moved = []
         if not isinstance(block_ids, (set, frozenset, list, tuple)):
-            block_ids = list(
-                block_ids
-            )  # (read twice, here and by vLLM: a one-shot iterable would be used up)
+            # (read twice, here and by vLLM: a one-shot iterable would be used up)
+            block_ids = list(block_ids)
         try:
             # the blocks vLLM's loop reaches, in its order: ``self.blocks[bid]`` as it indexes (a negative id
             # counts from the end), up to the first id it refuses (its assertion, ``bid < len``, or the index's
