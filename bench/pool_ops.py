@@ -11,9 +11,19 @@ counts. vLLM's own
 
     python bench/pool_ops.py [--sizes 10000 100000 1000000] [--ops 300000] [--pools unified vllm]
     python bench/pool_ops.py --count-opcodes     # bytecodes per block op instead of time (deterministic)
+    python bench/pool_ops.py --phases            # and where each pool's time goes, by kind of operation
 
 Last line: JSON ``{"ns_per_op": {policy: {blocks: ns}}, "ratio_vs_vllm": {policy: r}, "flatness": {...},
 "replay_command_s": {blocks: s}}``. ``ratio_vs_vllm`` is the policy's ns/op over vLLM's, averaged over sizes.
+
+``--phases`` adds one run per pool and size, after the timed ones, that splits the time by what the bench asks of
+the pool (wall time, ns per block operation): ``touch`` (a reference on each hit), ``allocate`` (new blocks,
+evicting), ``register`` (the newly full blocks into the prefix cache) and ``free`` (the release, deepest first), each
+timed around the pool's method, and ``lookup`` (the prefix lookup and the bench's own loop: what is left of the
+run's wall time). Timing the calls costs time of its own, mostly counted in ``lookup`` (the table's ``sum`` less
+the timed figure: 50-90 ns per block operation on the 2-core host of session 51, alike for every pool); the split
+locates a difference between pools, the timed figure measures it. JSON key
+``"phases_ns_per_op": {policy: {blocks: {phase: ns}}}``.
 
 ``replay_command_s`` is the other half of issue 10's acceptance 6 (the whole conversation trace replayed in under
 2 s): the wall time of the whole command ``kvretain replay TRACE --policy unified --capacity-blocks C --json``
@@ -125,6 +135,55 @@ class OpcodeCounter:
             sys.settrace(None)
 
 
+PHASES = ("lookup", "touch", "allocate", "register", "free")
+"""``--phases``' kinds of operation (see the module docstring)."""
+VLLM_METHODS = {
+    "touch": "touch",
+    "allocate": "get_new_blocks",
+    "register": "cache_full_blocks",
+    "free": "free_blocks",
+}
+"""The methods of vLLM's ``BlockPool`` timed for the phases but ``lookup`` (kvretain's pool registers by
+``cache_blocks``)."""
+
+
+def _split_phases(
+    pool: object, methods: dict[str, str], spent: dict[str, int], ops: Callable[[], int]
+) -> Callable[[], int]:
+    """Time every call of ``pool``'s methods from now on: ``methods`` maps a phase to the method's name, whose wall
+    time (ns) each call adds to ``spent[phase]`` (the wrapper is an instance attribute: the pool's class is
+    untouched). Returns ``ops`` made to add its own wall time to ``spent["wall"]``."""
+    clock = time.perf_counter_ns
+
+    def timing(phase: str, method: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args: object, **kwargs: object) -> object:
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[phase] += clock() - t0
+
+        return timed
+
+    for phase, name in methods.items():
+        spent[phase] = 0
+        setattr(pool, name, timing(phase, getattr(pool, name)))
+
+    def walled() -> int:
+        t0 = clock()
+        n = ops()
+        spent["wall"] = clock() - t0
+        return n
+
+    return walled
+
+
+def phases_per_op(spent: dict[str, int], ops: int) -> dict[str, float]:
+    """One ``--phases`` run's ``spent`` (ns) per block operation: each phase's, ``lookup`` the rest of the wall."""
+    parts = {p: spent[p] / ops for p in PHASES[1:]}
+    return {"lookup": (spent["wall"] - sum(spent[p] for p in PHASES[1:])) / ops, **parts}
+
+
 def _timed(ops: Callable[[], int], probe: Probe | None) -> tuple[float, int]:
     """Process CPU time of ``ops()`` (which returns the block operations it did), with the GC off and ``probe``
     enabled around it only."""
@@ -143,7 +202,12 @@ def _timed(ops: Callable[[], int], probe: Probe | None) -> tuple[float, int]:
 
 
 def run_kvretain(
-    policy: str, num_blocks: int, warm: list, timed: list, perf: Probe | None = None
+    policy: str,
+    num_blocks: int,
+    warm: list,
+    timed: list,
+    perf: Probe | None = None,
+    phases: dict[str, int] | None = None,
 ) -> tuple[float, int]:
     pol = make_policy(policy, num_blocks, PolicyConfig())
     now = [0.0]
@@ -182,10 +246,16 @@ def run_kvretain(
             ops += one(chain, prio)
         return ops
 
+    if phases is not None:
+        return _timed(
+            _split_phases(pool, {**VLLM_METHODS, "register": "cache_blocks"}, phases, timed_ops), perf
+        )
     return _timed(timed_ops, perf)
 
 
-def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None) -> tuple[float, int]:
+def run_vllm(
+    num_blocks: int, warm: list, timed: list, perf: Probe | None = None, phases: dict[str, int] | None = None
+) -> tuple[float, int]:
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash
 
@@ -231,6 +301,8 @@ def run_vllm(num_blocks: int, warm: list, timed: list, perf: Probe | None = None
             ops += one(bh)
         return ops
 
+    if phases is not None:
+        return _timed(_split_phases(pool, VLLM_METHODS, phases, timed_ops), perf)
     return _timed(timed_ops, perf)
 
 
@@ -319,6 +391,12 @@ def build_parser() -> Parser:
         "deterministic: flat across sizes = O(1) Python-level work)",
     )
     ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also split each pool's time by kind of operation (lookup, touch, allocate, register, free): one more "
+        "run per pool and size, wall time (not with --count-opcodes)",
+    )
+    ap.add_argument(
         "--trace",
         type=path_arg("a Mooncake-format JSONL file"),
         default=None,
@@ -362,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"argument --trace: {exc}")
     except ValueError as exc:
         return fail(PROG, str(exc))
+    if args.phases and args.count_opcodes:
+        return fail(PROG, "argument --phases: not with --count-opcodes (bytecodes are counted, not timed)")
     if args.ops is None:
         args.ops = 20_000 if args.count_opcodes else 300_000
     if args.count_opcodes:
@@ -379,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         if not pools:
             return fail(PROG, "argument --pools: vllm is not importable here and no other pool was asked for")
     ns: dict[str, dict[str, float]] = {p: {} for p in pools}
+    split: dict[str, dict[str, dict[str, float]]] = {p: {} for p in pools}  # --phases
     unit = "bytecodes per block op" if args.count_opcodes else "ns per block op"
     print(f"{'blocks':>9} " + " ".join(f"{p:>10}" for p in ns) + f"   ({unit})")
     for size in args.sizes:
@@ -400,6 +481,24 @@ def main(argv: list[str] | None = None) -> int:
         for p in ns:
             ns[p][str(size)] = row[p]
         print(f"{size:>9} " + " ".join(f"{row[p]:>10.1f}" for p in ns), flush=True)
+        for p in ns if args.phases else ():
+            spent: dict[str, int] = {}
+            if p == "vllm":
+                _, ops = run_vllm(size, warm, timed, None, spent)
+            else:
+                _, ops = run_kvretain(p, size, warm, timed, None, spent)
+            split[p][str(size)] = phases_per_op(spent, ops)
+    if args.phases:
+        print(
+            "where the time goes (ns per block op, wall, one more run each; sum less the timed figure: what"
+        )
+        print("timing the calls cost, mostly counted in lookup, the rest of the wall time):")
+        print(f"{'blocks':>9} {'pool':>10} " + " ".join(f"{k:>9}" for k in (*PHASES, "sum")))
+        for size in args.sizes:
+            for p in ns:
+                cells = split[p][str(size)]
+                row_ = [cells[k] for k in PHASES]
+                print(f"{size:>9} {p:>10} " + " ".join(f"{v:>9.1f}" for v in (*row_, sum(row_))))
     flat = {p: round(max(v.values()) / min(v.values()), 3) for p, v in ns.items()}
     if args.count_opcodes:
         print(json.dumps({"opcodes_per_op": {p: {s: round(v, 2) for s, v in d.items()} for p, d in ns.items()},
@@ -424,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         "flatness": flat,
         "replay_command_s": command,
     }
+    if args.phases:
+        out["phases_ns_per_op"] = {
+            p: {s: {k: round(v, 1) for k, v in d.items()} for s, d in by.items()} for p, by in split.items()
+        }
     print(json.dumps(out))
     return 0
 

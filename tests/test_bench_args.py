@@ -274,6 +274,63 @@ def test_pool_ops_refuses_what_failed_after_the_timed_runs(
         assert "of memory" in res.stderr and "use fewer blocks" in res.stderr
 
 
+def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_lookup() -> None:
+    """``--phases``: each timed method's wall time goes to its phase, whatever else the run does to ``lookup``."""
+    import time
+
+    sys.path.insert(0, str(BENCH))
+    import pool_ops
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    class Pool:
+        def touch(self, ids: list[int]) -> None:
+            busy(0.002)
+
+        def free_blocks(self, ids: list[int]) -> None:
+            pass
+
+    pool = Pool()
+
+    def ops() -> int:
+        """3 requests of 10 block operations: a touch, a free, and 1 ms of the bench's own work each."""
+        for _ in range(3):
+            pool.touch([])
+            busy(0.001)
+            pool.free_blocks([])
+        return 30
+
+    spent: dict[str, int] = {}
+    run = pool_ops._split_phases(pool, {"touch": "touch", "free": "free_blocks"}, spent, ops)
+    assert run() == 30 and type(pool).touch is Pool.touch  # (the class is untouched)
+    per_op = pool_ops.phases_per_op({**spent, "allocate": 0, "register": 0}, 30)
+    assert list(per_op) == list(pool_ops.PHASES)
+    assert 0.002e9 * 3 / 30 <= per_op["touch"] < 0.0028e9 * 3 / 30  # 200,000 ns per op, and little more
+    assert per_op["free"] < per_op["touch"] / 10
+    assert 0.001e9 * 3 / 30 <= per_op["lookup"] < per_op["touch"]  # the 1 ms of its own, not the touch's 2
+
+
+def test_pool_ops_phases_split_every_pool_s_run(tmp_path: Path) -> None:
+    res = _run(
+        "pool_ops.py", "--sizes", "200", "--ops", "400", "--repeats", "1", "--pools", "lru", "unified",
+        "--phases", "--command-capacities",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    split = out["phases_ns_per_op"]
+    assert set(split) == {"lru", "unified"}
+    for pool in split.values():
+        cells = pool["200"]
+        assert list(cells) == ["lookup", "touch", "allocate", "register", "free"]
+        assert all(v > 0 for v in cells.values())
+    assert "where the time goes" in res.stdout
+    res = _run("pool_ops.py", "--sizes", "100", "--pools", "lru", "--phases", "--count-opcodes")
+    _refused(res, "pool_ops: error", "argument --phases: not with --count-opcodes")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")
 def test_pool_ops_perf_refuses_the_vllm_pool_without_vllm_before_it_profiles() -> None:
     res = _run("pool_ops_perf.py", "--pools", "lru", "vllm", "--sizes", "100", "--ops", "100", timeout=60)
