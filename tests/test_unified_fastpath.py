@@ -257,10 +257,10 @@ def test_bucket_queue_matches_a_list_model(ops: list[tuple[str, int, int, int]])
             if op == "push" and b not in where:
                 clock += 1
                 m = metas[b]
-                m.key = key / 16.0 + 0.01
+                m.since = key / 16.0 + 0.01  # (its key: since + value)
                 m.stamp = clock - older
                 q.push(m)
-                s = int(m.key * 16.0)
+                s = int(m.since * 16.0)
                 bucket = model.setdefault(s, [])
                 at = rules.release_order_place(len(bucket), m.stamp, lambda i, bk=bucket: metas[bk[i]].stamp)
                 bucket.insert(at, b)
@@ -285,12 +285,42 @@ def test_bucket_queue_compacts_buckets_emptied_by_removals() -> None:
     """A queue that is never popped while keys keep rising does not keep every bucket it ever opened."""
     q = _Queue(16.0)
     keep = _Meta(0)
-    keep.key = 0.0
-    q.push(keep)
+    q.push(keep)  # (key 0: since + value)
     for i in range(1, 20_000):
         m = _Meta(i)
-        m.key = float(i)
+        m.since = float(i)
         q.push(m)
         q.unlink(m)
     assert len(q._buckets) < 200 and len(q._slots) == len(q._buckets)
     assert q.pop() is keep and q.n == 0
+
+
+def test_a_release_keys_a_block_from_shared_values_and_again_when_the_tables_change() -> None:
+    """A block's key is the ``L`` of its release plus its value under the current tables (``rules.gd_key``).
+    Blocks released at one retention and use count share one value object (a release stores no float of its own:
+    the one it replaced would be a cold object at 10^5-10^6 blocks), and a change of tables (the controller's
+    level softening the weights) keys every cached block again from its release's ``L``."""
+    pol = make_policy("unified", 8, PolicyConfig(budget=0.0, isolation_goal=None))
+    assert isinstance(pol, UnifiedPolicy)
+    pool = BlockPool(8, pol, clock=lambda: 0.0)
+    held = []
+    for chain, r in (([b"a", b"b"], 45), ([b"c", b"d"], 45), ([b"e"], 25)):
+        ids = pool.get_new_blocks(len(chain))
+        assert ids is not None
+        pool.cache_blocks(ids, chain, 0, len(chain))
+        pool.free_blocks(ids, BlockRetention(base_priority=r))
+        held += ids
+    meta = pol._meta
+
+    def want(b: int) -> float:
+        m = meta[b]
+        return rules.gd_key(m.since, pol._weight[m.r], pol._F[m.uses], m.depth, pol._cost_per_block)
+
+    assert meta[held[0]].value is meta[held[2]].value  # retention 45, one use: one shared value
+    assert [pol.key_of(b) for b in held] == [want(b) for b in held]
+    before = [pol.key_of(b) for b in held]
+    pol._weight = rules.retention_weights(pol.config.priority_weight, 0.5)
+    pol._rekey()
+    assert [pol.key_of(b) for b in held] == [want(b) for b in held]
+    after = [pol.key_of(b) for b in held]
+    assert [k < k0 for k, k0 in zip(after, before, strict=True)] == [True, True, True, True, False]

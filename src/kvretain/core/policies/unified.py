@@ -69,7 +69,6 @@ class _Meta(BlockState):
         "content",
         "depth",
         "expiry",
-        "key",
         "next",
         "owner",
         "prev",
@@ -79,6 +78,7 @@ class _Meta(BlockState):
         "stamp",
         "tier",
         "uses",
+        "value",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -93,9 +93,13 @@ class _Meta(BlockState):
         self.base = _UNSET  # highest mapped request priority of the block's users (where a lapse falls back)
         self.expiry = INF
         self.owner: str | None = None
-        self.key = 0.0  # GreedyDual key set at the last release (a parent that becomes a leaf keeps it), set
-        # again from ``since`` when the order's tables change (_rekey)
-        self.since = 0.0  # the aging floor L when the key was set: key = since + value (rules.gd_key)
+        # its GreedyDual key is ``since + value`` (rules.gd_key): ``since`` the aging floor L at its last release,
+        # ``value`` what the tables then gave it (set again from them when they change: _rekey)
+        # NOTE: the two parts, not the sum: a float stored per release frees the previous release's, a cold object
+        # at 10^5-10^6 blocks; a value is one of a few shared table entries (UnifiedPolicy._values) and ``since``
+        # the floor shared by every block released at it (docs/history.md, session 51)
+        self.since = 0.0
+        self.value = 0.0
         self.protected = 0
         # neighbours in its bucket of the evictable queue; ``prev is None``: not evictable
         self.prev: _Link | _Meta | None = None
@@ -157,7 +161,7 @@ class _Queue:
 
         NOTE: O(1): at the back, at the front, or a walk of at most :data:`rules.RELEASE_ORDER_WALK` links
         from the back (see there)."""
-        s = int(m.key * self.scale)
+        s = int((m.since + m.value) * self.scale)
         h = self._buckets.get(s)
         if h is None:
             h = self._buckets[s] = _Link()
@@ -298,6 +302,7 @@ class UnifiedPolicy(EvictionPolicy):
         self._ctl = ProtectionController(num_blocks, cfg)
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
         self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
+        self._values: dict[int, list[float]] = {}  # retention -> values by use count (_value_row)
         self._cost_per_block = rules.cost_per_block(cfg)
         self._victim = _Meta(
             -1
@@ -391,7 +396,8 @@ class UnifiedPolicy(EvictionPolicy):
                 self._num_protected += 1 if p else -1
         m.since = self._L
         self._released = m.stamp = self._released + 1
-        m.key = self._L + self._weight[cur] * self._F[uses] * (1.0 + m.depth * self._cost_per_block)
+        v = self._values.get(cur) or self._value_row(cur)
+        m.value = v[uses] * (1.0 + m.depth * self._cost_per_block) if self._cost_per_block else v[uses]
         if evictable:
             self._push(m)
 
@@ -408,10 +414,9 @@ class UnifiedPolicy(EvictionPolicy):
         # goes through ``release``.
         meta = self._meta
         cap = self._cap
-        F = self._F
         L = self._L
         cost = self._cost_per_block
-        w = self._weight[retention]
+        v = self._values.get(retention) or self._value_row(retention)
         protect = 1 if retention >= self._threshold else 0
         c = self._released
         for bid in block_ids:
@@ -434,7 +439,7 @@ class UnifiedPolicy(EvictionPolicy):
             m.since = L
             c += 1
             m.stamp = c
-            m.key = L + w * F[uses] * (1.0 + m.depth * cost) if cost else L + w * F[uses]
+            m.value = v[uses] * (1.0 + m.depth * cost) if cost else v[uses]
         self._released = c
         push = self._push
         for bid in evictable_ids:
@@ -478,15 +483,17 @@ class UnifiedPolicy(EvictionPolicy):
         queued: list[_Meta] = []
         for q in self._queues:
             queued += q.drain()
-        # NOTE: rules.gd_key, inlined (once per cached block at every change of the tables)
+        # NOTE: rules.value, inlined (once per cached block at every change of the tables)
+        self._values.clear()
         if cost:
             for m in self._meta:
                 if m.content is not None and m.r != _UNSET:
-                    m.key = m.since + W[m.r] * F[m.uses] * (1.0 + m.depth * cost)
+                    m.value = W[m.r] * F[m.uses] * (1.0 + m.depth * cost)
         else:
+            values = self._values
             for m in self._meta:
                 if m.content is not None and m.r != _UNSET:
-                    m.key = m.since + W[m.r] * F[m.uses]
+                    m.value = (values.get(m.r) or self._value_row(m.r))[m.uses]
         self._rekeys += 1
         queued.sort(key=attrgetter("stamp"))
         for m in queued:
@@ -497,6 +504,19 @@ class UnifiedPolicy(EvictionPolicy):
         return rules.value(
             self._weight[self.retention_of(m.block_id, now)], self._F[m.uses], m.depth, self._cost_per_block
         )
+
+    def _value_row(self, r: int) -> list[float]:
+        """The values of retention ``r`` by use count under the current tables, ``weight[r] * frequency[uses]``
+        (:func:`rules.value` without the cost term): shared by the blocks released at ``r`` until the tables change
+        (:meth:`_rekey` clears them)."""
+        w = self._weight[r]
+        row = self._values[r] = [w * f for f in self._F]
+        return row
+
+    def key_of(self, block_id: int) -> float:
+        """Block ``block_id``'s GreedyDual key (its place in the order: :func:`rules.gd_key`)."""
+        m = self._meta[block_id]
+        return m.since + m.value
 
     def _push(self, m: _Meta) -> None:
         if m.prev is not None:
@@ -514,9 +534,9 @@ class UnifiedPolicy(EvictionPolicy):
         if m.r == _UNSET:
             self._default_release(m, now)
             return
-        if m.since != self._L:  # (released at this L: its release hook just set the key)
+        if m.since != self._L:  # (released at this L: its release hook just set its value)
             m.since = self._L
-            m.key = self._L + self._value(m, now)
+            m.value = self._value(m, now)
         self._released = m.stamp = self._released + 1
         self._push(m)
 
@@ -570,10 +590,11 @@ class UnifiedPolicy(EvictionPolicy):
             m.r = m.base
             was = m.protected
             self._set_protected(m, now)
-            old = m.key
-            m.key = m.since + self._value(m, now)
+            old = m.since + m.value
+            m.value = self._value(m, now)
             scale = self._queues[0].scale
-            if m.prev is not None and (was != m.protected or int(m.key * scale) != int(old * scale)):
+            moved = int((m.since + m.value) * scale) != int(old * scale)
+            if m.prev is not None and (was != m.protected or moved):
                 self._push(m)  # (same tier and bucket: it keeps its place)
 
     def pop(self, now: float) -> int | None:
@@ -594,8 +615,9 @@ class UnifiedPolicy(EvictionPolicy):
             m = q0.pop()
         else:
             return None
-        if m.key > self._L:
-            self._L = m.key
+        key = m.since + m.value
+        if key > self._L:
+            self._L = key
         self._forget(m)  # eviction bookkeeping here, so the pool skips on_evicted (forgets_on_pop)
         self._victim = m
         return m.block_id
@@ -607,9 +629,9 @@ class UnifiedPolicy(EvictionPolicy):
         m = self._meta[block_id]
         if not (self._expiries and self._expiries[0][0] <= now):
             v = self._victim
-            key = m.key
+            key = m.since + m.value
             p = m.protected
-            if m.stamp == v.stamp + 1 and key == v.key and v.tier != p:
+            if m.stamp == v.stamp + 1 and key == v.since + v.value and v.tier != p:
                 # released right after the child just evicted (the head of this tier's queue), with the same key,
                 # into the same tier: nothing can come between them in the queue (the rest of the bucket was
                 # released later, unless a walk ran out there: ``late``; nothing was queued since), nor in the

@@ -126,7 +126,8 @@ class _UnifiedView(_View):
         m = self._meta[bid]
         # no release keyed it: the policy releases it now (``UnifiedPolicy.expose``)
         unkeyed = m.r == rules.UNSET
-        key, tier = self._policy.default_release_place(bid) if unkeyed else (m.key, 1 - m.protected)
+        policy = self._policy
+        key, tier = policy.default_release_place(bid) if unkeyed else (policy.key_of(bid), 1 - m.protected)
         buckets, slots = self._tiers[tier]
         s = int(key * self._scale)
         ids = buckets.get(s)
