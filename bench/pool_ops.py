@@ -51,6 +51,7 @@ from types import FrameType, SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _timing import time_calls
 from kvretain.cli_args import DefaultsHelpFormatter, Parser, fail, integer, path_arg, script_main, summary_of
 from kvretain.core.block_pool import BlockPool
 from kvretain.core.memory import check_pool_fits
@@ -154,20 +155,9 @@ def _split_phases(
     time (ns) each call adds to ``spent[phase]`` (the wrapper is an instance attribute: the pool's class is
     untouched). Returns ``ops`` made to add its own wall time to ``spent["wall"]``."""
     clock = time.perf_counter_ns
-
-    def timing(phase: str, method: Callable[..., object]) -> Callable[..., object]:
-        def timed(*args: object, **kwargs: object) -> object:
-            t0 = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[phase] += clock() - t0
-
-        return timed
-
     for phase, name in methods.items():
         spent[phase] = 0
-        setattr(pool, name, timing(phase, getattr(pool, name)))
+        time_calls(pool, name, spent, phase, clock)
 
     def walled() -> int:
         t0 = clock()

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 import _vllm_harness as harness
+from _timing import time_calls
 from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, fail, integer, missing_module
 
 PROG = "vllm_plugin"
@@ -445,19 +446,8 @@ def count_hook_times(totals: dict[str, int]) -> None:
     clock = time.process_time_ns
 
     def wrap(cls: Any, name: str, label: str) -> None:
-        inner = getattr(cls, name, None)
-        if inner is None:
-            return
-        totals.setdefault(label, 0)
-
-        def counted(*a: Any, **k: Any) -> Any:
-            t0 = clock()
-            try:
-                return inner(*a, **k)
-            finally:
-                totals[label] += clock() - t0
-
-        setattr(cls, name, counted)
+        if getattr(cls, name, None) is not None:
+            time_calls(cls, name, totals, label, clock)
 
     for cls in (RunFreeQueue, RetentionFreeQueue):
         for label, name in HOOKS:

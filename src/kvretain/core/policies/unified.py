@@ -477,23 +477,17 @@ class UnifiedPolicy(EvictionPolicy):
         """The order's tables changed (the controller's level moved the retention weights, or its balance the
         frequency exponent): every cached block's key becomes what the new tables give it at the ``L`` of its
         release (:func:`rules.gd_key`), and the queues are rebuilt, each new bucket in release order."""
-        W = self._weight
-        F = self._F
         cost = self._cost_per_block
         queued: list[_Meta] = []
         for q in self._queues:
             queued += q.drain()
-        # NOTE: rules.value, inlined (once per cached block at every change of the tables)
-        self._values.clear()
-        if cost:
-            for m in self._meta:
-                if m.content is not None and m.r != _UNSET:
-                    m.value = W[m.r] * F[m.uses] * (1.0 + m.depth * cost)
-        else:
-            values = self._values
-            for m in self._meta:
-                if m.content is not None and m.r != _UNSET:
-                    m.value = (values.get(m.r) or self._value_row(m.r))[m.uses]
+        # NOTE: rules.value from the new rows, as a release sets it (once per cached block at every change)
+        values = self._values
+        values.clear()
+        for m in self._meta:
+            if m.content is not None and m.r != _UNSET:
+                v = (values.get(m.r) or self._value_row(m.r))[m.uses]
+                m.value = v * (1.0 + m.depth * cost) if cost else v
         self._rekeys += 1
         queued.sort(key=attrgetter("stamp"))
         for m in queued:
