@@ -1,6 +1,6 @@
 """The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
 the counters under concurrent reads, how lookups are counted per request, and the blocks a sliding window or
-align-mode Mamba frees mid-request.
+align-mode Mamba frees mid-request or when a KV connector's request finishes.
 
 (The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
 """
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,10 +20,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM 0.33 is tested in .venv-vllm (scripts/test_vllm.sh)")
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import SupportsHMA
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -627,6 +630,22 @@ def test_the_controller_is_told_the_last_block_only_when_the_pool_held_it() -> N
 
 
 # ---------------------------------------------------------------------------- blocks freed mid-request
+def window_manager(num_blocks: int) -> KVCacheManager:
+    """A hybrid layout: full attention and a sliding window of two blocks."""
+    shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(["window"], SlidingWindowSpec(**shape, sliding_window=2 * BLOCK)),
+        ],
+    )
+    return KVCacheManager(
+        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
+
+
 @pytest.mark.parametrize("granularity", ["run", "block"])
 def test_the_skipped_block_hook_releases_what_vllms_remove_blocks_in_range_frees(granularity: str) -> None:
     """``SingleTypeKVCacheManager._remove_blocks_in_range(first, last)`` caps ``last`` at the request's table (its
@@ -635,18 +654,7 @@ def test_the_skipped_block_hook_releases_what_vllms_remove_blocks_in_range_frees
     others, at the request's class: not the ones under the null block, still in use, nor a hook error past the
     table's end. (vLLM 0.33's own callers keep a window's nulls below its blocks and ``last`` within the table.)"""
     plugin.enable(PluginConfig(policy="unified", granularity=granularity))
-    shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
-    config = KVCacheConfig(
-        num_blocks=40,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
-            KVCacheGroupSpec(["window"], SlidingWindowSpec(**shape, sliding_window=2 * BLOCK)),
-        ],
-    )
-    kvm = KVCacheManager(
-        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
-    )
+    kvm = window_manager(40)
     q = kvm.block_pool.free_block_queue
     req = make_request("a", list(range(6 * BLOCK)), priority=5)
     assert kvm.allocate_slots(req, req.num_tokens) is not None
@@ -813,4 +821,122 @@ def test_release_freed_releases_only_the_freed_blocks_of_the_table(granularity: 
     q.release_freed(req, held, [table[4], other[0], table[1]], BLOCK, kvm.block_pool.null_block)
     assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
     kvm.block_pool.free_blocks(other)
+    q.check()
+
+
+# ---------------------------------------------------------------------------- blocks freed at a KV connector's finish
+class _FinishingConnector(SupportsHMA):
+    """A KV connector that takes none of a finished request's blocks over (hybrid models need ``SupportsHMA``:
+    ``Scheduler._connector_finished`` calls its ``request_finished_all_groups``)."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        return False, None
+
+
+def connector_finished(kvm: KVCacheManager, req: Request, connector: Any = None) -> None:
+    """vLLM's own ``Scheduler._connector_finished`` for ``req``, on a stand-in scheduler: what the method reads (a KV
+    connector, no KV transfer config, ``kvm``)."""
+    sched = SimpleNamespace(
+        connector=_FinishingConnector() if connector is None else connector,
+        vllm_config=SimpleNamespace(kv_transfer_config=None),
+        kv_cache_manager=kvm,
+    )
+    assert Scheduler._connector_finished(sched, req) == (False, None)
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_blocks_a_window_frees_at_a_connectors_finish_take_their_requests_retention(
+    granularity: str,
+) -> None:
+    """With a KV connector, vLLM frees a finished request's out-of-window blocks in ``Scheduler._connector_finished``
+    (``remove_skipped_blocks`` on the processed tokens), outside ``allocate_slots``: they were placed at the retention
+    their block ids last had (here the default, class 0). Released at the request's priority now."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = window_manager(40)
+    q = kvm.block_pool.free_block_queue
+    req = make_request("a", list(range(6 * BLOCK)), priority=-5)
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["a"])
+    assert all(blk.block_hash is not None for blk in table)
+    connector_finished(kvm, req)
+    freed = [blk.block_id for blk in table if blk.ref_cnt == 0]
+    assert len(freed) == 4, [blk.ref_cnt for blk in table]  # (the last two stay in the window, until free)
+    want = (q.mapping.retention_for(-5), -5)
+    assert want[0] != q.mapping.retention_for(0)
+    assert [_placed_at(q, bid) for bid in freed] == [want] * 4
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 4
+    assert plugin.stats()["hook_errors"] == {}
+    assert q.allocating is None
+    kvm.free(req)
+    q.check()
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_state_block_align_mode_mamba_frees_at_a_connectors_finish_takes_its_requests_retention(
+    granularity: str,
+) -> None:
+    """The same for align-mode Mamba: at a KV connector's finish it retires the state block it kept, an id that
+    request ``a`` (class 0) released before; released at the finishing request's priority now."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = mamba_manager(14)
+    q = kvm.block_pool.free_block_queue
+    a = make_request("a", list(range(8 * BLOCK)))
+    run_chunks(kvm, a, 5)
+    kvm.free(a)
+    by_a = {blk.block_id for blk in kvm.block_pool.blocks if blk.block_hash is not None}
+    b = make_request("b", list(range(1000, 1000 + 8 * BLOCK)), priority=-5)
+    run_chunks(kvm, b, 4)  # (the prompt, two blocks a step)
+    table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["b"])
+    released = plugin.stats()["by_priority"][-5]["released_blocks"]
+    connector_finished(kvm, b)
+    freed = [blk.block_id for blk in table if not blk.is_null and blk.ref_cnt == 0]
+    assert len(freed) == 1 and freed[0] in by_a, (freed, by_a)
+    assert kvm.block_pool.blocks[freed[0]].block_hash is not None
+    want = (q.mapping.retention_for(-5), -5)
+    assert _placed_at(q, freed[0]) == want
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == released + 1
+    assert plugin.stats()["hook_errors"] == {}
+    kvm.free(b)
+    q.check()
+
+
+def test_a_failing_release_at_a_connectors_finish_is_counted_and_vllm_frees_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release at a KV connector's finish fails: counted as a hook error, vLLM frees the blocks (placed as
+    before the hook) and the connector is still asked; the queue's request is what it was before the call. With
+    no connector, vLLM returns at once and the queue is not touched."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = window_manager(40)
+    q = kvm.block_pool.free_block_queue
+    req = make_request("a", list(range(6 * BLOCK)), priority=-5)
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["a"])
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("release")
+
+    monkeypatch.setattr(q, "release_skipped", fail)
+    asked = []
+
+    class Connector(_FinishingConnector):
+        def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+            asked.append(request.request_id)
+            return False, None
+
+    earlier = make_request("other", [1, 2, 3])
+    q.allocating = earlier
+    no_connector = SimpleNamespace(connector=None)
+    assert Scheduler._connector_finished(no_connector, req) == (False, None)
+    assert all(blk.ref_cnt == 1 for blk in table)
+    connector_finished(kvm, req, Connector())
+    assert q.allocating is earlier
+    q.allocating = None
+    freed = [blk.block_id for blk in table if blk.ref_cnt == 0]
+    assert asked == ["a"] and len(freed) == 4
+    assert [_placed_at(q, bid) for bid in freed] == [(q.mapping.retention_for(0), 0)] * 4
+    assert plugin.stats()["hook_errors"] == {"skip": 1}  # (one range freed)
+    kvm.free(req)
     q.check()

@@ -59,7 +59,8 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._held = (
             0  # cached free blocks the queue orders (the rest of num_free_blocks is the unhashed list)
         )
-        # the request KVCacheManager.allocate_slots is serving (hybrid models only: release_skipped's request)
+        # the request KVCacheManager.allocate_slots is serving (hybrid models only) or Scheduler._connector_finished
+        # is finishing: release_skipped's / release_freed's request
         self.allocating: Any = None
 
     # ------------------------------------------------------------ queue interface

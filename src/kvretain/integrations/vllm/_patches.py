@@ -20,6 +20,9 @@ be swapped):
 * ``MambaManager.remove_skipped_blocks``: align-mode Mamba (the mode prefix caching uses) frees its retired state
   blocks mid-request by rules of its own, past the hook above; what it hands ``free_blocks`` during this call is
   released at the running request's priority and retention first (:meth:`HookedFreeQueue.release_freed`).
+* ``Scheduler._connector_finished``: with a KV connector, vLLM frees a finished request's out-of-window blocks
+  there (``KVCacheManager.remove_skipped_blocks``), outside ``allocate_slots``; the pool's queue is told the request
+  during the call, as ``allocate_slots`` tells it, so the two hooks above release those blocks at its retention too.
 * ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
   starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -369,7 +372,7 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
         q = pool.free_block_queue
         if type(q) in QUEUE_TYPES and type(pool) is not _ReleasingPool:  # (that one releases what is freed)
             request = q.allocating
-            # (None: a KV connector's finished request (Scheduler._connector_finished): placed as before)
+            # (set by allocate_slots and Scheduler._connector_finished; None: another caller, placed as before)
             if request is not None and request.request_id == request_id:
                 try:
                     q.release_skipped(
@@ -430,8 +433,8 @@ class _ReleasingPool:
 
 def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     """The pool view for an align-mode Mamba manager's ``remove_skipped_blocks`` of the request being allocated
-    for; ``None`` where the call keeps the manager's own pool (no retention queue, another mode, another caller:
-    a KV connector's finished request, ``Scheduler._connector_finished``, placed as before)."""
+    for (``KVCacheManager.allocate_slots``) or finished (``Scheduler._connector_finished``); ``None`` where the call
+    keeps the manager's own pool (no retention queue, another mode, another caller: placed as before)."""
     pool = manager.block_pool
     q = pool.free_block_queue
     if type(q) not in QUEUE_TYPES or manager.mamba_cache_mode != "align":
@@ -483,6 +486,43 @@ def _make_mamba_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[...
         orig(self, request_id, first_block, last_block)
 
     return _remove_blocks_in_range
+
+
+def _retention_queues(manager: Any) -> list[RetentionFreeQueue | RunFreeQueue]:
+    """The retention queues of ``manager``'s pools: its own pool's and any other a KV cache group frees into
+    (each once; a pool without a retention queue, such as HiSparse's host pool, has none)."""
+    queues: list[RetentionFreeQueue | RunFreeQueue] = []
+    for pool in (manager.block_pool, *(m.block_pool for m in manager.coordinator.single_type_managers)):
+        q = _queue(pool)
+        if q is not None and all(q is not seen for seen in queues):
+            queues.append(q)
+    return queues
+
+
+def _make_connector_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _connector_finished(self: Any, request: Any) -> Any:
+        # NOTE: with a KV connector, vLLM frees a finished request's out-of-window blocks here (the kv cache
+        # manager's ``remove_skipped_blocks``), outside ``allocate_slots``: the queues are told the request, as
+        # allocate_slots tells them, so that the window and Mamba hooks release those blocks at its retention
+        if self.connector is None:  # (vLLM returns at once)
+            return orig(self, request)
+        try:
+            queues = _retention_queues(self.kv_cache_manager)
+        except Exception:
+            queues = []
+            _hook_failed("connector", "kvretain: connector-finish hook failed (blocks placed as before)")
+        if not queues:
+            return orig(self, request)
+        before = [q.allocating for q in queues]
+        for q in queues:
+            q.allocating = request
+        try:
+            return orig(self, request)
+        finally:
+            for q, was in zip(queues, before, strict=True):
+                q.allocating = was
+
+    return _connector_finished
 
 
 def _resident_tokens(manager: Any, request: Any, num_hits: int, block_size: int) -> int:
@@ -600,6 +640,12 @@ def install(cfg: PluginConfig) -> None:
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
     _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler  # (the engine core imports it too)
+
+        _patch(Scheduler, "_connector_finished", _make_connector_finished)
+    except Exception:
+        _hook_failed("connector", "kvretain: cannot follow a KV connector's finish (placed as before)")
     for modname, clsname, meth, make in (
         ("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params", _make_validate_params),
         ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", _make_preprocess),
