@@ -504,7 +504,7 @@ def _make_connector_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
         # NOTE: with a KV connector, vLLM frees a finished request's out-of-window blocks here (the kv cache
         # manager's ``remove_skipped_blocks``), outside ``allocate_slots``: the queues are told the request, as
         # allocate_slots tells them, so that the window and Mamba hooks release those blocks at its retention
-        if self.connector is None:  # (vLLM returns at once)
+        if getattr(self, "connector", None) is None:  # (vLLM returns at once; getattr: never raise into vLLM)
             return orig(self, request)
         try:
             queues = _retention_queues(self.kv_cache_manager)
