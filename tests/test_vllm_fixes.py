@@ -1,6 +1,7 @@
 """The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
-the counters under concurrent reads, how lookups are counted per request, and the blocks a sliding window or
-align-mode Mamba frees mid-request or when a KV connector's request finishes.
+the counters under concurrent reads, how lookups are counted per request, the blocks a sliding window or
+align-mode Mamba frees mid-request or when a KV connector's request finishes, and the block a partial hit copies
+on write.
 
 (The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
 """
@@ -11,6 +12,7 @@ import logging
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -939,4 +941,128 @@ def test_a_failing_release_at_a_connectors_finish_is_counted_and_vllm_frees_the_
     assert [_placed_at(q, bid) for bid in freed] == [(q.mapping.retention_for(0), 0)] * 4
     assert plugin.stats()["hook_errors"] == {"skip": 1}  # (one range freed)
     kvm.free(req)
+    q.check()
+
+
+# ---------------------------------------------------------------------------- a partial hit's copy-on-write
+def cow_manager(num_blocks: int) -> KVCacheManager:
+    """A hybrid layout with sub-block prefix hits: full attention and align-mode Mamba in 64-token blocks, hashed
+    every 16 tokens (vLLM then lets a hit end inside a block, and copies that block on write)."""
+    size = 4 * BLOCK
+    shape: dict[str, Any] = {"block_size": size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    mamba = MambaSpec(block_size=size, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(["mamba"], mamba),
+        ],
+    )
+    kvm = KVCacheManager(
+        config, max_model_len=1024, scheduler_block_size=size, hash_block_size=BLOCK, enable_caching=True
+    )
+    assert kvm.coordinator.enable_partial_hash_hits
+    return kvm
+
+
+def free_cow_retained(kvm: KVCacheManager, blocks: list[Any], deferred: bool) -> None:
+    """vLLM's own ``Scheduler._free_cow_retained_blocks`` of a step's copy endpoints, on a stand-in scheduler: at
+    once, or (``deferred``, async scheduling) held back until the step that runs the copy is processed and freed
+    by ``Scheduler._drain_deferred_frees``."""
+    sched = SimpleNamespace(
+        defer_block_free=deferred, processed_step_seq=0, deferred_frees=deque(), kv_cache_manager=kvm
+    )
+    Scheduler._free_cow_retained_blocks(sched, blocks, 1)
+    if deferred:
+        assert all(blk.ref_cnt > 0 for blk in blocks)
+        sched.processed_step_seq = 1
+        Scheduler._drain_deferred_frees(sched)
+        assert not sched.deferred_frees
+
+
+def cow_step(kvm: KVCacheManager, req: Request, n: int, deferred: bool, hit: bool = False) -> list[Any]:
+    """One scheduler step of ``req`` (``n`` tokens; ``hit``: its admission, after its prefix-cache lookup): its
+    copy-on-write endpoints (source, copy, ...), freed as the scheduler frees them."""
+    kvm.new_step_starts()
+    if hit:
+        blocks, num_hit, _ = kvm.get_computed_blocks(req)
+        assert kvm.allocate_slots(req, n, num_hit, blocks) is not None
+        req.num_computed_tokens += num_hit
+    else:
+        assert kvm.allocate_slots(req, n) is not None
+    req.num_computed_tokens += n
+    _, retained = kvm.take_kv_cache_block_copies()
+    if retained:
+        free_cow_retained(kvm, retained, deferred)
+    return retained
+
+
+def hit_mid_block(
+    kvm: KVCacheManager, priority: int, deferred: bool, before_hit: Any = None
+) -> tuple[Request, list[Any], list[Any]]:
+    """Request ``a`` (priority 0) computes a 100-token prompt (its prefill ends at the 96-token checkpoint) and
+    finishes; ``b`` (``priority``), with the same first 100 tokens, hits 96 of them, inside the second 64-token
+    block: both groups copy that block on write (``before_hit()`` is called just before). Returns ``b`` (admitted),
+    the blocks it hit that were copied (one per group), and their copies."""
+    a = make_request("a", list(range(100)))
+    for n in (4 * BLOCK, 2 * BLOCK, 4):
+        cow_step(kvm, a, n, deferred)
+    kvm.free(a)
+    b = make_request("b", [*range(100), *range(9000, 9100)], priority=priority)
+    if before_hit is not None:
+        before_hit()
+    retained = cow_step(kvm, b, 2 * BLOCK, deferred, hit=True)
+    assert b.num_computed_tokens == 8 * BLOCK and len(retained) == 4, retained
+    return b, retained[0::2], retained[1::2]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_block_a_partial_hit_copies_on_write_takes_the_hitting_requests_retention(
+    granularity: str, deferred: bool
+) -> None:
+    """On a partial (sub-block) prefix hit, ``SingleTypeKVCacheManager._apply_cow`` puts a private copy in the
+    request's table in place of the cached block it hit; that block keeps the hit's reference until the copy has run,
+    and the scheduler frees it then, outside any request: it was queued at the retention of its last release (request
+    ``a``, class 0), never at the request that hit it. Released at the hitting request's priority now, once each
+    (the copies, which the request releases at its end, were right already)."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = cow_manager(40)
+    q = kvm.block_pool.free_block_queue
+    b, hit, copies = hit_mid_block(kvm, -5, deferred)
+    tables = [m.req_to_blocks["b"] for m in kvm.coordinator.single_type_managers]
+    assert [table[1] for table in tables] == copies  # (the copies replaced the blocks hit, in both groups)
+    # (freed by the scheduler, still cached)
+    assert all(blk.ref_cnt == 0 and blk.block_hash is not None for blk in hit)
+    want = (q.mapping.retention_for(-5), -5)
+    assert want[0] != q.mapping.retention_for(0)
+    assert [_placed_at(q, blk.block_id) for blk in hit] == [want] * 2
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
+    while b.num_computed_tokens < b.num_tokens:
+        cow_step(kvm, b, min(4 * BLOCK, b.num_tokens - b.num_computed_tokens), deferred)
+    kvm.free(b)
+    assert [_placed_at(q, blk.block_id) for blk in hit + copies] == [want] * 4
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
+
+
+def test_a_failing_release_of_a_copied_block_is_counted_and_vllm_copies_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release of the block a partial hit copies fails: counted as a hook error, and vLLM's copy goes on (the
+    request's table holds the copy; the block hit is placed as before the hook, at its last release's retention)."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = cow_manager(40)
+    q = kvm.block_pool.free_block_queue
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("release")
+
+    b, hit, copies = hit_mid_block(kvm, -5, False, lambda: monkeypatch.setattr(q, "release_freed", fail))
+    assert plugin.stats()["hook_errors"] == {"cow": 2}
+    assert [m.req_to_blocks["b"][1] for m in kvm.coordinator.single_type_managers] == copies
+    assert [_placed_at(q, blk.block_id) for blk in hit] == [(q.mapping.retention_for(0), 0)] * 2
+    monkeypatch.undo()
+    kvm.free(b)
     q.check()

@@ -258,8 +258,10 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     ) -> None:
         """Before vLLM's ``free_blocks(freed)``, called by a group's manager while it serves a running ``request``
         (align-mode Mamba frees its retired state blocks this way, by rules of its own: see
-        ``_patches._make_mamba_remove_skipped_blocks``): one release for each block of ``freed`` that ``held``
-        (position -> block: the group's blocks the call may free, as they stood before it) names, at that
+        ``_patches._make_mamba_remove_skipped_blocks``; a partial hit's copy-on-write takes the cached block the
+        request hit out of its table for the scheduler to free later, ``_patches._make_apply_cow``: a release leaves
+        reference counts alone, vLLM's free places the block): one release for each block of ``freed`` that
+        ``held`` (position -> block: the group's blocks the call may free, as they stood before it) names, at that
         position, as :meth:`release_skipped` does for a window. Other blocks are left to vLLM (placed as before);
         so are the group's other blocks, which this release masks with ``null`` (a release reads none below its
         first position)."""

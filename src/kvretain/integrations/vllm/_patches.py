@@ -23,6 +23,10 @@ be swapped):
 * ``Scheduler._connector_finished``: with a KV connector, vLLM frees a finished request's out-of-window blocks
   there (``KVCacheManager.remove_skipped_blocks``), outside ``allocate_slots``; the pool's queue is told the request
   during the call, as ``allocate_slots`` tells it, so the two hooks above release those blocks at its retention too.
+* ``SingleTypeKVCacheManager._apply_cow`` (a partial, sub-block prefix hit on a hybrid model with align-mode Mamba,
+  from ``allocate_slots``): the request's table takes a private copy in place of the cached block it hit, which
+  the scheduler frees once the copy has run, outside any request; that block is released at the request's priority
+  and retention here (:meth:`HookedFreeQueue.release_freed`), as the request's own free would have released it.
 * ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
   starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -488,6 +492,30 @@ def _make_mamba_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[...
     return _remove_blocks_in_range
 
 
+def _make_apply_cow(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _apply_cow(self: Any, request_id: str, block_idx: int, source_block: Any, cow_block: Any) -> None:
+        orig(self, request_id, block_idx, source_block, cow_block)
+        # NOTE: a partial (sub-block) prefix hit: the request's table now holds a private copy (``cow_block``, which
+        # the request releases at its end) in place of the cached block it hit; that block keeps the request's hit
+        # reference only until the copy has run, and the scheduler then frees it with ``BlockPool.free_blocks``,
+        # outside any request. Released here once, at the request's retention and at the position it had in the
+        # request's table, as the request's own free would have released it (its reference count is left to vLLM)
+        pool = self.block_pool
+        q = pool.free_block_queue
+        if type(q) in QUEUE_TYPES:
+            request = q.allocating  # (set by allocate_slots, whose block allocation calls this)
+            if request is not None and request.request_id == request_id:
+                try:
+                    held = {block_idx: source_block}
+                    q.release_freed(request, held, (source_block,), int(self.block_size), pool.null_block)
+                except Exception:
+                    _hook_failed(
+                        "cow", "kvretain: release hook failed (the block hit is placed at its last retention)"
+                    )
+
+    return _apply_cow
+
+
 def _retention_queues(manager: Any) -> list[RetentionFreeQueue | RunFreeQueue]:
     """The retention queues of ``manager``'s pools: its own pool's and any other a KV cache group frees into
     (each once; a pool without a retention queue, such as HiSparse's host pool, has none)."""
@@ -640,6 +668,7 @@ def install(cfg: PluginConfig) -> None:
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
     _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
+    _patch(SingleTypeKVCacheManager, "_apply_cow", _make_apply_cow)
     try:
         from vllm.v1.core.sched.scheduler import Scheduler  # (the engine core imports it too)
 
