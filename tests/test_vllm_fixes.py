@@ -1,7 +1,7 @@
 """The plugin inside vLLM 0.33: HiSparse's host pool, the supported versions and the log it writes, hook errors,
 the counters under concurrent reads, how lookups are counted per request, the blocks a sliding window or
-align-mode Mamba frees mid-request or when a KV connector's request finishes, and the block a partial hit copies
-on write.
+align-mode Mamba frees mid-request or when a KV connector's request finishes, the block a partial hit copies
+on write, and the block a running request's own cache entry moves to.
 
 (The eviction order the queues list and walk is in ``test_vllm_order.py``.) Run by ``scripts/test_vllm.sh``.
 """
@@ -1065,4 +1065,96 @@ def test_a_failing_release_of_a_copied_block_is_counted_and_vllm_copies_it(
     assert [_placed_at(q, blk.block_id) for blk in hit] == [(q.mapping.retention_for(0), 0)] * 2
     monkeypatch.undo()
     kvm.free(b)
+    q.check()
+
+
+# ---------------------------------------------------------------------------- a running request's moved cache entry
+def produce_partial_tail(
+    kvm: KVCacheManager, priority: int, deferred: bool, before_move: Any = None
+) -> tuple[Request, Any, Any, set[int]]:
+    """Request ``a`` (priority 0) computes and frees another prompt first (its block ids carry its retention; in a
+    10-block pool p's blocks reuse them); then ``p`` (``priority``) prefills a 100-token prompt, 64 + 32 tokens:
+    align-mode Mamba caches p's own state at the 96-token boundary, inside its second 64-token block; at p's next step
+    ``MambaManager.allocate_new_blocks`` moves that cache entry to a fresh block (``BlockPool.move_block_hashes``)
+    that the copy fills, and the scheduler frees the copy's endpoints (``before_move()`` is called just before that
+    step). Returns ``p``, its state block (still in its table), the block now carrying the entry, and the ids of
+    the blocks ``a`` released cached."""
+    a = make_request("a", list(range(5000, 5200)))
+    for n in (8 * BLOCK, 4 * BLOCK, 8):
+        cow_step(kvm, a, n, deferred)
+    kvm.free(a)
+    by_a = {blk.block_id for blk in kvm.block_pool.blocks if blk.block_hash is not None}
+    p = make_request("p", list(range(100)), priority=priority)
+    cow_step(kvm, p, 4 * BLOCK, deferred)
+    assert cow_step(kvm, p, 2 * BLOCK, deferred) == []
+    mamba = kvm.coordinator.single_type_managers[1]
+    state = mamba.req_to_blocks["p"][1]
+    # (p's own partial entry, on its state block)
+    assert state.block_hash is not None and state.block_hash_num_tokens == 6 * BLOCK
+    if before_move is not None:
+        before_move()
+    retained = cow_step(kvm, p, 4, deferred)
+    assert len(retained) == 2 and retained[0] is state, retained  # (one copy: p's state into a fresh block)
+    moved = retained[1]
+    assert mamba.req_to_blocks["p"][1] is state and state.block_hash is None
+    assert moved.block_hash is not None and moved.block_hash_num_tokens == 6 * BLOCK
+    assert all(moved is not blk for m in kvm.coordinator.single_type_managers for blk in m.req_to_blocks["p"])
+    assert moved.ref_cnt == 0  # (freed by the scheduler, never released by a request)
+    return p, state, moved, by_a
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_block_a_running_requests_partial_tail_entry_moves_to_takes_its_retention(
+    granularity: str, deferred: bool
+) -> None:
+    """When a running request's own partial prompt-tail state is cached, align-mode Mamba moves that cache entry to a
+    fresh block (``BlockPool.move_block_hashes``, from ``MambaManager.allocate_new_blocks``) which the copy fills; the
+    block is in no request's table and the scheduler frees it once the copy has run: it was queued at the retention
+    of its last release (35, class 0), never at the request that computed the state. Released once at the producing
+    request's priority now, at its state's position; it is the block the next request with that prefix hits."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = cow_manager(10)  # (small: the block the entry moves to is one a released)
+    q = kvm.block_pool.free_block_queue
+    p, _, moved, by_a = produce_partial_tail(kvm, -5, deferred)
+    assert moved.block_id in by_a  # (an id a released: its last retention is a's)
+    want = (q.mapping.retention_for(-5), -5)
+    assert want[0] != q.mapping.retention_for(0)
+    assert _placed_at(q, moved.block_id) == want
+    # (p's first state block, which align mode retires at the same step: its own hook; and the moved entry's block)
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 2
+    for _ in range(2):  # (decode on: no other copy)
+        p.append_output_token_ids(7)
+        assert cow_step(kvm, p, 1, deferred) == []
+    kvm.free(p)
+    assert _placed_at(q, moved.block_id) == want
+    c = make_request("c", [*range(100), *range(9000, 9100)])
+    blocks, num_hit, _ = kvm.get_computed_blocks(c)
+    assert num_hit == 6 * BLOCK and blocks.blocks[1][-1] is moved  # (the block the next request hits)
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
+
+
+def test_a_failing_release_of_a_moved_cache_entry_is_counted_and_vllm_moves_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release of the block a running request's cache entry moves to fails: counted as a hook error, and vLLM's
+    move and copy go on (the block carries the entry, the request keeps its state block, the scheduler frees the
+    copy's endpoints; the block is placed as before the hook, 35, class 0)."""
+    plugin.enable(PluginConfig(policy="unified"))
+    kvm = cow_manager(10)
+    q = kvm.block_pool.free_block_queue
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("release")
+
+    p, state, moved, _ = produce_partial_tail(
+        kvm, -5, False, lambda: monkeypatch.setattr(q, "release_freed", fail)
+    )
+    # (and the release of p's first state block, which align mode retires at the same step: its own hook)
+    assert plugin.stats()["hook_errors"] == {"move": 1, "skip": 1}
+    assert state.ref_cnt == 1 and moved.ref_cnt == 0
+    assert _placed_at(q, moved.block_id) == (q.mapping.retention_for(0), 0)
+    monkeypatch.undo()
+    kvm.free(p)
     q.check()

@@ -42,6 +42,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         "_warned",
         "allocating",
         "counters",
+        "manager",
         "mapping",
         "pool_blocks",
     )
@@ -62,6 +63,9 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         # the request KVCacheManager.allocate_slots is serving (hybrid models only) or Scheduler._connector_finished
         # is finishing: release_skipped's / release_freed's request
         self.allocating: Any = None
+        # a weak reference to the KVCacheManager this pool serves (hybrid models only, set by its __init__): the
+        # hook on a moved cache entry (BlockPool.move_block_hashes) finds the request's group tables through it
+        self.manager: Any = None
 
     # ------------------------------------------------------------ queue interface
     def popleft(self) -> KVCacheBlock:
@@ -259,8 +263,10 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """Before vLLM's ``free_blocks(freed)``, called by a group's manager while it serves a running ``request``
         (align-mode Mamba frees its retired state blocks this way, by rules of its own: see
         ``_patches._make_mamba_remove_skipped_blocks``; a partial hit's copy-on-write takes the cached block the
-        request hit out of its table for the scheduler to free later, ``_patches._make_apply_cow``: a release leaves
-        reference counts alone, vLLM's free places the block): one release for each block of ``freed`` that
+        request hit out of its table for the scheduler to free later, ``_patches._make_apply_cow``; align-mode Mamba
+        moves a running request's own cache entry to a fresh block outside its table, which the scheduler frees
+        later too, ``_patches._make_move_block_hashes``: a release leaves reference counts alone, vLLM's free
+        places the block): one release for each block of ``freed`` that
         ``held`` (position -> block: the group's blocks the call may free, as they stood before it) names, at that
         position, as :meth:`release_skipped` does for a window. Other blocks are left to vLLM (placed as before);
         so are the group's other blocks, which this release masks with ``null`` (a release reads none below its

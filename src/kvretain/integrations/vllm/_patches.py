@@ -27,6 +27,12 @@ be swapped):
   from ``allocate_slots``): the request's table takes a private copy in place of the cached block it hit, which
   the scheduler frees once the copy has run, outside any request; that block is released at the request's priority
   and retention here (:meth:`HookedFreeQueue.release_freed`), as the request's own free would have released it.
+* ``BlockPool.move_block_hashes`` (align-mode Mamba's ``allocate_new_blocks``, from ``allocate_slots``, when a
+  running request's own partial prompt-tail state was cached): the state's cache entry moves to a fresh block that
+  holds a copy of it, in no request's table, which the scheduler frees once the copy has run; that block is
+  released at the request's priority and retention here, at the state block's position in the request's group
+  table (:meth:`HookedFreeQueue.release_freed`; found through ``KVCacheManager.__init__``, which names the manager
+  to the queue on a hybrid model). Only on a move: a plain model never calls it.
 * ``ChatCompletionRequest`` / ``CompletionRequest.to_sampling_params`` (OpenAI server, HTTP 400 before a stream
   starts), ``InputProcessor._validate_params`` (front end, HTTP 400) and ``EngineCore.preprocess_add_request``
   (engine core, a per-request ``validation_error``): reject bad retention directives; the latter, once vLLM has
@@ -39,6 +45,7 @@ traceback the first time) and the stock code path continues.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -346,10 +353,12 @@ def _make_manager_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
         try:
-            if type(self.block_pool.free_block_queue) in QUEUE_TYPES and _full_attention(self) is None:
+            q = self.block_pool.free_block_queue
+            if type(q) in QUEUE_TYPES and _full_attention(self) is None:
                 # a group may free blocks mid-request (release_skipped needs the request): only then, so that
                 # a plain model's allocate_slots, called for every scheduled request each step, pays nothing
                 _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
+                q.manager = weakref.ref(self)  # (for a moved cache entry: _make_move_block_hashes)
         except Exception:
             _hook_failed("manager", "kvretain: cannot follow a hybrid model's mid-request frees (ignored)")
 
@@ -516,6 +525,50 @@ def _make_apply_cow(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _apply_cow
 
 
+def _release_moved(pool: Any, q: Any, request: Any, src: Any, dst: Any) -> None:
+    """``dst`` now carries the cache entries of ``src``, a block of ``request``'s (the one ``allocate_slots`` serves):
+    released once at the request's retention, at the position ``src`` has in the request's group table (as if the
+    request had released it there; its reference count is left to vLLM). Nothing when no group table of the
+    request on this pool holds ``src`` (placed as before)."""
+    ref = q.manager
+    manager = ref() if ref is not None else None
+    if manager is None:
+        return
+    rid = request.request_id
+    for m in manager.coordinator.single_type_managers:
+        table = m.req_to_blocks.get(rid) if m.block_pool is pool else None
+        if not table:
+            continue
+        for i in range(len(table) - 1, -1, -1):  # (by identity: the state block sits near the table's end)
+            if table[i] is src:
+                q.release_freed(request, {i: dst}, (dst,), int(m.block_size), pool.null_block)
+                return
+
+
+def _make_move_block_hashes(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def move_block_hashes(self: Any, src_block: Any, dst_block: Any) -> None:
+        orig(self, src_block, dst_block)
+        # NOTE: align-mode Mamba (vLLM 0.33's MambaManager.allocate_new_blocks, from allocate_slots) moves the cache
+        # entry of a running request's own partial prompt-tail state to a fresh block, which holds a copy of it
+        # once the copy has run; that block is in no request's table, and the scheduler frees it after the copy
+        # (``BlockPool.free_blocks``), outside any request. Released here once, at the request's retention, as if
+        # it had released the block at its state's position; a plain model never calls this
+        q = self.free_block_queue
+        if type(q) in QUEUE_TYPES:
+            request = q.allocating  # (set by allocate_slots, hybrid models only)
+            if request is not None:
+                try:
+                    _release_moved(self, q, request, src_block, dst_block)
+                except Exception:
+                    _hook_failed(
+                        "move",
+                        "kvretain: release hook failed (the block a cache entry moved to is placed at its last "
+                        "retention)",
+                    )
+
+    return move_block_hashes
+
+
 def _retention_queues(manager: Any) -> list[RetentionFreeQueue | RunFreeQueue]:
     """The retention queues of ``manager``'s pools: its own pool's and any other a KV cache group frees into
     (each once; a pool without a retention queue, such as HiSparse's host pool, has none)."""
@@ -669,6 +722,8 @@ def install(cfg: PluginConfig) -> None:
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
     _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
     _patch(SingleTypeKVCacheManager, "_apply_cow", _make_apply_cow)
+    if "move_block_hashes" in BlockPool.__dict__:  # (a vLLM without it moves no cache entries)
+        _patch(BlockPool, "move_block_hashes", _make_move_block_hashes)
     try:
         from vllm.v1.core.sched.scheduler import Scheduler  # (the engine core imports it too)
 
