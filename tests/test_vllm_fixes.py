@@ -57,12 +57,14 @@ def _plugin_off() -> Iterator[None]:
     plugin.reset_stats()
 
 
-def make_request(rid: str, prompt: list[int], priority: int = 0) -> Request:
+def make_request(
+    rid: str, prompt: list[int], priority: int = 0, extra_args: dict[str, Any] | None = None
+) -> Request:
     init_none_hash(sha256)
     return Request(
         request_id=rid,
         prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=4),
+        sampling_params=SamplingParams(max_tokens=4, extra_args=extra_args),
         pooling_params=None,
         priority=priority,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
@@ -999,7 +1001,11 @@ def cow_step(kvm: KVCacheManager, req: Request, n: int, deferred: bool, hit: boo
 
 
 def hit_mid_block(
-    kvm: KVCacheManager, priority: int, deferred: bool, before_hit: Any = None
+    kvm: KVCacheManager,
+    priority: int,
+    deferred: bool,
+    before_hit: Any = None,
+    extra_args: dict[str, Any] | None = None,
 ) -> tuple[Request, list[Any], list[Any]]:
     """Request ``a`` (priority 0) computes a 100-token prompt (its prefill ends at the 96-token checkpoint) and
     finishes; ``b`` (``priority``), with the same first 100 tokens, hits 96 of them, inside the second 64-token
@@ -1009,7 +1015,7 @@ def hit_mid_block(
     for n in (4 * BLOCK, 2 * BLOCK, 4):
         cow_step(kvm, a, n, deferred)
     kvm.free(a)
-    b = make_request("b", [*range(100), *range(9000, 9100)], priority=priority)
+    b = make_request("b", [*range(100), *range(9000, 9100)], priority=priority, extra_args=extra_args)
     if before_hit is not None:
         before_hit()
     retained = cow_step(kvm, b, 2 * BLOCK, deferred, hit=True)
@@ -1070,7 +1076,11 @@ def test_a_failing_release_of_a_copied_block_is_counted_and_vllm_copies_it(
 
 # ---------------------------------------------------------------------------- a running request's moved cache entry
 def produce_partial_tail(
-    kvm: KVCacheManager, priority: int, deferred: bool, before_move: Any = None
+    kvm: KVCacheManager,
+    priority: int,
+    deferred: bool,
+    before_move: Any = None,
+    extra_args: dict[str, Any] | None = None,
 ) -> tuple[Request, Any, Any, set[int]]:
     """Request ``a`` (priority 0) computes and frees another prompt first (its block ids carry its retention; in a
     10-block pool p's blocks reuse them); then ``p`` (``priority``) prefills a 100-token prompt, 64 + 32 tokens:
@@ -1084,7 +1094,7 @@ def produce_partial_tail(
         cow_step(kvm, a, n, deferred)
     kvm.free(a)
     by_a = {blk.block_id for blk in kvm.block_pool.blocks if blk.block_hash is not None}
-    p = make_request("p", list(range(100)), priority=priority)
+    p = make_request("p", list(range(100)), priority=priority, extra_args=extra_args)
     cow_step(kvm, p, 4 * BLOCK, deferred)
     assert cow_step(kvm, p, 2 * BLOCK, deferred) == []
     mamba = kvm.coordinator.single_type_managers[1]
@@ -1157,4 +1167,29 @@ def test_a_failing_release_of_a_moved_cache_entry_is_counted_and_vllm_moves_it(
     assert _placed_at(q, moved.block_id) == (q.mapping.retention_for(0), 0)
     monkeypatch.undo()
     kvm.free(p)
+    q.check()
+
+
+@pytest.mark.parametrize("what", ["cow", "move"])
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_copied_and_the_moved_block_are_released_at_their_position_in_the_group(
+    granularity: str, what: str
+) -> None:
+    """The block a partial hit copies on write and the block a running request's own cache entry moves to are
+    released at the position their source has in the request's group table, in that group's block size: a
+    directive on prompt tokens [64, 100) (the second 64-token block; the 16-token hash blocks it spans are 4..6)
+    gives them its priority, and no other position or block size does."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    directive = {"retention_directives": [{"start": 64, "end": 100, "priority": 60}]}
+    if what == "cow":
+        kvm = cow_manager(40)
+        _, blocks, _ = hit_mid_block(kvm, -5, False, extra_args=directive)
+    else:
+        kvm = cow_manager(10)
+        _, _, moved, _ = produce_partial_tail(kvm, -5, False, extra_args=directive)
+        blocks = [moved]
+    q = kvm.block_pool.free_block_queue
+    assert 60 not in (q.mapping.retention_for(-5), q.mapping.retention_for(0))
+    assert [_placed_at(q, blk.block_id) for blk in blocks] == [(60, -5)] * len(blocks)
+    assert plugin.stats()["hook_errors"] == {}
     q.check()
