@@ -721,7 +721,8 @@ def install(cfg: PluginConfig) -> None:
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)
     _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
-    _patch(SingleTypeKVCacheManager, "_apply_cow", _make_apply_cow)
+    if "_apply_cow" in SingleTypeKVCacheManager.__dict__:  # (a vLLM without it copies no partial hits)
+        _patch(SingleTypeKVCacheManager, "_apply_cow", _make_apply_cow)
     if "move_block_hashes" in BlockPool.__dict__:  # (a vLLM without it moves no cache entries)
         _patch(BlockPool, "move_block_hashes", _make_move_block_hashes)
     try:
