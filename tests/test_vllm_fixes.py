@@ -731,6 +731,15 @@ def run_chunks(
     return freed
 
 
+def released_by_a(kvm: KVCacheManager) -> set[int]:
+    """Request ``a`` (priority 0) prefills and frees an 8-block prompt first: the ids of the blocks it leaves cached
+    (each queued at a's retention, so a later request's block on one of them shows whether its own was set)."""
+    a = make_request("a", list(range(8 * BLOCK)))
+    run_chunks(kvm, a, 5)
+    kvm.free(a)
+    return {b.block_id for b in kvm.block_pool.blocks if b.block_hash is not None}
+
+
 @pytest.mark.parametrize("granularity", ["run", "block"])
 def test_the_state_blocks_align_mode_mamba_frees_mid_request_take_their_requests_retention(
     granularity: str,
@@ -742,10 +751,7 @@ def test_the_state_blocks_align_mode_mamba_frees_mid_request_take_their_requests
     plugin.enable(PluginConfig(policy="unified", granularity=granularity))
     kvm = mamba_manager(14)
     q = kvm.block_pool.free_block_queue
-    a = make_request("a", list(range(8 * BLOCK)))
-    run_chunks(kvm, a, 5)
-    kvm.free(a)
-    by_a = {b.block_id for b in kvm.block_pool.blocks if b.block_hash is not None}
+    by_a = released_by_a(kvm)
     b = make_request("b", list(range(1000, 1000 + 8 * BLOCK)), priority=-5)
     freed = run_chunks(kvm, b, 6)
     ids = {bid for _, bid, _ in freed}
@@ -885,10 +891,7 @@ def test_the_state_block_align_mode_mamba_frees_at_a_connectors_finish_takes_its
     plugin.enable(PluginConfig(policy="unified", granularity=granularity))
     kvm = mamba_manager(14)
     q = kvm.block_pool.free_block_queue
-    a = make_request("a", list(range(8 * BLOCK)))
-    run_chunks(kvm, a, 5)
-    kvm.free(a)
-    by_a = {blk.block_id for blk in kvm.block_pool.blocks if blk.block_hash is not None}
+    by_a = released_by_a(kvm)
     b = make_request("b", list(range(1000, 1000 + 8 * BLOCK)), priority=-5)
     run_chunks(kvm, b, 4)  # (the prompt, two blocks a step)
     table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["b"])
