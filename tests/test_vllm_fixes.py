@@ -678,11 +678,12 @@ def test_the_skipped_block_hook_releases_what_vllms_remove_blocks_in_range_frees
     q.check()
 
 
-def mamba_manager(num_blocks: int) -> KVCacheManager:
+def mamba_manager(num_blocks: int, size: int = BLOCK, max_model_len: int = 512) -> KVCacheManager:
     """A hybrid layout as prefix caching runs it for a Mamba model: full attention, and Mamba states in align mode
-    (one state block per block of tokens, the older ones freed while the request runs)."""
-    shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
-    mamba = MambaSpec(block_size=BLOCK, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    (one state block per block of tokens, the older ones freed while the request runs), in blocks of ``size``
+    tokens hashed every ``BLOCK``."""
+    shape: dict[str, Any] = {"block_size": size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    mamba = MambaSpec(block_size=size, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -692,7 +693,11 @@ def mamba_manager(num_blocks: int) -> KVCacheManager:
         ],
     )
     return KVCacheManager(
-        config, max_model_len=512, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+        config,
+        max_model_len=max_model_len,
+        scheduler_block_size=size,
+        hash_block_size=BLOCK,
+        enable_caching=True,
     )
 
 
@@ -854,6 +859,14 @@ def connector_finished(kvm: KVCacheManager, req: Request, connector: Any = None)
     assert Scheduler._connector_finished(sched, req) == (False, None)
 
 
+def computed_prompt(kvm: KVCacheManager) -> tuple[Request, list[Any]]:
+    """A priority -5 request whose 6-block prompt is allocated and computed, and its sliding-window group's table."""
+    req = make_request("a", list(range(6 * BLOCK)), priority=-5)
+    assert kvm.allocate_slots(req, req.num_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    return req, list(kvm.coordinator.single_type_managers[1].req_to_blocks["a"])
+
+
 @pytest.mark.parametrize("granularity", ["run", "block"])
 def test_the_blocks_a_window_frees_at_a_connectors_finish_take_their_requests_retention(
     granularity: str,
@@ -864,10 +877,7 @@ def test_the_blocks_a_window_frees_at_a_connectors_finish_take_their_requests_re
     plugin.enable(PluginConfig(policy="unified", granularity=granularity))
     kvm = window_manager(40)
     q = kvm.block_pool.free_block_queue
-    req = make_request("a", list(range(6 * BLOCK)), priority=-5)
-    assert kvm.allocate_slots(req, req.num_tokens) is not None
-    req.num_computed_tokens = req.num_tokens
-    table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["a"])
+    req, table = computed_prompt(kvm)
     assert all(blk.block_hash is not None for blk in table)
     connector_finished(kvm, req)
     freed = [blk.block_id for blk in table if blk.ref_cnt == 0]
@@ -917,10 +927,7 @@ def test_a_failing_release_at_a_connectors_finish_is_counted_and_vllm_frees_the_
     plugin.enable(PluginConfig(policy="unified"))
     kvm = window_manager(40)
     q = kvm.block_pool.free_block_queue
-    req = make_request("a", list(range(6 * BLOCK)), priority=-5)
-    assert kvm.allocate_slots(req, req.num_tokens) is not None
-    req.num_computed_tokens = req.num_tokens
-    table = list(kvm.coordinator.single_type_managers[1].req_to_blocks["a"])
+    req, table = computed_prompt(kvm)
 
     def fail(*args: Any) -> None:
         raise RuntimeError("release")
@@ -953,20 +960,7 @@ def test_a_failing_release_at_a_connectors_finish_is_counted_and_vllm_frees_the_
 def cow_manager(num_blocks: int) -> KVCacheManager:
     """A hybrid layout with sub-block prefix hits: full attention and align-mode Mamba in 64-token blocks, hashed
     every 16 tokens (vLLM then lets a hit end inside a block, and copies that block on write)."""
-    size = 4 * BLOCK
-    shape: dict[str, Any] = {"block_size": size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
-    mamba = MambaSpec(block_size=size, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
-            KVCacheGroupSpec(["mamba"], mamba),
-        ],
-    )
-    kvm = KVCacheManager(
-        config, max_model_len=1024, scheduler_block_size=size, hash_block_size=BLOCK, enable_caching=True
-    )
+    kvm = mamba_manager(num_blocks, 4 * BLOCK, max_model_len=1024)
     assert kvm.coordinator.enable_partial_hash_hits
     return kvm
 
