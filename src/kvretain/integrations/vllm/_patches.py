@@ -99,6 +99,16 @@ def _queue(pool: Any) -> RetentionFreeQueue | RunFreeQueue | None:
     return q if type(q) in QUEUE_TYPES else None
 
 
+def _served(q: Any, request_id: str) -> Any:
+    """The request ``q``'s release hooks serve (``allocating``: set by ``KVCacheManager.allocate_slots`` and
+    ``Scheduler._connector_finished``) when ``q`` is a retention queue and that request is ``request_id``; else
+    None (another caller: its blocks are placed as before)."""
+    if type(q) not in QUEUE_TYPES:
+        return None
+    request = q.allocating
+    return request if request is not None and request.request_id == request_id else None
+
+
 # ---------------------------------------------------------------- BlockPool
 def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQueue:
     """Replace ``pool``'s free queue (all blocks free but the null block) with a policy-backed one."""
@@ -383,18 +393,14 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
     def _remove_blocks_in_range(self: Any, request_id: str, first_block: int, last_block: int) -> None:
         pool = self.block_pool
         q = pool.free_block_queue
-        if type(q) in QUEUE_TYPES and type(pool) is not _ReleasingPool:  # (that one releases what is freed)
-            request = q.allocating
-            # (set by allocate_slots and Scheduler._connector_finished; None: another caller, placed as before)
-            if request is not None and request.request_id == request_id:
-                try:
-                    q.release_skipped(
-                        request, self.req_to_blocks.get(request_id), first_block, last_block, self.block_size
-                    )
-                except Exception:
-                    _hook_failed(
-                        "skip", "kvretain: release hook failed (blocks released at default retention)"
-                    )
+        request = _served(q, request_id) if type(pool) is not _ReleasingPool else None  # (that one releases)
+        if request is not None:
+            try:
+                q.release_skipped(
+                    request, self.req_to_blocks.get(request_id), first_block, last_block, self.block_size
+                )
+            except Exception:
+                _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
         orig(self, request_id, first_block, last_block)
 
     return _remove_blocks_in_range
@@ -450,10 +456,8 @@ def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     keeps the manager's own pool (no retention queue, another mode, another caller: placed as before)."""
     pool = manager.block_pool
     q = pool.free_block_queue
-    if type(q) not in QUEUE_TYPES or manager.mamba_cache_mode != "align":
-        return None
-    request = q.allocating
-    if request is None or request.request_id != request_id:
+    request = _served(q, request_id) if manager.mamba_cache_mode == "align" else None
+    if request is None:
         return None
     table = manager.req_to_blocks.get(request_id)
     if not table:
@@ -511,16 +515,15 @@ def _make_apply_cow(orig: Callable[..., Any]) -> Callable[..., Any]:
         # request's table, as the request's own free would have released it (its reference count is left to vLLM)
         pool = self.block_pool
         q = pool.free_block_queue
-        if type(q) in QUEUE_TYPES:
-            request = q.allocating  # (set by allocate_slots, whose block allocation calls this)
-            if request is not None and request.request_id == request_id:
-                try:
-                    held = {block_idx: source_block}
-                    q.release_freed(request, held, (source_block,), int(self.block_size), pool.null_block)
-                except Exception:
-                    _hook_failed(
-                        "cow", "kvretain: release hook failed (the block hit is placed at its last retention)"
-                    )
+        request = _served(q, request_id)  # (allocate_slots, whose block allocation calls this)
+        if request is not None:
+            try:
+                held = {block_idx: source_block}
+                q.release_freed(request, held, (source_block,), int(self.block_size), pool.null_block)
+            except Exception:
+                _hook_failed(
+                    "cow", "kvretain: release hook failed (the block hit is placed at its last retention)"
+                )
 
     return _apply_cow
 
@@ -569,39 +572,26 @@ def _make_move_block_hashes(orig: Callable[..., Any]) -> Callable[..., Any]:
     return move_block_hashes
 
 
-def _retention_queues(manager: Any) -> list[RetentionFreeQueue | RunFreeQueue]:
-    """The retention queues of ``manager``'s pools: its own pool's and any other a KV cache group frees into
-    (each once; a pool without a retention queue, such as HiSparse's host pool, has none)."""
-    queues: list[RetentionFreeQueue | RunFreeQueue] = []
-    for pool in (manager.block_pool, *(m.block_pool for m in manager.coordinator.single_type_managers)):
-        q = _queue(pool)
-        if q is not None and all(q is not seen for seen in queues):
-            queues.append(q)
-    return queues
-
-
 def _make_connector_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _connector_finished(self: Any, request: Any) -> Any:
         # NOTE: with a KV connector, vLLM frees a finished request's out-of-window blocks here (the kv cache
-        # manager's ``remove_skipped_blocks``), outside ``allocate_slots``: the queues are told the request, as
-        # allocate_slots tells them, so that the window and Mamba hooks release those blocks at its retention
+        # manager's ``remove_skipped_blocks``), outside ``allocate_slots``: the pool's queue is told the request, as
+        # allocate_slots tells it (one pool serves every group), so that the window and Mamba hooks release those
+        # blocks at its retention
         if getattr(self, "connector", None) is None:  # (vLLM returns at once; getattr: never raise into vLLM)
             return orig(self, request)
         try:
-            queues = _retention_queues(self.kv_cache_manager)
+            q = _queue(self.kv_cache_manager.block_pool)
         except Exception:
-            queues = []
+            q = None
             _hook_failed("connector", "kvretain: connector-finish hook failed (blocks placed as before)")
-        if not queues:
+        if q is None:
             return orig(self, request)
-        before = [q.allocating for q in queues]
-        for q in queues:
-            q.allocating = request
+        was, q.allocating = q.allocating, request
         try:
             return orig(self, request)
         finally:
-            for q, was in zip(queues, before, strict=True):
-                q.allocating = was
+            q.allocating = was
 
     return _connector_finished
 
