@@ -230,6 +230,43 @@ def test_an_evicted_block_counts_as_recomputed_at_its_first_miss_only() -> None:
     assert rep.kv.evicted == {hashes[0], hashes[1], hashes[5]}
 
 
+def test_an_evicted_copy_is_not_recomputed_while_another_copy_of_its_content_stays_cached() -> None:
+    # s3fifo may evict a parent before its child; the child's content, computed again behind a new parent, is
+    # then held twice (a copy). Evicting the copy while the first block stays cached loses no content, so a
+    # later miss on that hash (behind the parent, evicted again) is no recomputation of evicted content.
+    rep = Replica(
+        0, cost(), 6, 16, "s3fifo", PolicyConfig(), PriorityMapping(), SchedulerConfig(), lambda: 0.0, {}
+    )
+    kv = rep.kv
+    head, child, tail = TokenSeq.seeded(1, 16), TokenSeq.seeded(2, 16), TokenSeq.seeded(3, 1)
+
+    def serve(rid: str, prompt: TokenSeq) -> int:
+        """Admit a request with its whole prompt, release it; the blocks it hit."""
+        req = SimRequest(wr(rid, prompt, 1))
+        hits, n = kv.get_computed_blocks(req)
+        assert kv.allocate_slots(req, req.num_prompt_tokens - n, n, hits) is not None
+        kv.free(req)
+        return n // 16
+
+    hp, hc = SimRequest(wr("hashes", head + child + tail, 1)).block_hashes(16, 2)[:2]
+    # the parent enters the small queue alone, first; two requests hit it, the second hits the child too:
+    # both move to the main queue in that order, and the next eviction takes the parent
+    hits = [serve("a", head + tail), serve("b", head + child + tail), serve("c", head + child + tail)]
+    assert hits == [0, 1, 2]
+    assert serve("fill1", TokenSeq.seeded(10, 65)) == 0  # 5 blocks: the 4 empty ones and the parent
+    assert hp not in kv.pool.cached and hc in kv.pool.cached and kv.evicted == {hp}
+    # computed again behind a new parent: the child's content is registered a second time, a copy
+    assert serve("d", head + child + tail) == 0
+    assert kv.recomputed_tokens == {0: 16} and len(kv.pool.copies[hc]) == 1
+    # 5 blocks: the empty one and the small queue's four (fill1's other two, the copy, the new parent)
+    assert serve("fill2", TokenSeq.seeded(11, 65)) == 0
+    assert hp not in kv.pool.cached and hc in kv.pool.cached and hc not in kv.pool.copies
+    assert hp in kv.evicted and hc not in kv.evicted
+    # the parent's miss is recomputed again, the child's is not (its first block still holds it)
+    assert serve("e", head + child + tail) == 0
+    assert kv.recomputed_tokens == {0: 32}
+
+
 def test_a_class_counts_the_evictions_of_the_blocks_its_requests_released() -> None:
     doc = TokenSeq.seeded(5, 320)
     reqs = [
