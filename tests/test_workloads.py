@@ -536,6 +536,33 @@ def test_template_drift_replaces_a_share_of_the_active_templates(share: float, k
         assert not periods[0] & periods[2]
 
 
+def test_template_drift_first_drift_comes_at_drift_s_and_replaces_a_share_of_the_first_templates() -> None:
+    # the templates' own rng draws the first templates before any drift, and no other aspect draws from it:
+    # the same seed without drift (drift_share = 0) shows the calls on the first templates
+    cfg = TemplateDriftConfig(
+        duration_s=60.0, rate=4.0, active=5, zipf_s=0.0, drift_s=30.0, drift_share=0.4, followup_prob=0.3
+    )
+    drifting = generate_template_drift(cfg, random.Random(5))
+    still = generate_template_drift(dataclasses.replace(cfg, drift_share=0.0), random.Random(5))
+    first = _templates(still)
+    assert len(first) == 5
+    # before drift_s every request (follow-ups too) is the one it would be without drift
+    before = [r for r in drifting if r.arrival_s < cfg.drift_s]
+    assert len(before) > 60 and before == [r for r in still if r.arrival_s < cfg.drift_s]
+    # from drift_s on, the calls on 2 of the first templates (round(0.4 x 5)) go to 2 new ones instead, one
+    # each (the rank of the template it replaces); the others keep theirs
+    opened = {r.request_id: r.prompt.chunks[0] for r in still if r.after is None}
+    later = [r for r in drifting if r.after is None and r.arrival_s >= cfg.drift_s]
+    changed: dict[Chunk, set[Chunk]] = {}  # a first template -> the templates its calls use instead
+    for r in later:
+        if r.prompt.chunks[0] != opened[r.request_id]:
+            changed.setdefault(opened[r.request_id], set()).add(r.prompt.chunks[0])
+    assert len(changed) == cfg.retired_per_drift == 2 and all(len(new) == 1 for new in changed.values())
+    assert not set().union(*changed.values()) & first  # templates never used before
+    assert len({r.prompt.chunks[0] for r in later} & first) == 3  # the first templates kept, still called
+    assert not {r.prompt.chunks[0] for r in later} & set(changed)  # a retired template opens no session again
+
+
 def test_template_drift_follow_ups_extend_the_previous_turn() -> None:
     cfg = TemplateDriftConfig(duration_s=300.0, rate=2.0, active=10, followup_prob=0.6, max_turns=3)
     reqs = generate_template_drift(cfg, random.Random(2))
