@@ -1,8 +1,10 @@
 """One model replica: a KV cache manager, a scheduler and an executor sharing a virtual clock.
 
 :class:`TrackingKVCacheManager` adds the simulator's cache metrics on top of the core manager without
-changing its behaviour: *recomputed tokens* are prompt tokens a lookup misses although their block had been
-cached before and was evicted (every evicted hash is remembered until a lookup misses on it). Unlike the hit
+changing its behaviour: *recomputed tokens* are prompt tokens a lookup misses although this pool had computed
+and cached their content before: content evicted since (every evicted hash is remembered until a lookup misses
+on it), or content still cached but out of the lookup's reach behind an evicted block (a policy that may evict a
+parent before its child, such as ``s3fifo``, leaves such blocks; a prefix lookup stops at the first miss). Unlike the hit
 ratio, which counts first lookups only (:mod:`kvretain.core.stats`), a resume after preemption counts here
 too: recomputing an evicted block is work whichever lookup finds it missing.
 """
@@ -50,19 +52,23 @@ class TrackingKVCacheManager(KVCacheManager):
         self.pool.on_evict_batch = on_evict
 
     def on_admitted(self, req: CacheRequest, hit_blocks: int) -> None:
-        """At admission: the blocks past its hits that this pool evicted earlier are recomputed."""
+        """At admission: the blocks past its hits whose content this pool evicted earlier, or holds behind a block
+        the lookup missed, are recomputed."""
         if not isinstance(req, SimRequest):
             return
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
-        ev = self.evicted
-        if ev and max_blocks > hit_blocks:
+        ev, cached = self.evicted, self.pool.cached
+        if max_blocks > hit_blocks:
             hashes: Sequence[BlockHash] = req.block_hashes(bs, max_blocks)
-            missed = ev.intersection(hashes[hit_blocks:max_blocks])
+            past = hashes[hit_blocks:max_blocks]
+            missed = ev.intersection(past)
             if missed:
                 ev.difference_update(missed)
+            n = len(missed) + sum(1 for h in past if h in cached and h not in missed)
+            if n:
                 c = req.priority
-                self.recomputed_tokens[c] = self.recomputed_tokens.get(c, 0) + len(missed) * bs
+                self.recomputed_tokens[c] = self.recomputed_tokens.get(c, 0) + n * bs
 
     def prefix_match(self, req: SimRequest, max_blocks: int = 64) -> int:
         """Leading blocks of ``req`` cached here (no statistics; for routing)."""
