@@ -965,24 +965,29 @@ def cow_manager(num_blocks: int) -> KVCacheManager:
     return kvm
 
 
-def free_cow_retained(kvm: KVCacheManager, blocks: list[Any], deferred: bool) -> None:
+def free_cow_retained(kvm: KVCacheManager, blocks: list[Any], deferred: bool, while_held: Any = None) -> None:
     """vLLM's own ``Scheduler._free_cow_retained_blocks`` of a step's copy endpoints, on a stand-in scheduler: at
     once, or (``deferred``, async scheduling) held back until the step that runs the copy is processed and freed
-    by ``Scheduler._drain_deferred_frees``."""
+    by ``Scheduler._drain_deferred_frees`` (``while_held()`` is called before that)."""
     sched = SimpleNamespace(
         defer_block_free=deferred, processed_step_seq=0, deferred_frees=deque(), kv_cache_manager=kvm
     )
     Scheduler._free_cow_retained_blocks(sched, blocks, 1)
     if deferred:
         assert all(blk.ref_cnt > 0 for blk in blocks)
+        if while_held is not None:
+            while_held()
         sched.processed_step_seq = 1
         Scheduler._drain_deferred_frees(sched)
         assert not sched.deferred_frees
 
 
-def cow_step(kvm: KVCacheManager, req: Request, n: int, deferred: bool, hit: bool = False) -> list[Any]:
+def cow_step(
+    kvm: KVCacheManager, req: Request, n: int, deferred: bool, hit: bool = False, while_held: Any = None
+) -> list[Any]:
     """One scheduler step of ``req`` (``n`` tokens; ``hit``: its admission, after its prefix-cache lookup): its
-    copy-on-write endpoints (source, copy, ...), freed as the scheduler frees them."""
+    copy-on-write endpoints (source, copy, ...), freed as the scheduler frees them (``while_held``: see
+    :func:`free_cow_retained`)."""
     kvm.new_step_starts()
     if hit:
         blocks, num_hit, _ = kvm.get_computed_blocks(req)
@@ -993,7 +998,7 @@ def cow_step(kvm: KVCacheManager, req: Request, n: int, deferred: bool, hit: boo
     req.num_computed_tokens += n
     _, retained = kvm.take_kv_cache_block_copies()
     if retained:
-        free_cow_retained(kvm, retained, deferred)
+        free_cow_retained(kvm, retained, deferred, while_held)
     return retained
 
 
@@ -1003,19 +1008,26 @@ def hit_mid_block(
     deferred: bool,
     before_hit: Any = None,
     extra_args: dict[str, Any] | None = None,
+    *,
+    a_priority: int = 0,
+    a_finishes: bool = True,
+    while_copying: Any = None,
 ) -> tuple[Request, list[Any], list[Any]]:
-    """Request ``a`` (priority 0) computes a 100-token prompt (its prefill ends at the 96-token checkpoint) and
-    finishes; ``b`` (``priority``), with the same first 100 tokens, hits 96 of them, inside the second 64-token
-    block: both groups copy that block on write (``before_hit()`` is called just before). Returns ``b`` (admitted),
-    the blocks it hit that were copied (one per group), and their copies."""
-    a = make_request("a", list(range(100)))
+    """Request ``a`` (``a_priority``) computes a 100-token prompt (its prefill ends at the 96-token checkpoint) and
+    finishes (``a_finishes``; else it stays running); ``b`` (``priority``), with the same first 100 tokens, hits 96
+    of them, inside the second 64-token block: both groups copy that block on write (``before_hit()`` is called just
+    before; ``while_copying(a, b)`` while the scheduler holds the copy's endpoints back, ``deferred`` only). Returns
+    ``b`` (admitted), the blocks it hit that were copied (one per group), and their copies."""
+    a = make_request("a", list(range(100)), priority=a_priority)
     for n in (4 * BLOCK, 2 * BLOCK, 4):
         cow_step(kvm, a, n, deferred)
-    kvm.free(a)
+    if a_finishes:
+        kvm.free(a)
     b = make_request("b", [*range(100), *range(9000, 9100)], priority=priority, extra_args=extra_args)
     if before_hit is not None:
         before_hit()
-    retained = cow_step(kvm, b, 2 * BLOCK, deferred, hit=True)
+    held = None if while_copying is None else lambda: while_copying(a, b)
+    retained = cow_step(kvm, b, 2 * BLOCK, deferred, hit=True, while_held=held)
     assert b.num_computed_tokens == 8 * BLOCK and len(retained) == 4, retained
     return b, retained[0::2], retained[1::2]
 
