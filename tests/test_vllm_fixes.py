@@ -1062,6 +1062,66 @@ def test_the_block_a_partial_hit_copies_on_write_takes_the_hitting_requests_rete
     q.check()
 
 
+def evicted_by_class(kvm: KVCacheManager) -> dict[int, int]:
+    """Evict every cached free block (vLLM's ``get_new_blocks`` of the whole free count): the blocks evicted per
+    request class, as the plugin's counters charge them."""
+    pool = kvm.block_pool
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    return {
+        prio: c["evicted_blocks"]
+        for prio, c in plugin.stats()["by_priority"].items()
+        if c.get("evicted_blocks")
+    }
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_a_copy_freed_after_its_request_is_charged_to_that_request(granularity: str) -> None:
+    """A partial hit's copy (``cow_block``) takes a second reference until the copy has run; when the request's free
+    (``KVCacheManager.free``) comes first, while the scheduler still holds the copy's endpoints back, that free leaves
+    the copy in use, and the scheduler's free places it later. An eviction is charged to the block's last releaser
+    (the per-block queue's rule, which the run queue counts alike): the copy goes under ``b``'s class, as its other
+    blocks do, not under the class last noted for that block id (0 here: an id no request had released)."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = cow_manager(40)
+    q = kvm.block_pool.free_block_queue
+    _, hit, copies = hit_mid_block(kvm, -5, True, while_copying=lambda a, b: kvm.free(b))
+    assert all(blk.ref_cnt == 0 and blk.block_hash is not None for blk in hit + copies)
+    want = (q.mapping.retention_for(-5), -5)
+    assert [_placed_at(q, blk.block_id) for blk in hit + copies] == [want] * 4
+    q.check()
+    # (b released 5 blocks: the 2 it hit, its 2 copies, the first block it hit whole; class 0: the one a released that
+    # b did not, a's Mamba state at 64 tokens)
+    assert plugin.stats()["by_priority"][-5]["released_blocks"] == 5
+    assert evicted_by_class(kvm) == {-5: 5, 0: 1}
+    assert plugin.stats()["hook_errors"] == {}
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_a_block_hit_and_copied_that_another_request_frees_last_is_charged_to_that_request(
+    granularity: str,
+) -> None:
+    """The block a partial hit copies may be held by another request too (``a``, class 3, which computed it and still
+    runs): the hitting request ``b`` releases it first (the copy-on-write hook), ``a`` frees it next while async
+    scheduling holds the copy's endpoints back (a's last step was processed, b's copy step not yet), and the
+    scheduler's free places it later. Its retention is the
+    highest asked (``b``'s), and its eviction is charged to its last releaser, ``a``, as the per-block queue charges
+    it; the Mamba block ``b`` hit, which ``a`` no longer held, goes under ``b``'s class."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = cow_manager(40)
+    q = kvm.block_pool.free_block_queue
+    b, hit, _ = hit_mid_block(
+        kvm, -5, True, a_priority=3, a_finishes=False, while_copying=lambda a, b: kvm.free(a)
+    )
+    retention = q.mapping.retention_for(-5)
+    assert retention > q.mapping.retention_for(3)
+    assert [_placed_at(q, blk.block_id) for blk in hit] == [(retention, 3), (retention, -5)]
+    q.check()
+    kvm.free(b)
+    # (class 3: that block and a's Mamba state at 64 tokens, which b did not hit; class -5: b's other 4 blocks)
+    assert evicted_by_class(kvm) == {-5: 4, 3: 2}
+    assert plugin.stats()["hook_errors"] == {}
+
+
 def test_a_failing_release_of_a_copied_block_is_counted_and_vllm_copies_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

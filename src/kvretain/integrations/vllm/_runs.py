@@ -449,8 +449,9 @@ class RunFreeQueue(HookedFreeQueue):
         self._wait: list[tuple[_Run, Any] | None] = [None] * n
         self._uses = [0] * n
         self._sampled = bytearray(n)  # the ghost keeps this block's count (one block per 256 tokens)
-        # request priority of the block's last releaser, for blocks placed by append_n and blocks in use (queued
-        # blocks count evictions under their run's class; a hit takes that class out of the run with the block)
+        # request priority of the block's last releaser (set by each release that does not queue the block), for
+        # blocks placed by append_n and blocks in use (queued blocks count evictions under their run's class; a hit
+        # takes that class out of the run with the block)
         self._cls = [0] * n
         # blocks whose retention a directive set away from the highest mapped priority of their users:
         # id -> (expiry (INF: none), that mapped priority (what a lapse falls back to))
@@ -1027,10 +1028,7 @@ class RunFreeQueue(HookedFreeQueue):
             finally:
                 if free_blocks is not None:
                     self._settle(groups, rel, completed, free_blocks)
-        if not freeing_now:  # the append_n that places these blocks later needs their releaser's class
-            for g, blocks in enumerate(groups):
-                self._charge(blocks if first is None else blocks[first[g] :], prio)
-        elif not fused:
+        if freeing_now and not fused:
             self._expect = placed
         released = rel.total - rel.skipped
         if released:
@@ -1152,6 +1150,7 @@ class RunFreeQueue(HookedFreeQueue):
         ghost = self._ghost.capacity > 0
         mapped = rel.mapped
         prio = rel.prio
+        cls = self._cls
         runs = rel.runs
         open_run = self._open_run
         fused = rel.fused
@@ -1188,6 +1187,8 @@ class RunFreeQueue(HookedFreeQueue):
                 if c == 1:  # its last reference goes now
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
+                else:  # still held (another request, a copy's endpoint): placed later under this class
+                    cls[bid] = prio
                 if fused:  # (vLLM's free_blocks, fused: see free_request)
                     b.ref_cnt = c - 1
         except BaseException:
@@ -1222,6 +1223,7 @@ class RunFreeQueue(HookedFreeQueue):
         segment_uses = self._segment_uses
         ghost = self._ghost.capacity > 0
         mapped, prio, now = rel.mapped, rel.prio, rel.now
+        cls = self._cls
         slow = rel.slow
         directed = _Directed(self, rel, plan) if slow else None
         freeing_now = rel.freeing_now
@@ -1249,6 +1251,7 @@ class RunFreeQueue(HookedFreeQueue):
                     if r >= mapped and not (lapse and bid in lapse):  # (NEW is below any mapped priority)
                         u = uses[bid] + 1
                         uses[bid] = u if u <= cap else cap
+                        cls[bid] = prio  # (the last releaser's class, whoever frees the block)
                         other += 1
                         if below:  # its child's run waits for the release that frees it
                             if cur is not None:
@@ -1313,10 +1316,12 @@ class RunFreeQueue(HookedFreeQueue):
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
                     below = True
-                elif below:  # held by another request: its child's run waits for the release that frees it
-                    if c > 1 and cur is not None:
-                        wait[bid] = (cur, b._block_hash)
-                    below = False
+                else:  # placed when vLLM frees it (append_n), under this last releaser's class
+                    cls[bid] = prio
+                    if below:  # held by another request: its child's run waits for the release that frees it
+                        if c > 1 and cur is not None:
+                            wait[bid] = (cur, b._block_hash)
+                        below = False
                 if fused:  # (vLLM's free_blocks, fused: see free_request)
                     b.ref_cnt = c - 1
         except BaseException:
