@@ -13,8 +13,9 @@ Counting rules (each written here once):
   ``resumes`` / ``resume_query_tokens`` / ``resume_hit_tokens`` (vLLM's ``preempted_*``). Its hits are mostly
   the request's own blocks, freed a moment ago: counting them as lookups would credit the cache with the
   scheduler's recompute, once per preemption (on the multi-tenant workload it doubled class 0's hit ratio).
-* **Evictions** are attributed to the class of the block's *last releaser*: the request whose release put the
-  block among the cached-free blocks for the last time. That release set the block's retention (vLLM-style
+* **Evictions** are attributed to the class of the block's *last releaser*: the last request that released the
+  block (whether that release freed it, or something other than a request, such as a copy-on-write source held
+  until the copy has run, freed it later). That release set the block's retention (vLLM-style
   retention is what the releasing request asks for), so an eviction is charged to the class whose retention
   the policy weighed when it chose the victim. A block's first allocator is not used: a system prompt
   allocated once by a batch request and re-used (and released) by chat requests is chat's to lose.
