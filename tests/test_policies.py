@@ -1071,3 +1071,46 @@ def test_keys_set_under_other_tables_are_set_again_when_the_tables_change(
     order = sim.evict_all()
     assert order[-4:] == [2, 1, 4, 3]
     assert sim.policy.stats()["rekeys"] == 1.0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "unified"])
+def test_a_copy_evicted_while_its_content_stays_cached_leaves_no_ghost_entry(policy: str) -> None:
+    # Two requests that compute the same content at once register it twice (a copy, as vLLM does). Evicting the
+    # copy while the first block still holds the content is no eviction of the content: a use count remembered
+    # for it then went to the next copy of the content registered while the first block still held it, which
+    # outranked unique content released with it: the unique content was evicted and the redundant copy kept
+    # (lfu and unified alike; s3fifo and arc already keep ghost entries for content that left with its last copy)
+    # (blocks of 256 tokens: unified's ghost table keeps every block's count)
+    cfg = PolicyConfig(adapt_frequency=False, isolation_goal=None, budget=0.0, block_size=256)
+    pool = BlockPool(4, make_policy(policy, 4, cfg), clock=lambda: 0.0)
+    ghost = pool.policy._ghost  # type: ignore[attr-defined]
+    h, g = b"h", b"g"
+    (a,) = pool.get_new_blocks(1)  # type: ignore[misc]
+    pool.cache_blocks([a], [h], 0, 1)
+    (b,) = pool.get_new_blocks(1)  # type: ignore[misc]
+    pool.cache_blocks([b], [h], 0, 1)  # computed at the same time by another request: a copy
+    assert pool.copies == {h: [b]}
+    pool.free_blocks([b])
+    pool.free_blocks([a])
+    for _ in range(3):  # three hits on the block lookups find
+        pool.touch([a])
+        pool.free_blocks([a])
+    fill = pool.get_new_blocks(3)  # the two empty blocks and one victim: the copy (one use, released first)
+    assert fill is not None and b in fill and pool.cached == {h: a} and not pool.copies
+    assert h not in ghost.table  # the content is still cached: nothing to remember
+    pool.free_blocks(fill)
+    # the content computed again while block a holds it (a copy, redundant), and new content, released after it
+    (c,) = pool.get_new_blocks(1)  # type: ignore[misc]
+    pool.cache_blocks([c], [h], 0, 1)
+    (d,) = pool.get_new_blocks(1)  # type: ignore[misc]
+    pool.cache_blocks([d], [g], 0, 1)
+    pool.free_blocks([c])
+    pool.free_blocks([d])
+    # one use each, c released first: the redundant copy goes, the new content stays
+    got = pool.get_new_blocks(2)
+    assert got is not None and c in got and d not in got
+    assert pool.cached == {h: a, g: d}
+    pool.check_integrity()
+    # the content leaves with its last copy: then it is remembered
+    pool.free_blocks(got)
+    assert pool.get_new_blocks(4) is not None and h in ghost.table and g in ghost.table

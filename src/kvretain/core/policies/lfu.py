@@ -1,7 +1,10 @@
 """``lfu``: least frequently used first, least recently released first among equals.
 
 Uses are counted per request release, capped at ``frequency_cap``, and remembered for evicted hashes in a
-bounded ghost table (``ghost_factor`` x pool size) so that content coming back keeps its history.
+bounded ghost table (``ghost_factor`` x pool size) so that content coming back keeps its history. Content leaves
+the cache with its last copy (a pool registers content that two requests computed at once twice, as vLLM does):
+a copy evicted while another block still holds the content leaves no ghost entry (the next copy registered
+would take its count, and outrank unique content released beside it).
 Leaves only: a block is never evicted while a cached descendant stays.
 """
 
@@ -62,10 +65,13 @@ class LFUPolicy(HeapOrderedPolicy):
         self._cap = self.config.frequency_cap
         self._tick = 0
         self._released = [0] * num_blocks
+        self._held: dict[BlockHash, int] = {}  # resident blocks per content (more than one: copies)
 
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
         self._uses[block_id] = self._ghost.take(block_hash)
         self._hash[block_id] = block_hash
+        held = self._held
+        held[block_hash] = held.get(block_hash, 0) + 1
 
     def on_release(
         self,
@@ -86,6 +92,11 @@ class LFUPolicy(HeapOrderedPolicy):
         return self._uses[block_id] * 1099511627776.0 + self._released[block_id]
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        self._ghost.put(block_hash, self._uses[block_id])
+        held = self._held
+        n = held.pop(block_hash, 1) - 1
+        if n:
+            held[block_hash] = n  # (a copy: the content stays cached)
+        else:
+            self._ghost.put(block_hash, self._uses[block_id])
         self._uses[block_id] = 0
         self._hash[block_id] = None

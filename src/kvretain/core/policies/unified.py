@@ -36,7 +36,8 @@ Leaves only: a block never goes before its cached descendants. A chain is evicte
 parent exposed by its child's eviction goes at its release's place in its key bucket (``expose``; released with
 that child, right after it: first), and ``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
 ghost table that keeps one block per 256 tokens (exact for blocks of
-256 tokens or more).
+256 tokens or more), once the content leaves the cache with its last copy (a copy evicted while another block
+holds the content leaves no entry: the next copy registered would take its count).
 """
 
 from __future__ import annotations
@@ -294,6 +295,9 @@ class UnifiedPolicy(EvictionPolicy):
         # the predecessor's restored use count (a segment's blocks are used together).
         self._stride = stride = sample_stride(cfg.block_size)
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
+        # resident sampled blocks per content (more than one: copies, content two requests computed at once): the
+        # content leaves the cache with its last copy, and only then does the ghost table remember its count
+        self._held: dict[BlockHash, int] = {}
         self._last_depth = -2  # depth and restored use count of the block cached last
         self._last_uses = 0
         self._L = 0.0
@@ -326,12 +330,14 @@ class UnifiedPolicy(EvictionPolicy):
         meta = self._meta
         stride = self._stride
         take_or = self._ghost.take_or
+        held = self._held
         last_depth = self._last_depth
         uses = self._last_uses
         for depth in range(start, end):
             h = hashes[depth]
             if depth % stride == 0:
                 uses = take_or(h, 0)
+                held[h] = held.get(h, 0) + 1
             elif depth != last_depth + 1:
                 uses = 0  # (otherwise the previous block of its segment, cached just before: its count)
             last_depth = depth
@@ -685,7 +691,12 @@ class UnifiedPolicy(EvictionPolicy):
         m.content = None
         m.expiry = INF  # (its pending lapse goes with its content: a lapse must not protect an evicted block)
         if m.depth % self._stride == 0:  # the ghost keeps one count per 256-token segment
-            self._ghost.put(h, m.uses)
+            held = self._held
+            n = held.pop(h, 1) - 1
+            if n:
+                held[h] = n  # (a copy: the content stays cached, nothing to remember)
+            else:
+                self._ghost.put(h, m.uses)
         if m.protected:
             m.protected = 0
             self._num_protected -= 1
