@@ -443,3 +443,26 @@ def test_arc_content_leaves_the_cache_with_its_last_copy() -> None:
     assert sim.evict() == [1] and arc_stats(sim)["b1"] == 1
     assert sim.run([1]) == 0
     assert arc_stats(sim)["p"] == 1.0  # a B1 hit: p += max(1, |B2| / |B1|)
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "arc"])
+def test_a_prefix_cache_reset_leaves_no_ghost_entry(policy: str) -> None:
+    # A reset drops every hash: nothing was evicted (``on_evicted``: "dropped other than by pop: no ghost entry";
+    # the vLLM plugin starts a fresh policy at a reset). The pool emptied the order with ``pop``, each victim's hash
+    # went to a ghost list, and the content's return after the reset was taken for ghost hits: s3fifo put it
+    # straight into main, arc raised p by one per block
+    sim = Sim(policy, 10)
+    sim.run([1, 2, 3])
+    assert sim.pool.reset_prefix_cache()
+    sim.pool.check_integrity()
+    assert sim.policy.stats() == (
+        {"small": 0, "main": 0, "ghost": 0}
+        if policy == "s3fifo"
+        else {"p": 0.0, "t1": 0, "t2": 0, "b1": 0, "b2": 0}
+    )
+    sim.run([1, 2, 3])
+    assert sim.policy.stats() == (
+        {"small": 3, "main": 0, "ghost": 0}
+        if policy == "s3fifo"
+        else {"p": 0.0, "t1": 3, "t2": 0, "b1": 0, "b2": 0}
+    )

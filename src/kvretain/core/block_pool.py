@@ -561,10 +561,12 @@ class BlockPool:
         blocks = self._blocks
         if any(b.ref_cnt for b in blocks):
             return False
-        now = self.clock()
-        while len(self.policy):
-            bid = self.policy.pop(now)
-            assert bid is not None
+        # the evictable blocks leave the order as a hit takes a block out (``remove``), not as victims (``pop``):
+        # nothing is evicted, so a policy whose pop remembers its victims (s3fifo's and arc's ghosts) must not
+        # remember these; every dropped block is then told to ``on_evicted`` ("dropped other than by pop")
+        policy = self.policy
+        for bid in sorted(policy.evictable_ids()):
+            policy.remove(bid)
             blocks[bid].evictable = False
         dropped = [(h, bid) for h, bid in self.cached.items()]
         dropped += [(h, bid) for h, more in self.copies.items() for bid in more]
