@@ -32,13 +32,15 @@ it makes room for (a request may miss several), and the tie goes to T2. |T1| and
 use too (they are resident); only the evictable ones are in the LRU lists, so a block in use is skipped
 until its release puts it back (at the MRU end, where an access puts it anyway). Every operation is O(1).
 
-On the Mooncake conversation trace this gives 0.0505 / 0.1129 / 0.2895 at 875 / 5,000 / 20,000 blocks
+On the Mooncake conversation trace this gives 0.0505 / 0.1151 / 0.2895 at 875 / 5,000 / 20,000 blocks
 against 0.0488 / 0.1124 / 0.2892 for textbook ARC in the field notes' simplified replay. (Before ``p`` was
 adapted at the lookup it was adapted at registration, after the victim was chosen: 0.0505 / 0.1144 /
 0.2894; the analysis that followed was made on those figures.) The gap is the release order: a request
 releases its blocks deepest first, so a chain's head is the newest entry of its list (with the old
-adaptation, the same sequence in request order gave 0.0488 and 0.1133); at 5,000 blocks the pool's refusal
-to register a chain below a block cached elsewhere (an orphan left by an evicted parent) took 0.0014 back.
+adaptation, the same sequence in request order gave 0.0488 and 0.1133); and the pool registers a chain below
+a block whose content another block still holds (an orphan left by an evicted parent, computed again: a copy,
+as vLLM registers it): 0.1129 at 5,000 blocks while the pool refused to register such chains, 0.1145 once it
+registered them (f84b17c), 0.1151 with the pool's later changes.
 """
 
 from __future__ import annotations
