@@ -271,6 +271,63 @@ def test_a_child_cached_behind_an_evicted_parent_is_recomputed_once_per_miss_and
     assert kv.recomputed_tokens == {0: 64}
 
 
+def _s3fifo_replica() -> tuple[Any, TokenSeq, TokenSeq, TokenSeq, Any, Any]:
+    rep = Replica(
+        0, cost(), 6, 16, "s3fifo", PolicyConfig(), PriorityMapping(), SchedulerConfig(), lambda: 0.0, {}
+    )
+    head, child, tail = TokenSeq.seeded(1, 16), TokenSeq.seeded(2, 16), TokenSeq.seeded(3, 1)
+    hp, hc = SimRequest(wr("hashes", head + child + tail, 1)).block_hashes(16, 2)[:2]
+    return rep.kv, head, child, tail, hp, hc
+
+
+def _serve(kv: Any, rid: str, prompt: TokenSeq, tokens: int | None = None) -> int:
+    """Admit a request with its whole prompt (or its first ``tokens`` past the hits), release it; the blocks it
+    hit."""
+    req = SimRequest(wr(rid, prompt, 1))
+    hits, n = kv.get_computed_blocks(req)
+    todo = req.num_prompt_tokens - n if tokens is None else tokens
+    assert kv.allocate_slots(req, todo, n, hits) is not None
+    kv.free(req)
+    return n // 16
+
+
+def test_content_both_evicted_earlier_and_cached_out_of_reach_is_recomputed_once() -> None:
+    # the child's content is evicted (remembered), then cached again by a request whose last prompt block it is
+    # (never looked up: still remembered); the parent is then evicted ahead of it (s3fifo). A miss behind the
+    # parent recomputes the child's block once, not once as evicted and once more as cached out of reach
+    kv, head, child, tail, hp, hc = _s3fifo_replica()
+    assert _serve(kv, "x", head + child + tail) == 0
+    assert _serve(kv, "fill1", TokenSeq.seeded(10, 65)) == 0  # evicts the child, keeps the parent
+    assert hp in kv.pool.cached and hc not in kv.pool.cached and kv.evicted == {hc}
+    assert _serve(kv, "a", head + tail) == 1
+    assert _serve(kv, "p", head + child) == 1  # 2 blocks: the child's is its last prompt block, not looked up
+    assert _serve(kv, "c", head + child + tail) == 2
+    assert sum(kv.recomputed_tokens.values()) == 0
+    assert _serve(kv, "fill2", TokenSeq.seeded(11, 65)) == 0  # evicts the parent, keeps the child
+    assert hp not in kv.pool.cached and hc in kv.pool.cached and kv.evicted >= {hp, hc}
+    assert _serve(kv, "q", head + child + tail) == 0
+    assert kv.recomputed_tokens == {0: 32}
+
+
+def test_a_child_cached_out_of_reach_is_recomputed_when_no_evicted_hash_is_remembered() -> None:
+    # the evicted parent's first miss (a request admitted for part of a block and then freed) forgets the
+    # parent's hash; the child stays cached behind it, and the next miss computes it again: recomputed, although
+    # the replica remembers no evicted hash then
+    kv, head, child, tail, hp, hc = _s3fifo_replica()
+    hits = [
+        _serve(kv, "a", head + tail),
+        _serve(kv, "b", head + child + tail),
+        _serve(kv, "c", head + child + tail),
+    ]
+    assert hits == [0, 1, 2]
+    assert _serve(kv, "fill1", TokenSeq.seeded(10, 65)) == 0  # evicts the parent, keeps the child
+    assert hp not in kv.pool.cached and hc in kv.pool.cached and kv.evicted == {hp}
+    assert _serve(kv, "x", head + child + tail, tokens=8) == 0  # admitted, no block computed
+    assert kv.recomputed_tokens == {0: 32} and kv.evicted == set() and hc in kv.pool.cached
+    assert _serve(kv, "y", head + child + tail) == 0
+    assert kv.recomputed_tokens == {0: 48}
+
+
 def test_a_class_counts_the_evictions_of_the_blocks_its_requests_released() -> None:
     doc = TokenSeq.seeded(5, 320)
     reqs = [
