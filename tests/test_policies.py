@@ -1110,7 +1110,16 @@ def test_a_copy_evicted_while_its_content_stays_cached_leaves_no_ghost_entry(pol
     got = pool.get_new_blocks(2)
     assert got is not None and c in got and d not in got
     assert pool.cached == {h: a, g: d}
+    assert h not in ghost.table  # (the second copy evicted: block a still holds the content)
     pool.check_integrity()
     # the content leaves with its last copy: then it is remembered
     pool.free_blocks(got)
-    assert pool.get_new_blocks(4) is not None and h in ghost.table and g in ghost.table
+    got = pool.get_new_blocks(4)
+    assert got is not None and h in ghost.table and g in ghost.table
+    # it comes back (taking its remembered count) in one block and leaves again: remembered again
+    pool.free_blocks(got)
+    (e,) = pool.get_new_blocks(1)  # type: ignore[misc]
+    pool.cache_blocks([e], [h], 0, 1)
+    assert h not in ghost.table
+    pool.free_blocks([e])
+    assert pool.get_new_blocks(4) is not None and h in ghost.table and not pool.cached
