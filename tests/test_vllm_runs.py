@@ -760,3 +760,32 @@ def test_a_duplicate_evicted_while_its_content_stays_cached_leaves_no_ghost_entr
         pool._strip(x)
     assert pool.cached[h0] is ab[0]  # the content is still cached
     assert h0 not in q._ghost.table
+
+
+def test_a_hit_block_a_copys_endpoint_still_holds_is_charged_to_the_last_request_that_released_it() -> None:
+    # A partial hit's copy-on-write keeps the block it hit referenced until the copy has run; the scheduler frees
+    # it after the request's own release (vLLM's append_n places it then). Its eviction is charged to its last
+    # releasing request, ``b`` (class 1), also when that release took the shared-prefix path (content known at a
+    # retention at least b's, another reference left), not to ``a`` (class 0), which released it before b hit it
+    pool = fixed_pool()
+    q = pool.q
+    _runtime.COUNTERS.reset()  # (process-wide)
+    try:
+        a, b = request("a", 0), request("b", 1)  # retention 35 and 25
+        pool.run(a, chain(0, 2, 0))
+        bb = pool.admit(b, chain(0, 2, 1), False)  # hits both of a's blocks
+        assert bb is not None
+        bb[1].ref_cnt += 1  # the copy's endpoint (the scheduler holds the block hit until the copy has run)
+        pool.free(b, bb)
+        assert bb[1].ref_cnt == 1
+        pool.free_blocks([bb[1]])  # the scheduler's free, after the copy ran
+        q.check()
+        taken = q.popleft_n(q.num_free_blocks)
+        for x in taken:
+            pool._strip(x)
+        evicted = {
+            p: c["evicted_blocks"] for p, c in _runtime.COUNTERS.snapshot().items() if c["evicted_blocks"]
+        }
+    finally:
+        _runtime.COUNTERS.reset()
+    assert evicted == {1: 3}
