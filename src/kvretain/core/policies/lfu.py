@@ -1,10 +1,8 @@
 """``lfu``: least frequently used first, least recently released first among equals.
 
 Uses are counted per request release, capped at ``frequency_cap``, and remembered for evicted hashes in a
-bounded ghost table (``ghost_factor`` x pool size) so that content coming back keeps its history. Content leaves
-the cache with its last copy (a pool registers content that two requests computed at once twice, as vLLM does):
-a copy evicted while another block still holds the content leaves no ghost entry (the next copy registered
-would take its count, and outrank unique content released beside it).
+bounded ghost table (``ghost_factor`` x pool size) so that content coming back keeps its history (content leaves
+with its last copy: :class:`GhostTable`).
 Leaves only: a block is never evicted while a cached descendant stays.
 """
 
@@ -18,12 +16,18 @@ from kvretain.core.policy import POLICIES, PolicyConfig
 class GhostTable:
     """Use counts of recently evicted hashes: a dict plus a ring of the last ``capacity`` insertions.
 
+    Content leaves the cache with its last copy (a pool registers content that two requests computed at once
+    twice, as vLLM does): ``held`` counts the resident blocks of each content the table is told of
+    (:meth:`enter`), and :meth:`leave` remembers the count only when the last of them goes. A copy evicted while
+    another block still holds the content leaves no entry (the next copy registered would take its count, and
+    outrank unique content released beside it).
+
     NOTE: a plain dict and a ring are several times cheaper than an OrderedDict on the eviction path. When the
     ring wraps onto a hash that was taken and put again since, that newer entry is dropped early: the
     table is a heuristic, so this approximation is accepted.
     """
 
-    __slots__ = ("capacity", "pos", "ring", "table", "take_or")
+    __slots__ = ("capacity", "held", "pos", "ring", "table", "take_or")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
@@ -32,6 +36,24 @@ class GhostTable:
         self.pos = 0
         self.take_or = self.table.pop
         """``take_or(hash, 0)`` is :meth:`take` without a Python call (the dict's own method, for hot loops)."""
+        self.held: dict[BlockHash, int] = {}
+        """Resident blocks per content (more than one: copies); a hot loop may do :meth:`enter`'s count inline."""
+
+    def enter(self, block_hash: BlockHash) -> int:
+        """A block now holds ``block_hash``: its remembered use count (0 if none), taken out of the table."""
+        held = self.held
+        held[block_hash] = held.get(block_hash, 0) + 1
+        return self.table.pop(block_hash, 0)
+
+    def leave(self, block_hash: BlockHash, uses: int) -> None:
+        """A block that held ``block_hash`` (told to :meth:`enter`) is evicted with ``uses``: remembered only if
+        no other block still holds the content."""
+        held = self.held
+        n = held.pop(block_hash, 1) - 1
+        if n:
+            held[block_hash] = n  # (a copy: the content stays cached)
+        else:
+            self.put(block_hash, uses)
 
     def put(self, block_hash: BlockHash, uses: int) -> None:
         if not self.capacity:
@@ -65,13 +87,10 @@ class LFUPolicy(HeapOrderedPolicy):
         self._cap = self.config.frequency_cap
         self._tick = 0
         self._released = [0] * num_blocks
-        self._held: dict[BlockHash, int] = {}  # resident blocks per content (more than one: copies)
 
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
-        self._uses[block_id] = self._ghost.take(block_hash)
+        self._uses[block_id] = self._ghost.enter(block_hash)
         self._hash[block_id] = block_hash
-        held = self._held
-        held[block_hash] = held.get(block_hash, 0) + 1
 
     def on_release(
         self,
@@ -92,11 +111,6 @@ class LFUPolicy(HeapOrderedPolicy):
         return self._uses[block_id] * 1099511627776.0 + self._released[block_id]
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        held = self._held
-        n = held.pop(block_hash, 1) - 1
-        if n:
-            held[block_hash] = n  # (a copy: the content stays cached)
-        else:
-            self._ghost.put(block_hash, self._uses[block_id])
+        self._ghost.leave(block_hash, self._uses[block_id])
         self._uses[block_id] = 0
         self._hash[block_id] = None

@@ -34,10 +34,9 @@ reuse floor holds as far as the base order holds it.
 
 Leaves only: a block never goes before its cached descendants. A chain is evicted as a unit, tail first: a
 parent exposed by its child's eviction goes at its release's place in its key bucket (``expose``; released with
-that child, right after it: first), and ``pop_exposed`` evicts it at once when it is next in line. Use counts are remembered across eviction in a
-ghost table that keeps one block per 256 tokens (exact for blocks of
-256 tokens or more), once the content leaves the cache with its last copy (a copy evicted while another block
-holds the content leaves no entry: the next copy registered would take its count).
+that child, right after it: first), and ``pop_exposed`` evicts it at once when it is next in line. Use counts
+are remembered across eviction in a ghost table that keeps one block per 256 tokens (exact for blocks of 256
+tokens or more), once the content leaves the cache with its last copy (:class:`~kvretain.core.policies.lfu.GhostTable`).
 """
 
 from __future__ import annotations
@@ -295,9 +294,6 @@ class UnifiedPolicy(EvictionPolicy):
         # the predecessor's restored use count (a segment's blocks are used together).
         self._stride = stride = sample_stride(cfg.block_size)
         self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
-        # resident sampled blocks per content (more than one: copies, content two requests computed at once): the
-        # content leaves the cache with its last copy, and only then does the ghost table remember its count
-        self._held: dict[BlockHash, int] = {}
         self._last_depth = -2  # depth and restored use count of the block cached last
         self._last_uses = 0
         self._L = 0.0
@@ -330,7 +326,7 @@ class UnifiedPolicy(EvictionPolicy):
         meta = self._meta
         stride = self._stride
         take_or = self._ghost.take_or
-        held = self._held
+        held = self._ghost.held  # (GhostTable.enter, inline)
         last_depth = self._last_depth
         uses = self._last_uses
         for depth in range(start, end):
@@ -691,12 +687,7 @@ class UnifiedPolicy(EvictionPolicy):
         m.content = None
         m.expiry = INF  # (its pending lapse goes with its content: a lapse must not protect an evicted block)
         if m.depth % self._stride == 0:  # the ghost keeps one count per 256-token segment
-            held = self._held
-            n = held.pop(h, 1) - 1
-            if n:
-                held[h] = n  # (a copy: the content stays cached, nothing to remember)
-            else:
-                self._ghost.put(h, m.uses)
+            self._ghost.leave(h, m.uses)  # (only once its last copy goes)
         if m.protected:
             m.protected = 0
             self._num_protected -= 1
