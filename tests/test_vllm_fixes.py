@@ -1262,3 +1262,51 @@ def test_the_copied_and_the_moved_block_are_released_at_their_position_in_the_gr
     assert [_placed_at(q, blk.block_id) for blk in blocks] == [(60, -5)] * len(blocks)
     assert plugin.stats()["hook_errors"] == {}
     q.check()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "unified"])
+def test_content_a_block_loses_to_a_rehash_leaves_with_it(policy: str) -> None:
+    """vLLM gives a block that the per-block queue knows with content ``k`` new content without evicting it (a
+    partial->full promotion in ``cache_full_blocks``, as its checkpoint hashes do): ``k`` leaves the block as a drop.
+    The policy's count of blocks holding ``k`` lets it go, so when ``k`` comes back in another block and is evicted
+    there, its use count is remembered (the ghost entry), as for content that left with its last copy; ``unified``'s
+    protected count loses the block's old protection at once (not at the block's next release)."""
+    plugin.enable(PluginConfig(policy=policy, granularity="block"))
+    kvm = plain_manager()
+    pool = kvm.block_pool
+    q = pool.free_block_queue
+    prompt = list(range(17))  # one full block
+    a = make_request("a", prompt, priority=-5)
+    assert kvm.allocate_slots(a, a.num_tokens) is not None
+    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
+    k = x.block_hash
+    assert k is not None and q._hash[x.block_id] == k
+    b = make_request("b", prompt)
+    hit, num_hit, _ = kvm.get_computed_blocks(b)
+    assert num_hit == BLOCK
+    assert kvm.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit) is not None
+    kvm.free(a)  # x stays in use (b holds it), released at a's retention
+    assert x.ref_cnt == 1
+    if policy == "unified":
+        assert q.policy._num_protected == 1
+    # the promotion: x's 16-token entry becomes the 32-token entry of another prompt (vLLM's own path)
+    c = make_request("c", list(range(100, 140)))
+    pool.cache_full_blocks(c, [pool.null_block, x], 1, 2, BLOCK, 0)
+    assert x.block_hash != k and q._hash[x.block_id] == x.block_hash
+    assert k not in q.policy._ghost.held
+    if policy == "unified":
+        assert q.policy._num_protected == 0
+    # k comes back in another block (vLLM's cache lost it with the promotion), is released and evicted there: its
+    # count (a's release, the one it was remembered with, then d's) is remembered
+    d = make_request("d", prompt)
+    assert kvm.get_computed_blocks(d)[1] == 0
+    assert kvm.allocate_slots(d, d.num_tokens) is not None
+    z = kvm.coordinator.single_type_managers[0].req_to_blocks["d"][0]
+    assert z is not x and z.block_hash == k
+    kvm.free(d)
+    kvm.free(b)
+    q.check()
+    assert evicted_by_class(kvm) == {0: 2}  # (z and x: the promotion is no eviction)
+    assert k not in q.policy._ghost.held
+    assert q.policy._ghost.table.get(k) == 2
+    assert plugin.stats()["hook_errors"] == {}

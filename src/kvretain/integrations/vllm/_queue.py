@@ -209,7 +209,9 @@ class RetentionFreeQueue(HookedFreeQueue):
     def _register(self, bid: int, h: Any, num_tokens: int, depth: int | None = None) -> None:
         """New content in ``bid`` (no parent link)."""
         now = _runtime.now()
-        if self._hash[bid] is not None:
+        k = self._hash[bid]
+        if k is not None:  # (content replaced without an eviction the queue saw: see on_blocks_cached)
+            self.policy.on_evicted(bid, k)
             self._unlink(bid, now)
         self._hash[bid] = h
         if depth is None:
@@ -258,6 +260,10 @@ class RetentionFreeQueue(HookedFreeQueue):
                 if k is h or k == h:
                     pid = bid
                     continue
+                # new content in a block the policy knows under ``k`` (vLLM's partial->full promotion, its checkpoint
+                # hashes): ``k`` left the block as a drop (no eviction counted: vLLM replaced it), so the policy's
+                # per-content counts (lfu, unified: copies, ghost; unified: protected) let it go
+                self.policy.on_evicted(bid, k)
                 self._unlink(bid, now)
             known[bid] = h
             on_cached(bid, h, i, now)
