@@ -17,11 +17,13 @@ pytest.importorskip(
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvretain.core.policy import PolicyConfig
 from kvretain.core.retention import PriorityMapping
 from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm._patches import _index_entry
 from kvretain.integrations.vllm._runs import RunFreeQueue
 
 BLOCK = 16
@@ -33,7 +35,16 @@ class Pool:
     def __init__(self, num_blocks: int, cfg: PolicyConfig) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.q = RunFreeQueue(self.blocks[1:], self.blocks, cfg, PriorityMapping())
-        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.cached: dict[bytes, KVCacheBlock] = {}  # what lookups find: the first block registered
+        # vLLM's own index, every block registered (a duplicate's too): what the ghost reads, as installed
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.q.set_index(_index_entry(self))
+
+    def cache(self, b: KVCacheBlock, h: bytes) -> None:
+        """BlockPool.cache_full_blocks of one block: lookups keep finding a duplicate's first block."""
+        b._block_hash = h
+        self.cached.setdefault(h, b)
+        self.cached_block_hash_to_block.insert(h, b)  # type: ignore[arg-type]
 
     def lookup(self, hashes: list[bytes]) -> list[KVCacheBlock]:
         hits = []
@@ -60,9 +71,7 @@ class Pool:
             b.ref_cnt = 1
         blocks = hits + new
         for i in range(len(hits), len(hashes)):  # BlockPool.cache_full_blocks
-            b = blocks[i]
-            b._block_hash = hashes[i]
-            self.cached.setdefault(hashes[i], b)  # (a duplicate keeps the first block in the index)
+            self.cache(blocks[i], hashes[i])
         req.block_hashes = hashes
         return blocks
 
@@ -142,6 +151,7 @@ class Pool:
         if h is not None:
             if self.cached.get(h) is b:
                 del self.cached[h]
+            self.cached_block_hash_to_block.pop(h, b.block_id)  # type: ignore[arg-type]
             b._block_hash = None
 
 
@@ -726,12 +736,6 @@ def test_distinct_request_priorities_do_not_grow_the_queues_state(granularity: s
     q.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the run queue writes a sampled block's ghost entry at its eviction whatever other block still holds "
-    "the content (a vLLM duplicate): no per-content count, as core's lfu and unified now keep (fix not obvious "
-    "on the run queue's hot paths, which hold no hash per block; its ghost is off by default, ghost_factor=0)",
-)
 def test_a_duplicate_evicted_while_its_content_stays_cached_leaves_no_ghost_entry() -> None:
     # vLLM registers content that two running requests computed twice (a duplicate; its index keeps the first).
     # The duplicate evicted while the first block still holds the content is no eviction of the content: a ghost
@@ -747,8 +751,8 @@ def test_a_duplicate_evicted_while_its_content_stays_cached_leaves_no_ghost_entr
     for x in bb:
         pool._strip(x)
         x.ref_cnt = 1
-    bb[0]._block_hash, bb[1]._block_hash = h0, b"b-tail"
-    pool.cached.setdefault(b"b-tail", bb[1])
+    pool.cache(bb[0], h0)  # (vLLM's index now holds two blocks under h0)
+    pool.cache(bb[1], b"b-tail")
     b.block_hashes = [h0, b"b-tail"]
     assert pool.cached[h0] is ab[0]
     pool.free(b, bb)
@@ -760,6 +764,58 @@ def test_a_duplicate_evicted_while_its_content_stays_cached_leaves_no_ghost_entr
         pool._strip(x)
     assert pool.cached[h0] is ab[0]  # the content is still cached
     assert h0 not in q._ghost.table
+    taken = q.popleft_n(2)  # a's run: the last copy goes, and the content with it
+    assert {x.block_id for x in taken} == {ab[0].block_id, ab[1].block_id}
+    for x in taken:
+        pool._strip(x)
+    assert q._ghost.table.get(h0) == 1  # (remembered: the content's one use)
+
+
+def duplicated_pool() -> tuple[Pool, bytes, list[KVCacheBlock], list[KVCacheBlock]]:
+    """Two requests that computed the same first block at once, both released: the pool, that content, and
+    the two requests' blocks (each: that block, then a tail of its own)."""
+    pool = fixed_pool()
+    q = pool.q
+    h0 = chain(0, 1, 0)[0]
+    a, b = request("a", 1), request("b", 1)
+    ab = pool.admit(a, [h0, b"a-tail"], False)
+    assert ab is not None
+    bb = q.popleft_n(2)
+    for x in bb:
+        pool._strip(x)
+        x.ref_cnt = 1
+    pool.cache(bb[0], h0)
+    pool.cache(bb[1], b"b-tail")
+    b.block_hashes = [h0, b"b-tail"]
+    pool.free(b, bb)
+    pool.free(a, ab)
+    return pool, h0, ab, bb
+
+
+def test_evict_blocks_leaves_a_ghost_entry_only_with_the_contents_last_copy() -> None:
+    # the ``_drop`` path (BlockPool.evict_blocks): the queue forgets a block before vLLM strips its hash
+    pool, h0, ab, bb = duplicated_pool()
+    q = pool.q
+    pool.evict_blocks({bb[0].block_id})  # a's block keeps the content
+    assert h0 not in q._ghost.table
+    pool.evict_blocks({ab[0].block_id})  # the last copy
+    assert q._ghost.table.get(h0) == 1
+    q.check()
+
+
+def test_both_copies_evicted_at_once_leave_one_ghost_entry() -> None:
+    # vLLM strips each victim after popleft_n / forget returned: the index still lists every one of them
+    pool, h0, ab, bb = duplicated_pool()
+    q = pool.q
+    pool.evict_blocks({bb[0].block_id, ab[0].block_id})
+    assert q._ghost.table.get(h0) == 1
+    q.check()
+    pool, h0, ab, bb = duplicated_pool()
+    q = pool.q
+    taken = q.popleft_n(q.num_free_blocks)  # everything: both copies in one eviction
+    for x in taken:
+        pool._strip(x)
+    assert q._ghost.table.get(h0) == 1
 
 
 def test_a_hit_block_a_copys_endpoint_still_holds_is_charged_to_the_last_request_that_released_it() -> None:

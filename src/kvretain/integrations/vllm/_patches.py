@@ -110,6 +110,19 @@ def _served(q: Any, request_id: str) -> Any:
 
 
 # ---------------------------------------------------------------- BlockPool
+def _index_entry(pool: Any) -> Callable[[Any], Any]:
+    """What ``pool``'s hash index holds under a key: None, a block, or a dict of blocks by id (vLLM's
+    ``BlockHashToBlockMap`` keeps a duplicate's blocks in such a dict; an older vLLM's plain dict holds dicts).
+    Read through ``pool`` at each call: ``reset_prefix_cache`` replaces the index."""
+
+    def entry(key: Any) -> Any:
+        index = pool.cached_block_hash_to_block
+        cache = index if isinstance(index, dict) else getattr(index, "_cache", None)
+        return cache.get(key) if isinstance(cache, dict) else None
+
+    return entry
+
+
 def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQueue:
     """Replace ``pool``'s free queue (all blocks free but the null block) with a policy-backed one."""
     old = pool.free_block_queue
@@ -119,6 +132,8 @@ def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQ
     queue: RetentionFreeQueue | RunFreeQueue
     if cfg.uses_run_queue:
         queue = RunFreeQueue(free, pool.blocks, pcfg, cfg.mapping)
+        if pcfg.ghost_factor > 0:  # (only the ghost reads it)
+            queue.set_index(_index_entry(pool))
     else:
         queue = RetentionFreeQueue(
             free, pool.blocks, lambda: make_policy(cfg.policy, num_blocks, pcfg), cfg.mapping

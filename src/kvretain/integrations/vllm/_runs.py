@@ -388,6 +388,7 @@ class RunFreeQueue(HookedFreeQueue):
         "_due",
         "_expiries",
         "_ghost",
+        "_index",
         "_lapse",
         "_lapse_limit",
         "_news",
@@ -428,7 +429,35 @@ class RunFreeQueue(HookedFreeQueue):
         self._cost_per_block = rules.cost_per_block(cfg)
         self._stride = sample_stride(cfg.block_size)
         self._ub = [u.bit_length() for u in range(self._cap + 1)]  # runs split where this changes
+        # vLLM's hash index entry of a key (see :meth:`set_index`); None: unknown (every sampled victim writes
+        # its ghost entry)
+        self._index: Callable[[Any], Any] | None = None
         self._reset_state()
+
+    def set_index(self, entry: Callable[[Any], Any] | None) -> None:
+        """``entry(key)``: what vLLM's hash index (``BlockPool.cached_block_hash_to_block``, a
+        ``BlockHashToBlockMap``) holds under ``key`` now: None, a block, or a dict of blocks by id (vLLM registers
+        content that two requests computed at once twice). Read only where a sampled block's use count would go to
+        the ghost table, so that a copy evicted while another block still holds its content leaves no entry (the
+        content leaves with its last copy, as core's ``GhostTable.enter`` / ``leave``)."""
+        self._index = entry
+
+    def _held_elsewhere(self, h: Any, bid: int) -> bool:
+        """Whether a block other than ``bid`` still holds content ``h`` in vLLM's index and keeps it past this
+        eviction: in use, or queued. vLLM strips a victim's hash after the queue let it go (``popleft_n``
+        returns, ``evict_blocks`` calls :meth:`forget` first), so the index still lists ``bid`` and the blocks
+        taken before it in the same eviction: those are neither in use nor queued any more (their run is
+        cleared before this is asked). NOTE: ``evict_blocks`` taking two copies at once, one of them in use,
+        sees the one in use as staying: neither writes an entry."""
+        entry = self._index(h) if self._index is not None else None
+        if entry is None:
+            return False
+        run_of = self._run_of
+        for b in entry.values() if isinstance(entry, dict) else (entry,):
+            o = b.block_id
+            if o != bid and (b.ref_cnt > 0 or run_of[o] is not None):
+                return True
+        return False
 
     def _reset_state(self) -> None:
         n = len(self.pool_blocks)
@@ -625,6 +654,7 @@ class RunFreeQueue(HookedFreeQueue):
         uses = self._uses
         put = self._ghost.put
         ghost = self._ghost.capacity > 0  # (else ``put`` keeps nothing)
+        elsewhere = self._held_elsewhere
         nones = self._nones
         news = self._news
         blocks = self.pool_blocks
@@ -655,7 +685,11 @@ class RunFreeQueue(HookedFreeQueue):
                 for bid in chunk:
                     run_of[bid] = None
                     if sampled[bid]:
-                        put(blocks[bid]._block_hash, uses[bid])
+                        # (a copy evicted while another block keeps the content leaves no entry; the last
+                        # copy writes its own count)
+                        h = blocks[bid]._block_hash
+                        if not elsewhere(h, bid):
+                            put(h, uses[bid])
                         sampled[bid] = 0
                     rr[bid] = NEW
             elif taken and max(chunk) - min(chunk) + 1 == taken:
@@ -976,7 +1010,7 @@ class RunFreeQueue(HookedFreeQueue):
             return
         if self._sampled[bid]:
             h = self.pool_blocks[bid]._block_hash
-            if h is not None:
+            if h is not None and not self._held_elsewhere(h, bid):
                 self._ghost.put(h, self._uses[bid])
             self._sampled[bid] = 0
         if self._r[bid] >= self._threshold:
