@@ -187,8 +187,12 @@ class RetentionFreeQueue(HookedFreeQueue):
         h = self._hash[bid]
         if h is None:
             return
-        self.policy.on_evicted(bid, h)
         self.counters.get(self._cls[bid]).evicted_blocks += 1
+        self._let_go(bid, h, now)
+
+    def _let_go(self, bid: int, h: Any, now: float) -> None:
+        """Content ``h`` leaves ``bid``: the policy forgets it as a drop (``on_evicted``), and ``bid``'s links go."""
+        self.policy.on_evicted(bid, h)
         self._unlink(bid, now)
 
     def _unlink(self, bid: int, now: float) -> None:
@@ -211,8 +215,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         now = _runtime.now()
         k = self._hash[bid]
         if k is not None:  # (content replaced without an eviction the queue saw: see on_blocks_cached)
-            self.policy.on_evicted(bid, k)
-            self._unlink(bid, now)
+            self._let_go(bid, k, now)
         self._hash[bid] = h
         if depth is None:
             depth = max(0, num_tokens // max(1, self._block_size_guess()) - 1)
@@ -263,8 +266,7 @@ class RetentionFreeQueue(HookedFreeQueue):
                 # new content in a block the policy knows under ``k`` (vLLM's partial->full promotion, its checkpoint
                 # hashes): ``k`` left the block as a drop (no eviction counted: vLLM replaced it), so the policy's
                 # per-content counts (lfu, unified: copies, ghost; unified: protected) let it go
-                self.policy.on_evicted(bid, k)
-                self._unlink(bid, now)
+                self._let_go(bid, k, now)
             known[bid] = h
             on_cached(bid, h, i, now)
             if pid >= 0 and link:
