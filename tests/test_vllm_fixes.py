@@ -1310,3 +1310,44 @@ def test_content_a_block_loses_to_a_rehash_leaves_with_it(policy: str) -> None:
     assert k not in q.policy._ghost.held
     assert q.policy._ghost.table.get(k) == 2
     assert plugin.stats()["hook_errors"] == {}
+
+
+@pytest.mark.parametrize("in_use_first", [True, False])
+@pytest.mark.parametrize(
+    ("policy", "granularity", "options"),
+    [("lfu", "block", {}), ("unified", "block", {}), ("unified", "run", {"ghost_factor": 1.0})],
+)
+def test_evict_blocks_taking_both_copies_one_in_use_remembers_the_content(
+    policy: str, granularity: str, options: dict[str, Any], in_use_first: bool
+) -> None:
+    """Two requests computed the same block at once (vLLM registers it twice); a third hits the first copy and holds
+    it; ``evict_blocks`` (a KV connector's failed load) then strips both copies in one call, in either order: the
+    content leaves the cache, and its use count is remembered (the ghost entry), as when its last copy is evicted
+    alone."""
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity, options=options))
+    kvm = plain_manager()
+    pool = kvm.block_pool
+    q = pool.free_block_queue
+    prompt = list(range(17))  # one full block
+    a, b = make_request("a", prompt), make_request("b", prompt)
+    assert kvm.get_computed_blocks(b)[1] == 0  # (b looks before a has cached it)
+    assert kvm.allocate_slots(a, a.num_tokens) is not None
+    assert kvm.allocate_slots(b, b.num_tokens) is not None
+    blocks = kvm.coordinator.single_type_managers[0].req_to_blocks
+    xa, xb = blocks["a"][0], blocks["b"][0]
+    k = xa.block_hash
+    assert xa is not xb and k is not None and xb.block_hash == k
+    kvm.free(b)
+    kvm.free(a)
+    c = make_request("c", prompt)
+    hit, num_hit, _ = kvm.get_computed_blocks(c)
+    assert num_hit == BLOCK
+    assert kvm.allocate_slots(c, c.num_tokens - num_hit, num_hit, hit) is not None
+    assert xa.ref_cnt == 1 and xb.ref_cnt == 0  # (lookups find the first copy)
+    ids = [xa.block_id, xb.block_id]
+    pool.evict_blocks(ids if in_use_first else ids[::-1])
+    assert xa.block_hash is None and xb.block_hash is None
+    ghost = q.policy._ghost if granularity == "block" else q._ghost
+    assert ghost.table.get(k) == 1
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()

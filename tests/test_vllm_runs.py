@@ -129,7 +129,7 @@ class Pool:
             q.stats(),
         )
 
-    def evict_blocks(self, ids: set[int]) -> None:
+    def evict_blocks(self, ids: set[int] | list[int]) -> None:
         """BlockPool.evict_blocks as patched: the queue forgets, vLLM strips the hashes, free ones move."""
         moved = [
             self.blocks[i]
@@ -138,6 +138,7 @@ class Pool:
         ]
         for i in ids:
             self._strip(self.blocks[i])
+        self.q.end_forget()
         if moved:
             self.q.put_unhashed(moved)
 
@@ -816,6 +817,31 @@ def test_both_copies_evicted_at_once_leave_one_ghost_entry() -> None:
     for x in taken:
         pool._strip(x)
     assert q._ghost.table.get(h0) == 1
+
+
+def test_evict_blocks_taking_a_copy_in_use_with_a_free_one_leaves_one_ghost_entry() -> None:
+    # evict_blocks (a KV connector's failed load) strips every block it names, in use or not: taking both copies
+    # of content at once, one of them in use again (a hit), the content leaves the cache and leaves one entry, in
+    # either order of the two (each sees the other listed in vLLM's index until the call ends)
+    for in_use_first in (True, False):
+        pool, h0, ab, bb = duplicated_pool()
+        q = pool.q
+        hit = pool.lookup([h0])
+        assert hit == [ab[0]]
+        q.remove(ab[0])  # BlockPool.touch: a request hits it and holds it
+        ab[0].ref_cnt = 1
+        order = [ab[0].block_id, bb[0].block_id]
+        pool.evict_blocks(order if in_use_first else order[::-1])
+        assert h0 not in pool.cached_block_hash_to_block._cache
+        assert q._ghost.table.get(h0) == 1, in_use_first
+        ab[0].ref_cnt = 0
+        q.check()
+        pool, h0, ab, bb = duplicated_pool()  # no entry while a copy the call does not name stays
+        q = pool.q
+        q.remove(ab[0])
+        ab[0].ref_cnt = 1
+        pool.evict_blocks([bb[0].block_id])
+        assert h0 not in q._ghost.table
 
 
 def test_a_hit_block_a_copys_endpoint_still_holds_is_charged_to_the_last_request_that_released_it() -> None:

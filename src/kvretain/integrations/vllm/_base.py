@@ -102,6 +102,10 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self.num_free_blocks -= 1
         return True
 
+    def end_forget(self) -> None:
+        """After ``BlockPool.evict_blocks`` stripped the hashes of the blocks :meth:`forget` was told of (the run
+        queue's ghost reads vLLM's index until then)."""
+
     def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
         super().append_n(blocks)
 

@@ -237,6 +237,7 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         try:
             orig(self, block_ids)
         finally:
+            q.end_forget()
             # what vLLM stripped (all of it, or what it reached before raising) is free and unhashed; a block it
             # did not reach keeps its hash and goes back to the order
             if moved:

@@ -388,6 +388,7 @@ class RunFreeQueue(HookedFreeQueue):
         "_due",
         "_expiries",
         "_ghost",
+        "_gone",
         "_index",
         "_lapse",
         "_lapse_limit",
@@ -432,6 +433,9 @@ class RunFreeQueue(HookedFreeQueue):
         # vLLM's hash index entry of a key (see :meth:`set_index`); None: unknown (every sampled victim writes
         # its ghost entry)
         self._index: Callable[[Any], Any] | None = None
+        # the blocks one ``evict_blocks`` call has taken so far (:meth:`forget`, only with an index): vLLM's index
+        # lists them until the call ends, but they no longer hold their content (:meth:`end_forget` clears it)
+        self._gone: set[int] = set()
         self._reset_state()
 
     def set_index(self, entry: Callable[[Any], Any] | None) -> None:
@@ -446,16 +450,18 @@ class RunFreeQueue(HookedFreeQueue):
         """Whether a block other than ``bid`` still holds content ``h`` in vLLM's index and keeps it past this
         eviction: in use, or queued. vLLM strips a victim's hash after the queue let it go (``popleft_n``
         returns, ``evict_blocks`` calls :meth:`forget` first), so the index still lists ``bid`` and the blocks
-        taken before it in the same eviction: those are neither in use nor queued any more (their run is
-        cleared before this is asked). NOTE: ``evict_blocks`` taking two copies at once, one of them in use,
-        sees the one in use as staying: neither writes an entry."""
+        taken before it in the same eviction: ``popleft_n``'s are neither in use nor queued any more (their run
+        is cleared before this is asked); ``evict_blocks`` also strips blocks in use, so the blocks its call has
+        taken so far are excluded by id (``_gone``): of the copies one call takes, the last one taken writes the
+        entry, in use or not."""
         entry = self._index(h) if self._index is not None else None
         if entry is None:
             return False
         run_of = self._run_of
+        gone = self._gone
         for b in entry.values() if isinstance(entry, dict) else (entry,):
             o = b.block_id
-            if o != bid and (b.ref_cnt > 0 or run_of[o] is not None):
+            if o != bid and (b.ref_cnt > 0 or run_of[o] is not None) and o not in gone:
                 return True
         return False
 
@@ -1453,7 +1459,13 @@ class RunFreeQueue(HookedFreeQueue):
         if not queued and block.ref_cnt > 0:
             self._stripped = True
         self._drop(bid, run.cls if run is not None else None)
+        if self._index is not None:
+            self._gone.add(bid)
         return queued
+
+    def end_forget(self) -> None:
+        """``evict_blocks`` has stripped the hashes of the blocks it named: vLLM's index lists none of them now."""
+        self._gone.clear()
 
     def stats(self) -> dict[str, float]:
         return {
