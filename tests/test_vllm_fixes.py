@@ -1351,3 +1351,35 @@ def test_evict_blocks_taking_both_copies_one_in_use_remembers_the_content(
     assert ghost.table.get(k) == 1
     assert plugin.stats()["hook_errors"] == {}
     q.check()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "unified"])
+def test_a_release_of_a_block_whose_hash_changed_unseen_lets_the_old_content_go(policy: str) -> None:
+    """A block the per-block queue knows with content ``k`` comes back (its request's release, then vLLM's
+    ``free_blocks``) carrying another hash that no hook reported (a vLLM path the plugin does not patch): the queue
+    registers the new content and lets ``k`` go as a drop (the policy forgets it; its count is remembered, as for
+    content that left with its last copy), not as an eviction."""
+    plugin.enable(PluginConfig(policy=policy, granularity="block"))
+    kvm = plain_manager()
+    q = kvm.block_pool.free_block_queue
+    prompt = list(range(17))  # one full block
+    a = make_request("a", prompt)
+    assert kvm.allocate_slots(a, a.num_tokens) is not None
+    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
+    k = x.block_hash
+    assert k is not None and q._hash[x.block_id] == k
+    kvm.free(a)  # k: one release
+    assert q.policy._ghost.held.get(k) == 1
+    b = make_request("b", prompt)
+    hit, num_hit, _ = kvm.get_computed_blocks(b)
+    assert num_hit == BLOCK
+    assert kvm.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit) is not None
+    other = make_request("o", list(range(500, 517))).block_hashes[0]
+    x._block_hash = other  # (unseen by the queue)
+    kvm.free(b)
+    assert q._hash[x.block_id] == other
+    assert k not in q.policy._ghost.held and q.policy._ghost.held.get(other) == 1
+    assert q.policy._ghost.table.get(k) == 1  # (a's release; b's counts for the content it released)
+    assert evicted_by_class(kvm) == {0: 1}  # x, with the new content: k's departure was no eviction
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
