@@ -1383,3 +1383,31 @@ def test_a_release_of_a_block_whose_hash_changed_unseen_lets_the_old_content_go(
     assert evicted_by_class(kvm) == {0: 1}  # x, with the new content: k's departure was no eviction
     assert plugin.stats()["hook_errors"] == {}
     q.check()
+
+
+@pytest.mark.parametrize(
+    ("policy", "granularity"), [("lfu", "block"), ("unified", "block"), ("unified", "run")]
+)
+def test_evict_blocks_stripping_a_partial_entry_in_use_counts_one_eviction(policy: str, granularity: str) -> None:
+    """A running request's block holds a partial prefix-cache entry (``cache_partial_block``: hybrid layouts hash
+    inside a block), which no release has registered with the queue yet; ``evict_blocks`` strips it (vLLM emits
+    ``BlockRemoved``): one eviction, counted under the block id's last releaser by both queues."""
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity))
+    kvm = cow_manager(40)
+    pool = kvm.block_pool
+    q = pool.free_block_queue
+    a = make_request("a", list(range(40)))
+    for n in (2 * BLOCK, 8):
+        cow_step(kvm, a, n, False)
+    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
+    assert x.block_hash is not None and x.ref_cnt == 1
+    pool.evict_blocks({x.block_id})
+    assert x.block_hash is None
+    evicted = {
+        prio: c["evicted_blocks"]
+        for prio, c in plugin.stats()["by_priority"].items()
+        if c.get("evicted_blocks")
+    }
+    assert evicted == {0: 1}
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()

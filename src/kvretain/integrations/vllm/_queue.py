@@ -378,9 +378,15 @@ class RetentionFreeQueue(HookedFreeQueue):
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True
-        when the block was free (the caller then puts it on the unhashed list)."""
-        queued = self._leave(block.block_id)
-        self._drop(block.block_id, _runtime.now())
+        when the block was free (the caller then puts it on the unhashed list). Content no hook registered (a
+        partial entry, ``cache_partial_block``, in a block no release has freed since) is evicted too: counted
+        under the block id's last releaser, as the run queue counts it."""
+        bid = block.block_id
+        queued = self._leave(bid)
+        if self._hash[bid] is None:
+            self.counters.get(self._cls[bid]).evicted_blocks += 1
+        else:
+            self._drop(bid, _runtime.now())
         return queued
 
     def _held_ids(self) -> set[int]:
