@@ -1388,7 +1388,9 @@ def test_a_release_of_a_block_whose_hash_changed_unseen_lets_the_old_content_go(
 @pytest.mark.parametrize(
     ("policy", "granularity"), [("lfu", "block"), ("unified", "block"), ("unified", "run")]
 )
-def test_evict_blocks_stripping_a_partial_entry_in_use_counts_one_eviction(policy: str, granularity: str) -> None:
+def test_evict_blocks_stripping_a_partial_entry_in_use_counts_one_eviction(
+    policy: str, granularity: str
+) -> None:
     """A running request's block holds a partial prefix-cache entry (``cache_partial_block``: hybrid layouts hash
     inside a block), which no release has registered with the queue yet; ``evict_blocks`` strips it (vLLM emits
     ``BlockRemoved``): one eviction, counted under the block id's last releaser by both queues."""
