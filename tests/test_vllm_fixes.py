@@ -1413,3 +1413,49 @@ def test_evict_blocks_stripping_a_partial_entry_in_use_counts_one_eviction(
     assert evicted == {0: 1}
     assert plugin.stats()["hook_errors"] == {}
     q.check()
+
+
+@pytest.mark.parametrize("grown", [False, True])
+@pytest.mark.parametrize(
+    ("policy", "granularity"), [("lfu", "block"), ("unified", "block"), ("unified", "run")]
+)
+def test_a_partial_entry_promoted_to_the_full_block_starts_as_new_content(
+    policy: str, granularity: str, grown: bool
+) -> None:
+    """A running request's block holds a partial prefix-cache entry ``k``; another request hits it mid-block (a copy
+    on write) and releases it at its own, higher retention; the first request then fills the block, and vLLM
+    promotes the entry to the full block's hash ``k2`` (``cache_full_blocks``), dropping ``k``'s entries (``grown``:
+    the entry grows to 48 tokens first, ``cache_partial_block``). ``k`` leaves as a drop: its use count is
+    remembered under ``k``, and ``k2`` starts afresh, at the retention of the one request that released it (both
+    queues; the run queue kept ``k``'s count and the hitting request's retention for ``k2`` before)."""
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity, options={"ghost_factor": 16.0}))
+    kvm = cow_manager(40)
+    pool = kvm.block_pool
+    q = pool.free_block_queue
+    a = make_request("a", list(range(40)))
+    for n in (2 * BLOCK, 8):
+        cow_step(kvm, a, n, False)
+    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
+    k = x.block_hash
+    assert k is not None and x.block_hash_num_tokens == 2 * BLOCK  # (a partial entry of the 64-token block)
+    b = make_request("b", [*range(40), *range(9000, 9100)], priority=-5)
+    cow_step(
+        kvm, b, 2 * BLOCK, False, hit=True
+    )  # b hits 32 tokens of x, copies it, releases x at its retention
+    assert x.ref_cnt == 1
+    for i in range(24):  # a decodes to 64 tokens: x is full, its entry promoted
+        a.append_output_token_ids(7)
+        cow_step(kvm, a, 1, False)
+        if grown and i == 7:  # (48 tokens computed)
+            pool.cache_partial_block(a, x, 3 * BLOCK, 0, 4 * BLOCK)
+            assert x.block_hash_num_tokens == 3 * BLOCK and x.block_hash != k
+    k2 = x.block_hash
+    assert k2 is not None and k2 != k and x.block_hash_num_tokens == 4 * BLOCK
+    kvm.free(a)
+    assert _placed_at(q, x.block_id) == (q.mapping.retention_for(0), 0)
+    kvm.free(b)
+    q.check()
+    evicted_by_class(kvm)
+    ghost = q._ghost if granularity == "run" else q.policy._ghost
+    assert ghost.table.get(k) == 1 and ghost.table.get(k2) == 1
+    assert plugin.stats()["hook_errors"] == {}

@@ -8,6 +8,11 @@ be swapped):
 * ``BlockPool.__init__``: install the retention queue on plain prefix-caching pools: :class:`RunFreeQueue`
   (``unified`` at run granularity, the default) or :class:`RetentionFreeQueue` (any policy, per block).
 * ``BlockPool.cache_full_blocks`` (per-block queue only): new content and parent/child links for the policy.
+* ``BlockPool.cache_partial_block`` (run queue only; hybrid layouts that hash inside a block): a block in use whose
+  partial entry vLLM grows or replaces, and, on a pool that has written one, a partial entry ``cache_full_blocks``
+  promotes to the full block (a wrapper on that pool object alone): the block's old content leaves the queue as a
+  drop (:meth:`RunFreeQueue.content_replaced`; the per-block queue sees it in its ``cache_full_blocks`` hook and at
+  the release).
 * ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped.
 * ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request (and, for
   the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
@@ -193,6 +198,48 @@ def _make_cache_full_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
                 _hook_failed("cache", "kvretain: cache_full_blocks hook failed (ignored)")
 
     return cache_full_blocks
+
+
+def _make_cache_partial_block(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def cache_partial_block(self: Any, request: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+        q = self.free_block_queue
+        if type(q) is not RunFreeQueue:  # (the per-block queue sees new hashes where it registers content)
+            return orig(self, request, block, *args, **kwargs)
+        old = block.block_hash
+        out = orig(self, request, block, *args, **kwargs)
+        try:
+            if "cache_full_blocks" not in vars(self):
+                _follow_promotions(self, q)
+            if old is not None and block.block_hash != old:
+                q.content_replaced(block, old)
+        except Exception:
+            _hook_failed("cache", "kvretain: cache_partial_block hook failed (ignored)")
+        return out
+
+    return cache_partial_block
+
+
+def _follow_promotions(pool: Any, q: RunFreeQueue) -> None:
+    """On ``pool``, which has written a partial entry: ``cache_full_blocks`` tells the run queue of each block whose
+    partial entry it promotes to the full block's (the only new full block vLLM finds hashed already). A wrapper
+    on this pool object alone, so pools that never hash inside a block (every plain model) pay nothing."""
+    orig = pool.cache_full_blocks  # (the class's, bound)
+
+    def cache_full_blocks(
+        request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kwargs: Any
+    ) -> None:
+        hashed = [
+            (b, b.block_hash) for b in blocks[num_cached_blocks:num_full_blocks] if b.block_hash is not None
+        ]
+        orig(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+        try:
+            for b, old in hashed:
+                if b.block_hash != old:
+                    q.content_replaced(b, old)
+        except Exception:
+            _hook_failed("cache", "kvretain: cache_full_blocks hook failed (ignored)")
+
+    pool.cache_full_blocks = cache_full_blocks
 
 
 def _make_reset(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -729,6 +776,8 @@ def install(cfg: PluginConfig) -> None:
     _patch(MambaManager, "_remove_blocks_in_range", _make_mamba_remove_blocks_in_range)
     if "_apply_cow" in SingleTypeKVCacheManager.__dict__:  # (a vLLM without it copies no partial hits)
         _patch(SingleTypeKVCacheManager, "_apply_cow", _make_apply_cow)
+    if "cache_partial_block" in BlockPool.__dict__:  # (a vLLM without it hashes whole blocks)
+        _patch(BlockPool, "cache_partial_block", _make_cache_partial_block)
     if "move_block_hashes" in BlockPool.__dict__:  # (a vLLM without it moves no cache entries)
         _patch(BlockPool, "move_block_hashes", _make_move_block_hashes)
     try:

@@ -1012,10 +1012,14 @@ class RunFreeQueue(HookedFreeQueue):
         registered (in use since vLLM cached it: a KV connector's failed load) is counted too, as the per-block
         queue counts it: under the class that last released that block id (no request has released it yet)."""
         self.counters.get(self._cls[bid] if cls is None else cls).evicted_blocks += 1
+        self._let_go(bid, self.pool_blocks[bid]._block_hash)
+
+    def _let_go(self, bid: int, h: Any) -> None:
+        """Content ``h`` leaves ``bid``: its use count to the ghost (a sampled block, the content's last copy), its
+        retention, lapse and owner forgotten; the block is unknown (``NEW``) until a release registers new content."""
         if self._r[bid] == NEW:
             return
         if self._sampled[bid]:
-            h = self.pool_blocks[bid]._block_hash
             if h is not None and not self._held_elsewhere(h, bid):
                 self._ghost.put(h, self._uses[bid])
             self._sampled[bid] = 0
@@ -1024,6 +1028,16 @@ class RunFreeQueue(HookedFreeQueue):
         self._r[bid] = NEW
         self._lapse.pop(bid, None)
         self._owner.pop(bid, None)
+
+    def content_replaced(self, block: KVCacheBlock, old: Any) -> None:
+        """vLLM gave ``block`` (in use by a running request) a new hash in place of ``old`` without evicting it: a
+        partial prefix-cache entry grown or promoted to the full block (``BlockPool.cache_partial_block`` /
+        ``cache_full_blocks``, hybrid layouts that hash inside a block). The entries for ``old`` are gone from
+        vLLM's index, so the old content leaves the block as a drop (no eviction counted), as the per-block queue
+        lets it go: its use count and the retention its releasers gave it do not pass to the new content."""
+        bid = block.block_id
+        if self._run_of[bid] is None:  # (a queued block gets no new hash: vLLM writes blocks in use)
+            self._let_go(bid, old)
 
     # ------------------------------------------------------------ hooks called by the patches
     def _release(
