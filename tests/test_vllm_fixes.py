@@ -43,6 +43,7 @@ from vllm.v1.request import Request
 
 import kvretain.integrations.vllm as plugin
 from kvretain.integrations.vllm import _runtime
+from kvretain.integrations.vllm._queue import BLOCKED
 from kvretain.integrations.vllm.config import PluginConfig, check_vllm_version
 
 BLOCK = 16
@@ -1459,3 +1460,114 @@ def test_a_partial_entry_promoted_to_the_full_block_starts_as_new_content(
     ghost = q._ghost if granularity == "run" else q.policy._ghost
     assert ghost.table.get(k) == 1 and ghost.table.get(k2) == 1
     assert plugin.stats()["hook_errors"] == {}
+
+
+FIXED_SHARE = {"isolation_goal": None, "adapt_frequency": False, "ghost_factor": 0.0}
+"""``unified`` with its fixed protected share and no adaptive parts: the two queues' decisions compared alone."""
+
+
+def window_pressure(granularity: str) -> tuple[dict[int, int], list[int]]:
+    """A class -5 request (retention 85, protected) ends; a class 1 request (25) runs through 8 blocks, its sliding
+    window freeing its early window blocks while it runs; then an allocation evicts all but 2 cached blocks. The
+    blocks evicted per class, and the class-1 window blocks freed mid-request that the queue holds back."""
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity, options=FIXED_SHARE))
+    kvm = window_manager(40)
+    h = make_request("h", list(range(7000, 7000 + 3 * BLOCK)), priority=-5)
+    a = make_request("a", list(range(8 * BLOCK)), priority=1)
+    for req, chunk in ((h, 3 * BLOCK), (a, 2 * BLOCK)):
+        while req.num_computed_tokens < req.num_tokens:
+            assert kvm.allocate_slots(req, chunk) is not None
+            req.num_computed_tokens += chunk
+        if req is h:
+            kvm.free(h)
+    q = kvm.block_pool.free_block_queue
+    freed = [b for b in q.get_all_free_blocks() if b.block_hash is not None and q._cls[b.block_id] == 1]
+    assert len(freed) == 4  # (positions 0-3 of a's window group)
+    held_back = [b.block_id for b in freed if granularity == "block" and q._where[b.block_id] == BLOCKED]
+    pool = kvm.block_pool
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    assert plugin.stats()["hook_errors"] == {}
+    q.check()
+    evicted = {
+        prio: c["evicted_blocks"]
+        for prio, c in plugin.stats()["by_priority"].items()
+        if c.get("evicted_blocks")
+    }
+    plugin.disable()
+    plugin.reset_stats()
+    return evicted, held_back
+
+
+def test_sliding_window_blocks_freed_mid_request_wait_for_no_child() -> None:
+    """A sliding window's hit reads only the blocks it ends on, so a window block freed mid-request must not wait
+    behind its children (the per-block queue linked the window group's blocks as full attention's and held the
+    freed ones back until every other block had gone, protected ones included: a class-1 block at 25 outlived
+    class -5 blocks at 85). Both queues now evict the unprotected window blocks first, alike."""
+    run = window_pressure("run")
+    block = window_pressure("block")
+    assert block[1] == [] and run[1] == []
+    assert run[0] == block[0]
+    assert run[0].get(1) == 4  # every freed class-1 window block went
+
+
+def test_a_mamba_state_above_a_null_gap_is_lifted_by_nothing() -> None:
+    """Align-mode Mamba keeps a state block every other position (null between); a scope's directive lowers the
+    head (positions 0-1) to 10 under a protected request (35). The state at position 1 has no child across the
+    null block, so the run queue must not lift it to the run of the state at position 3 (protected, 35): both
+    queues place it at 10, unprotected, and evict it first."""
+    lower_head = {
+        "retention_directives": [{"start": 0, "end": 2 * BLOCK, "priority": 10}],
+        "retention_scope": "s",
+    }
+    seen = []
+    for granularity in ("run", "block"):
+        plugin.enable(PluginConfig(policy="unified", granularity=granularity, options=FIXED_SHARE))
+        kvm = mamba_manager(40)
+        q = kvm.block_pool.free_block_queue
+        a = make_request("a", list(range(4 * BLOCK)), priority=0, extra_args=lower_head)
+        for _ in range(2):
+            assert kvm.allocate_slots(a, 2 * BLOCK) is not None
+            a.num_computed_tokens += 2 * BLOCK
+        states = kvm.coordinator.single_type_managers[1].req_to_blocks["a"]
+        assert [b.is_null for b in states] == [True, False, True, False]
+        s1 = states[1].block_id
+        kvm.free(a)
+        q.check()
+        tier = q._run_of[s1].tier if granularity == "run" else q.policy._meta[s1].tier
+        placed = _placed_at(q, s1)
+        pool = kvm.block_pool
+        unhashed = sum(1 for b in q.get_all_free_blocks() if b.block_hash is None)
+        victim = pool.get_new_blocks(unhashed + 1)[-1].block_id
+        assert plugin.stats()["hook_errors"] == {}
+        seen.append((placed, tier, victim == s1))
+        plugin.disable()
+        plugin.reset_stats()
+    assert seen == [((10, 0), 1, True)] * 2
+
+
+def test_a_sliding_window_block_below_a_raised_one_waits_for_nothing() -> None:
+    """A directive raises a request's last block to 90 (protected); the block before it stays at 35. In the
+    full-attention group that block leads to the raised one, so it goes only after it (the pool's leaf-only
+    eviction), in both queues. In the sliding-window group it leads to nothing a hit needs: both queues evict it
+    first of the four (the run queue lifted it into the raised block's protected run before)."""
+    raise_last = {"retention_directives": [{"start": 7 * BLOCK, "end": 8 * BLOCK, "priority": 90}]}
+    for granularity in ("run", "block"):
+        plugin.enable(PluginConfig(policy="unified", granularity=granularity, options=FIXED_SHARE))
+        kvm = window_manager(40)
+        pool = kvm.block_pool
+        a = make_request("a", list(range(8 * BLOCK)), extra_args=raise_last)
+        while a.num_computed_tokens < a.num_tokens:
+            assert kvm.allocate_slots(a, 2 * BLOCK) is not None
+            a.num_computed_tokens += 2 * BLOCK
+        full, window = (m.req_to_blocks["a"] for m in kvm.coordinator.single_type_managers)
+        assert window[0].is_null and not (window[6].is_null or window[7].is_null)  # (the window moved on)
+        f6, f7, w6, w7 = (b.block_id for b in (full[6], full[7], window[6], window[7]))
+        kvm.free(a)
+        pool.free_block_queue.check()
+        victims = [b.block_id for b in pool.get_new_blocks(pool.get_num_free_blocks())]
+        order = [bid for bid in victims if bid in (f6, f7, w6, w7)]
+        assert order[0] == w6, granularity
+        assert order.index(f7) < order.index(f6), granularity
+        assert plugin.stats()["hook_errors"] == {}
+        plugin.disable()
+        plugin.reset_stats()

@@ -45,6 +45,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         "manager",
         "mapping",
         "pool_blocks",
+        "unlinked_groups",
     )
 
     def __init__(
@@ -66,6 +67,10 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         # a weak reference to the KVCacheManager this pool serves (hybrid models only, set by its __init__): the
         # hook on a moved cache entry (BlockPool.move_block_hashes) finds the request's group tables through it
         self.manager: Any = None
+        # the KV cache groups whose cache hits do not need every earlier block of the group (a sliding window,
+        # chunked local attention, Mamba's states: vLLM's find_longest_cache_hit of such a group reads only the
+        # blocks it ends on), set with ``manager`` on a hybrid model: no parent waits for a child there
+        self.unlinked_groups: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------ queue interface
     def popleft(self) -> KVCacheBlock:
@@ -209,6 +214,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         freeing_now: bool = False,
         num_cached: Sequence[int] | None = None,
         first: Sequence[int] | None = None,
+        group_ids: Sequence[int] | None = None,
     ) -> None:
         """Before a request's blocks are freed: one release (a use) per hashed block, at the retention the
         request asks for (directives, else its mapped ``priority``), deepest block first (vLLM's free order).
@@ -218,9 +224,12 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         ``num_cached``: per group, how many leading blocks vLLM's manager has cached (full attention only; a
         hint the queue may use to skip hash reads). ``first``: per group, the position of the first block
         released (the ones before it are not; a group's blocks keep their positions, which directives and
-        depths are reckoned by)."""
+        depths are reckoned by). ``group_ids``: the KV cache group of each of ``groups`` (default: its index), for
+        :attr:`unlinked_groups`."""
         try:
-            self._release(request, groups, block_sizes, freeing_now, num_cached, first=first)
+            self._release(
+                request, groups, block_sizes, freeing_now, num_cached, first=first, group_ids=group_ids
+            )
         except Exception:
             if freeing_now:
                 self._unplace(request, groups)  # the append_n that follows places the blocks
@@ -235,11 +244,18 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         num_cached: Sequence[int] | None,
         *,
         first: Sequence[int] | None = None,
+        group_ids: Sequence[int] | None = None,
     ) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def release_skipped(
-        self, request: Any, blocks: Sequence[KVCacheBlock] | None, first: int, last: int, block_size: int
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock] | None,
+        first: int,
+        last: int,
+        block_size: int,
+        group: int = 0,
     ) -> None:
         """Before vLLM frees blocks of a running ``request`` that its attention no longer reads (a sliding
         window or chunked local attention moved past them: ``SingleTypeKVCacheManager._remove_blocks_in_range``
@@ -254,7 +270,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         while lo > first and not blocks[lo - 1].is_null:
             lo -= 1
         if lo < last:
-            self.on_request_release(request, (blocks[:last],), (block_size,), first=(lo,))
+            self.on_request_release(request, (blocks[:last],), (block_size,), first=(lo,), group_ids=(group,))
 
     def release_freed(
         self,
@@ -263,6 +279,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         freed: Sequence[KVCacheBlock],
         block_size: int,
         null: KVCacheBlock,
+        group: int = 0,
     ) -> None:
         """Before vLLM's ``free_blocks(freed)``, called by a group's manager while it serves a running ``request``
         (align-mode Mamba frees its retired state blocks this way, by rules of its own: see
@@ -282,7 +299,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         blocks = [null] * (max(at) + 1)  # (still in use, or below the first released: not released)
         for i, b in at.items():
             blocks[i] = b
-        self.on_request_release(request, (blocks,), (block_size,), first=(min(at),))
+        self.on_request_release(request, (blocks,), (block_size,), first=(min(at),), group_ids=(group,))
 
     def _unplace(self, request: Any, groups: Sequence[Sequence[KVCacheBlock]]) -> None:
         """Undo the placement of a failed fused release: the ``append_n`` that follows places the blocks."""

@@ -193,7 +193,7 @@ def _make_cache_full_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         q = self.free_block_queue
         if type(q) is RetentionFreeQueue:  # (the run queue registers content at release)
             try:
-                q.on_blocks_cached(blocks, num_cached_blocks, num_full_blocks, block_mask)
+                q.on_blocks_cached(blocks, num_cached_blocks, num_full_blocks, block_mask, kv_cache_group_id)
             except Exception:
                 _hook_failed("cache", "kvretain: cache_full_blocks hook failed (ignored)")
 
@@ -311,6 +311,15 @@ def _full_attention(manager: Any) -> Any:
     if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
         return None
     return managers[0]
+
+
+def _hits_need_the_prefix(manager: Any) -> bool:
+    """Whether a cache hit in this single-type manager's group needs every earlier block of the group: full
+    attention's lookup (``FullAttentionManager.find_longest_cache_hit``, which its subclasses keep) walks the
+    prefix from its first block; a sliding window's, chunked local attention's and Mamba's read only the blocks a
+    hit ends on."""
+    own = getattr(type(manager), "find_longest_cache_hit", None)
+    return getattr(own, "__func__", own) is FullAttentionManager.find_longest_cache_hit.__func__
 
 
 def _num_cached(manager: Any, request_id: str) -> list[int] | None:
@@ -432,6 +441,11 @@ def _make_manager_init(orig: Callable[..., Any]) -> Callable[..., Any]:
                 # a plain model's allocate_slots, called for every scheduled request each step, pays nothing
                 _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
                 q.manager = weakref.ref(self)  # (for a moved cache entry: _make_move_block_hashes)
+                q.unlinked_groups = frozenset(
+                    m.kv_cache_group_id
+                    for m in self.coordinator.single_type_managers
+                    if not _hits_need_the_prefix(m)
+                )
         except Exception:
             _hook_failed("manager", "kvretain: cannot follow a hybrid model's mid-request frees (ignored)")
 
@@ -460,7 +474,12 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
         if request is not None:
             try:
                 q.release_skipped(
-                    request, self.req_to_blocks.get(request_id), first_block, last_block, self.block_size
+                    request,
+                    self.req_to_blocks.get(request_id),
+                    first_block,
+                    last_block,
+                    self.block_size,
+                    getattr(self, "kv_cache_group_id", 0),
                 )
             except Exception:
                 _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
@@ -483,14 +502,17 @@ class _ReleasingPool:
     read, so that the work per call is the range it frees, not the request's whole table (the call runs once per
     step for every running request)."""
 
-    __slots__ = ("_block_size", "_pool", "_queue", "_request", "held")
+    __slots__ = ("_block_size", "_group", "_pool", "_queue", "_request", "held")
 
-    def __init__(self, pool: Any, queue: Any, request: Any, held: dict[int, Any], block_size: int) -> None:
+    def __init__(
+        self, pool: Any, queue: Any, request: Any, held: dict[int, Any], block_size: int, group: int
+    ) -> None:
         self._pool = pool
         self._queue = queue
         self._request = request
         self.held = held
         self._block_size = block_size
+        self._group = group
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
@@ -507,7 +529,9 @@ class _ReleasingPool:
         blocks = list(ordered_blocks)
         pool = self._pool
         try:
-            self._queue.release_freed(self._request, self.held, blocks, self._block_size, pool.null_block)
+            self._queue.release_freed(
+                self._request, self.held, blocks, self._block_size, pool.null_block, self._group
+            )
         except Exception:
             _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
         pool.free_blocks(blocks)
@@ -529,7 +553,9 @@ def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     kept = getattr(manager, "last_state_block_idx", {}).get(request_id)
     if kept is not None and 0 <= kept < len(table) and not table[kept].is_null:
         held[kept] = table[kept]
-    return _ReleasingPool(pool, q, request, held, int(manager.block_size))
+    return _ReleasingPool(
+        pool, q, request, held, int(manager.block_size), getattr(manager, "kv_cache_group_id", 0)
+    )
 
 
 def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -582,7 +608,14 @@ def _make_apply_cow(orig: Callable[..., Any]) -> Callable[..., Any]:
         if request is not None:
             try:
                 held = {block_idx: source_block}
-                q.release_freed(request, held, (source_block,), int(self.block_size), pool.null_block)
+                q.release_freed(
+                    request,
+                    held,
+                    (source_block,),
+                    int(self.block_size),
+                    pool.null_block,
+                    getattr(self, "kv_cache_group_id", 0),
+                )
             except Exception:
                 _hook_failed(
                     "cow", "kvretain: release hook failed (the block hit is placed at its last retention)"
@@ -607,7 +640,14 @@ def _release_moved(pool: Any, q: Any, request: Any, src: Any, dst: Any) -> None:
             continue
         for i in range(len(table) - 1, -1, -1):  # (by identity: the state block sits near the table's end)
             if table[i] is src:
-                q.release_freed(request, {i: dst}, (dst,), int(m.block_size), pool.null_block)
+                q.release_freed(
+                    request,
+                    {i: dst},
+                    (dst,),
+                    int(m.block_size),
+                    pool.null_block,
+                    getattr(m, "kv_cache_group_id", 0),
+                )
                 return
 
 

@@ -231,16 +231,19 @@ class RetentionFreeQueue(HookedFreeQueue):
         num_cached_blocks: int,
         num_full_blocks: int,
         block_mask: Sequence[bool] | None,
+        group: int = 0,
     ) -> None:
-        """After ``BlockPool.cache_full_blocks``: tell the policy about new content and link it to its
-        parent (the request's previous block)."""
+        """After ``BlockPool.cache_full_blocks`` of KV cache group ``group``: tell the policy about new content and
+        link it to its parent (the request's previous block), unless a hit in that group needs no earlier block
+        (``unlinked_groups``: a sliding window's blocks are reached without the blocks before them, so a parent
+        there must not wait for its children, as it would behind a protected tier it does not belong to)."""
         if num_cached_blocks >= num_full_blocks:
             return
         # NOTE: hot path (one iteration per newly cached block): locals only, the link is inlined.
         now = _runtime.now()
         known = self._hash
         on_cached = self.policy.on_cached
-        link = self._leaf_only
+        link = self._leaf_only and group not in self.unlinked_groups
         parent = self._parent
         pgen = self._pgen
         gen = self._gen
@@ -288,6 +291,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         num_cached: Sequence[int] | None,
         *,
         first: Sequence[int] | None = None,
+        group_ids: Sequence[int] | None = None,  # (links come from cache_full_blocks: on_blocks_cached)
     ) -> None:
         prio, mapped, ret, scope, use_plan = self._request_retention(request, block_sizes)
         tracks = self._tracks

@@ -289,7 +289,7 @@ class _Building:
     (``cur``, its split ``tag`` = retention * 16 + log2 of the use count) and the 256-token segment of the last
     new block (first depth ``seg``, use count ``su``, the tag of new content in it ``stag``)."""
 
-    __slots__ = ("cur", "seg", "stag", "su", "tag")
+    __slots__ = ("cur", "linked", "seg", "stag", "su", "tag")
 
     def __init__(self, n: int, stag: int) -> None:
         self.seg = n
@@ -297,6 +297,7 @@ class _Building:
         self.stag = stag
         self.tag = -1
         self.cur: _Run | None = None
+        self.linked = True  # (a parent's run is lifted to its child's: see RunFreeQueue._release_group)
 
 
 class _Directed:
@@ -1050,9 +1051,10 @@ class RunFreeQueue(HookedFreeQueue):
         free_blocks: Callable[[list[KVCacheBlock]], None] | None = None,
         *,
         first: Sequence[int] | None = None,
+        group_ids: Sequence[int] | None = None,
     ) -> None:
         """``free_blocks`` (fused, see :meth:`free_request`): vLLM's ``BlockPool.free_blocks`` of this pool;
-        ``first``: see :meth:`on_request_release`."""
+        ``first``, ``group_ids``: see :meth:`on_request_release`."""
         if freeing_now:
             self._expect = -1
         prio = _priority(request)
@@ -1073,7 +1075,8 @@ class RunFreeQueue(HookedFreeQueue):
                     assert ret is not None and block_sizes is not None
                     plan = ret.block_plan(len(blocks), block_sizes[g], request.num_prompt_tokens, rel.mapped)
                 nc = 0 if num_cached is None or self._stripped else min(len(blocks), num_cached[g])
-                self._release_group(blocks, nc, plan, rel, 0 if first is None else first[g])
+                unlinked = (g if group_ids is None else group_ids[g]) in self.unlinked_groups
+                self._release_group(blocks, nc, plan, rel, 0 if first is None else first[g], not unlinked)
             completed = True
         finally:  # (also on an error: every block that names a run is in a queued run)
             self._post()
@@ -1178,13 +1181,17 @@ class RunFreeQueue(HookedFreeQueue):
         plan: tuple[list[int], list[float | None]] | None,
         rel: _Release,
         lo: int = 0,
+        linked: bool = True,
     ) -> None:
         """One KV cache group's blocks of a release, deepest first, down to position ``lo`` (``nc``: how many
-        leading ones are known to be cached; ``plan``: the per-block retention and duration of directives)."""
+        leading ones are known to be cached; ``plan``: the per-block retention and duration of directives;
+        ``linked``: a hit in the group needs every earlier block, so a parent's run ranks at least at its child's;
+        not in :attr:`unlinked_groups`, as the per-block queue links no blocks there)."""
         n = len(blocks)
         rel.total += n - lo
         # the run being built and the 256-token segment of the last new block (seg: its first depth)
         st = _Building(n, rel.mapped * 16 + self._ub[1])
+        st.linked = linked
         start = n - 1
         if rel.freeing_now and not rel.slow and not lo:
             start = self._release_new(blocks, nc, rel, st)
@@ -1210,6 +1217,7 @@ class RunFreeQueue(HookedFreeQueue):
         fused = rel.fused
         first = rel.first.append
         seg, su, stag, run_tag, cur = st.seg, st.su, st.stag, st.tag, st.cur
+        linked = st.linked
         add = cur.ids.append if cur is not None else None
         skipped = 0
         start = -1
@@ -1218,6 +1226,11 @@ class RunFreeQueue(HookedFreeQueue):
             for i in range(len(blocks) - 1, -1, -1):
                 b = blocks[i]
                 if i >= nc and b._block_hash is None:
+                    if (
+                        cur is not None
+                    ):  # a gap above a run (align-mode Mamba's null blocks): the general path
+                        start = i
+                        break
                     skipped += 1
                     if fused:
                         first(b)
@@ -1231,7 +1244,7 @@ class RunFreeQueue(HookedFreeQueue):
                     su = segment_uses(blocks, seg) if ghost else 1
                     stag = mapped * 16 + ub[su]
                     if stag != run_tag:
-                        cur = open_run(mapped, su, i, prio, cur, None)
+                        cur = open_run(mapped, su, i, prio, cur if linked else None, None)
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = stag
@@ -1290,8 +1303,14 @@ class RunFreeQueue(HookedFreeQueue):
         skipped = other = new_protected = 0
         wait = self._wait
         open_run = self._open_run
-        # the block below (one deeper) joined ``cur`` in this release
-        below = cur is not None and start + 1 < len(blocks) and run_of[blocks[start + 1].block_id] is cur
+        # the block below (one deeper) joined ``cur`` in this release (a parent there waits for it: linked groups)
+        linked = st.linked
+        below = (
+            linked
+            and cur is not None
+            and start + 1 < len(blocks)
+            and run_of[blocks[start + 1].block_id] is cur
+        )
         i = start + 1
         try:
             for i in range(start, lo - 1, -1):
@@ -1320,6 +1339,12 @@ class RunFreeQueue(HookedFreeQueue):
                     skipped += 1
                     if fused:
                         first(b)
+                    # a gap (align-mode Mamba keeps a state block every few positions, null between): no chain
+                    # across it, so the run above starts afresh, lifted by nothing below (the per-block queue
+                    # links no parent across a null block either)
+                    cur = None
+                    run_tag = -1
+                    below = False
                     continue
                 bid = b.block_id
                 r = rr[bid]
@@ -1363,13 +1388,15 @@ class RunFreeQueue(HookedFreeQueue):
                         else:
                             w = None
                     if tag != run_tag:  # (once per run, not per block)
-                        cur = open_run(r, u, i, prio, cur, w[0] if w is not None else None)
+                        cur = open_run(
+                            r, u, i, prio, cur if linked else None, w[0] if w is not None else None
+                        )
                         runs.append(cur)
                         add = cur.ids.append
                         run_tag = tag
                     add(bid)  # type: ignore[misc]
                     run_of[bid] = cur
-                    below = True
+                    below = linked
                 else:  # placed when vLLM frees it (append_n), under this last releaser's class
                     cls[bid] = prio
                     if below:  # held by another request: its child's run waits for the release that frees it
