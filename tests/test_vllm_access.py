@@ -734,11 +734,90 @@ def test_a_retention_cap_allows_exactly_the_priorities_the_mapping_puts_within_i
 
 
 def test_a_huge_priority_is_not_echoed_whole():
-    # a 5,000-character X-Vllm-Priority header came back whole in the 400 message
-    msg = _denied(lambda: POLICY.check({}, ADMIN, "9" * 2 + "x" * 5000), 400)
-    assert len(msg) < 200 and "(5004 characters)" in msg  # (its repr, quotes included)
+    # a 5,000-character priority came back whole in the 400 message
     msg = _denied(lambda: POLICY.check({"priority": "p" * 5000}, ADMIN), 400)
-    assert len(msg) < 200
+    assert len(msg) < 200 and "(5002 characters)" in msg  # (its repr, quotes included)
+
+
+@pytest.mark.parametrize("header", ["", "abc", "9" * 2 + "x" * 5000, "9" * 5000, "1.5"])
+def test_a_priority_header_vllm_ignores_is_ignored(header: str) -> None:
+    """vLLM reads ``X-Vllm-Priority`` with ``int()`` and, where that fails, the body's priority: the limits do the
+    same (they refused such a header with a 400 that vLLM would not give), and check the body's priority."""
+    d = POLICY.check({"priority": 2}, BOB, header)
+    assert d.priority == 2 and d.body["priority"] == 2
+    assert "priority 1" in _denied(lambda: POLICY.check({"priority": 0}, BOB, header), 403)
+    bob = (b"authorization", b"Bearer sk-bob-00000")
+    status, _, seen = _asgi(POLICY, {"priority": 2}, [bob, (b"x-vllm-priority", header.encode())])
+    assert status == 200 and seen["body"]["priority"] == 2
+    assert b"x-vllm-priority" not in seen["headers"]
+    assert POLICY.check({}, BOB, " 3 ").priority == 3  # (an integer, as int() reads it: it counts)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [], "cache_salt": "salt-bob"}),
+        ("/v1/responses", {"model": "m", "input": "hi", "cache_salt": "salt-bob"}),
+        ("/v1/messages", {"model": "m", "messages": [], "max_tokens": 1, "cache_salt": "salt-bob"}),
+        ("/invocations", {"messages": [], "cache_salt": "salt-bob"}),
+        ("/v1/embeddings", {"model": "m", "input": "hi", "cache_salt": "salt-bob"}),
+        ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {}, "cache_salt": "salt-bob"}),
+    ],
+)
+def test_another_keys_salt_is_reserved_on_every_endpoint(path: str, body: dict[str, Any]) -> None:
+    """A key without limits may call every endpoint, but not with a salt bound to another key (it would share, and
+    could probe, that key's cache): refused wherever vLLM reads a ``cache_salt``, as on chat completions (elsewhere
+    the check ran only on bodies carrying retention fields)."""
+    admin = (b"authorization", b"Bearer sk-admin-000")
+    status, reply, seen = _asgi(POLICY, body, [admin], path)
+    assert status == 403 and "bound to another key" in reply["error"]["message"], path
+    assert "raw" not in seen  # (never reached vLLM)
+    status, _, seen = _asgi(POLICY, {**body, "cache_salt": "admin-own"}, [admin], path)
+    assert status == 200 and seen["body"]["cache_salt"] == "admin-own"
+
+
+def test_a_bound_salt_vllm_would_refuse_is_refused_at_load() -> None:
+    """The server writes a key's bound salt into each of its requests; one vLLM refuses (over 128 characters, or
+    with '@', '/', '\\' or NUL) made every request of the key fail with a 400 about a field it never sent."""
+    for salt in ("tenant/alice", "alice@corp", "a\\b", "a\x00b", "s" * 129):
+        with pytest.raises(AccessConfigError, match="'cache_salt' must be at most 128 characters"):
+            AccessPolicy.from_json({"keys": [{"key": "sk-alice-000", "cache_salt": salt}]})
+    AccessPolicy.from_json({"keys": [{"key": "sk-alice-000", "cache_salt": "s" * 128}]})
+    try:  # (the rule is vLLM's: where it is installed, the two agree)
+        from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return
+    for salt in ("tenant/alice", "alice@corp", "a\\b", "a\x00b", "s" * 129):
+        with pytest.raises(VLLMValidationError):
+            validate_cache_salt(salt)
+    validate_cache_salt("s" * 128)
+
+
+def test_scopes_are_names_or_prefixes_and_null_owns_none() -> None:
+    """An inner '*' is no pattern (only a trailing one is): refused at load, not read as a literal name; ``null``
+    scopes own none, as the documentation says of a field left out."""
+    with pytest.raises(AccessConfigError, match="'\\*' may only end a prefix"):
+        AccessPolicy.from_json({"keys": [{"key": "sk-alice-000", "scopes": ["alice-*-prod"]}]})
+    key = AccessPolicy.from_json({"keys": [{"key": "sk-alice-000", "scopes": None}]}).keys[0]
+    assert key.scopes == () and not key.owns("alice")
+    key = AccessPolicy.from_json({"keys": [{"key": "sk-alice-000", "scopes": ["alice-*", "*"]}]}).keys[0]
+    assert key.owns("alice-1") and key.owns("anything")
+
+
+def test_a_root_path_of_slash_routes_as_starlette_does() -> None:
+    """With ``--root-path /`` vLLM's router serves ``/v1/chat/completions`` as chat (Starlette strips a root path
+    only where it ends at a '/'); the limits read the same route (a plain prefix removal read
+    ``v1/chat/completions``: a limited key's legal request was refused, and the health check needed a key)."""
+    from kvretain.integrations.vllm.config import route_path
+
+    assert route_path({"path": "/v1/chat/completions", "root_path": "/"}) == "/v1/chat/completions"
+    assert route_path({"path": "/api/v1/chat/completions", "root_path": "/api"}) == "/v1/chat/completions"
+    assert route_path({"path": "/apiv1/chat/completions", "root_path": "/api"}) == "/apiv1/chat/completions"
+    assert route_path({"path": "/api", "root_path": "/api"}) == ""
+    assert _reach(POLICY, {"type": "http", "path": "/health", "root_path": "/"}) == 200
+    post = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "/"}
+    assert _reach(POLICY, post, [(b"authorization", b"Bearer sk-bob-00000")]) == 200
 
 
 def _recorded_latencies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:

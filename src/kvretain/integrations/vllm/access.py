@@ -24,7 +24,8 @@ table mapping, which need not be monotonic, a priority that maps above the cap i
 the nearest priority that maps within it, the less important one on a tie),
 ``max_duration_s`` the longest directive duration (a directive without duration never lapses, so it is over any
 finite limit), ``scopes`` the retention scopes it owns (exact names, or prefixes ending in ``*``; ``["*"]``:
-any), ``cache_salt`` the salt all its requests use (its cache is then shared with no other key). A field left
+any), ``cache_salt`` the salt all its requests use (its cache is then shared with no key but those bound to the
+same salt: a tenant's keys, an old and a new one while it rotates them; no other key may send it). A field left
 out or ``null`` is not limited, except ``scopes`` (none owned unless listed). Without keys every client may ask
 for everything; the global ``max_directives`` (at most the engine's own 1024) / ``max_duration_s`` limits still
 hold.
@@ -91,6 +92,12 @@ class AccessDenied(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+SALT_MAX_CHARS = 128
+SALT_FORBIDDEN = frozenset("@/\\\x00")
+"""vLLM 0.33's rule for a ``cache_salt`` (``validate_cache_salt`` in its request protocol): a key's bound salt is
+checked against it when the limits are loaded, since the server writes it into every request of the key."""
 
 
 @dataclass(frozen=True)
@@ -195,12 +202,24 @@ def _parse_key(raw: Any, i: int, source: str = ENV_KEYS) -> ApiKey:
     name = raw.get("name", f"key#{i}")
     if not isinstance(name, str) or not name:
         raise AccessConfigError(f"{where}: 'name' must be a non-empty string")
-    scopes = raw.get("scopes", [])
+    scopes = raw.get("scopes")
+    if scopes is None:
+        scopes = []  # (left out or null: none owned)
     if not isinstance(scopes, list) or not all(isinstance(s, str) and s for s in scopes):
         raise AccessConfigError(f"{where}: 'scopes' must be a list of non-empty strings")
+    for s in scopes:
+        if "*" in s[:-1]:
+            raise AccessConfigError(
+                f"{where}: scope {s!r}: '*' may only end a prefix (an exact name, a prefix ending in '*', or '*')"
+            )
     salt = raw.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise AccessConfigError(f"{where}: 'cache_salt' must be a non-empty string or null")
+    if salt is not None and (len(salt) > SALT_MAX_CHARS or any(c in SALT_FORBIDDEN for c in salt)):
+        raise AccessConfigError(
+            f"{where}: 'cache_salt' must be at most {SALT_MAX_CHARS} characters without '@', '/', '\\' or NUL "
+            "(vLLM refuses any other salt: every request of the key would fail)"
+        )
     return ApiKey(
         key=key,
         name=name,
@@ -344,15 +363,15 @@ class AccessPolicy:
 
     def _request_priority(self, d: Decision, key: ApiKey | None, header: str | None, clamp: bool) -> int:
         body = d.body
+        prio: Any
         if header is not None:
             try:
-                prio: Any = int(header.strip())
+                prio = int(header)
             except ValueError:
-                raise AccessDenied(
-                    400, f"X-Vllm-Priority header must be an integer, got {show_value(header)}", "priority"
-                ) from None
-            body["priority"] = prio  # one place for the priority: the header is dropped when forwarded
-            d.changed = True
+                pass  # (vLLM ignores a header that is not an integer and reads the body's priority: so does this)
+            else:
+                body["priority"] = prio  # one place for the priority: the header is dropped when forwarded
+                d.changed = True
         prio = body.get("priority")
         if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):
             raise AccessDenied(

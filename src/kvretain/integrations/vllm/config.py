@@ -293,9 +293,17 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PluginConfig | 
 
 
 def route_path(scope: Mapping[str, Any]) -> str:
-    """An ASGI request's route: its path without the ``--root-path`` prefix a path-prefix proxy keeps (as vLLM's
-    own API-key check reads it), for every middleware of the plugin."""
-    return str(scope.get("path", "")).removeprefix(scope.get("root_path", "") or "")
+    """An ASGI request's route: its path without the ``--root-path`` prefix a path-prefix proxy keeps, where the
+    prefix ends at a ``/`` (Starlette's ``get_route_path``: the route vLLM's router serves, which is what the
+    limits must check; with ``--root-path /`` a plain prefix removal read ``v1/chat/completions``), for every
+    middleware of the plugin."""
+    path = str(scope.get("path", ""))
+    root = scope.get("root_path", "") or ""
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 def load_json(text: str | bytes, unique_keys: bool = False) -> Any:

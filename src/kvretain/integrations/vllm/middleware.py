@@ -173,11 +173,13 @@ def check_elsewhere(policy: AccessPolicy, body: Any, key: ApiKey | None) -> Deci
     """The limits on a POST body outside :data:`CHECKED_PATHS` (an unlimited key, or a server without keys):
     the retention fields it carries, where vLLM's endpoints read them (``vllm_xargs`` and the top-level fields of
     completions-like bodies: ``/invocations``, ``/v1/responses``, ``/v1/messages``; ``sampling_params.extra_args``
-    of ``/inference/v1/generate``), get the same check as on completions; ``None``: nothing to check."""
+    of ``/inference/v1/generate``), and its ``cache_salt`` (a salt bound to another key is reserved on every
+    endpoint that reads one, as on completions: sharing it would let this key probe that key's cache), get the
+    same check as on completions; ``None``: nothing to check."""
     if not isinstance(body, dict):
         return None
     out: Decision | None = None
-    if "vllm_xargs" in body or any(f in body for f in RETENTION_KEYS):
+    if "vllm_xargs" in body or "cache_salt" in body or any(f in body for f in RETENTION_KEYS):
         out = policy.check(body, key)
     sp = (body if out is None else out.body).get("sampling_params")
     if isinstance(sp, dict) and isinstance(sp.get("extra_args"), dict):
