@@ -564,6 +564,37 @@ def test_the_other_priority_class_reaches_metrics(tmp_path, monkeypatch):
     assert got == [("-3", 1), ("1", 2), ("other", 5)]
 
 
+def test_a_priority_is_counted_under_one_label_across_engine_processes():
+    """Each engine process (vLLM's data parallel) labels the first 64 priorities it sees and counts the rest under
+    ``other``: priority 100 was a label in one engine and inside the other's ``other``, and the merged series split
+    its counts between the two. A label an engine that overflowed lacks is merged into ``other`` now."""
+    from kvretain.integrations.vllm import _runtime
+
+    a, b = _runtime.Counters(), _runtime.Counters()
+    for p in range(_runtime.MAX_PRIORITY_CLASSES):  # engine A: 64 priorities, then 100 (under other)
+        a.get(p).record_lookup(10, 0, False)
+    a.get(100).record_lookup(10, 5, False)
+    b.get(100).record_lookup(10, 5, False)  # engine B: 100 first (a label)
+    b.get(0).record_lookup(10, 1, False)
+
+    def snap(c):
+        return {"pid": 1, "time": 0.0, "by_priority": {str(p): v for p, v in c.snapshot().items()}}
+
+    by_prio, _ = metrics.merge([snap(a), snap(b)])
+    assert "100" not in by_prio and by_prio["other"]["requests"] == 2 and by_prio["other"]["hit_tokens"] == 10
+    assert by_prio["0"]["requests"] == 2  # (a label both engines have stays)
+    by_prio, _ = metrics.merge([snap(b)])  # (no engine overflowed: every label stays)
+    assert by_prio["100"]["requests"] == 1 and "other" not in by_prio
+
+
+def test_every_counter_of_the_plugin_reaches_metrics():
+    """``/metrics`` exports each per-priority counter ``plugin.stats()`` has (the resumes' query and hit tokens were
+    missing: no resume hit ratio could be shown)."""
+    from kvretain.integrations.vllm import _runtime
+
+    assert {k for k, _, _ in metrics.COUNTER_KEYS} == {name for _, name in _runtime.STATS_KEYS}
+
+
 def _reach(policy, scope, headers=()):
     """What an ASGI request with ``scope`` gets through the middleware: the app's 200, the middleware's error
     status, or for a websocket the close code it was refused with (None: it reached the app)."""

@@ -795,3 +795,208 @@ def test_import_is_lazy() -> None:
     )
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVRETAIN_")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---------------------------------------------------------------------------- honest counting, both forms
+COUNTED = (
+    ("requests", "requests"),
+    ("query_tokens", "query_tokens"),
+    ("hit_tokens", "hit_tokens"),
+    ("resumes", "preempted_requests"),
+    ("resume_query_tokens", "preempted_query_tokens"),
+    ("resume_hit_tokens", "preempted_hit_tokens"),
+    ("released_blocks", "released_blocks"),
+    ("evicted_blocks", "evicted_blocks"),
+)
+
+
+def counting_workload(seed: int, n: int) -> list[tuple[str, list[int], int, int, int]]:
+    """``n`` requests ``(id, prompt, max_tokens, priority, arrival step)``: three shared system prompts of 1-4 blocks
+    and a tail of 1-60 tokens each (seeded)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 1000) for _ in range(BLOCK * rng.randint(1, 4))] for _ in range(3)]
+    out, step = [], 0
+    for i in range(n):
+        step += rng.randint(0, 2)
+        prompt = list(rng.choice(systems)) + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))]
+        out.append((f"r{i}", prompt, rng.randint(1, 40), rng.choice([0, 1, 2]), step))
+    return out
+
+
+def count_in_core(wl: list[Any], blocks: int, policy: str, budget: int, queue: str) -> tuple[dict, int]:
+    """The workload through kvretain's own scheduler and cache: per-class counts, preemptions."""
+    from kvretain.core.kv_cache_manager import KVCacheManager
+    from kvretain.sched.config import SchedulerConfig
+    from kvretain.sched.output import RunnerOutput
+    from kvretain.sched.request import Request as CoreRequest
+    from kvretain.sched.scheduler import Scheduler as CoreScheduler
+
+    t = [0.0]
+    pcfg = PluginConfig(policy=policy, granularity="block").policy_config(BLOCK)
+    kv = KVCacheManager(blocks - 1, BLOCK, policy=policy, config=pcfg, clock=lambda: t[0])
+    cfg = SchedulerConfig(
+        policy=queue, max_num_batched_tokens=budget, max_num_seqs=8, enable_chunked_prefill=True
+    )
+    s = CoreScheduler(kv, cfg, clock=lambda: t[0])
+    pending, step, preempted = list(wl), 0, 0
+    while pending or s.has_unfinished():
+        t[0] = step * 0.01
+        while pending and pending[0][4] <= step:
+            rid, prompt, max_tokens, prio, at = pending.pop(0)
+            s.add_request(CoreRequest(rid, prompt, max_tokens, at * 0.01, prio))
+        out = s.schedule()
+        preempted += len(out.preempted)
+        sampled = [c.request_id for c in out.chunks if c.samples]
+        s.update_from_output(out, RunnerOutput(tuple(sampled), (harness.SAMPLED_TOKEN,) * len(sampled)))
+        step += 1
+        assert step < 5000
+    counts = {c: tuple(getattr(v, f) for f, _ in COUNTED) for c, v in sorted(kv.stats.items())}
+    return counts, preempted
+
+
+def count_in_vllm(
+    wl: list[Any], blocks: int, policy: str, budget: int, queue: str, model_dir: str, granularity: str
+) -> tuple[dict, int, tuple[int, int]]:
+    """The same workload through vLLM 0.33's scheduler with the plugin: per-class counts, preemptions and vLLM's
+    own PrefixCacheStats (queries, hits)."""
+    plugin.reset_stats()
+    t = [0.0]
+    plugin.set_clock(lambda: t[0])
+    plugin.enable(PluginConfig(policy=policy, granularity=granularity))
+    try:
+        s = harness.build_scheduler(
+            model_dir,
+            num_blocks=blocks,
+            block_size=BLOCK,
+            max_num_seqs=8,
+            max_batched_tokens=budget,
+            max_model_len=1024,
+            policy=queue,
+        )
+        hasher = harness.block_hasher(BLOCK)
+        pending, step, preempted, queries, hits = list(wl), 0, 0, 0, 0
+        while pending or s.has_unfinished_requests():
+            t[0] = step * 0.01
+            while pending and pending[0][4] <= step:
+                rid, prompt, max_tokens, prio, at = pending.pop(0)
+                sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                req = Request(
+                    request_id=rid,
+                    prompt_token_ids=list(prompt),
+                    sampling_params=sp,
+                    pooling_params=None,
+                    arrival_time=at * 0.01,
+                    priority=prio,
+                    block_hasher=hasher,
+                )
+                harness.add_request(s, req)
+            out = s.schedule()
+            preempted += len(out.preempted_req_ids or ())
+            for eco in s.update_from_output(out, harness.runner_output(s, out)).values():
+                st = eco.scheduler_stats
+                if st is not None and st.prefix_cache_stats is not None:
+                    queries += st.prefix_cache_stats.queries
+                    hits += st.prefix_cache_stats.hits
+            step += 1
+            assert step < 5000
+        by = plugin.stats()["by_priority"]
+        return (
+            {c: tuple(v[name] for _, name in COUNTED) for c, v in sorted(by.items())},
+            preempted,
+            (queries, hits),
+        )
+    finally:
+        plugin.disable()
+        plugin.set_clock(None)
+
+
+@pytest.mark.parametrize(
+    ("seed", "policy", "blocks", "budget", "queue", "granularity"),
+    [
+        (0, "lru", 24, 64, "priority", "block"),
+        (1, "lru", 24, 64, "fcfs", "block"),
+        (100, "unified", 24, 32, "priority", "block"),
+        (101, "unified", 20, 48, "priority", "run"),
+        (102, "lru", 18, 24, "priority", "run"),
+    ],
+)
+def test_the_core_and_the_plugin_count_alike(
+    model_dir: str, seed: int, policy: str, blocks: int, budget: int, queue: str, granularity: str
+) -> None:
+    """One seeded workload (three classes, shared prefixes, chunked prefill, preemptions) through kvretain's own
+    scheduler and cache and through vLLM's with the plugin: the same per-class counts of first lookups, resumes,
+    released cached blocks and evictions (the core counted a request's partial last block as released, the
+    plugin only the blocks with content), and the plugin's lookups are vLLM's own PrefixCacheStats."""
+    wl = counting_workload(seed, 50)
+    core, core_preempted = count_in_core(wl, blocks, policy, budget, queue)
+    vllm, vllm_preempted, (queries, hits) = count_in_vllm(
+        wl, blocks, policy, budget, queue, model_dir, granularity
+    )
+    assert core_preempted == vllm_preempted > 0
+    assert core == vllm
+    assert sum(v[1] for v in vllm.values()) == queries  # (first lookups: vLLM counts resumes apart too)
+    assert sum(v[2] for v in vllm.values()) == hits
+    for v in vllm.values():
+        assert v[2] <= v[1] and v[5] <= v[4]
+
+
+def test_a_request_looked_up_again_after_a_failed_kv_load_is_no_second_first_lookup() -> None:
+    """vLLM's sequence for a request whose asynchronous KV-connector load fails under the recompute policy: admitted
+    (its lookup recorded), the load fails, its blocks are freed and it waits again with ``num_preemptions`` still 0,
+    and its next admission is recorded again. That second lookup is no first lookup: counted as a resume, and not
+    fed to the protection controller (it counted twice, in both)."""
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvretain.integrations.vllm._patches import request_arrived
+
+    def req(rid: str, prompt: list[int]) -> Request:
+        init_none_hash(sha256)
+        return Request(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            priority=1,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+
+    plugin.reset_stats()
+    plugin.enable(PluginConfig(policy="unified"))
+    try:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        cfg = KVCacheConfig(
+            num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+        )
+        kvm = KVCacheManager(
+            cfg, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+        )
+        q = kvm.block_pool.free_block_queue
+        warm = req("warm", list(range(48)))
+        assert kvm.allocate_slots(warm, 48) is not None
+        kvm.free(warm)
+        r = req("r", list(range(48)) + [7] * 40)
+        request_arrived(kvm, r)
+        blocks, hit = kvm.get_computed_blocks(r)[:2]
+        assert hit == 48
+        assert (
+            kvm.allocate_slots(r, 0, hit, blocks, num_external_computed_tokens=16, delay_cache_blocks=True)
+            is not None
+        )
+        kvm.record_prefix_cache_stats(r, hit)  # (its admission)
+        r.num_computed_tokens = 0  # the load failed: recompute, blocks freed, waiting again, not preempted
+        kvm.free(r)
+        assert r.num_preemptions == 0
+        blocks, hit = kvm.get_computed_blocks(r)[:2]
+        assert kvm.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+        kvm.record_prefix_cache_stats(r, hit)
+        c = plugin.stats()["by_priority"][1]
+        assert (c["requests"], c["query_tokens"], c["hit_tokens"]) == (1, 88, 48)
+        assert (c["preempted_requests"], c["preempted_query_tokens"]) == (1, 88)
+        assert q._ctl._lookups == 1
+    finally:
+        plugin.disable()
+        plugin.reset_stats()

@@ -409,7 +409,7 @@ class KVCacheManager:
             prios, durs = ret.block_plan(n, self.block_size, req.num_prompt_tokens, base)
             plan = BlockRetention(prios, durs, ret.scope, req.priority, base)
         self.pool.free_blocks(st.blocks, plan)
-        self.cache_stats.released(st.blocks, req.priority)
+        self.cache_stats.released(st.blocks, req.priority, st.num_cached)
         del self._reqs[rid]
 
     def reset_prefix_cache(self) -> bool:

@@ -19,8 +19,10 @@ Counting rules (each written here once):
   retention is what the releasing request asks for), so an eviction is charged to the class whose retention
   the policy weighed when it chose the victim. A block's first allocator is not used: a system prompt
   allocated once by a batch request and re-used (and released) by chat requests is chat's to lose.
-* **Releases.** ``released_blocks`` counts the blocks a request of the class released, at every release
-  (a block held by several requests counts once per releasing request).
+* **Releases.** ``released_blocks`` counts the cached blocks (holding content: hashed) a request of the class
+  released, at every release (a block held by several requests counts once per releasing request); a partial
+  last block, which no lookup can find, is no cached block (the vLLM plugin counts the blocks its queue is told
+  of, the hashed ones).
 
 :class:`CacheStats` holds one :class:`ClassStats` per class and the per-block releaser classes that the
 eviction rule needs.
@@ -113,12 +115,13 @@ class CacheStats:
     def record_lookup(self, priority: int, query_tokens: int, hit_tokens: int, resumed: bool) -> None:
         self.of(priority).record_lookup(query_tokens, hit_tokens, resumed)
 
-    def released(self, block_ids: Sequence[int], priority: int) -> None:
-        """A request of class ``priority`` releases ``block_ids`` (call it for every release)."""
+    def released(self, block_ids: Sequence[int], priority: int, cached: int | None = None) -> None:
+        """A request of class ``priority`` releases ``block_ids`` (call it for every release), of which ``cached``
+        hold cached content (default: all)."""
         rel = self._releaser
         for b in block_ids:
             rel[b] = priority
-        self.of(priority).released_blocks += len(block_ids)
+        self.of(priority).released_blocks += len(block_ids) if cached is None else cached
 
     def evicted(self, block_ids: Sequence[int], block_hashes: object = None) -> None:
         """``block_ids`` were evicted (the signature of ``BlockPool.on_evict_batch``)."""

@@ -19,6 +19,9 @@ from kvretain.integrations.vllm._runtime import logger
 from kvretain.integrations.vllm.config import retention_from_extra_args
 
 SIGHTING = "_kvretain_sighting"
+LOOKED_UP = "_kvretain_looked_up"
+"""Set on a request at its first counted lookup: any later lookup of it is no first one (vLLM looks a request up
+again, with ``num_preemptions`` still 0, after a KV connector's load failed under the recompute policy)."""
 """The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
 RETENTION = "_kvretain_retention"
 """The attribute of a vLLM ``Request`` that keeps its parsed retention: ``(extra_args, RetentionConfig | None)``."""
@@ -381,9 +384,17 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
-        after preemption (its hits are counted apart, as vLLM does, and it is no new lookup)."""
+        after preemption, or any other lookup after the request's first (a KV connector's failed load puts it
+        back to waiting unpreempted: :data:`LOOKED_UP`): its hits are counted apart, as vLLM does for a resume,
+        and it is no new lookup. A streaming-input session's chunks (``resumable``) each count, as vLLM counts
+        them."""
         prio = _priority(request)
         resumed = getattr(request, "num_preemptions", 0) > 0
+        if not getattr(request, "resumable", False):
+            if getattr(request, LOOKED_UP, False):
+                resumed = True
+            else:
+                setattr(request, LOOKED_UP, True)
         self.counters.get(prio).record_lookup(int(request.num_tokens), num_hit_tokens, resumed)
         return None if resumed else self._mapped_for(prio)
 

@@ -80,7 +80,21 @@ COUNTER_KEYS = (
     ),
     ("hit_tokens", "prefix_cache_hits", "prompt tokens served from the prefix cache, by request priority"),
     ("preempted_requests", "preempted_requests", "admissions of requests resumed after a preemption"),
-    ("released_blocks", "released_blocks", "blocks released, by the priority of the releasing request"),
+    (
+        "preempted_query_tokens",
+        "preempted_queries",
+        "prompt tokens looked up by requests resumed after a preemption, by request priority",
+    ),
+    (
+        "preempted_hit_tokens",
+        "preempted_hits",
+        "prompt tokens of resumed requests served from the prefix cache, by request priority",
+    ),
+    (
+        "released_blocks",
+        "released_blocks",
+        "cached blocks released, by the priority of the releasing request",
+    ),
     ("evicted_blocks", "evicted_blocks", "cached blocks evicted, by the priority of their last user"),
 )
 GAUGE_KEYS = (
@@ -198,12 +212,21 @@ def local_snapshot() -> dict[str, Any] | None:
 def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The engine processes' snapshots as one: counters and block counts summed; the controller's ratios,
     levels and flags (``_CONTROLLER_KEYS``, one controller per process) averaged over the processes that
-    report them (a sum of hit ratios or levels is no ratio: two engines at 0.7 read 1.4)."""
+    report them (a sum of hit ratios or levels is no ratio: two engines at 0.7 read 1.4).
+
+    Each engine labels the first :data:`~._runtime.MAX_PRIORITY_CLASSES` priorities it sees and counts the rest
+    under ``other``, so one priority can be a label in one engine and inside another's ``other``: a label an
+    engine that has counted under ``other`` does not have is merged into ``other`` (which priorities that
+    engine's ``other`` holds is not known), so that a priority's counts are under one label."""
     by_prio: dict[str, dict[str, float]] = {}
     gauges = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
     means: dict[str, list[float]] = {}
+    other = _runtime.OTHER_PRIORITY
+    closed = [s["by_priority"].keys() for s in snaps if other in s.get("by_priority", {})]
     for s in snaps:
         for prio, c in s.get("by_priority", {}).items():
+            if prio != other and any(prio not in labels for labels in closed):
+                prio = other
             acc = by_prio.setdefault(prio, {})
             for k, v in c.items():
                 acc[k] = acc.get(k, 0.0) + float(v)
