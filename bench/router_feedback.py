@@ -43,6 +43,7 @@ from kvretain.cli_args import (
     integer,
     json_text,
     path_arg,
+    script_main,
     summary_of,
 )
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit
@@ -233,13 +234,16 @@ def main(argv: list[str] | None = None) -> int:
             "unified_unmatched": uni["unmatched"],
         }
     if args.json is not None:
-        with output_file(
-            args.json
-        ) as f:  # (whole or not at all; a standard stream through its own descriptor)
-            f.write(json_text({"config": vars(args), "runs": done}, indent=1) + "\n")
+        try:
+            with output_file(
+                args.json
+            ) as f:  # (whole or not at all; a standard stream through its own descriptor)
+                f.write(json_text({"config": vars(args), "runs": done}, indent=1) + "\n")
+        except OSError as exc:  # (a full disk: checked writable before the runs, not for room)
+            return fail(PROG, f"argument --json: cannot write {args.json!r}: {exc.strerror or exc}")
     print(json.dumps(out))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -22,6 +22,7 @@ from kvretain.cli_args import (
     fail,
     integer,
     path_arg,
+    script_main,
     summary_of,
 )
 from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit
@@ -97,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

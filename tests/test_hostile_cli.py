@@ -1070,3 +1070,64 @@ def test_compare_reports_on_a_trace_whose_name_is_not_utf8(tmp_path: Path) -> No
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert md.startswith("# kvretain compare: mooncake:\\udcffbad.jsonl\n"), md
     assert json.loads((tmp_path / "rep" / "summary.json").read_text())[0]["workload"] == "mooncake:" + name
+
+
+# ---------------------------------------------------------------- session 54: a helper's CLI pass
+def test_a_bench_scripts_ctrl_c_is_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in a bench script (script_main) printed a KeyboardInterrupt traceback; now as the kvretain command."""
+    from kvretain.cli_args import script_main
+
+    monkeypatch.setattr("sys.argv", ["robustness.py"])
+    assert script_main(_interrupt) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == "robustness.py: interrupted\n"
+
+
+def test_a_user_error_is_status_2_when_standard_error_cannot_be_written(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``kvretain replay /nonexist 2>/dev/full``: the one line could not be written and its OSError escaped (exit
+    1); the status still says what happened."""
+
+    class Full:
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sys.stderr", Full())
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_an_output_in_proc_is_refused_before_the_run() -> None:
+    """A folder the process may write by its mode bits (root) where no file can be made (``/proc``, ``/sys``): the
+    check tries it, so the run does not end in a traceback when it writes."""
+    from kvretain.cli_args import check_output_file
+
+    with pytest.raises(ValueError, match=r"argument --json: cannot write '/proc/x.json'"):
+        check_output_file("/proc/x.json", "--json")
+
+
+def test_a_block_size_beyond_any_engines_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--block-size 1e8`` ran for minutes (per-token work per block in the simulator's decode runs)."""
+    assert main(["simulate", str(trace(tmp_path)), "--block-size", "1e8"]) == 2
+    assert "in [1, 65536]" in one_line(capsys, "kvretain simulate: error: argument --block-size")
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate"])
+def test_a_seed_a_trace_run_never_reads_is_refused(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a trace and a priority rule that draws nothing, ``--seed`` changed nothing, silently, as other options
+    a run does not read are refused; with a rule that draws, it seeds it."""
+    t = str(trace(tmp_path))
+    assert main([command, t, "--seed", "5"]) == 2
+    assert "draws none" in one_line(capsys, f"kvretain {command}: error: argument --seed")
+    extra = ["--capacity-blocks", "8"] if command == "replay" else ["--kv-blocks", "64"]
+    assert main([command, t, "--seed", "5", "--priority-rule", "random-sessions", *extra, "--json"]) == 0

@@ -9,10 +9,12 @@ with status 2 (no usage block, no traceback). Ranges are the ones the library en
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -262,6 +264,11 @@ def check_output_file(path: str, option: str) -> None:
         raise ValueError(f"argument {option}: cannot write {path!r}: folder {str(folder)!r} {why}")
     if not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise ValueError(f"argument {option}: cannot write {path!r}: permission denied")
+    try:  # (what the write will do: a file beside it, renamed; /proc and /sys refuse it, root or not)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"argument {option}: cannot write {path!r}: {exc.strerror or exc}") from None
 
 
 def check_other_file(path: str, option: str, other: str, what: str, why: str) -> None:
@@ -317,18 +324,25 @@ def stdout_closed() -> int:
 def script_main(main: Callable[[], int | None]) -> int:
     """A bench script's exit status from its ``main()``, as the ``kvretain`` command ends (``cli.main``): a
     reader of standard output that went away (``bench/draws.py | head -3``) ends it quietly with
-    :data:`STDOUT_CLOSED`, no ``BrokenPipeError`` traceback. ``raise SystemExit(script_main(main))``."""
+    :data:`STDOUT_CLOSED`, no ``BrokenPipeError`` traceback; Ctrl-C with one line and 130, no
+    ``KeyboardInterrupt`` traceback. ``raise SystemExit(script_main(main))``."""
     try:
         status = main()
         sys.stdout.flush()  # here, not at exit: a reader gone away is handled below, not reported by Python
     except BrokenPipeError:
         return stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT, as the kvretain command
+        with contextlib.suppress(OSError, ValueError):
+            print(f"{Path(sys.argv[0]).name}: interrupted", file=sys.stderr)
+        return 130
     return int(status or 0)
 
 
 def fail(prog: str, message: str) -> int:
-    """Print a user error as one line (as :class:`Parser` does) and return the exit status 2."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Print a user error as one line (as :class:`Parser` does) and return the exit status 2 (also when standard
+    error cannot be written: the status still says what happened)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -379,13 +393,19 @@ def add_limit_option(p: argparse._ActionsContainer, what: str = "only the first 
     p.add_argument("--limit", type=integer(1), default=None, help=what)
 
 
+MAX_BLOCK_TOKENS = 65536
+"""The largest KV block, in tokens, a command takes (``--block-size``, ``--block-tokens``): 16 is vLLM's
+default and hybrid layouts (Mamba in align mode) reach a few thousand; the simulator keeps per-token work per block
+(a decode run's cache entries), so a block of 10^8 tokens ran for minutes before this bound."""
+
+
 def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, what: str) -> None:
     """``--block-tokens``: tokens per hash id of a Mooncake-format trace (:data:`MOONCAKE_BLOCK_TOKENS` in the
     published traces), one option for ``replay``, ``simulate``, ``compare`` (reading) and ``workload export``
     (writing); the trace reader's errors point at it. ``what``: the rest of its help."""
     p.add_argument(
         "--block-tokens",
-        type=integer(1),
+        type=integer(1, MAX_BLOCK_TOKENS),
         default=default,
         help=f"tokens per trace hash id (Mooncake: {MOONCAKE_BLOCK_TOKENS}){what}",
     )

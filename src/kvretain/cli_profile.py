@@ -28,7 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvretain.cli_args import check_other_file, check_output_file, integer, json_text, path_arg
+from kvretain.cli_args import (
+    MAX_BLOCK_TOKENS,
+    check_other_file,
+    check_output_file,
+    integer,
+    json_text,
+    path_arg,
+)
 from kvretain.engine.sim.profiled import (
     COEFFICIENTS,
     Profile,
@@ -147,7 +154,9 @@ def add_subcommands(sub: Any) -> None:
         help="pin the measured engine to these core ids, one thread each (default: unpinned, torch's threads); "
         "a vLLM server on CPU binds its engine core to all allowed cores but one, kept for its API server",
     )
-    p.add_argument("--block-size", type=integer(1), default=32, help="KV block size (default 32)")
+    p.add_argument(
+        "--block-size", type=integer(1, MAX_BLOCK_TOKENS), default=32, help="KV block size (default 32)"
+    )
     p.add_argument("--dtype", type=nonempty, default="bfloat16", help="model dtype (default bfloat16)")
     p.add_argument("--timeout", type=integer(1), default=1800, help="seconds before giving up (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

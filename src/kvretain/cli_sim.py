@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvretain.cli_args import (
+    MAX_BLOCK_TOKENS,
     add_block_tokens_option,
     add_limit_option,
     add_policy_options,
@@ -44,7 +45,7 @@ from kvretain.fileio import StagedFolder
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
 from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities, working_set
-from kvretain.workloads.priority import make_rule, rule_choices
+from kvretain.workloads.priority import make_rule, rule_choices, rule_draws
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
@@ -194,7 +195,9 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         help=f"GPU memory share for weights + KV, (0, 1] (default {DEFAULT_GPU_MEM_UTIL:g}); sizes the KV cache "
         "from the cost model, so not with --kv-blocks",
     )
-    h.add_argument("--block-size", type=integer(1), default=16, help="tokens per KV block (default 16)")
+    h.add_argument(
+        "--block-size", type=integer(1, MAX_BLOCK_TOKENS), default=16, help="tokens per KV block (default 16)"
+    )
     d = SIM_POLICY_DEFAULTS
     c = p.add_argument_group(
         "cache (unified's settings: core's PolicyConfig defaults, as replay and the plugin; the plugin's run queue "
@@ -237,6 +240,16 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
                 f"argument --block-tokens: tokens per hash id of a Mooncake trace; workload {name!r} has none"
             )
         options["block_size"] = args.block_tokens
+    if (
+        args.trace is not None
+        and name == "mooncake"
+        and args.seed != 0
+        and not rule_draws(args.priority_rule)
+    ):
+        raise ValueError(
+            f"argument --seed: with a Mooncake trace it seeds the priority rule's draws, and --priority-rule "
+            f"{args.priority_rule} draws none (random and random-sessions do)"
+        )
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(
         name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale, **options

@@ -56,6 +56,12 @@ def _trace_session_id(ids: Sequence[int]) -> int:
     return ids[1] if len(ids) > 1 else ids[0]
 
 
+def rule_draws(name: str) -> bool:
+    """Whether the rule registered as ``name`` draws from a seeded ``rng`` (``random``, ``random-sessions``): the
+    only use of ``--seed`` on a trace that draws nothing else."""
+    return name != KEEP and "rng" in inspect.signature(PRIORITY_RULES.get(name)).parameters
+
+
 def make_rule(
     name: str,
     requests: Sequence[Any] | None = None,
