@@ -648,3 +648,54 @@ def test_the_measuring_module_refuses_an_engine_that_does_not_run_the_step_it_me
 ) -> None:
     with pytest.raises(RuntimeError, match=re.escape(error)):
         _measure_on_a_fake_engine(tmp_path, monkeypatch, quirk)
+
+
+def test_profile_writes_both_files_or_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plot that cannot be written (a full disk after the measurement) left the cost model behind, with an error
+    naming the cost model's file; a cost model that cannot be written now takes back the plot this run made."""
+    pytest.importorskip("matplotlib")
+    import kvretain.cli_profile as cli_profile
+
+    fake = fake_engine(tmp_path)
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    out, plot = tmp_path / "m.toml", tmp_path / "m.png"
+
+    def full(path: str, *a: object, **k: object) -> bool:
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(cli_profile, "_plot", full)
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvretain profile: error: cannot write {plot}: No space left on device"]
+    assert not out.exists() and not plot.exists()
+    monkeypatch.undo()
+
+    def toml_full(path: object, profile: object) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(cli_profile, "write_profile", toml_full)
+    assert main([*argv, "--out", str(out)]) == 2
+    assert f"cannot write {out}: No space left on device" in capsys.readouterr().err
+    assert not out.exists() and not plot.exists()
+
+
+@pytest.mark.parametrize("out", ["-", "/dev/stdout"])
+def test_profile_to_standard_output_needs_a_plot_name(out: str, tmp_path: Path) -> None:
+    """``--out -`` wrote files named '-' and '-.png'; ``--out /dev/stdout`` (standard output redirected to a file)
+    made its default plot /dev/stdout.png. Both are refused before measuring (name the plot with --plot)."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    argv = [sys.executable, "-m", "kvretain", "profile", "--model", str(tmp_path), "--python", sys.executable]
+    with open(tmp_path / "stdout.txt", "w") as redirected:
+        r = subprocess.run(
+            [*argv, "--out", out], stdout=redirected, stderr=subprocess.PIPE, text=True, env=env
+        )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "argument --out: '-' names no file" in r.stderr or "the plot has no default name" in r.stderr
+    assert not Path("-").exists() and not Path("/dev/stdout.png").exists()

@@ -16,6 +16,7 @@ included (the time an offline ``LLM`` sees per step). With ``core`` each point k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -179,9 +180,14 @@ def check_profile(args: argparse.Namespace) -> None:
             "scripts/vllm_cpu_env.sh)"
         )
     # the outputs are written after the measurement (minutes): checked now
+    if args.out == "-":
+        raise ValueError(
+            "argument --out: '-' names no file here (the cost model goes to --out and its plot beside it; "
+            "standard output is --out /dev/stdout with --plot)"
+        )
     check_output_file(args.out, "--out")
     out = Path(args.out)
-    if args.plot is None and out.exists() and not out.is_file():
+    if args.plot is None and ((out.exists() and not out.is_file()) or standard_stream(out) is not None):
         raise ValueError(
             f"argument --plot: --out {args.out!r} is not a regular file, so the plot has no default name "
             "(--out with .png); name it with --plot"
@@ -415,10 +421,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
         info["cpus"] = ",".join(map(str, args.cpus))
     profile = Profile(coef, tuple(points), info)
     plot = plot_path(args)
-    try:  # checked before measuring; the disk may still fill up or the folder go away meanwhile
-        write_profile(args.out, profile)
+    # checked before measuring; the disk may still fill up or the folder go away meanwhile. Both files or
+    # neither: the plot first (a failure leaves no cost model), then the cost model (a failure takes back a plot
+    # this run made)
+    had_plot = os.path.lexists(plot)
+    try:
         plotted = _plot(plot, points, profile, err)
     except OSError as e:
+        raise ValueError(f"cannot write {e.filename or plot}: {e.strerror or e}") from None
+    try:
+        write_profile(args.out, profile)
+    except OSError as e:
+        if plotted and not had_plot:
+            with contextlib.suppress(OSError):
+                os.remove(plot)
         raise ValueError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from None
     # an output written to standard output (--out /dev/stdout): what the command prints goes beside it
     say = (
