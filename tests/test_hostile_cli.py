@@ -1131,3 +1131,39 @@ def test_a_seed_a_trace_run_never_reads_is_refused(
     assert "draws none" in one_line(capsys, f"kvretain {command}: error: argument --seed")
     extra = ["--capacity-blocks", "8"] if command == "replay" else ["--kv-blocks", "64"]
     assert main([command, t, "--seed", "5", "--priority-rule", "random-sessions", *extra, "--json"]) == 0
+
+
+def test_a_truncated_trace_line_names_its_column_with_or_without_a_newline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line cut short and ended by a newline was reported at column 1 (the JSON error lies past the newline)."""
+    p = tmp_path / "t.jsonl"
+    for ending in ("\n", ""):
+        p.write_text('{"timestamp":0,"input_length":10' + ending)
+        assert main(["replay", str(p)]) == 2
+        assert "Expecting ',' delimiter at column 33" in one_line(capsys, "kvretain replay: error: ")
+
+
+def test_a_priority_mapping_entry_no_request_can_have_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A table entry beyond the 64-bit request priorities (vLLM's, a trace's) loaded and could match nothing."""
+    assert main(["replay", "--priority-mapping", "99999999999999999999:5"]) == 2
+    assert "outside the 64-bit integers" in one_line(
+        capsys, "kvretain replay: error: argument --priority-mapping"
+    )
+    assert main(["replay", "--priority-mapping=-9223372036854775808:5", "--sessions", "2"]) == 0
+    capsys.readouterr()
+
+
+def test_compare_names_where_its_pool_size_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --kv-blocks and with no protected requests the size is the cost model's; the report said
+    '(--kv-blocks)'."""
+    t = tmp_path / "t.jsonl"
+    t.write_text("".join(json.dumps({**GOOD, "timestamp": i, "priority": 2}) + "\n" for i in range(3)))
+    out = tmp_path / "report"
+    argv = ["compare", str(t), "--out", str(out), "--policies", "lru", "--budgets", "0.1", "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out + "".join(f.read_text() for f in out.glob("*.md"))
+    assert "KV blocks per replica (the cost model's, from --model, --gpu and --tp)" in text
+    assert "(--kv-blocks)" not in text

@@ -270,9 +270,15 @@ def test_hostile_file(
         (["replay", "{trace}", "--limit", "0"], r"argument --limit: must be an integer >= 1, got 0"),
         (["replay", "{trace}", "--limit", "-1"], r"argument --limit: must be an integer >= 1, got -1"),
         (["replay", "--limit", "0"], r"argument --limit: must be an integer >= 1, got 0"),
-        (["replay", "{trace}", "--block-tokens", "0"], r"--block-tokens.* must be an integer >= 1, got 0"),
-        (["replay", "{trace}", "--block-tokens", "-1"], r"--block-tokens.* must be an integer >= 1, got -1"),
-        (["replay", "--block-tokens", "0"], r"--block-tokens.* must be an integer >= 1, got 0"),
+        (
+            ["replay", "{trace}", "--block-tokens", "0"],
+            r"--block-tokens.* must be an integer in \[1, 65536\], got 0",
+        ),
+        (
+            ["replay", "{trace}", "--block-tokens", "-1"],
+            r"--block-tokens.* must be an integer in \[1, 65536\], got -1",
+        ),
+        (["replay", "--block-tokens", "0"], r"--block-tokens.* must be an integer in \[1, 65536\], got 0"),
         (["simulate", "{trace}", "--limit", "0"], r"argument --limit: must be an integer >= 1, got 0"),
         (["simulate", "{trace}", "--time-scale", "inf"], r"--time-scale.* must be a finite number > 0"),
         (["simulate", "{trace}", "--time-scale", "nan"], r"--time-scale.* must be a finite number > 0"),

@@ -460,7 +460,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     reqs, source = load_workload(args)
     policies, budgets = args.policies, args.budgets
     base = sim_config(args, "unified")
-    capacity = f"{base.blocks_per_replica(base.cost()):,} KV blocks per replica (--kv-blocks)"
+    where = "--kv-blocks" if args.kv_blocks is not None else "the cost model's, from --model, --gpu and --tp"
+    capacity = f"{base.blocks_per_replica(base.cost()):,} KV blocks per replica ({where})"
     if args.kv_blocks is None:
         # NOTE: the cost model's capacity holds the protected class's whole working set with room to spare,
         # so no budget would matter. A pool of exactly the protected class's peak working set makes the

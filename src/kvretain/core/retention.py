@@ -237,6 +237,11 @@ class PriorityMapping:
                     f"{where}: table entry {show_value(entry)} must be a (request_priority, retention) pair"
                 )
             prio = _check_int(entry[0], where, "a table's request priority", "an integer")
+            if not -(2**63) <= prio < 2**63:
+                raise RetentionError(
+                    f"{where}: request priority {show_value(prio)} is outside the 64-bit integers request "
+                    "priorities are (vLLM's, a trace's): no request could have it"
+                )
             if any(prio == p for p, _ in table):
                 raise RetentionError(
                     f"{where}: request priority {show_value(prio)} appears twice in the table"

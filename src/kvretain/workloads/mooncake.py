@@ -288,7 +288,16 @@ def _loads(text: str, decoder: json.JSONDecoder = _DECODER) -> Any:
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as e:
-        raise _LineError(f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+        err = e
+        line = text.rstrip("\r\n")
+        if line != text:  # (a truncated line's error is past its newline: column 1 of the next line)
+            try:
+                decoder.decode(line)
+            except json.JSONDecodeError as on_line:
+                err = on_line
+            except ValueError:
+                pass
+        raise _LineError(f"not valid JSON ({err.msg.removesuffix(' at')} at column {err.colno})") from None
     except RecursionError:
         raise _LineError("JSON nested too deeply (a trace line is an object of plain fields)") from None
     except _LineError:
