@@ -699,3 +699,27 @@ def test_profile_to_standard_output_needs_a_plot_name(out: str, tmp_path: Path) 
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "argument --out: '-' names no file" in r.stderr or "the plot has no default name" in r.stderr
     assert not Path("-").exists() and not Path("/dev/stdout.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("model = {a = 1}", "[profile] model must be a string or a number"),
+        ("device = 1979-05-27T07:32:00Z", "[profile] device must be a string or a number"),
+        ("format = true", "[profile] format True is not"),
+        ('model = "\\u001b[31mred"', "[profile] model must be printable text"),
+    ],
+)
+def test_a_cost_models_profile_table_holds_text_and_numbers(line: str, expected: str, tmp_path: Path) -> None:
+    """[profile] fields are printed and reported (the model and device a run's steps were measured on): a table, a
+    date or a boolean format loaded, and a string with a terminal escape reached the terminal raw."""
+    text = dumps(
+        Profile(fit(list(grid_points(TRUE))), tuple(grid_points(TRUE)), {"model": "m", "device": "d"})
+    )
+    key = line.split(" ", 1)[0]
+    lines = [ln for ln in text.splitlines() if not ln.startswith(f"{key} =")]
+    at = lines.index("[profile]") + 1
+    bad = "\n".join([*lines[:at], line, *lines[at:]]) + "\n"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        loads(bad)
+    loads(text)

@@ -307,8 +307,17 @@ def loads(text: str, where: str = "cost model") -> Profile:
     if not isinstance(info, dict):
         raise ValueError(f"{where}: [profile] must be a table")
     fmt = info.get("format", FORMAT)
-    if fmt != FORMAT:
+    if type(fmt) is not int or fmt != FORMAT:  # (true == 1 in Python)
         raise ValueError(f"{where}: [profile] format {fmt!r} is not {FORMAT}")
+    for (
+        key,
+        value,
+    ) in info.items():  # (what a run prints and reports: text and numbers, nothing that moves the cursor)
+        if isinstance(value, str):
+            if not value.isprintable():
+                raise ValueError(f"{where}: [profile] {key} must be printable text, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: [profile] {key} must be a string or a number, got {value!r}")
     coef = data.get("coefficients")
     if not isinstance(coef, dict):
         raise ValueError(f"{where}: no [coefficients] table (write one with `kvretain profile`)")
