@@ -1386,6 +1386,16 @@ def test_a_release_of_a_block_whose_hash_changed_unseen_lets_the_old_content_go(
     q.check()
 
 
+def partial_entry_in_use() -> tuple[KVCacheManager, Request, Any]:
+    """A hybrid pool (``cow_manager``) where request ``a`` has computed 40 tokens: its first 64-token block holds a
+    partial prefix-cache entry of 32 tokens (``cache_partial_block``). The manager, ``a`` and that block."""
+    kvm = cow_manager(40)
+    a = make_request("a", list(range(40)))
+    for n in (2 * BLOCK, 8):
+        cow_step(kvm, a, n, False)
+    return kvm, a, kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
+
+
 @pytest.mark.parametrize(
     ("policy", "granularity"), [("lfu", "block"), ("unified", "block"), ("unified", "run")]
 )
@@ -1396,13 +1406,9 @@ def test_evict_blocks_stripping_a_partial_entry_in_use_counts_one_eviction(
     inside a block), which no release has registered with the queue yet; ``evict_blocks`` strips it (vLLM emits
     ``BlockRemoved``): one eviction, counted under the block id's last releaser by both queues."""
     plugin.enable(PluginConfig(policy=policy, granularity=granularity))
-    kvm = cow_manager(40)
+    kvm, _, x = partial_entry_in_use()
     pool = kvm.block_pool
     q = pool.free_block_queue
-    a = make_request("a", list(range(40)))
-    for n in (2 * BLOCK, 8):
-        cow_step(kvm, a, n, False)
-    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
     assert x.block_hash is not None and x.ref_cnt == 1
     pool.evict_blocks({x.block_id})
     assert x.block_hash is None
@@ -1430,13 +1436,9 @@ def test_a_partial_entry_promoted_to_the_full_block_starts_as_new_content(
     remembered under ``k``, and ``k2`` starts afresh, at the retention of the one request that released it (both
     queues; the run queue kept ``k``'s count and the hitting request's retention for ``k2`` before)."""
     plugin.enable(PluginConfig(policy=policy, granularity=granularity, options={"ghost_factor": 16.0}))
-    kvm = cow_manager(40)
+    kvm, a, x = partial_entry_in_use()
     pool = kvm.block_pool
     q = pool.free_block_queue
-    a = make_request("a", list(range(40)))
-    for n in (2 * BLOCK, 8):
-        cow_step(kvm, a, n, False)
-    x = kvm.coordinator.single_type_managers[0].req_to_blocks["a"][0]
     k = x.block_hash
     assert k is not None and x.block_hash_num_tokens == 2 * BLOCK  # (a partial entry of the 64-token block)
     b = make_request("b", [*range(40), *range(9000, 9100)], priority=-5)

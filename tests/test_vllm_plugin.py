@@ -31,6 +31,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.request import Request
 
 import kvretain.integrations.vllm as plugin
+from kvretain.integrations.vllm._runtime import STATS_KEYS
 from kvretain.integrations.vllm.config import PluginConfig, parse_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -798,16 +799,7 @@ def test_import_is_lazy() -> None:
 
 
 # ---------------------------------------------------------------------------- honest counting, both forms
-COUNTED = (
-    ("requests", "requests"),
-    ("query_tokens", "query_tokens"),
-    ("hit_tokens", "hit_tokens"),
-    ("resumes", "preempted_requests"),
-    ("resume_query_tokens", "preempted_query_tokens"),
-    ("resume_hit_tokens", "preempted_hit_tokens"),
-    ("released_blocks", "released_blocks"),
-    ("evicted_blocks", "evicted_blocks"),
-)
+COUNTED = STATS_KEYS  # (ClassStats field, the plugin's name): every counter, compared field by field
 
 
 def counting_workload(seed: int, n: int) -> list[tuple[str, list[int], int, int, int]]:
