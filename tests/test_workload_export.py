@@ -491,3 +491,25 @@ def test_an_equal_block_after_different_prefixes_gets_different_ids() -> None:
     a, b = (WorkloadRequest(n, float(i), prompt(i + 1), 1) for i, n in enumerate("ab"))
     ra, rb = mooncake_records([a, b], block_size=16)
     assert ra["hash_ids"][0] != rb["hash_ids"][0] and ra["hash_ids"][1] != rb["hash_ids"][1]
+
+
+def test_a_trace_written_at_another_block_size_shares_what_its_tokens_share(tmp_path: Path) -> None:
+    """Read at 512 tokens an id and written at 256: a one-id request of 256 tokens is the first 256 tokens of id 7,
+    the same block as the head of every other request of id 7 at that size; it took id 7's own key while the
+    others took their pieces', and shared nothing (replay: 2 hit blocks of 7 where 3 are right). Written at the
+    size it was read at, a partial block keeps its id's identity, as the replay keys it."""
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 1, "input_length": 512, "output_length": 4, "hash_ids": [7]},
+        {"timestamp": 2, "input_length": 256, "output_length": 4, "hash_ids": [7]},
+        {"timestamp": 3, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = {}
+    for tokens in (256, 512):
+        out = tmp_path / f"x{tokens}.jsonl"
+        argv = ["workload", "export", "mooncake", "--trace", str(trace), "--block-tokens", str(tokens)]
+        assert main([*argv, "--out", str(out)]) == 0
+        got[tokens] = [json.loads(x)["hash_ids"] for x in out.read_text().splitlines()]
+    assert got[256] == [[0, 1], [0], [0, 1, 2, 3]]
+    assert got[512] == [[0], [0], [0, 1]]

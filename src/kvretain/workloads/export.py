@@ -67,8 +67,11 @@ def block_pieces(prompt: TokenSeq, block_size: int) -> Iterator[tuple[Piece, ...
 class BlockIds:
     """Numbers distinct blocks across requests (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_block_size: int | None = None) -> None:
         self._ids: dict[tuple[object, ...], int] = {}
+        # the block size the trace requests were read at (their longest chunk): a trace's ids are its blocks'
+        # identity only when written at that size
+        self._trace_block_size = trace_block_size
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -85,11 +88,14 @@ class BlockIds:
             key: tuple[object, ...] = (parent, pieces)
             if (
                 trace_ids is not None
+                and block_size == self._trace_block_size
                 and i < len(trace_ids)
                 and pieces == ((trace_ids[i], 0, chunks[i].length),)
             ):
-                # the trace's block i, exactly (written at the trace's own block size): its id is the block,
-                # whole or partial, as the replay keys it; at another size the pieces are the identity
+                # the trace's block i, exactly, written at the size the trace was read at: its id is the block,
+                # whole or partial, as the replay keys it; at another size the pieces are the identity for
+                # every request alike (a one-block request's 256 tokens of id 7, read at 512 and written at 256,
+                # took id 7's key while the same tokens at the head of a longer request took their pieces')
                 key = (parent, ("id", trace_ids[i]))
             bid = ids.get(key)
             if bid is None:
@@ -101,8 +107,12 @@ class BlockIds:
 
 def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512) -> Iterator[dict[str, Any]]:
     """The Mooncake-format record of each request, sorted by arrival (see the module docstring)."""
-    ids = BlockIds()
-    for r in sorted(requests, key=lambda r: r.arrival_s):
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    read_at = max(
+        (c.length for r in ordered if r.block_ids is not None for c in r.prompt.chunks), default=None
+    )
+    ids = BlockIds(read_at)
+    for r in ordered:
         ts = round(r.arrival_s * 1000.0, 3)
         # the format's bound (beyond it: `inf`, which json writes as `Infinity`, not JSON)
         if not ts <= MAX_TIMESTAMP_MS:
