@@ -48,7 +48,7 @@ from kvretain.replay import (
     synthetic_conversations,
 )
 from kvretain.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, read_trace
-from kvretain.workloads.priority import KEEP, make_rule, rule_choices, rule_draws, tag_priorities
+from kvretain.workloads.priority import KEEP, check_seed_read, make_rule, rule_choices, tag_priorities
 from kvretain.workloads.request import check_scale_and_limit
 
 DEFAULT_SESSIONS = 400
@@ -85,11 +85,7 @@ def check_replay(args: argparse.Namespace) -> None:
     if args.trace is not None:
         if args.sessions is not None:
             raise ValueError("argument --sessions: sets the built-in workload's size; a trace has its own")
-        if args.seed != 0 and not rule_draws(args.priority_rule):
-            raise ValueError(
-                f"argument --seed: with a trace it seeds the priority rule's draws, and --priority-rule "
-                f"{args.priority_rule} draws none (random and random-sessions do)"
-            )
+        check_seed_read(args.seed, args.priority_rule)
         return
     # the built-in workload
     if args.priority_rule != KEEP:

@@ -45,7 +45,7 @@ from kvretain.fileio import StagedFolder
 from kvretain.sched.config import SchedulerConfig
 from kvretain.sched.queue import QUEUE_POLICIES
 from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities, working_set
-from kvretain.workloads.priority import make_rule, rule_choices, rule_draws
+from kvretain.workloads.priority import check_seed_read, make_rule, rule_choices
 
 _SUFFIX_WORKLOAD = {".jsonl": "mooncake", ".csv": "azure"}
 
@@ -240,16 +240,8 @@ def load_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
                 f"argument --block-tokens: tokens per hash id of a Mooncake trace; workload {name!r} has none"
             )
         options["block_size"] = args.block_tokens
-    if (
-        args.trace is not None
-        and name == "mooncake"
-        and args.seed != 0
-        and not rule_draws(args.priority_rule)
-    ):
-        raise ValueError(
-            f"argument --seed: with a Mooncake trace it seeds the priority rule's draws, and --priority-rule "
-            f"{args.priority_rule} draws none (random and random-sessions do)"
-        )
+    if args.trace is not None and name == "mooncake":  # (an Azure trace draws its prompts from the seed)
+        check_seed_read(args.seed, args.priority_rule)
     rng = random.Random(args.seed)
     reqs = WORKLOADS.create(
         name, rng=rng, path=args.trace, limit=args.limit, time_scale=args.time_scale, **options

@@ -21,7 +21,7 @@ import hashlib
 import inspect
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvretain.registry import Registry
@@ -56,10 +56,26 @@ def _trace_session_id(ids: Sequence[int]) -> int:
     return ids[1] if len(ids) > 1 else ids[0]
 
 
+def _takes(name: str) -> Mapping[str, inspect.Parameter]:
+    """What the factory of the rule registered as ``name`` takes (nothing for ``keep``)."""
+    return {} if name == KEEP else inspect.signature(PRIORITY_RULES.get(name)).parameters
+
+
 def rule_draws(name: str) -> bool:
     """Whether the rule registered as ``name`` draws from a seeded ``rng`` (``random``, ``random-sessions``): the
     only use of ``--seed`` on a trace that draws nothing else."""
-    return name != KEEP and "rng" in inspect.signature(PRIORITY_RULES.get(name)).parameters
+    return "rng" in _takes(name)
+
+
+def check_seed_read(seed: int, rule: str) -> None:
+    """A ``ValueError`` naming ``--seed`` when a trace run would not read a seed other than the default 0: a
+    trace draws nothing but its priority rule's draws (``replay``, ``simulate``: as every option a run does not
+    read is refused)."""
+    if seed != 0 and not rule_draws(rule):
+        raise ValueError(
+            f"argument --seed: with a trace it seeds the priority rule's draws, and --priority-rule {rule} draws "
+            "none (random and random-sessions do)"
+        )
 
 
 def make_rule(
@@ -73,7 +89,7 @@ def make_rule(
     workload raises :class:`WorkloadError` without it."""
     if name == KEEP:
         return None
-    params = inspect.signature(PRIORITY_RULES.get(name)).parameters
+    params = _takes(name)
     if "requests" in params:
         if requests is None:
             raise WorkloadError(f"priority rule {name!r} needs the whole workload (requests)")

@@ -19,10 +19,10 @@ from kvretain.integrations.vllm._runtime import logger
 from kvretain.integrations.vllm.config import retention_from_extra_args
 
 SIGHTING = "_kvretain_sighting"
+"""The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
 LOOKED_UP = "_kvretain_looked_up"
 """Set on a request at its first counted lookup: any later lookup of it is no first one (vLLM looks a request up
 again, with ``num_preemptions`` still 0, after a KV connector's load failed under the recompute policy)."""
-"""The attribute of a vLLM ``Request`` that carries the policy's arrival work to its first lookup."""
 RETENTION = "_kvretain_retention"
 """The attribute of a vLLM ``Request`` that keeps its parsed retention: ``(extra_args, RetentionConfig | None)``."""
 

@@ -313,6 +313,11 @@ def _full_attention(manager: Any) -> Any:
     return managers[0]
 
 
+def _group_of(manager: Any) -> int:
+    """The KV cache group a single-type manager serves (the index of its group; 0 where vLLM names none)."""
+    return int(getattr(manager, "kv_cache_group_id", 0))
+
+
 def _hits_need_the_prefix(manager: Any) -> bool:
     """Whether a cache hit in this single-type manager's group needs every earlier block of the group: full
     attention's lookup (``FullAttentionManager.find_longest_cache_hit``, which its subclasses keep) walks the
@@ -442,7 +447,7 @@ def _make_manager_init(orig: Callable[..., Any]) -> Callable[..., Any]:
                 _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
                 q.manager = weakref.ref(self)  # (for a moved cache entry: _make_move_block_hashes)
                 q.unlinked_groups = frozenset(
-                    m.kv_cache_group_id
+                    _group_of(m)
                     for m in self.coordinator.single_type_managers
                     if not _hits_need_the_prefix(m)
                 )
@@ -479,7 +484,7 @@ def _make_remove_blocks_in_range(orig: Callable[..., Any]) -> Callable[..., Any]
                     first_block,
                     last_block,
                     self.block_size,
-                    getattr(self, "kv_cache_group_id", 0),
+                    _group_of(self),
                 )
             except Exception:
                 _hook_failed("skip", "kvretain: release hook failed (blocks released at default retention)")
@@ -553,9 +558,7 @@ def _releasing_pool(manager: Any, request_id: str) -> _ReleasingPool | None:
     kept = getattr(manager, "last_state_block_idx", {}).get(request_id)
     if kept is not None and 0 <= kept < len(table) and not table[kept].is_null:
         held[kept] = table[kept]
-    return _ReleasingPool(
-        pool, q, request, held, int(manager.block_size), getattr(manager, "kv_cache_group_id", 0)
-    )
+    return _ReleasingPool(pool, q, request, held, int(manager.block_size), _group_of(manager))
 
 
 def _make_mamba_remove_skipped_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -614,7 +617,7 @@ def _make_apply_cow(orig: Callable[..., Any]) -> Callable[..., Any]:
                     (source_block,),
                     int(self.block_size),
                     pool.null_block,
-                    getattr(self, "kv_cache_group_id", 0),
+                    _group_of(self),
                 )
             except Exception:
                 _hook_failed(
@@ -646,7 +649,7 @@ def _release_moved(pool: Any, q: Any, request: Any, src: Any, dst: Any) -> None:
                     (dst,),
                     int(m.block_size),
                     pool.null_block,
-                    getattr(m, "kv_cache_group_id", 0),
+                    _group_of(m),
                 )
                 return
 
