@@ -111,6 +111,24 @@ def test_standard_output_that_cannot_be_written_is_one_line() -> None:
     assert "cannot write to standard output" in done.stderr
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"], ["--version"]])
+def test_help_that_cannot_be_written_is_one_line_and_status_2(argv: list[str]) -> None:
+    """argparse ignores a failed write of its help: ``--help >/dev/full`` printed nothing and exited 0."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvretain", *argv], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "cannot write to standard output" in done.stderr
+
+
+def test_help_still_reaches_standard_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvretain replay") and "--policy" in out
+
+
 @pytest.mark.parametrize(
     ("option", "words"),
     [

@@ -37,6 +37,23 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """argparse ignores an ``OSError`` writing ``--help`` or ``--version``, so ``--help >/dev/full`` printed
+        nothing and exited 0. To standard output it is now reported as any command's output is: a reader gone
+        away ends it quietly with :data:`STDOUT_CLOSED`, another failure is one line and status 2. Messages to
+        standard error (a usage error) stay best effort, as :func:`fail`'s: the status says what happened."""
+        if not message or (file is not None and file is not sys.stdout):
+            super()._print_message(message, file)
+            return
+        try:
+            sys.stdout.write(message)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            sys.exit(stdout_closed())
+        except OSError as exc:
+            stdout_closed()
+            self.exit(2, f"{self.prog}: error: cannot write to standard output: {exc.strerror or exc}\n")
+
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """``--help`` that shows each option's default, as ``ArgumentDefaultsHelpFormatter`` does, unless its help
