@@ -293,9 +293,7 @@ def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_l
         def free_blocks(self, ids: list[int]) -> None:
             pass
 
-    pool = Pool()
-
-    def ops() -> int:
+    def ops(pool: Pool) -> int:
         """3 requests of 10 block operations: a touch, a free, and 1 ms of the bench's own work each."""
         for _ in range(3):
             pool.touch([])
@@ -303,14 +301,30 @@ def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_l
             pool.free_blocks([])
         return 30
 
-    spent: dict[str, int] = {}
-    run = pool_ops._split_phases(pool, {"touch": "touch", "free": "free_blocks"}, spent, ops)
-    assert run() == 30 and type(pool).touch is Pool.touch  # (the class is untouched)
-    per_op = pool_ops.phases_per_op({**spent, "allocate": 0, "register": 0}, 30)
-    assert list(per_op) == list(pool_ops.PHASES)
-    assert 0.002e9 * 3 / 30 <= per_op["touch"] < 0.0028e9 * 3 / 30  # 200,000 ns per op, and little more
-    assert per_op["free"] < per_op["touch"] / 10
-    assert 0.001e9 * 3 / 30 <= per_op["lookup"] < per_op["touch"]  # the 1 ms of its own, not the touch's 2
+    def split() -> dict[str, float]:
+        spent: dict[str, int] = {}
+        pool = Pool()
+        run = pool_ops._split_phases(
+            pool, {"touch": "touch", "free": "free_blocks"}, spent, lambda: ops(pool)
+        )
+        assert run() == 30 and type(pool).touch is Pool.touch  # (the class is untouched)
+        per_op = pool_ops.phases_per_op({**spent, "allocate": 0, "register": 0}, 30)
+        assert list(per_op) == list(pool_ops.PHASES)
+        return per_op
+
+    def as_timed(per_op: dict[str, float]) -> bool:
+        # touch: 200,000 ns per op, and little more; lookup: the 1 ms of its own, not the touch's 2
+        touch_ok = 0.002e9 * 3 / 30 <= per_op["touch"] < 0.0028e9 * 3 / 30
+        lookup_ok = 0.001e9 * 3 / 30 <= per_op["lookup"] < per_op["touch"]
+        return touch_ok and lookup_ok and per_op["free"] < per_op["touch"] / 10
+
+    # The busy waits end on the wall clock: a run the host descheduled across one of their ends reads a phase
+    # long (3 ms for a 2 ms touch on a loaded host), so the bounds are asked of the best of a few runs; a wrong
+    # split (a phase's time in another) misses them on every run.
+    runs = [split()]
+    while not as_timed(runs[-1]) and len(runs) < 5:
+        runs.append(split())
+    assert as_timed(runs[-1]), runs
 
 
 def test_pool_ops_phases_split_every_pool_s_run(tmp_path: Path) -> None:
