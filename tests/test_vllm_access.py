@@ -587,6 +587,44 @@ def test_a_priority_is_counted_under_one_label_across_engine_processes():
     assert by_prio["100"]["requests"] == 1 and "other" not in by_prio
 
 
+def test_the_label_cap_holds_on_the_merged_engines_and_nothing_counted_is_lost(tmp_path, monkeypatch):
+    """Two engine processes (vLLM's data parallel), 40 priorities each and neither past its own cap: the merged
+    series had 80 labels, over the cap of 64 that bounds /metrics. The first 64 keep a label and the rest are
+    counted under ``other``; the collector keeps its labels across scrapes, so a priority labelled once is never
+    moved into ``other`` by one that shows up later (its counter would drop)."""
+    from kvretain.integrations.vllm import _runtime
+
+    cap = _runtime.MAX_PRIORITY_CLASSES
+
+    def snap(prios, pid=1):
+        return {"pid": pid, "by_priority": {str(p): {"requests": 1, "hit_tokens": p + 1} for p in prios}}
+
+    a, b = snap(range(10, 50)), snap(range(50, 90))
+    by_prio, _ = metrics.merge([a, b])
+    assert len(by_prio) == cap + 1 and set(by_prio) - {"other"} == {str(p) for p in range(10, 10 + cap)}
+    assert by_prio["other"]["requests"] == 80 - cap
+    for key, total in (("requests", 80), ("hit_tokens", sum(range(11, 91)))):
+        assert sum(c[key] for c in by_prio.values()) == total
+    # across scrapes: priorities 0..9 seen later go under other; the labels already given stay
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setattr(metrics, "local_snapshot", lambda: None)  # (not this process's, from earlier tests)
+    seen = [[a, b]]
+    monkeypatch.setattr(metrics, "read_snapshots", lambda d, skip_pid=None: seen[-1])
+    collector = metrics.Collector(tmp_path)
+
+    def requests():
+        fams = {f.name: f for f in collector.collect()}
+        samples = fams["kvretain:prefix_cache_requests"].samples
+        return {s.labels["priority"]: s.value for s in samples if s.name.endswith("_total")}
+
+    first = requests()
+    assert len(first) == cap + 1
+    seen.append([snap(range(10)), a, b])
+    later = requests()
+    assert {k for k in later if k != "other"} == {k for k in first if k != "other"}
+    assert later["other"] == first["other"] + 10 and sum(later.values()) == 90
+
+
 def test_every_counter_of_the_plugin_reaches_metrics():
     """``/metrics`` exports each per-priority counter ``plugin.stats()`` has (the resumes' query and hit tokens were
     missing: no resume hit ratio could be shown)."""

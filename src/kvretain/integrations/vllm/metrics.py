@@ -209,7 +209,9 @@ def local_snapshot() -> dict[str, Any] | None:
     }
 
 
-def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+def merge(
+    snaps: list[dict[str, Any]], labels: _runtime.PriorityLabels | None = None
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The engine processes' snapshots as one: counters and block counts summed; the controller's ratios,
     levels and flags (``_CONTROLLER_KEYS``, one controller per process) averaged over the processes that
     report them (a sum of hit ratios or levels is no ratio: two engines at 0.7 read 1.4).
@@ -217,17 +219,23 @@ def merge(snaps: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dic
     Each engine labels the first :data:`~._runtime.MAX_PRIORITY_CLASSES` priorities it sees and counts the rest
     under ``other``, so one priority can be a label in one engine and inside another's ``other``: a label an
     engine that has counted under ``other`` does not have is merged into ``other`` (which priorities that
-    engine's ``other`` holds is not known), so that a priority's counts are under one label."""
+    engine's ``other`` holds is not known), so that a priority's counts are under one label. The engines'
+    labels together can still be more than the cap (two engines, 40 priorities each): ``labels`` (the
+    collector's, kept across scrapes; default a new one, which takes them in numeric order) keeps the first
+    :data:`~._runtime.MAX_PRIORITY_CLASSES` and merges the others into ``other``."""
     by_prio: dict[str, dict[str, float]] = {}
     gauges = dict.fromkeys((k for k, _ in GAUGE_KEYS), 0.0)
     means: dict[str, list[float]] = {}
     other = _runtime.OTHER_PRIORITY
+    labels = _runtime.PriorityLabels() if labels is None else labels
     closed = [s["by_priority"].keys() for s in snaps if other in s.get("by_priority", {})]
+    label_of: dict[str, str] = {}
+    for prio in sorted({p for s in snaps for p in s.get("by_priority", {})}, key=_label_order):
+        closed_out = prio == other or any(prio not in seen for seen in closed)
+        label_of[prio] = other if closed_out else labels.of(prio)
     for s in snaps:
         for prio, c in s.get("by_priority", {}).items():
-            if prio != other and any(prio not in labels for labels in closed):
-                prio = other
-            acc = by_prio.setdefault(prio, {})
+            acc = by_prio.setdefault(label_of[prio], {})
             for k, v in c.items():
                 acc[k] = acc.get(k, 0.0) + float(v)
         for k, v in s.get("gauges", {}).items():
@@ -317,6 +325,8 @@ class Collector:
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
+        self.labels = _runtime.PriorityLabels()
+        """The merged series' labels, kept across scrapes (a label never moves into ``other`` and back)."""
 
     def snapshots(self) -> list[dict[str, Any]]:
         snaps = []
@@ -333,7 +343,7 @@ class Collector:
         snaps = self.snapshots()
         if not snaps:
             return
-        by_prio, gauges = merge(snaps)
+        by_prio, gauges = merge(snaps, self.labels)
         for key, name, doc in COUNTER_KEYS:
             fam = CounterMetricFamily(f"kvretain:{name}", doc, labels=["priority"])
             for prio in sorted(by_prio, key=_label_order):
@@ -343,12 +353,12 @@ class Collector:
             yield GaugeMetricFamily(f"kvretain:{key}", doc, value=gauges[key])
 
 
-def _label_order(label: str) -> tuple[int, int]:
+def _label_order(label: str) -> tuple[int, int, str]:
     """Priorities in numeric order, then anything else (:data:`_runtime.OTHER_PRIORITY`)."""
     try:
-        return (0, int(label))
+        return (0, int(label), "")
     except ValueError:
-        return (1, 0)
+        return (1, 0, label)
 
 
 _installed: dict[str, Any] = {}
