@@ -735,6 +735,32 @@ def test_a_damaged_snapshot_file_is_skipped_not_fatal_to_metrics(tmp_path):
     assert metrics.read_snapshots(tmp_path) == [good]
 
 
+def test_a_snapshot_file_past_what_json_numbers_and_labels_allow_is_skipped_not_fatal(tmp_path, monkeypatch):
+    # each of these made read_snapshots (and so collect(), and vLLM's whole /metrics) raise: a pid past a C long
+    # (os.kill: OverflowError), a count no float holds (math.isfinite: OverflowError), JSON nested past the
+    # parser's depth (RecursionError); a lone surrogate in a label passed the check and made prometheus_client's
+    # UTF-8 encoding of the page raise
+    pid = os.getppid()  # (alive, and not this process, which the collector reads directly)
+    good = {"pid": pid, "by_priority": {"-2": {"requests": 3}, "other": {"requests": 1}}, "gauges": {}}
+    for name, text in [
+        ("engine-1.json", json.dumps({"pid": 10**20, "by_priority": {}, "gauges": {}})),
+        ("engine-2.json", json.dumps({"pid": pid, "by_priority": {"0": {"requests": 10**400}}})),
+        ("engine-3.json", json.dumps({"pid": pid, "by_priority": {}, "gauges": {"pool_blocks": 10**400}})),
+        ("engine-4.json", "[" * 100_000),
+        ("engine-5.json", json.dumps({"pid": pid, "by_priority": {"\ud800": {"requests": 1}}})),
+        ("engine-6.json", json.dumps({"pid": pid, "by_priority": {"007": {"requests": 1}}})),
+        ("engine-7.json", json.dumps(good)),
+    ]:
+        (tmp_path / name).write_text(text)
+    assert metrics.read_snapshots(tmp_path) == [good]
+    prometheus_client = pytest.importorskip("prometheus_client")
+    monkeypatch.setattr(metrics, "local_snapshot", lambda: None)  # (not this process's, from earlier tests)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.Collector(tmp_path))
+    page = prometheus_client.generate_latest(registry).decode()
+    assert 'kvretain:prefix_cache_requests_total{priority="-2"} 3.0' in page
+
+
 def test_a_key_that_could_never_authenticate_is_refused_at_start():
     # accepted, and every request with it got 401: a non-ASCII key (headers arrive as latin-1), a key with a
     # surrounding or inner space (the token is read stripped)

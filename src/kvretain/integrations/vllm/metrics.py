@@ -48,7 +48,6 @@ import atexit
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -264,13 +263,31 @@ def _snapshot_ok(snap: Any) -> bool:
         if not isinstance(c, dict):
             return False
         numbers += c.values()
-    return all(type(v) in (int, float) and math.isfinite(v) for v in numbers)
+    # (finite, and an int a float holds: json.loads reads 1e999 as inf and 10**400 as an int that no float
+    # holds, which raised OverflowError; a label is a priority as str() writes it, or OTHER_PRIORITY: a lone
+    # surrogate in one made prometheus_client's UTF-8 encoding raise)
+    return all(type(v) in (int, float) and abs(v) < _MAX_VALUE for v in numbers) and all(
+        map(_is_label, by_prio)
+    )
+
+
+_MAX_VALUE = 2.0**63
+"""Above any count (and any sum of a few)."""
+
+
+def _is_label(label: str) -> bool:
+    if label == _runtime.OTHER_PRIORITY:
+        return True
+    try:
+        return str(int(label)) == label
+    except ValueError:
+        return False
 
 
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (no such process; a pid past the kernel's type)
         return False
     except PermissionError:
         return True
@@ -281,9 +298,9 @@ def read_snapshots(directory: Path, skip_pid: int | None = None) -> list[dict[st
     out = []
     for f in sorted(directory.glob("engine-*.json")):
         try:
-            snap = json.loads(f.read_text())
+            snap = load_json(f.read_text())
         except (OSError, ValueError):
-            continue  # a file being replaced, or a foreign one
+            continue  # a file being replaced, or a foreign one (nested past the parser's depth too)
         if not _snapshot_ok(snap):
             continue
         pid = snap["pid"]
