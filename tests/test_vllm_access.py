@@ -1023,6 +1023,24 @@ def test_an_infinite_duration_is_refused_by_the_engine_as_by_the_access_limits()
             AccessPolicy.from_json({"max_duration_s": 60}).check({"vllm_xargs": xargs}, None)
 
 
+def test_class_latency_labels_a_priority_as_vllm_reads_it():
+    # vLLM's request models read priority as a pydantic int (lax): "3", 3.0 and true run at 3, 3 and 1, and
+    # ClassLatency (without AccessLimits, which refuses them) observed those requests under priority 0
+    for raw, want in [
+        ('{"priority": "3"}', 3),
+        ('{"priority": " -2 "}', -2),
+        ('{"priority": 3.0}', 3),
+        ('{"priority": "4.0"}', 4),
+        ('{"priority": true}', 1),
+        ('{"priority": 7}', 7),
+        ('{"priority": 2.5}', 0),  # (vLLM refuses these: no 200, nothing observed)
+        ('{"priority": "x"}', 0),
+        ('{"priority": null}', 0),
+        ('{"priority": 1e999}', 0),
+    ]:
+        assert metrics._priority_of(raw.encode(), {"headers": []}) == want, raw
+
+
 def test_a_clients_huge_values_are_shortened_in_the_reply():
     keyed = AccessPolicy.from_json(KEYS)
     bob = next(k for k in keyed.keys if k.name == "bob")

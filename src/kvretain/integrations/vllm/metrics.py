@@ -549,5 +549,18 @@ def _priority_of(raw: bytes, scope: Any) -> int:
         body = load_json(raw)  # (a body nested past the parser's depth is one more invalid body: priority 0)
     except ValueError:
         return 0
-    p = body.get("priority", 0) if isinstance(body, dict) else 0
-    return p if isinstance(p, int) and not isinstance(p, bool) else 0
+    return _int_of(body.get("priority", 0)) if isinstance(body, dict) else 0
+
+
+def _int_of(p: Any) -> int:
+    """``p`` as vLLM's request models read their ``priority: int`` (pydantic's lax mode: ``true``, ``3.0`` and
+    ``"3"`` run at 1, 3 and 3, and were observed under priority 0); 0 for anything else (vLLM refuses those
+    requests, and only a 200 is observed)."""
+    if isinstance(p, str):
+        with contextlib.suppress(ValueError):
+            return int(p)
+        with contextlib.suppress(ValueError):
+            p = float(p)
+    if isinstance(p, float):
+        return int(p) if p.is_integer() else 0
+    return int(p) if isinstance(p, int) else 0
