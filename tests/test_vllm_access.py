@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from typing import Any
 
 import pytest
@@ -759,6 +760,19 @@ def test_a_snapshot_file_past_what_json_numbers_and_labels_allow_is_skipped_not_
     registry.register(metrics.Collector(tmp_path))
     page = prometheus_client.generate_latest(registry).decode()
     assert 'kvretain:prefix_cache_requests_total{priority="-2"} 3.0' in page
+
+
+def test_a_snapshot_left_by_a_killed_engine_is_not_read_when_its_pid_is_reused(tmp_path):
+    # an engine killed (OOM) leaves its snapshot; once its pid is reused by a live process (a restart in a
+    # container's pid namespace), the dead engine's counts and pool blocks were summed into /metrics for good
+    pid = os.getppid()  # (a live process that publishes nothing)
+    snap = {"pid": pid, "by_priority": {"0": {"requests": 5}}, "gauges": {"pool_blocks": 64}}
+    old, fresh = tmp_path / "engine-1.json", tmp_path / "engine-2.json"
+    old.write_text(json.dumps(snap))
+    fresh.write_text(json.dumps({**snap, "gauges": {"pool_blocks": 32}}))
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    assert [s["gauges"]["pool_blocks"] for s in metrics.read_snapshots(tmp_path)] == [32]
 
 
 def test_a_key_that_could_never_authenticate_is_refused_at_start():

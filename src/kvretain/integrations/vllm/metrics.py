@@ -294,10 +294,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+STALE_AFTER_S = 60 * PUBLISH_INTERVAL_S
+"""A snapshot not rewritten for this long is skipped: its process is gone (killed before its ``atexit`` removed
+the file, as the OOM killer does) even when a process alive now has its pid (pids are reused, soonest in a
+container's pid namespace after a restart), whose counts and blocks were summed in for good."""
+
+
 def read_snapshots(directory: Path, skip_pid: int | None = None) -> list[dict[str, Any]]:
     out = []
+    now = time.time()
     for f in sorted(directory.glob("engine-*.json")):
         try:
+            if now - f.stat().st_mtime > STALE_AFTER_S:
+                continue
             snap = load_json(f.read_text())
         except (OSError, ValueError):
             continue  # a file being replaced, or a foreign one (nested past the parser's depth too)
