@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -978,6 +979,62 @@ def test_class_latency_counts_requests_behind_a_root_path(monkeypatch: pytest.Mo
     asyncio.run(request("/api/v1/chat/completions", "/api"))
     asyncio.run(request("/api/v1/models", "/api"))  # (not a generation: not timed)
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == "e2e"
+
+
+def test_class_latency_times_the_first_token_of_a_reasoning_or_tool_call_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM streams a reasoning model's first tokens as "reasoning" deltas and a tool call's as "tool_calls" ones
+    # (no "content"): the TTFT was taken at the first answer token after the whole reasoning, or never
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    seen: list[tuple[str, float]] = []
+
+    class Histogram:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def labels(self, label: str) -> Any:
+            return SimpleNamespace(observe=lambda s: seen.append((self.name, s)))
+
+    monkeypatch.setattr(
+        metrics, "latency_histograms", lambda: {"ttft": Histogram("ttft"), "e2e": Histogram("e2e")}
+    )
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    reasoning = b'data: {"choices":[{"index":0,"delta":{"reasoning":"Okay"}}]}\n\n'
+    tool = b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c1","index":0,"function":{"name":"f"}}]}}]}\n\n'
+    answer = b'data: {"choices":[{"index":0,"delta":{"content":"Paris"}}]}\n\n'
+
+    def app_streaming(*chunks: bytes) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            for c in chunks:
+                now[0] += 1  # (each chunk a second later)
+                await send({"type": "http.response.body", "body": c, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+        return app
+
+    async def request(app: Any) -> None:
+        msgs = [{"type": "http.request", "body": b'{"stream": true}', "more_body": False}]
+
+        async def receive() -> Any:
+            return msgs.pop(0)
+
+        async def send(msg: Any) -> None:
+            return None
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        await metrics.ClassLatency(app)(scope, receive, send)
+
+    # arrival at 0, chunks at 1, 2, 3, 4: the first token is the reasoning at 2, not the answer at 4
+    asyncio.run(request(app_streaming(role, reasoning, reasoning, answer)))
+    assert seen == [("ttft", 2), ("e2e", 4)]
+    seen.clear()
+    asyncio.run(request(app_streaming(role, tool)))
+    assert [name for name, _ in seen] == ["ttft", "e2e"]
 
 
 # ---------------------------------------------------------------- review of the operator surface (session 42)

@@ -539,8 +539,9 @@ class ClassLatency:
 
 def _has_token(body: bytes) -> bool:
     """True for an SSE chunk that carries generated text: ``"content":"x`` (chat; the first chat event carries
-    only the role, with ``"content":""``) or ``"text":"x`` (completions)."""
-    for marker in (b'"content":"', b'"text":"'):
+    only the role, with ``"content":""``), ``"reasoning":"x`` (chat with a reasoning parser: the first tokens),
+    ``"tool_calls":[{`` (chat with a tool parser; vLLM leaves an empty list out) or ``"text":"x`` (completions)."""
+    for marker in (b'"content":"', b'"reasoning":"', b'"tool_calls":[', b'"text":"'):
         at = body.find(marker)
         while at >= 0:
             if body[at + len(marker) : at + len(marker) + 1] != b'"':
