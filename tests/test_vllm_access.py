@@ -1336,3 +1336,25 @@ def test_a_queues_balance_gauges_read_its_values_not_their_absent_marker():
     )
     g = metrics.queue_gauges([q])
     assert g["frequency_exponent_now"] == 2.0 and g["balance_start"] == 0.5
+
+
+def test_the_metrics_side_channel_logs_through_vllms_logger(monkeypatch, caplog):
+    # the plugin logs under vLLM's own logger (``vllm.kvretain``), which vLLM configures in every process it starts;
+    # the side channel's warning went to an unconfigured ``kvretain.integrations.vllm`` logger instead
+    from kvretain.integrations.vllm import _runtime
+
+    def unavailable() -> None:
+        raise OSError("no metrics directory")
+
+    def no_collector(directory: Any) -> None:
+        raise RuntimeError("no registry")
+
+    monkeypatch.setattr(metrics, "_installed", {})
+    monkeypatch.setattr(metrics, "metrics_dir", unavailable)
+    monkeypatch.setattr(metrics, "Collector", no_collector)
+    with caplog.at_level("DEBUG", logger=_runtime.LOGGER_NAME):
+        metrics.install()
+    said = {r.getMessage(): r.name for r in caplog.records}
+    under = _runtime.LOGGER_NAME + "."
+    assert said["kvretain: per-priority metrics side channel unavailable"].startswith(under)
+    assert said["kvretain: prometheus collector not registered"].startswith(under)

@@ -65,7 +65,8 @@ PUBLISH_INTERVAL_S = 0.5
 """NOTE: Prometheus scrapes every 15-60 s; half a second keeps a scrape at most that stale at one small file
 write per engine process per interval."""
 
-logger = logging.getLogger("kvretain.integrations.vllm")
+logger = logging.getLogger(f"{_runtime.LOGGER_NAME}.metrics")
+"""Under vLLM's own logger, as the plugin's (:data:`_runtime.LOGGER_NAME`): the lines reach the server's log."""
 
 QUEUES: weakref.WeakSet[Any] = weakref.WeakSet()
 """The retention queues of this process (registered by the plugin when it installs one)."""
