@@ -305,7 +305,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        help="built-in workload: random seed (with a TRACE: the priority rule's, drawn from Random(seed + 1))",
+        help="built-in workload: random seed (with a TRACE: the priority rule's, drawn from Random(seed + 1); "
+        "default 0)",
     )
     r.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"

@@ -424,7 +424,7 @@ def add_block_tokens_option(p: argparse._ActionsContainer, default: int | None, 
         "--block-tokens",
         type=integer(1, MAX_BLOCK_TOKENS),
         default=default,
-        help=f"tokens per trace hash id (Mooncake: {MOONCAKE_BLOCK_TOKENS}){what}",
+        help=f"tokens per trace hash id (default {MOONCAKE_BLOCK_TOKENS}, as in Mooncake's traces){what}",
     )
 
 

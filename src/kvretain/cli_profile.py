@@ -132,7 +132,8 @@ def add_subcommands(sub: Any) -> None:
         "--rounds",
         type=integer(1),
         default=3,
-        help="passes over the whole grid; a point's fastest step counts (default 3)",
+        help="passes over the whole grid; a point's time is taken over its steps of every round (--statistic) "
+        "(default 3)",
     )
     p.add_argument(
         "--statistic",

@@ -214,7 +214,7 @@ COST_MODELS.add(
 )
 
 
-@COST_MODELS.register("ideal")
+@COST_MODELS.register("ideal", "roofline at 100% of peak with no step overhead")
 def ideal_cost_model(model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> CostModel:
     """Pure roofline at 100% of peak with no step overhead (the field notes' ideal numbers)."""
     return CostModel(model, gpu.ideal(), tp)
