@@ -1257,7 +1257,8 @@ def build_parser() -> Parser:
         "--profile-statistic",
         choices=("min", "median"),
         default="median",
-        help="kvretain profile --statistic (default median: see profile())",
+        help="kvretain profile --statistic (default median: the servers' steps run beside this machine's other "
+        "processes, as a median profiled step does)",
     )
     ap.add_argument(
         "--profile-what",
