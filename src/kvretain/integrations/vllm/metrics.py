@@ -15,8 +15,11 @@ priority, lower = more important; the first 64 priorities seen get their own lab
 ``priority="other"``, so that clients cannot grow the series without bound):
 
 ``kvretain:prefix_cache_queries_total{priority}`` / ``kvretain:prefix_cache_hits_total{priority}``
-    prompt tokens looked up / served from the prefix cache at admission;
+    prompt tokens looked up / served from the prefix cache at a request's first admission;
 ``kvretain:prefix_cache_requests_total{priority}``, ``kvretain:preempted_requests_total{priority}``;
+``kvretain:preempted_queries_total{priority}`` / ``kvretain:preempted_hits_total{priority}``
+    the same tokens for admissions that resume a preempted request (counted apart, as vLLM's
+    ``PrefixCacheStats.preempted_*`` are; not in the hit ratio);
 ``kvretain:evicted_blocks_total{priority}`` / ``kvretain:released_blocks_total{priority}``
     cached blocks evicted / released, by the priority of their last releasing request;
 ``kvretain:pool_blocks``, ``kvretain:protected_blocks``, ``kvretain:protected_block_share``
