@@ -1123,3 +1123,23 @@ def test_a_copy_evicted_while_its_content_stays_cached_leaves_no_ghost_entry(pol
     assert h not in ghost.table
     pool.free_blocks([e])
     assert pool.get_new_blocks(4) is not None and h in ghost.table and not pool.cached
+
+
+def test_a_policy_is_sized_by_its_capacity_and_indexed_by_every_block_id() -> None:
+    """``capacity``: the blocks that can hold content (vLLM's pool keeps a null block), what sizes the queues,
+    ghosts and shadows; block ids still run over ``num_blocks``."""
+    from kvretain.core import PolicyConfig, make_policy
+
+    cfg = PolicyConfig(block_size=16)
+    for name in ("lru", "lfu", "priority", "belady", "s3fifo", "arc", "unified"):
+        c = PolicyConfig(block_size=16, next_use=lambda h: 0.0) if name == "belady" else cfg  # (offline)
+        pol = make_policy(name, 41, c, capacity=40)
+        assert (pol.num_blocks, pol.capacity) == (41, 40)
+        assert make_policy(name, 41, c).capacity == 41
+    s3 = make_policy("s3fifo", 101, cfg, capacity=100)
+    assert (s3.small_target, s3.ghost_capacity) == (10, 90)  # type: ignore[attr-defined]
+    unified = make_policy("unified", 101, cfg, capacity=100)
+    assert unified.stats()["protected_budget"] == pytest.approx(cfg.budget * 100)
+    for bad in (0, 42, True, 1.5):
+        with pytest.raises(ValueError, match="capacity must be an integer from 1 to num_blocks"):
+            make_policy("lru", 41, cfg, capacity=bad)  # type: ignore[arg-type]

@@ -992,3 +992,24 @@ def test_a_request_looked_up_again_after_a_failed_kv_load_is_no_second_first_loo
     finally:
         plugin.disable()
         plugin.reset_stats()
+
+
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_the_queue_sizes_its_policy_by_the_blocks_that_can_hold_content(granularity: str) -> None:
+    """vLLM's pool keeps one block as its null block, which never holds content: the protected budget and the
+    controller's shadows are sized by the other blocks. Sized by every block id, the controller's LRU shadow
+    modelled a cache one block larger than the pool, and on a small pool read the pool as short of plain LRU
+    (the reuse floor bound, protection fell) where kvretain's pool of the same usable size did not."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvretain.core.policy import PolicyConfig
+    from kvretain.integrations.vllm.metrics import _queue_stats
+
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    pool = BlockPool(41, enable_caching=True, hash_block_size=BLOCK)
+    q = pool.free_block_queue
+    assert q.num_free_blocks == 40  # (the null block is taken out)
+    assert q.capacity == 40
+    assert _queue_stats(q)["protected_budget"] == pytest.approx(PolicyConfig().budget * 40)
+    if granularity == "block":
+        assert q.policy.num_blocks == 41 and q.policy.capacity == 40  # ids over the whole pool

@@ -222,9 +222,17 @@ class EvictionPolicy(ABC):
     """When True ``pop`` already does what ``on_evicted`` would for the victim, and the pool skips that call
     after a ``pop`` (it still calls ``on_evicted`` for blocks dropped otherwise, e.g. by a prefix-cache reset)."""
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
         self.num_blocks = num_blocks
         self.config = config or PolicyConfig()
+        self.capacity = num_blocks if capacity is None else _checked_capacity(capacity, num_blocks)
+        """How many of the ``num_blocks`` block ids can hold cached content: what sizes a policy's queues,
+        ghosts and shadows (block ids still run over all ``num_blocks``). Every block in kvretain's pool; vLLM's
+        keeps one as its null block, which never holds content, so the plugin passes the blocks it was given
+        free (``num_blocks - 1``): a policy sized by every id modelled a cache one block larger than the pool
+        (the controller's LRU shadow hit more than this pool's LRU could)."""
         self.in_pool = False
         """Set by the :class:`~kvretain.core.block_pool.BlockPool` that hosts it: a policy orders one pool's
         blocks (its per-block state and order are that pool's), so a second pool refuses it."""
@@ -370,14 +378,25 @@ class EvictionPolicy(ABC):
 POLICIES: Registry[EvictionPolicy] = Registry("eviction policy")
 
 
-def make_policy(name: str, num_blocks: int, config: PolicyConfig | None = None) -> EvictionPolicy:
+def make_policy(
+    name: str, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+) -> EvictionPolicy:
     """Build a registered policy by name, for a pool of ``num_blocks`` blocks (a positive ``int``; anything else
-    is a ``ValueError``, checked here once for every policy)."""
+    is a ``ValueError``, checked here once for every policy), of which ``capacity`` (default all) can hold
+    cached content (:attr:`EvictionPolicy.capacity`)."""
     import kvretain.core.policies  # noqa: F401  (registers the built-in policies)
 
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive integer, got {show_value(num_blocks)}")
-    return POLICIES.create(name, num_blocks, config)
+    return POLICIES.create(name, num_blocks, config, capacity=capacity)
+
+
+def _checked_capacity(capacity: int, num_blocks: int) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= num_blocks:
+        raise ValueError(
+            f"capacity must be an integer from 1 to num_blocks ({num_blocks}), got {show_value(capacity)}"
+        )
+    return capacity
 
 
 def policy_names() -> list[str]:

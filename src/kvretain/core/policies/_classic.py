@@ -71,8 +71,15 @@ class ClassicPolicy(EvictionPolicy, Generic[B]):
     tracks_uses = True
     forgets_on_pop = True
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None, blocks: Sequence[B]) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self,
+        num_blocks: int,
+        config: PolicyConfig | None,
+        blocks: Sequence[B],
+        *,
+        capacity: int | None = None,
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         self._blocks = blocks  # one object per block, of the subclass's own ClassicBlock subclass
         self._n = 0  # offered blocks
         self._held: dict[BlockHash, int] = {}  # resident blocks per content (more than one: copies)

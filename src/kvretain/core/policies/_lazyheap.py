@@ -80,8 +80,10 @@ class LazyHeap:
 class HeapOrderedPolicy(EvictionPolicy):
     """A policy whose order is one :class:`LazyHeap` keyed by :meth:`_key` (smallest evicted first)."""
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         self._heap = LazyHeap(num_blocks)
 
     @abstractmethod

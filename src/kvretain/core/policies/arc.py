@@ -69,9 +69,11 @@ class _Block(ClassicBlock):
 class ARCPolicy(ClassicPolicy[_Block]):
     name = "arc"
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
         self._meta = [_Block(i) for i in range(num_blocks)]
-        super().__init__(num_blocks, config, self._meta)
+        super().__init__(num_blocks, config, self._meta, capacity=capacity)
         # evictable blocks of T1 and T2 (index by _T1 / _T2), LRU first; OrderedDicts are O(1) linked lists in C
         self._lists: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._size = [0, 0, 0]  # |T1|, |T2|: resident blocks of each list, in use or not
@@ -89,7 +91,7 @@ class ARCPolicy(ClassicPolicy[_Block]):
         b1 = self._b1
         b2 = self._b2
         size = self._size
-        c = self.num_blocks
+        c = self.capacity
         if block_hash in b1:
             if not b1[block_hash]:  # no lookup adapted p for this ghost hit
                 self.p = min(float(c), self.p + max(1.0, len(b2) / len(b1)))
@@ -122,7 +124,7 @@ class ARCPolicy(ClassicPolicy[_Block]):
         b2 = self._b2
         if not b1 and not b2:
             return
-        c = float(self.num_blocks)
+        c = float(self.capacity)
         for i in range(num_hits, len(hashes)):
             h = hashes[i]
             marked = b1.get(h)

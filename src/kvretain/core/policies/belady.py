@@ -26,8 +26,10 @@ class BeladyPolicy(HeapOrderedPolicy):
     name = "belady"
     tracks_uses = False
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         if self.config.next_use is None:
             raise ValueError(
                 "policy 'belady' is an offline oracle: it needs PolicyConfig(next_use=...) and works only in "

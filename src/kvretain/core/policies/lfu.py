@@ -79,11 +79,13 @@ class GhostTable:
 class LFUPolicy(HeapOrderedPolicy):
     name = "lfu"
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         self._uses = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
-        self._ghost = GhostTable(int(self.config.ghost_factor * num_blocks))
+        self._ghost = GhostTable(int(self.config.ghost_factor * self.capacity))
         self._cap = self.config.frequency_cap
         self._tick = 0
         self._released = [0] * num_blocks

@@ -20,8 +20,10 @@ class LRUPolicy(EvictionPolicy):
     leaf_only = False
     tracks_uses = False
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         self._queue: OrderedDict[int, None] = OrderedDict()
 
     def push(self, block_id: int, now: float) -> None:

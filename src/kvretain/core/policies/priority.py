@@ -32,8 +32,10 @@ _LEVEL = float(1 << 44)  # release ticks stay below 2**44, so level * _LEVEL + t
 class StrictPriorityPolicy(HeapOrderedPolicy):
     name = "priority"
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         self._prio = [DEFAULT_RETENTION_PRIORITY] * num_blocks
         self._expiry = [INF] * num_blocks
         self._base = [DEFAULT_RETENTION_PRIORITY] * num_blocks  # where a lapse falls: the releaser's mapping

@@ -72,16 +72,18 @@ class _Block(ClassicBlock):
 class S3FIFOPolicy(ClassicPolicy[_Block]):
     name = "s3fifo"
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
         self._meta = [_Block(i) for i in range(num_blocks)]
-        super().__init__(num_blocks, config, self._meta)
+        super().__init__(num_blocks, config, self._meta, capacity=capacity)
         # each queue holds its placed blocks, oldest first (in use or not); an OrderedDict is an O(1)
         # linked list in C
         self._small: OrderedDict[int, None] = OrderedDict()
         self._main: OrderedDict[int, None] = OrderedDict()
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
-        self.small_target = max(1, int(SMALL_SHARE * num_blocks))
-        self.ghost_capacity = num_blocks - self.small_target  # the main queue's size
+        self.small_target = max(1, int(SMALL_SHARE * self.capacity))
+        self.ghost_capacity = self.capacity - self.small_target  # the main queue's size
         self.n_small = 0  # blocks that belong to S (placed, set aside or not yet placed)
         self.n_main = 0
 

@@ -279,8 +279,10 @@ class UnifiedPolicy(EvictionPolicy):
     name = "unified"
     forgets_on_pop = True
 
-    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
-        super().__init__(num_blocks, config)
+    def __init__(
+        self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
+    ) -> None:
+        super().__init__(num_blocks, config, capacity=capacity)
         cfg = self.config
         self._meta = [_Meta(b) for b in range(num_blocks)]
         scale = rules.buckets_per_key(cfg)
@@ -293,13 +295,13 @@ class UnifiedPolicy(EvictionPolicy):
         # cheaper at 16. A block inside a 256-token segment that is cached right after its predecessor takes
         # the predecessor's restored use count (a segment's blocks are used together).
         self._stride = stride = sample_stride(cfg.block_size)
-        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * num_blocks / stride))
+        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * self.capacity / stride))
         self._last_depth = -2  # depth and restored use count of the block cached last
         self._last_uses = 0
         self._L = 0.0
         self._threshold = cfg.protect_threshold
         self._cap = cfg.frequency_cap
-        self._ctl = ProtectionController(num_blocks, cfg)
+        self._ctl = ProtectionController(self.capacity, cfg)
         self._weight = self._ctl.weights  # the controller's retention weights (its level may soften them)
         self._F = self._ctl.frequency  # uses -> uses ** alpha (the controller's balance sets alpha)
         self._values: dict[int, list[float]] = {}  # retention -> values by use count (_value_row)

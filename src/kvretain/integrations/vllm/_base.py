@@ -44,6 +44,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         "_mapped",
         "_warned",
         "allocating",
+        "capacity",
         "counters",
         "manager",
         "mapping",
@@ -56,6 +57,9 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     ) -> None:
         super().__init__(free_blocks)
         self.pool_blocks = pool_blocks
+        self.capacity = max(1, len(free_blocks))
+        """The blocks that can hold cached content: those given free at the start (vLLM's pool keeps one as its
+        null block), which size the policy's queues, ghosts and shadows (``EvictionPolicy.capacity``)."""
         self.mapping = mapping
         self.counters = _runtime.COUNTERS
         self._warned: set[str] = set()

@@ -508,8 +508,8 @@ class RunFreeQueue(HookedFreeQueue):
         self._held = 0  # blocks in runs (the rest of num_free_blocks is vLLM's list of unhashed blocks)
         self._num_protected = 0  # cached blocks whose retention is protected
         self._L = 0.0
-        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * n / self._stride))
-        self._ctl = ProtectionController(n, cfg)
+        self._ghost = GhostTable(math.ceil(cfg.ghost_factor * self.capacity / self._stride))
+        self._ctl = ProtectionController(self.capacity, cfg)
         self._weight = self._ctl.weights
         self._F = self._ctl.frequency
         self._rekeys = 0  # times the tables changed and every run was keyed again (stats)
