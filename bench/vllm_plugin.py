@@ -50,8 +50,9 @@ steps does to the step after it in this single-threaded harness (session 14, fiv
 
 ``--hook-times``: one more plugin run, after the timed ones, with a process-CPU-time counter around each
 method of the plugin's free queue that vLLM's ``BlockPool`` or the plugin's patches call in a step (``HOOKS``:
-the arrival hook at input processing (not in the step), the release at ``free``, the lookup at admission, the
-protection controller inside the arrival and lookup hooks, the queue's pops,
+the arrival hook at input processing (not in the step), the release at ``free``, the lookup at admission (with
+the policy's part where the admission's first eviction gives it, inside the pop), the protection controller
+inside the arrival and lookup hooks, the queue's pops,
 appends and removals, the caching hook, the strip of evicted hashes), and around the controller's parts
 (its spatial sample, its LRU shadows, the frequency candidate's GreedyDual shadow): where
 the plugin's time per step goes. Not counted: the patches' own wrapper code around vLLM's methods and the queue's small helpers they call
@@ -78,6 +79,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,6 +454,7 @@ def count_hook_times(totals: dict[str, int]) -> None:
     for cls in (RunFreeQueue, RetentionFreeQueue):
         for label, name in HOOKS:
             wrap(cls, name, label)
+        _count_early_lookup(cls, totals, clock)
     # the controller works at a request's arrival (its shadows) and at its lookup (the control law); its parts
     # are counted wherever they run
     for name in ("on_arrival", "on_lookup"):
@@ -465,6 +468,23 @@ def count_hook_times(totals: dict[str, int]) -> None:
         (shadow.GDShadow, "reference", "controller: GreedyDual shadow"),
     ):
         wrap(owner, name, label)
+
+
+def _count_early_lookup(cls: Any, totals: dict[str, int], clock: Callable[[], int]) -> None:
+    """An admission's lookup given to the policy at its first eviction (``feed_pending``, inside ``popleft_n``)
+    is the lookup hook's work: counted under ``lookup``, and taken out of the pop's."""
+    inner = cls.feed_pending
+
+    def feed_pending(self: Any) -> None:
+        t0 = clock()
+        try:
+            inner(self)
+        finally:
+            dt = clock() - t0
+            totals["lookup"] += dt
+            totals["pop (eviction)"] -= dt
+
+    cls.feed_pending = feed_pending
 
 
 def run_child(args: argparse.Namespace) -> None:

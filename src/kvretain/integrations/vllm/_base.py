@@ -40,6 +40,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     # has 37. vLLM's own FreeKVCacheBlockQueue has no slots, so its attributes stay in a (small) dict.
     __slots__ = (
         "_expect",
+        "_fed",
         "_held",
         "_mapped",
         "_warned",
@@ -48,6 +49,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         "counters",
         "manager",
         "mapping",
+        "pending",
         "pool_blocks",
         "unlinked_groups",
     )
@@ -60,6 +62,11 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self.capacity = max(1, len(free_blocks))
         """The blocks that can hold cached content: those given free at the start (vLLM's pool keeps one as its
         null block), which size the policy's queues, ghosts and shadows (``EvictionPolicy.capacity``)."""
+        # the admission KVCacheManager.allocate_slots is serving: (request, hit tokens, hash block size, resident
+        # tokens), until its first eviction gives the lookup to the policy (feed_pending) or the call ends
+        self.pending: tuple[Any, int, int, int] | None = None
+        # the request whose lookup feed_pending gave the policy (its on_lookup then only counts)
+        self._fed: Any = None
         self.mapping = mapping
         self.counters = _runtime.COUNTERS
         self._warned: set[str] = set()
@@ -94,6 +101,8 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         k = n - base
         self._held -= k
         self.num_free_blocks -= k
+        if self.pending is not None:
+            self.feed_pending()
         ids = self._evict(k, _runtime.now())
         if len(ids) == 1:
             ret.append(self.pool_blocks[ids[0]])
@@ -386,21 +395,61 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         held = num_hit_tokens if resident_tokens is None else resident_tokens
         return min(len(request.block_hashes), held // max(1, hash_block_size))
 
+    def on_lookup(
+        self, request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None = None
+    ) -> None:
+        """At admission (``record_prefix_cache_stats``, after ``allocate_slots``): per-priority counters
+        (``num_hit_tokens``, vLLM's), and the policy's lookup unless the admission's first eviction gave it
+        already (:meth:`feed_pending`); ``resident_tokens``: with the last full block when only vLLM's cap on a
+        hit kept it out (``_patches._resident_tokens``)."""
+        mapped = self._count_lookup(request, num_hit_tokens)
+        if self._fed is request:
+            self._fed = None
+        elif mapped is not None:
+            self._policy_lookup(
+                request, mapped, self._held_blocks(request, num_hit_tokens, hash_block_size, resident_tokens)
+            )
+
+    def feed_pending(self) -> None:
+        """The admission being allocated (:attr:`pending`) is about to evict: give the policy its lookup first.
+        kvretain's ``KVCacheManager`` and replay give a lookup to the policy before the admission's evictions
+        (ARC's adaptation precedes its REPLACE; a controller that changes its tables at this lookup keys the
+        victims by them), while vLLM records a lookup only after ``allocate_slots`` has evicted: the plugin gives
+        it here, at the first eviction of that call (an allocation that fails evicts nothing: vLLM checks the
+        free blocks first), and :meth:`on_lookup` then only counts it."""
+        request, hits, block_size, resident = self.pending  # type: ignore[misc]
+        self.pending = None
+        mapped = self._first_lookup_retention(request)
+        if mapped is not None:
+            self._policy_lookup(request, mapped, self._held_blocks(request, hits, block_size, resident))
+            self._fed = request
+
+    def _policy_lookup(self, request: Any, mapped: int, held_blocks: int) -> None:  # pragma: no cover
+        """Give the policy a request's first lookup: ``held_blocks`` leading blocks held, at retention ``mapped``."""
+        raise NotImplementedError
+
+    def _first_lookup_retention(self, request: Any) -> int | None:
+        """The request's mapped retention when this admission is its first lookup, else ``None`` (a resume after
+        preemption, or any other lookup after the request's first, see :meth:`_count_lookup`)."""
+        if getattr(request, "num_preemptions", 0) > 0:
+            return None
+        if not getattr(request, "resumable", False) and getattr(request, LOOKED_UP, False):
+            return None
+        return self._mapped_for(_priority(request))
+
     def _count_lookup(self, request: Any, num_hit_tokens: int) -> int | None:
         """Per-priority counters of an admission; the request's mapped retention, or ``None`` for a resume
         after preemption, or any other lookup after the request's first (a KV connector's failed load puts it
         back to waiting unpreempted: :data:`LOOKED_UP`): its hits are counted apart, as vLLM does for a resume,
         and it is no new lookup. A streaming-input session's chunks (``resumable``) each count, as vLLM counts
         them."""
-        prio = _priority(request)
-        resumed = getattr(request, "num_preemptions", 0) > 0
+        mapped = self._first_lookup_retention(request)
         if not getattr(request, "resumable", False):
-            if getattr(request, LOOKED_UP, False):
-                resumed = True
-            else:
-                setattr(request, LOOKED_UP, True)
-        self.counters.get(prio).record_lookup(int(request.num_tokens), num_hit_tokens, resumed)
-        return None if resumed else self._mapped_for(prio)
+            setattr(request, LOOKED_UP, True)
+        self.counters.get(_priority(request)).record_lookup(
+            int(request.num_tokens), num_hit_tokens, mapped is None
+        )
+        return mapped
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -446,9 +446,8 @@ def _make_manager_init(orig: Callable[..., Any]) -> Callable[..., Any]:
         try:
             q = self.block_pool.free_block_queue
             if type(q) in QUEUE_TYPES and _full_attention(self) is None:
-                # a group may free blocks mid-request (release_skipped needs the request): only then, so that
-                # a plain model's allocate_slots, called for every scheduled request each step, pays nothing
-                _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
+                # a group may free blocks mid-request: release_skipped needs the request (allocate_slots sets
+                # ``allocating`` where the pool has a manager)
                 q.manager = weakref.ref(self)  # (for a moved cache entry: _make_move_block_hashes)
                 q.unlinked_groups = frozenset(
                     _group_of(m)
@@ -466,11 +465,24 @@ def _make_allocate_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
         q = self.block_pool.free_block_queue
         if type(q) not in QUEUE_TYPES:
             return orig(self, request, *args, **kwargs)
-        q.allocating = request  # (for _remove_blocks_in_range, which vLLM calls from here)
+        try:
+            if request.num_computed_tokens == 0 and self.prefix_cache_lookup_enabled(request):
+                # an admission vLLM looked the prefix up for (the scheduler then records it with these hits):
+                # its lookup goes to the policy before the call's first eviction (HookedFreeQueue.feed_pending)
+                hits = int(kwargs.get("num_new_computed_tokens", args[1] if len(args) > 1 else 0))
+                bs = int(self.block_pool.hash_block_size)
+                q.pending = (request, hits, bs, _resident_tokens(self, request, hits, bs))
+        except Exception:
+            _hook_failed("lookup", "kvretain: lookup hook failed (ignored)")
+        hybrid = q.manager is not None
+        if hybrid:
+            q.allocating = request  # (for _remove_blocks_in_range, which vLLM calls from here)
         try:
             return orig(self, request, *args, **kwargs)
         finally:
-            q.allocating = None
+            q.pending = None
+            if hybrid:
+                q.allocating = None
 
     return allocate_slots
 
@@ -817,6 +829,7 @@ def install(cfg: PluginConfig) -> None:
     _patch(KVCacheManager, "free", _make_free)
     _patch(KVCacheManager, "pop_blocks_for_free", _make_pop_blocks_for_free)
     _patch(KVCacheManager, "record_prefix_cache_stats", _make_record_stats)
+    _patch(KVCacheManager, "allocate_slots", _make_allocate_slots)
     _patch(KVCacheManager, "__init__", _make_manager_init)
     _patch(SingleTypeKVCacheManager, "_remove_blocks_in_range", _make_remove_blocks_in_range)
     _patch(MambaManager, "remove_skipped_blocks", _make_mamba_remove_skipped_blocks)

@@ -369,16 +369,9 @@ class RetentionFreeQueue(HookedFreeQueue):
         if hashes and self._tracks:
             self._sighted(request, self.policy.on_arrival(hashes, self._arrival_retention(request)))
 
-    def on_lookup(
-        self, request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None = None
-    ) -> None:
-        """At admission (``record_prefix_cache_stats``): per-priority counters (``num_hit_tokens``) and the
-        policy's lookup hook (``resident_tokens``, as :meth:`RunFreeQueue.on_lookup`)."""
-        mapped = self._count_lookup(request, num_hit_tokens)
-        if mapped is not None and self._tracks:
-            hashes = request.block_hashes
-            k = self._held_blocks(request, num_hit_tokens, hash_block_size, resident_tokens)
-            self.policy.lookup(hashes, k, mapped, self._take_sighting(request))
+    def _policy_lookup(self, request: Any, mapped: int, held_blocks: int) -> None:
+        if self._tracks:
+            self.policy.lookup(request.block_hashes, held_blocks, mapped, self._take_sighting(request))
 
     def forget(self, block: KVCacheBlock) -> bool:
         """Before ``BlockPool.evict_blocks`` strips ``block``'s hash: take it out of the policy. Returns True

@@ -1437,27 +1437,20 @@ class RunFreeQueue(HookedFreeQueue):
         if hashes:  # (vLLM's block hashes are one hash function's digests: one length)
             self._sighted(request, self._ctl.on_arrival(hashes, self._arrival_retention(request), True))
 
-    def on_lookup(
-        self, request: Any, num_hit_tokens: int, hash_block_size: int, resident_tokens: int | None = None
-    ) -> None:
-        """At admission (``record_prefix_cache_stats``): per-priority counters (``num_hit_tokens``, vLLM's) and
-        the protection controller (``resident_tokens``: with the last full block when only vLLM's cap on a hit
-        kept it out; ``_patches._resident_tokens``)."""
-        mapped = self._count_lookup(request, num_hit_tokens)
-        if mapped is not None:
-            hashes = request.block_hashes
-            # (vLLM's block hashes are one hash function's digests: one length)
-            if self._ctl.on_lookup(
-                hashes,
-                self._held_blocks(request, num_hit_tokens, hash_block_size, resident_tokens),
-                mapped,
-                True,
-                seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
-                self._num_protected if self._L > 0.0 else None,
-            ):
-                self._weight = self._ctl.weights
-                self._F = self._ctl.frequency
-                self._rekey()
+    def _policy_lookup(self, request: Any, mapped: int, held_blocks: int) -> None:
+        """The protection controller's lookup (vLLM's block hashes are one hash function's digests: one
+        length); where it changes the tables, every queued run is keyed again."""
+        if self._ctl.on_lookup(
+            request.block_hashes,
+            held_blocks,
+            mapped,
+            True,
+            seen if isinstance(seen := self._take_sighting(request), Sighting) else None,
+            self._num_protected if self._L > 0.0 else None,
+        ):
+            self._weight = self._ctl.weights
+            self._F = self._ctl.frequency
+            self._rekey()
 
     def _rekey(self) -> None:
         """The order's tables changed: every queued run is keyed again from the ``L`` of its release with the new
