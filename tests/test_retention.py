@@ -246,6 +246,24 @@ def test_trt_spelling_token_range_and_milliseconds() -> None:
     assert (d.start, d.end, d.duration_s) == (16, None, None)
 
 
+@pytest.mark.parametrize(
+    ("raw", "pattern"),
+    [
+        (
+            {"token_start": 20, "token_end": 10, "priority": 50},
+            r": token_start \(20\) must be before token_end \(10\)",
+        ),
+        ({"start": 20, "token_end": 10, "priority": 50}, r": start \(20\) must be before token_end \(10\)"),
+        ({"token_start": 20, "end": 10, "priority": 50}, r": token_start \(20\) must be before end \(10\)"),
+    ],
+)
+def test_empty_range_names_the_fields_as_spelt(raw: dict[str, object], pattern: str) -> None:
+    # TensorRT-LLM's spellings are named as the client gave them, both ends of the range (token_end was
+    # named 'end' when the range was empty)
+    with pytest.raises(RetentionError, match=pattern):
+        parse(raw)
+
+
 def test_start_defaults_to_zero_and_end_to_open() -> None:
     (d,) = validate_directive_list([{"priority": 60}])
     assert (d.start, d.end, d.duration_s) == (0, None, None)

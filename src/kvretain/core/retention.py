@@ -181,7 +181,9 @@ class RetentionDirective:
             if "token_start" in raw:
                 msg = msg.replace(": start ", ": token_start ", 1)
             if "token_end" in raw:
-                msg = msg.replace(": end ", ": token_end ", 1)
+                msg = msg.replace(": end ", ": token_end ", 1).replace(
+                    " before end (", " before token_end (", 1
+                )
             raise RetentionError(msg) from None
 
     def to_dict(self) -> dict[str, Any]:
