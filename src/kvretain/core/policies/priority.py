@@ -4,11 +4,14 @@ All evictable blocks of the lowest retention priority go before any block of the
 recently released first within a level. A block released with a duration drops back to its releasing request's
 mapped priority (:class:`~kvretain.core.retention.PriorityMapping`; 35, TensorRT-LLM's default, for vLLM's default
 priority 0) once the duration has passed since its release (checked lazily, through an expiry heap drained on
-each eviction). Shared blocks take the priority of the request that released them last, as in TensorRT-LLM,
-where a later request's directive overwrites; here a request's mapped priority is an implicit directive over its
-whole prompt, so a release without any directive overwrites too (TensorRT-LLM leaves a reused block's priority
-as it was when no range of the request covers it). Leaves only; a parent that becomes a leaf keeps its release
-time.
+each eviction). Shared blocks take the priority of the request that released them last, much as in
+TensorRT-LLM, where a later request's directive overwrites (there when a request takes the block,
+``claimBlock`` at its admission, so of two requests holding a block at once the later admitted one's stands;
+here the later released one's); here a request's mapped priority is an implicit directive over its whole
+prompt, so a release without any directive overwrites too (TensorRT-LLM leaves a reused block's priority as it
+was when no range of the request covers it). A lapsed block keeps its place by release time in its new level
+(TensorRT-LLM's ``LRUEvictionPolicy::refresh`` queues it at the back of the default level, as if just
+released). Leaves only; a parent that becomes a leaf keeps its release time.
 
 NOTE: a lapse used to fall to 35 whatever the request's mapped priority: a priority -3 request (65) asking 90
 for 1 s over part of its prompt left that part at 35, below its undirected blocks.
