@@ -201,6 +201,11 @@ def test_directive_must_be_an_object_and_the_list_a_list() -> None:
         RetentionConfig.from_request_fields("0:16:50")  # type: ignore[arg-type]
     with pytest.raises(RetentionError, match="retention_directives must be a list of objects"):
         RetentionConfig.from_request_fields(42)  # type: ignore[arg-type]
+    # one directive where a list of them goes: its keys were read as directives ("got 'start'"), and an empty
+    # object passed as no directives at all (RetentionConfig itself refuses a mapping)
+    for one in ({"start": 0, "end": 16, "priority": 90}, {}):
+        with pytest.raises(RetentionError, match="retention_directives must be a list of objects"):
+            RetentionConfig.from_request_fields(one)  # type: ignore[arg-type]
 
 
 def test_direct_construction_errors_say_retention_directive() -> None:

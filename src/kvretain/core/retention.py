@@ -421,7 +421,7 @@ class RetentionConfig:
     ) -> RetentionConfig:
         """Build from the JSON fields of a request (``retention_directives``, ``retention_scope``...)."""
         if directives is not None and (
-            isinstance(directives, str | bytes) or not isinstance(directives, Iterable)
+            isinstance(directives, str | bytes | Mapping) or not isinstance(directives, Iterable)
         ):
             raise RetentionError(
                 f"retention_directives must be a list of objects, got {show_value(directives)}"
