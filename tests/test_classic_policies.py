@@ -189,6 +189,19 @@ def test_s3fifo_block_in_use_is_skipped_and_comes_back_at_the_old_end() -> None:
     assert sim.evict_all() == [4, 1]
 
 
+def test_s3fifo_blocks_set_aside_together_come_back_in_their_queue_order() -> None:
+    # A chain enters the small queue tail first (its request releases deepest first): 3 2 1. A request that hits
+    # the chain holds the three blocks while its allocation evicts past them: they stay in place, so they must
+    # come back in that order. Each release put its block in front of the last one put back: 1 2 3, the chain
+    # moved to main head first, and main then evicted the head 1 first, leaving 2 and 3 unreachable
+    sim = Sim("s3fifo", 10)  # small queue: 1 block
+    sim.run([1, 2, 3], *singles(range(4, 11)))  # small, oldest first: 3 2 1 4 5 ... 10
+    assert sim.run([1, 2, 3, 11]) == 3  # 1..3 in use (set aside) while 4 is evicted
+    assert sim.evicted == [4]
+    # small: 3, 2, 1 (accessed: to main in that order), then 5..11 (one-hit wonders); main: 3, 2, 1
+    assert sim.evict_all() == [5, 6, 7, 8, 9, 10, 11, 3, 2, 1]
+
+
 def test_s3fifo_scan_does_not_flush_the_working_set_but_lru_does() -> None:
     reqs = requests(scan_workload(working_set=5, rounds=3, scan=40))
     tail = 5  # the last round of the working set

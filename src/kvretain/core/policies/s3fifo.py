@@ -26,15 +26,19 @@ reproduces exactly: 0.0551 / 0.1404 / 0.2502 at 875 / 5,000 / 20,000 blocks) two
 / 0.2528: the choice is the published rule, and no figure hangs on it.
 
 A block in use stays in its queue in place. When it reaches the old end of its queue it is set aside (out
-of the queue, still counted in it); its release puts it back at the old end, so it is the next one looked at,
-as it would have been. Each step of an eviction drops a block, promotes one (once per insertion), sets one
-aside (once per hit) or spends one unit of frequency (one per access): O(1) amortized per operation, and the
-loop always ends (one evictable block suffices).
+of the queue, still counted in it); its release puts it back ahead of the queue, behind the blocks set aside
+before it, so it is looked at where it would have been. (NOTE: each release used to put its block at the old
+end, in front of those set aside before it: a request that held a chain as an eviction passed it put the
+chain back head first, the reverse of its order, and main then evicted the head before the tail.) Each step of
+an eviction drops a block, promotes one (once per insertion), sets one aside (once per hit) or spends one unit
+of frequency (one per access): O(1) amortized per operation (O(log n) to put back a block set aside: a heap
+keeps them in the order they were set aside), and the loop always ends (one evictable block suffices).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from heapq import heappop, heappush
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policies._classic import ClassicBlock, ClassicPolicy
@@ -53,17 +57,19 @@ _MAIN = 2
 
 _UNPLACED = 0  # inserted, not released yet: its first release places it at the new end
 _QUEUED = 1  # in its queue's order (in use or not)
-_ASIDE = 2  # in use when it reached the old end: its release puts it back there
+_ASIDE = 2  # in use when it reached the old end: out of the queue until its release
+_BACK = 3  # set aside, then released: ahead of its queue, in the order the blocks were set aside
 
 
 class _Block(ClassicBlock):
-    __slots__ = ("freq", "pos", "queue")
+    __slots__ = ("aside", "freq", "pos", "queue")
 
     def __init__(self, block_id: int) -> None:
         super().__init__(block_id)
         self.queue = _NONE  # the queue it belongs to (_NONE: not resident)
         self.freq = 0
         self.pos = _UNPLACED
+        self.aside = 0  # when it was set aside (a stamp), while it is _ASIDE or _BACK
 
 
 @POLICIES.register(
@@ -82,6 +88,11 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
         self._small: OrderedDict[int, None] = OrderedDict()
         self._main: OrderedDict[int, None] = OrderedDict()
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
+        # the blocks set aside and released since, ahead of each queue: heaps of (stamp, block id), the oldest
+        # set aside first (an entry whose block was dropped since is skipped)
+        self._small_back: list[tuple[int, int]] = []
+        self._main_back: list[tuple[int, int]] = []
+        self._stamp = 0
         self.small_target = max(1, int(SMALL_SHARE * self.capacity))
         self.ghost_capacity = self.capacity - self.small_target  # the main queue's size
         self.n_small = 0  # blocks that belong to S (placed, set aside or not yet placed)
@@ -114,12 +125,12 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
         b.offered = True
         self._n += 1
         pos = b.pos
-        if pos != _QUEUED:
+        if pos == _UNPLACED:
             b.pos = _QUEUED
-            q = self._small if b.queue == _SMALL else self._main
-            q[block_id] = None
-            if pos == _ASIDE:
-                q.move_to_end(block_id, last=False)
+            (self._small if b.queue == _SMALL else self._main)[block_id] = None
+        elif pos == _ASIDE:
+            b.pos = _BACK
+            heappush(self._small_back if b.queue == _SMALL else self._main_back, (b.aside, block_id))
 
     def remove(self, block_id: int) -> None:
         b = self._meta[block_id]
@@ -146,15 +157,37 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
                     victim = self._evict_main()
         return victim
 
+    def _next(self, q: OrderedDict[int, None], back: list[tuple[int, int]]) -> _Block | None:
+        """The next evictable block from the old end of a queue (``back`` first), out of it; the blocks in use
+        met on the way are set aside. None when the queue has no evictable block."""
+        meta = self._meta
+        while back:
+            stamp, bid = heappop(back)
+            b = meta[bid]
+            if b.pos != _BACK or b.aside != stamp:
+                continue  # (dropped since)
+            if b.offered:
+                b.pos = _QUEUED
+                return b
+            b.pos = _ASIDE  # in use again: set aside again, in its place
+        while q:
+            bid = q.popitem(last=False)[0]
+            b = meta[bid]
+            if b.offered:
+                return b
+            self._stamp += 1
+            b.aside = self._stamp
+            b.pos = _ASIDE
+        return None
+
     def _evict_small(self) -> int | None:
         small = self._small
-        meta = self._meta
-        while small:
-            bid = small.popitem(last=False)[0]
-            b = meta[bid]
-            if not b.offered:
-                b.pos = _ASIDE
-                continue
+        back = self._small_back
+        while True:
+            b = self._next(small, back)
+            if b is None:
+                return None
+            bid = b.block_id
             self.n_small -= 1
             if b.freq >= MOVE_TO_MAIN:
                 b.queue = _MAIN
@@ -171,17 +204,15 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
                     ghost.popitem(last=False)
             self._n -= 1
             return bid
-        return None
 
     def _evict_main(self) -> int | None:
         main = self._main
-        meta = self._meta
-        while main:
-            bid = main.popitem(last=False)[0]
-            b = meta[bid]
-            if not b.offered:
-                b.pos = _ASIDE
-                continue
+        back = self._main_back
+        while True:
+            b = self._next(main, back)
+            if b is None:
+                return None
+            bid = b.block_id
             if b.freq:
                 b.freq -= 1
                 main[bid] = None
@@ -190,7 +221,6 @@ class S3FIFOPolicy(ClassicPolicy[_Block]):
             self._forget(b)
             self._n -= 1
             return bid
-        return None
 
     def _forget(self, b: _Block) -> bool:
         """``b`` (out of its queue and its queue's count) is no longer resident: True when it held its content's
