@@ -202,6 +202,84 @@ def test_s3fifo_blocks_set_aside_together_come_back_in_their_queue_order() -> No
     assert sim.evict_all() == [5, 6, 7, 8, 9, 10, 11, 3, 2, 1]
 
 
+class TextbookS3FIFO:
+    """S3-FIFO as s3fifo.py states it, for one-block requests: a miss evicts one object when the cache is full
+    (from S when |S| >= 10%, else from M), then enters M if its key is in G, else S; a hit counts up to 3; S's
+    oldest moves to M when accessed (count cleared), else leaves to G (G as large as M); M's oldest is reinserted
+    with its count minus one, or leaves."""
+
+    def __init__(self, c: int) -> None:
+        self.c = c
+        self.small_target = max(1, c // 10)
+        self.s: dict[int, None] = {}  # insertion-ordered: oldest first
+        self.m: dict[int, None] = {}
+        self.g: dict[int, None] = {}
+        self.freq: dict[int, int] = {}
+        self.evicted: list[int] = []
+
+    def _from_small(self) -> bool:
+        while self.s:
+            x = next(iter(self.s))
+            del self.s[x]
+            if self.freq[x]:
+                self.freq[x] = 0
+                self.m[x] = None
+                continue
+            self.g[x] = None
+            if len(self.g) > self.c - self.small_target:
+                del self.g[next(iter(self.g))]
+            del self.freq[x]
+            self.evicted.append(x)
+            return True
+        return False
+
+    def _from_main(self) -> bool:
+        while self.m:
+            x = next(iter(self.m))
+            del self.m[x]
+            if self.freq[x]:
+                self.freq[x] -= 1
+                self.m[x] = None
+                continue
+            del self.freq[x]
+            self.evicted.append(x)
+            return True
+        return False
+
+    def access(self, x: int) -> bool:
+        if x in self.freq:
+            self.freq[x] = min(self.freq[x] + 1, 3)
+            return True
+        if len(self.freq) == self.c:
+            if len(self.s) >= self.small_target:
+                self._from_small() or self._from_main()
+            else:
+                self._from_main() or self._from_small() or self._from_main()
+        if x in self.g:
+            del self.g[x]
+            self.m[x] = None
+        else:
+            self.s[x] = None
+        self.freq[x] = 0
+        return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_s3fifo_matches_textbook_s3fifo_one_block_per_request(seed: int) -> None:
+    rng = random.Random(seed)
+    c = rng.choice([3, 10, 20, 37])
+    trace = [rng.randrange(4 * c) if rng.random() < 0.7 else rng.randrange(c) for _ in range(1500)]
+    ref = TextbookS3FIFO(c)
+    want = [ref.access(x) for x in trace]
+    sim = Sim("s3fifo", c)
+    got = [sim.run([x]) == 1 for x in trace]
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    assert first is None, f"c={c}: first difference at access {first}"
+    assert sim.evicted == ref.evicted
+    stats = sim.policy.stats()
+    assert (stats["small"], stats["main"], stats["ghost"]) == (len(ref.s), len(ref.m), len(ref.g))
+
+
 def test_s3fifo_scan_does_not_flush_the_working_set_but_lru_does() -> None:
     reqs = requests(scan_workload(working_set=5, rounds=3, scan=40))
     tail = 5  # the last round of the working set
