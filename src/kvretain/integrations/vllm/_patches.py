@@ -17,11 +17,15 @@ be swapped):
 * ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request (and, for
   the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
   does the release and vLLM's ``BlockPool.free_blocks`` in one pass (:meth:`RunFreeQueue.free_request`).
-* ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters and the policy's lookup hook.
+* ``KVCacheManager.allocate_slots``: notes an admission vLLM looked up (its hits), whose lookup the queue gives
+  the policy at the call's first eviction (:meth:`HookedFreeQueue.feed_pending`: kvretain's pool hears of a
+  lookup before the admission evicts); on a hybrid model it also tells the queue the request (below).
+* ``KVCacheManager.record_prefix_cache_stats``: per-priority hit counters, and the policy's lookup hook where
+  the admission evicted nothing.
 * ``SingleTypeKVCacheManager._remove_blocks_in_range`` (sliding-window and chunked-local attention free blocks
-  mid-request) and, on hybrid models, ``KVCacheManager.allocate_slots`` (which calls it, and knows the request):
-  the blocks freed there are released at their request's priority and retention
-  (:meth:`HookedFreeQueue.release_skipped`). ``KVCacheManager.__init__`` installs the latter on a hybrid model.
+  mid-request), with the request ``allocate_slots`` names on a hybrid model (``KVCacheManager.__init__`` marks
+  such a pool): the blocks freed there are released at their request's priority and retention
+  (:meth:`HookedFreeQueue.release_skipped`).
 * ``MambaManager.remove_skipped_blocks``: align-mode Mamba (the mode prefix caching uses) frees its retired state
   blocks mid-request by rules of its own, past the hook above; what it hands ``free_blocks`` during this call is
   released at the running request's priority and retention first (:meth:`HookedFreeQueue.release_freed`).
