@@ -634,6 +634,45 @@ def test_the_controller_is_told_the_last_block_only_when_the_pool_held_it() -> N
     assert run(evict_last=True) == (16, 16)
 
 
+@pytest.mark.parametrize("granularity", ["run", "block"])
+def test_a_failing_lookup_at_the_first_eviction_is_counted_and_the_allocation_goes_on(
+    monkeypatch: pytest.MonkeyPatch, granularity: str
+) -> None:
+    # an admission's lookup goes to the policy inside the queue's popleft_n (feed_pending), within vLLM's
+    # get_new_blocks, after the free counts were taken down: an error there raised out of allocate_slots into the
+    # scheduler and left the queue's counts short of its blocks ('held count'); it is a hook error, the lookup is
+    # not given again at the record, and the allocation completes
+    plugin.enable(PluginConfig(policy="unified", granularity=granularity))
+    kvm = KVCacheManager(
+        plain_manager().kv_cache_config,
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        log_stats=True,
+    )
+    for i in range(3):  # every one of the 15 usable blocks cached and free
+        warm = make_request(f"w{i}", list(range(1000 * i, 1000 * i + 80)))
+        assert kvm.allocate_slots(warm, 80) is not None
+        kvm.free(warm)
+    q = kvm.block_pool.free_block_queue
+    calls = []
+
+    def broken(*args: Any) -> None:
+        calls.append(args)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(type(q), "_policy_lookup", broken)
+    req = make_request("r", list(range(5000, 5100)))
+    blocks, hits, *_ = kvm.get_computed_blocks(req)
+    assert kvm.allocate_slots(req, req.num_tokens - hits, hits, blocks) is not None  # (evicts 7 blocks)
+    kvm.record_prefix_cache_stats(req, hits)
+    assert plugin.stats()["hook_errors"] == {"lookup": 1} and len(calls) == 1
+    q.check()
+    assert kvm.block_pool.get_num_free_blocks() == 8
+    assert plugin.stats()["by_priority"][0]["requests"] == 1
+
+
 # ---------------------------------------------------------------------------- blocks freed mid-request
 def window_manager(num_blocks: int) -> KVCacheManager:
     """A hybrid layout: full attention and a sliding window of two blocks."""

@@ -416,13 +416,21 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         (ARC's adaptation precedes its REPLACE; a controller that changes its tables at this lookup keys the
         victims by them), while vLLM records a lookup only after ``allocate_slots`` has evicted: the plugin gives
         it here, at the first eviction of that call (an allocation that fails evicts nothing: vLLM checks the
-        free blocks first), and :meth:`on_lookup` then only counts it."""
+        free blocks first), and :meth:`on_lookup` then only counts it.
+
+        Never raises: it runs inside :meth:`popleft_n`, within vLLM's ``get_new_blocks``, once the free counts
+        have been taken down; an error is a hook error (``lookup``), as one in :meth:`on_lookup` is, the
+        eviction goes on, and the lookup is not given again at the record (the policy may have taken part of
+        it)."""
         request, hits, block_size, resident = self.pending  # type: ignore[misc]
         self.pending = None
-        mapped = self._first_lookup_retention(request)
-        if mapped is not None:
-            self._policy_lookup(request, mapped, self._held_blocks(request, hits, block_size, resident))
-            self._fed = request
+        try:
+            mapped = self._first_lookup_retention(request)
+            if mapped is not None:
+                self._fed = request
+                self._policy_lookup(request, mapped, self._held_blocks(request, hits, block_size, resident))
+        except Exception:
+            _runtime.HOOK_ERRORS.record("lookup", "kvretain: lookup hook failed (ignored)")
 
     def _policy_lookup(self, request: Any, mapped: int, held_blocks: int) -> None:  # pragma: no cover
         """Give the policy a request's first lookup: ``held_blocks`` leading blocks held, at retention ``mapped``."""
