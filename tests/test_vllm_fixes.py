@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 import kvretain.integrations.vllm as plugin
 from kvretain.integrations.vllm import _runtime
@@ -671,6 +671,55 @@ def test_a_failing_lookup_at_the_first_eviction_is_counted_and_the_allocation_go
     q.check()
     assert kvm.block_pool.get_num_free_blocks() == 8
     assert plugin.stats()["by_priority"][0]["requests"] == 1
+
+
+def test_a_running_request_allocated_from_zero_computed_tokens_gives_the_policy_no_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM sets a RUNNING request's num_computed_tokens to 0 when a synchronous KV load failed at its first block
+    # (Scheduler._update_requests_with_invalid_blocks); the running loop's allocate_slots then sees 0 computed
+    # tokens, as an admission would, but the scheduler records no lookup for it. A streaming-input session
+    # (resumable: every lookup of it is a first one) was given a second lookup of 0 hits there, and the request
+    # stayed noted as fed, so that its next real lookup would have been counted without reaching the policy
+    plugin.enable(PluginConfig(policy="unified", granularity="block"))
+    kvm = KVCacheManager(
+        plain_manager().kv_cache_config,
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        log_stats=True,
+    )
+    for i in range(3):  # every one of the 15 usable blocks cached and free: each allocation below evicts
+        warm = make_request(f"w{i}", list(range(1000 * i, 1000 * i + 80)))
+        assert kvm.allocate_slots(warm, 80) is not None
+        kvm.free(warm)
+    q = kvm.block_pool.free_block_queue
+    given: list[str] = []
+    inner = type(q)._policy_lookup
+
+    def spy(self: Any, request: Any, mapped: int, held: int) -> None:
+        given.append(request.request_id)
+        inner(self, request, mapped, held)
+
+    monkeypatch.setattr(type(q), "_policy_lookup", spy)
+    init_none_hash(sha256)
+    req = Request(
+        request_id="s",
+        prompt_token_ids=list(range(5000, 5064)),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        resumable=True,
+    )
+    blocks, hits, *_ = kvm.get_computed_blocks(req)
+    assert kvm.allocate_slots(req, 32, hits, blocks) is not None  # the admission (its first chunk)
+    kvm.record_prefix_cache_stats(req, hits)
+    assert given == ["s"] and q._fed is None
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = 0  # (the failed load)
+    assert kvm.allocate_slots(req, 64) is not None  # the running loop's allocation: evicts
+    assert given == ["s"] and q._fed is None
 
 
 # ---------------------------------------------------------------------------- blocks freed mid-request

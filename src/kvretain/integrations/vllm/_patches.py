@@ -67,6 +67,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
 )
+from vllm.v1.request import RequestStatus
 
 from kvretain.core.policy import make_policy
 from kvretain.integrations.vllm import metrics
@@ -470,9 +471,15 @@ def _make_allocate_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
         if type(q) not in QUEUE_TYPES:
             return orig(self, request, *args, **kwargs)
         try:
-            if request.num_computed_tokens == 0 and self.prefix_cache_lookup_enabled(request):
+            if (
+                request.num_computed_tokens == 0
+                and request.status is not RequestStatus.RUNNING
+                and self.prefix_cache_lookup_enabled(request)
+            ):
                 # an admission vLLM looked the prefix up for (the scheduler then records it with these hits):
-                # its lookup goes to the policy before the call's first eviction (HookedFreeQueue.feed_pending)
+                # its lookup goes to the policy before the call's first eviction (HookedFreeQueue.feed_pending).
+                # NOTE: not a RUNNING request: the scheduler's running loop allocates for one whose
+                # num_computed_tokens a failed synchronous KV load set to 0, and records no lookup for it
                 hits = int(kwargs.get("num_new_computed_tokens", args[1] if len(args) > 1 else 0))
                 bs = int(self.block_pool.hash_block_size)
                 q.pending = (request, hits, bs, _resident_tokens(self, request, hits, bs))
