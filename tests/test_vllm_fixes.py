@@ -512,9 +512,8 @@ def test_counters_snapshot_while_the_engine_inserts_priorities(monkeypatch: pyte
 
 
 # ---------------------------------------------------------------------------- lookups per request
-def counting_manager() -> KVCacheManager:
-    """A plain manager under ``unified`` that records prefix-cache stats (as the scheduler's, with ``log_stats``)."""
-    plugin.enable(PluginConfig(policy="unified"))
+def logged_plain_manager() -> KVCacheManager:
+    """A plain manager that records prefix-cache stats (as the scheduler's, with ``log_stats``)."""
     return KVCacheManager(
         plain_manager().kv_cache_config,
         max_model_len=256,
@@ -523,6 +522,12 @@ def counting_manager() -> KVCacheManager:
         enable_caching=True,
         log_stats=True,
     )
+
+
+def counting_manager() -> KVCacheManager:
+    """:func:`logged_plain_manager` under ``unified``."""
+    plugin.enable(PluginConfig(policy="unified"))
+    return logged_plain_manager()
 
 
 def test_a_request_counts_its_first_lookup_and_its_resumes_apart() -> None:
@@ -634,6 +639,17 @@ def test_the_controller_is_told_the_last_block_only_when_the_pool_held_it() -> N
     assert run(evict_last=True) == (16, 16)
 
 
+def full_plain_manager() -> KVCacheManager:
+    """A plain model's manager (16 blocks, one of them vLLM's null block) whose 15 usable blocks are all cached
+    and free: an admission evicts."""
+    kvm = logged_plain_manager()
+    for i in range(3):
+        warm = make_request(f"w{i}", list(range(1000 * i, 1000 * i + 80)))
+        assert kvm.allocate_slots(warm, 80) is not None
+        kvm.free(warm)
+    return kvm
+
+
 @pytest.mark.parametrize("granularity", ["run", "block"])
 def test_a_failing_lookup_at_the_first_eviction_is_counted_and_the_allocation_goes_on(
     monkeypatch: pytest.MonkeyPatch, granularity: str
@@ -643,18 +659,7 @@ def test_a_failing_lookup_at_the_first_eviction_is_counted_and_the_allocation_go
     # scheduler and left the queue's counts short of its blocks ('held count'); it is a hook error, the lookup is
     # not given again at the record, and the allocation completes
     plugin.enable(PluginConfig(policy="unified", granularity=granularity))
-    kvm = KVCacheManager(
-        plain_manager().kv_cache_config,
-        max_model_len=256,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        log_stats=True,
-    )
-    for i in range(3):  # every one of the 15 usable blocks cached and free
-        warm = make_request(f"w{i}", list(range(1000 * i, 1000 * i + 80)))
-        assert kvm.allocate_slots(warm, 80) is not None
-        kvm.free(warm)
+    kvm = full_plain_manager()
     q = kvm.block_pool.free_block_queue
     calls = []
 
@@ -682,18 +687,7 @@ def test_a_running_request_allocated_from_zero_computed_tokens_gives_the_policy_
     # (resumable: every lookup of it is a first one) was given a second lookup of 0 hits there, and the request
     # stayed noted as fed, so that its next real lookup would have been counted without reaching the policy
     plugin.enable(PluginConfig(policy="unified", granularity="block"))
-    kvm = KVCacheManager(
-        plain_manager().kv_cache_config,
-        max_model_len=256,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        log_stats=True,
-    )
-    for i in range(3):  # every one of the 15 usable blocks cached and free: each allocation below evicts
-        warm = make_request(f"w{i}", list(range(1000 * i, 1000 * i + 80)))
-        assert kvm.allocate_slots(warm, 80) is not None
-        kvm.free(warm)
+    kvm = full_plain_manager()  # (each allocation below evicts)
     q = kvm.block_pool.free_block_queue
     given: list[str] = []
     inner = type(q)._policy_lookup
