@@ -52,7 +52,7 @@ def test_per_priority_series_appear_in_vllm_metrics(servers, text, name):
     # value depends on the traffic the server saw before (the controller is the engine's, not the test's)
     budget = metric_value(s, "kvretain:protected_budget_blocks")
     level = metric_value(s, "kvretain:protection_level")
-    assert budget == pytest.approx(0.95 * 32)
+    assert budget == pytest.approx(0.95 * 31)  # (of the 31 blocks that hold content: vLLM keeps a null block)
     assert -1.0 <= level <= 1.0
     assert metric_value(s, "kvretain:protected_target_blocks") == pytest.approx(
         max(0.0, level) * budget, abs=1e-6
