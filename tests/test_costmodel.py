@@ -38,6 +38,23 @@ def test_builtin_catalog_entries() -> None:
         CAT.model("gpt-5")
 
 
+# The memory each HBM GPU reports (nvidia-smi's total, MiB; what vLLM's gpu_memory_utilization is a share of).
+# NVIDIA's "80GB" and "141GB" are binary: the catalog's nominal GiB sit within 0.5% of these.
+REPORTED_MIB = {"a100-80gb": 81920, "h100-sxm": 81559, "h200": 143771}
+
+
+@pytest.mark.parametrize("name", sorted(REPORTED_MIB))
+def test_gpu_memory_is_the_devices_own(name: str) -> None:
+    assert CAT.gpu(name).mem_bytes == pytest.approx(REPORTED_MIB[name] * 2**20, rel=0.005)
+
+
+def test_h200_memory_is_141_gib_and_holds_8_percent_more_kv_than_141_gb() -> None:
+    assert H200.mem_bytes == 141 * 2**30  # (was 141e9 bytes, 131.3 GiB: 6.5% short of the device)
+    tokens = CostModel(LLAMA8, H200).kv_capacity_tokens()
+    assert tokens == (141 * 2**30 * 0.9 - 16_059_990_016) // KV_TOKEN == 917_036
+    assert tokens / ((141e9 * 0.9 - 16_059_990_016) // KV_TOKEN) == pytest.approx(1.084, abs=0.001)
+
+
 # Llama-3-8B by hand (field notes, "First-order cost model"): L=32, d=4096, n_q=32, n_kv=8, h=128,
 # ffn=14336, V=128256, bf16.
 P_LAYER = 4096 * 128 * (32 + 2 * 8) + 32 * 128 * 4096 + 3 * 4096 * 14336  # 218,103,808 weights per layer
