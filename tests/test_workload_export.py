@@ -246,6 +246,13 @@ def test_generator_configs_reject_bad_values() -> None:
         (RetrievalScanConfig, "zipf_s", float("nan"), "must be a finite number"),
         (RetrievalScanConfig, "scan_rate", -1.0, "must be >= 0"),
         (RetrievalScanConfig, "interactive_share", 1.5, "must be a probability"),
+        # a single token count (a shared prompt's) is >= 0 as a range's bounds are: a negative one was accepted
+        # and failed only when generating, as a ValueError naming no setting ("length must be >= 0, got -5")
+        (MultiTenantConfig, "chat_system_tokens", -5, "must be >= 0 tokens"),
+        (MultiTenantConfig, "agent_system_tokens", -1, "must be >= 0 tokens"),
+        (MultiTenantConfig, "batch_system_tokens", -1, "must be >= 0 tokens"),
+        (AgentPausesConfig, "system_tokens", -5, "must be >= 0 tokens"),
+        (RetrievalScanConfig, "system_tokens", -1, "must be >= 0 tokens"),
     ],
 )
 def test_generator_configs_name_the_bad_setting(config: type, field: str, value: object, reason: str) -> None:

@@ -172,8 +172,9 @@ def check_config(
 ) -> None:
     """The checks every generator's settings share (``label``: the workload's name in the message). Each field
     takes the kind of value its default is: an int field a whole number, a float field any finite number, a
-    pair a ``(lo, hi)`` of such numbers with ``0 <= lo <= hi`` (a bool is not a number); then the named fields
-    are ``>= 0``, in ``[0, 1]`` or ``>= 1``. Raises :class:`WorkloadError` naming the field and the value."""
+    pair a ``(lo, hi)`` of such numbers with ``0 <= lo <= hi`` (a bool is not a number); a token count
+    (``*_tokens``) at most ``MAX_TOKENS`` and, a single one too, ``>= 0``; then the named fields are ``>= 0``, in
+    ``[0, 1]`` or ``>= 1``. Raises :class:`WorkloadError` naming the field and the value."""
 
     def bad(name: str, what: str, value: object) -> WorkloadError:
         return WorkloadError(f"{label} config: {name} must be {what}, got {value!r}")
@@ -200,9 +201,13 @@ def check_config(
             top = value
         else:
             continue
-        # token counts and request priorities: the bounds every request has (checked before generating)
+        # token counts and request priorities: the bounds every request has (checked before generating; a
+        # range's lo >= 0 is checked above, and a single count, e.g. a system prompt's, is >= 0 too: a negative
+        # one failed only when generating, as TokenSeq's ValueError naming no setting)
         if f.name.endswith("_tokens") and top > MAX_TOKENS:
             raise bad(f.name, f"at most {MAX_TOKENS:,} tokens", value)
+        if f.name.endswith("_tokens") and not isinstance(default, tuple) and value < 0:
+            raise bad(f.name, ">= 0 tokens", value)
         request_priority = f.name.endswith("_priority") and not f.name.endswith("retention_priority")
         if request_priority and not -PRIORITY_BOUND <= value < PRIORITY_BOUND:
             raise bad(f.name, "an int64 request priority", value)
