@@ -63,7 +63,8 @@ class MultiTenantConfig:
       order to evict a chat context within a typical think time. A document is revisited every ~11 minutes
       on average, so no policy can keep the corpus; within a job the questions reuse the document.
     * Agents (1): 0.03/s, 4-16 steps with 1-10 s tool pauses, context kept at retention 80 for 12 s after
-      each step (a small protected footprint: ~2 live agents).
+      each step (a small protected footprint: ~3 live agents, 2.5 on average over seeds 0-9, 2.9 counting the
+      12 s each one's context is kept after its last step).
     * Working set (``working_set(...)``, seed 0): peak 6.6x, time-average 4.7x the KV capacity (dominated by
       the document corpus; chat alone averages ~0.3x).
 
