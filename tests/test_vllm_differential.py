@@ -62,7 +62,7 @@ class VllmSide:
             self.q: Any = RunFreeQueue(list(self.blocks), self.blocks, cfg, MAPPING)
         else:
             self.q = RetentionFreeQueue(
-                list(self.blocks), self.blocks, lambda: make_policy("unified", n, cfg), MAPPING
+                list(self.blocks), self.blocks, lambda c: make_policy("unified", n, cfg, capacity=c), MAPPING
             )
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.victims: list[bytes] = []

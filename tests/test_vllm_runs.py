@@ -718,7 +718,10 @@ def test_distinct_request_priorities_do_not_grow_the_queues_state(granularity: s
     if granularity == "block":
         n = len(pool.blocks)
         pool.q = RetentionFreeQueue(
-            pool.blocks[1:], pool.blocks, lambda: make_policy("unified", n, PolicyConfig()), PriorityMapping()
+            pool.blocks[1:],
+            pool.blocks,
+            lambda c: make_policy("unified", n, PolicyConfig(), capacity=c),
+            PriorityMapping(),
         )
     q = pool.q
     try:

@@ -138,7 +138,6 @@ def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQ
     old = pool.free_block_queue
     free = old.get_all_free_blocks()
     num_blocks = len(pool.blocks)
-    capacity = max(1, len(free))  # (not the null block: it never holds content)
     pcfg = cfg.policy_config(int(pool.hash_block_size))
     queue: RetentionFreeQueue | RunFreeQueue
     if cfg.uses_run_queue:
@@ -149,7 +148,7 @@ def install_queue(pool: Any, cfg: PluginConfig) -> RetentionFreeQueue | RunFreeQ
         queue = RetentionFreeQueue(
             free,
             pool.blocks,
-            lambda: make_policy(cfg.policy, num_blocks, pcfg, capacity=capacity),
+            lambda capacity: make_policy(cfg.policy, num_blocks, pcfg, capacity=capacity),
             cfg.mapping,
         )
     pool.free_block_queue = queue

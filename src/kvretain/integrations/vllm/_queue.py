@@ -46,7 +46,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         self,
         free_blocks: list[KVCacheBlock],
         pool_blocks: Sequence[KVCacheBlock],
-        policy_factory: Callable[[], EvictionPolicy],
+        policy_factory: Callable[[int], EvictionPolicy],
         mapping: PriorityMapping,
     ) -> None:
         super().__init__(free_blocks, pool_blocks, mapping)
@@ -55,7 +55,7 @@ class RetentionFreeQueue(HookedFreeQueue):
 
     def _reset_state(self) -> None:
         n = len(self.pool_blocks)
-        self.policy = self._policy_factory()
+        self.policy = self._policy_factory(self.capacity)  # (sized by the blocks that hold content)
         self._leaf_only = self.policy.leaf_only
         self._tracks = self.policy.tracks_uses
         # the policy's on_evicted after a pop, unless its pop already forgets the victim
