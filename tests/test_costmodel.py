@@ -360,3 +360,19 @@ def test_kv_capacity_utilization_range_and_room_for_one_token() -> None:
     tight = CostModel(TOY, toy_gpu(mem_bytes=TOY_WEIGHTS + TOY_KV - 1))
     with pytest.raises(ValueError, match="no KV room"):
         tight.kv_capacity_tokens(1.0)
+
+
+def test_tp_must_split_or_replicate_whole_kv_heads() -> None:
+    """vLLM gives each GPU n_kv/tp KV heads (tp dividing n_kv) or one head replicated tp/n_kv times (n_kv
+    dividing tp), and refuses any other tp. n_q=24, n_kv=8 at tp=3 stored 3 x (8 // 3) = 6 heads a token, fewer
+    than the model's 8: a KV capacity 33% above what the weights leave room for."""
+    m = ModelSpec(
+        "m24", n_layers=2, d_model=48, n_q_heads=24, n_kv_heads=8, head_dim=2, ffn_dim=16, vocab_size=10
+    )
+    for tp in (3, 6, 12):  # 12: 12 % 8 and 8 % 12 are both nonzero
+        with pytest.raises(ValueError, match=rf"tp={tp} must divide n_kv_heads=8 or be a multiple of it"):
+            CostModel(m, toy_gpu(), tp)
+    for tp in (1, 2, 4, 8, 24):  # 24: each of the 8 heads replicated 3 times
+        assert CostModel(m, toy_gpu(), tp)._kv_bytes_stored >= CostModel(m, toy_gpu(), 1)._kv_bytes_stored
+    with pytest.raises(ValueError, match="n_kv_heads=4"):  # qwen2.5-7b: 28 query heads, 4 KV heads
+        CostModel(CAT.model("qwen2.5-7b"), H100, tp=7)

@@ -30,7 +30,8 @@ only for the LM head. A cached prefix saves its linear FLOPs (its tokens are not
 over it is still paid (the ``n*p`` term) and its KV is read. Weights are read once per step however many
 tokens it holds, which is what makes large decode batches cheap.
 
-Tensor parallelism splits FLOPs, weights and KV heads evenly over ``tp`` GPUs and adds two ring
+Tensor parallelism splits FLOPs, weights and KV heads evenly over ``tp`` GPUs (``tp`` divides ``n_q`` and
+divides ``n_kv`` or is a multiple of it, each KV head then replicated ``tp/n_kv`` times, as vLLM) and adds two ring
 all-reduces per layer of the step's activations (``tokens*d*bytes``), each costing
 ``allreduce_latency + 2*(tp-1)/tp * message / link_bandwidth``, not overlapped with compute.
 """
@@ -73,6 +74,11 @@ class CostModel:
         tp = model.tp if tp is None else tp
         if tp < 1 or model.n_q_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide n_q_heads={model.n_q_heads}")
+        if model.n_kv_heads % tp and tp % model.n_kv_heads:  # (vLLM refuses such a tp)
+            raise ValueError(
+                f"tp={tp} must divide n_kv_heads={model.n_kv_heads} or be a multiple of it: each GPU holds "
+                "whole KV heads, split evenly or replicated"
+            )
         self.model, self.gpu, self.tp = model, gpu, tp
         m = model
         d, h = m.d_model, m.head_dim
