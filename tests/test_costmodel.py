@@ -376,3 +376,16 @@ def test_tp_must_split_or_replicate_whole_kv_heads() -> None:
         assert CostModel(m, toy_gpu(), tp)._kv_bytes_stored >= CostModel(m, toy_gpu(), 1)._kv_bytes_stored
     with pytest.raises(ValueError, match="n_kv_heads=4"):  # qwen2.5-7b: 28 query heads, 4 KV heads
         CostModel(CAT.model("qwen2.5-7b"), H100, tp=7)
+
+
+@pytest.mark.parametrize("table", ["models", "gpus"])
+def test_user_catalog_refuses_two_entries_that_differ_only_in_case(tmp_path: Path, table: str) -> None:
+    """Names are matched case-insensitively, so [models.Foo] and [models.foo] in one file name one entry: the
+    last silently replaced the first (``--model Foo`` ran the other one's 200 layers)."""
+    models, gpus = USER_TOML.split("[gpus.my-gpu]")
+    body = models.split("[models.my-13b]")[1] if table == "models" else gpus
+    path = tmp_path / "dup.toml"
+    path.write_text(f"[{table}.Foo]\n{body}\n[{table}.foo]\n{body}\n")
+    with pytest.raises(CatalogError, match=r"'Foo' and 'foo' name the same entry") as info:
+        load_catalog(path)
+    assert str(path) in str(info.value)

@@ -18,8 +18,8 @@ their own with a TOML file of the same shape::
     mem_bytes = 68719476736
 
 and ``load_catalog(path)``, which returns the built-ins extended (and, for equal names, overridden) by the
-file's entries. Names are matched case-insensitively. Bad input raises ``CatalogError`` naming the file,
-the entry and the field.
+file's entries. Names are matched case-insensitively (two entries of one file whose names differ only in case
+are refused). Bad input raises ``CatalogError`` naming the file, the entry and the field.
 """
 
 from __future__ import annotations
@@ -225,6 +225,15 @@ def parse_catalog(data: Mapping[str, Any], source: str) -> Catalog:
                 f"{source}: {table!r} must be a table of named entries ([{table}.NAME]), "
                 f"got {type(data[table]).__name__}"
             )
+    for table in ("models", "gpus"):
+        seen: dict[str, str] = {}
+        for name in data.get(table, {}):
+            if name.lower() in seen:  # (a TOML file may hold both; the catalog keeps one)
+                raise CatalogError(
+                    f"{source}: {table} {seen[name.lower()]!r} and {name!r} name the same entry (names are "
+                    "matched case-insensitively)"
+                )
+            seen[name.lower()] = name
     models: dict[str, ModelSpec] = {}
     for name, raw in data.get("models", {}).items():
         values = _check_fields(f"{source}: model {name!r}", raw, _MODEL_FIELDS)
