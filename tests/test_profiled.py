@@ -723,3 +723,35 @@ def test_a_cost_models_profile_table_holds_text_and_numbers(line: str, expected:
     with pytest.raises(ValueError, match=re.escape(expected)):
         loads(bad)
     loads(text)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t.replace("[[point]]", "[[points]]"), "unknown top-level table(s) or key(s) points"),
+        (lambda t: "per_token_s = 1.0\n" + t, "unknown top-level table(s) or key(s) per_token_s"),
+        (lambda t: t.replace("[coefficients]", "[coefficient]\n[coefficients]"), "coefficient"),
+        (
+            lambda t: t.replace("sampled = 1\n", "sampled = 1\nstep_second = 0.2\n", 1),
+            "point 1: has unknown field(s) step_second",
+        ),
+        (lambda t: t.replace('kind = "prefill"', "kind = 5", 1), "point 1: kind must be text, got 5"),
+        (lambda t: t.replace('kind = "prefill"', 'kind = "a\\u001b[31m"', 1), "point 1: kind must be"),
+    ],
+    ids=["points-typo", "top-level-key", "extra-table", "point-field-typo", "kind-a-number", "kind-escape"],
+)
+def test_a_cost_model_file_with_a_misspelt_or_unknown_key_is_refused(
+    edit: Any, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelt table or field was silently ignored: ``[[points]]`` loaded no points (no fit error reported),
+    ``step_second`` no whole-step time, and ``kind = 5`` became the text "5"."""
+    pts = grid_points(TRUE)
+    text = dumps(Profile(fit(pts), tuple(pts), {"model": "m"}))
+    loads(text)
+    path = tmp_path / "c.toml"
+    path.write_text(edit(text))
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_profile(path)
+    assert main(["simulate", "--limit", "5", "--no-progress", "--cost-model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --cost-model" in err and expected in err, err

@@ -22,7 +22,9 @@ Pure Python (no numpy): each iteration solves a 4x4 system. The file is TOML::
 
     [profile]          # what was measured: informational, and the fit error
     [coefficients]     # the four seconds above
-    [[point]]          # the measured steps (tokens, pairs, sampled, seconds[, step_seconds]), to refit or plot
+    [[point]]          # the measured steps (tokens, pairs, sampled, seconds[, step_seconds, kind]), to refit or plot
+
+Any other top-level table or key, point field or coefficient is refused (a misspelling would go unread).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from kvretain.fileio import as_written, not_utf8, output_file
 
 FORMAT = 1
 COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_pair_s", "per_sequence_s")
+SECTIONS = ("profile", "coefficients", "point")
+"""The top-level tables of a cost model file; any other name is refused (a misspelling)."""
+POINT_FIELDS = ("kind", "tokens", "pairs", "sampled", "seconds", "step_seconds")
+"""The fields of a ``[[point]]`` (``kind`` and ``step_seconds`` optional); any other is refused."""
 MAX_COEFFICIENT_S = 3600.0
 """Largest coefficient: an hour (for a step, a token, a pair or a sequence). A real engine's step takes
 milliseconds to seconds, so a coefficient beyond an hour is a wrong file (a unit mistake gives at most 1,000x);
@@ -303,6 +309,12 @@ def loads(text: str, where: str = "cost model") -> Profile:
         data = tomllib.loads(text)
     except ValueError as e:  # (TOMLDecodeError, and an integer past Python's 4,300-digit limit)
         raise ValueError(f"{where}: not TOML: {e}") from None
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:  # (a misspelt [[points]] loaded no points, silently)
+        raise ValueError(
+            f"{where}: unknown top-level table(s) or key(s) {', '.join(unknown)}; a cost model file holds "
+            "[profile], [coefficients] and [[point]]"
+        )
     info = data.get("profile", {})
     if not isinstance(info, dict):
         raise ValueError(f"{where}: [profile] must be a table")
@@ -339,13 +351,21 @@ def loads(text: str, where: str = "cost model") -> Profile:
         try:
             if not isinstance(p, dict):
                 raise ValueError("must be a table")
+            extra = sorted(set(p) - set(POINT_FIELDS))
+            if extra:
+                raise ValueError(
+                    f"has unknown field(s) {', '.join(extra)}; a point holds {', '.join(POINT_FIELDS)}"
+                )
+            kind = p.get("kind", "")
+            if not (isinstance(kind, str) and kind.isprintable()):
+                raise ValueError(f"kind must be text, got {as_written(kind)}")
             points.append(
                 StepPoint(
                     p["tokens"],
                     p["pairs"],
                     p["sampled"],
                     p["seconds"],
-                    str(p.get("kind", "")),
+                    kind,
                     p.get("step_seconds"),
                 )
             )
