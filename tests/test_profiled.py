@@ -755,3 +755,38 @@ def test_a_cost_model_file_with_a_misspelt_or_unknown_key_is_refused(
     assert main(["simulate", "--limit", "5", "--no-progress", "--cost-model", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --cost-model" in err and expected in err, err
+
+
+def test_the_profile_progress_bar_ends_at_its_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The measuring module plans one unit per shape and round plus the warm-up (its ``done`` events); the bar
+    also counted each final ``point`` event, so it ran past its total (10 of 7 for 2 rounds of 3 shapes)."""
+    events, _, _ = _measure_on_a_fake_engine(tmp_path, monkeypatch)
+    capsys.readouterr()
+    data = tmp_path / "lines.txt"
+    events[-1:-1] = [point_event(p) for p in grid_points(TRUE)]  # (enough points to fit)
+    data.write_text("".join(f"KVRETAIN-PROFILE {json.dumps(e)}\n" for e in events))
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    bars: list[Any] = []
+
+    class Bar:
+        def __init__(self, total: int, **_: Any) -> None:
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+        def set_postfix_str(self, _: str) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    assert main([*argv, "--json"]) == 0
+    assert [(b.n, b.total) for b in bars] == [(7, 7)]

@@ -333,7 +333,9 @@ def _measure(args: argparse.Namespace) -> tuple[list[StepPoint], list[str], dict
                     bar.set_postfix_str(ev["label"])
             elif ev["event"] == "info":
                 info.update({k: v for k, v in ev.items() if k != "event"})
-            if bar is not None and ev["event"] in ("point", "done"):
+            if (
+                bar is not None and ev["event"] == "done"
+            ):  # (the plan's units; the points come after them all)
                 bar.update(1)
         rc = proc.wait()
         timed_out = not timer.is_alive()
