@@ -511,6 +511,13 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    for opt, sizes in (
+        ("--prefill", args.prefill),
+        ("--batches", args.batches),
+        ("--contexts", args.contexts),
+    ):
+        if 0 in sizes:  # (a 0 is no step: an empty forward, or a decode at context 0)
+            return fail(PROG, f"argument {opt}: sizes must be >= 1, got {','.join(map(str, sizes))}")
     try:
         cat = load_catalog(args.catalog) if args.catalog else builtin_catalog()
         model, gpu = cat.model(args.model), cat.gpu(args.gpu)

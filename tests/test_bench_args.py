@@ -621,6 +621,11 @@ def test_pool_instructions_takes_no_option_as_a_revision(tmp_path: Path) -> None
         (["--gpu", "no-such-gpu"], "unknown GPU"),
         (["--model", "llama-3-70b"], "tp=4"),
         (["--prefill", "x"], "comma-separated integers"),
+        # a 0 size: --prefill 0 ended in a traceback (torch.cat of no tensors), --contexts 0 timed a decode at
+        # context 0 (priced with -1 cached tokens), --batches 0 an empty step
+        (["--prefill", "0,256"], "argument --prefill: sizes must be >= 1"),
+        (["--batches", "1,0"], "argument --batches: sizes must be >= 1"),
+        (["--contexts", "0"], "argument --contexts: sizes must be >= 1"),
         (["--out", "/no/such/folder/p.toml"], "--out"),
     ],
 )
