@@ -790,3 +790,24 @@ def test_the_profile_progress_bar_ends_at_its_total(
     argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
     assert main([*argv, "--json"]) == 0
     assert [(b.n, b.total) for b in bars] == [(7, 7)]
+
+
+def test_profile_never_writes_a_cost_model_file_that_simulate_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[profile] text must be printable (loads' rule): a model folder with a tab in its name was measured, then
+    written into a file that `simulate --cost-model` refused ("[profile] model must be printable text")."""
+    pts = grid_points(TRUE)
+    with pytest.raises(ValueError, match=r"\[profile\] model must be printable text"):
+        dumps(Profile(fit(pts), tuple(pts), {"model": "/m/a\tb"}))
+    model = tmp_path / "a\tb"
+    model.mkdir()
+    ran = tmp_path / "ran"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "c.toml"
+    assert main(["profile", "--model", str(model), "--python", str(fake), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --model:" in err and "printable" in err, err
+    assert not ran.exists() and not out.exists()  # refused before measuring

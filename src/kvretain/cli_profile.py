@@ -171,6 +171,11 @@ def add_subcommands(sub: Any) -> None:
 def check_profile(args: argparse.Namespace) -> None:
     if not Path(args.model).is_dir():
         raise ValueError(f"argument --model: {args.model!r} is not a directory")
+    if not str(Path(args.model).resolve()).isprintable():  # (the cost model file records it: check_info)
+        raise ValueError(
+            f"argument --model: {str(Path(args.model).resolve())!r} is not printable text, which the cost model "
+            "file records as the model measured (rename the folder)"
+        )
     if not Path(args.python).exists():
         raise ValueError(
             f"argument --python: {args.python!r} does not exist (a Python with vLLM: scripts/vllm_cpu_env.sh)"

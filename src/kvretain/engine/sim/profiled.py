@@ -264,8 +264,21 @@ def _toml_value(v: Any) -> str:
     raise ValueError(f"cannot write {type(v).__name__} {v!r} to TOML")
 
 
+def check_info(info: Mapping[str, Any], where: str = "cost model") -> None:
+    """``ValueError`` naming ``where`` unless every ``[profile]`` value is printable text or a number: what a run
+    prints and reports (the model and device a profile was measured on), nothing that moves the cursor."""
+    for key, value in info.items():
+        if isinstance(value, str):
+            if not value.isprintable():
+                raise ValueError(f"{where}: [profile] {key} must be printable text, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: [profile] {key} must be a string or a number, got {value!r}")
+
+
 def dumps(profile: Profile) -> str:
-    """The TOML text of ``profile`` (``[profile]`` info, ``[coefficients]``, one ``[[point]]`` per step)."""
+    """The TOML text of ``profile`` (``[profile]`` info, ``[coefficients]``, one ``[[point]]`` per step);
+    ``ValueError`` for info that :func:`loads` would refuse (:func:`check_info`)."""
+    check_info(profile.info)
     lines = [
         "# kvretain cost model: measured step times and their fit (`kvretain simulate --cost-model FILE`)",
         "",
@@ -321,15 +334,7 @@ def loads(text: str, where: str = "cost model") -> Profile:
     fmt = info.get("format", FORMAT)
     if type(fmt) is not int or fmt != FORMAT:  # (true == 1 in Python)
         raise ValueError(f"{where}: [profile] format {fmt!r} is not {FORMAT}")
-    for (
-        key,
-        value,
-    ) in info.items():  # (what a run prints and reports: text and numbers, nothing that moves the cursor)
-        if isinstance(value, str):
-            if not value.isprintable():
-                raise ValueError(f"{where}: [profile] {key} must be printable text, got {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: [profile] {key} must be a string or a number, got {value!r}")
+    check_info(info, where)
     coef = data.get("coefficients")
     if not isinstance(coef, dict):
         raise ValueError(f"{where}: no [coefficients] table (write one with `kvretain profile`)")
