@@ -811,3 +811,14 @@ def test_profile_never_writes_a_cost_model_file_that_simulate_refuses(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --model:" in err and "printable" in err, err
     assert not ran.exists() and not out.exists()  # refused before measuring
+
+
+def test_a_cost_model_file_named_in_capitals_is_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--cost-model COST.TOML`` (no folder in it) was taken for a model name: "invalid choice 'COST.TOML'"."""
+    pts = grid_points(TRUE)
+    write_profile(tmp_path / "COST.TOML", Profile(fit(pts), tuple(pts)))
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--limit", "5", "--no-progress", "--cost-model", "COST.TOML", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost_model"] == "COST.TOML"

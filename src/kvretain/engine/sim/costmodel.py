@@ -242,7 +242,7 @@ def profiled_cost_model(
 
 def is_cost_model_file(spec: str) -> bool:
     """Whether a ``--cost-model`` value names a file (a profile) rather than a registered model."""
-    return spec not in COST_MODELS and (spec.endswith(".toml") or "/" in spec or "\\" in spec)
+    return spec not in COST_MODELS and (spec.lower().endswith(".toml") or "/" in spec or "\\" in spec)
 
 
 def make_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int | None = None) -> CostModel:
