@@ -1167,3 +1167,35 @@ def test_compare_names_where_its_pool_size_came_from(
     text = capsys.readouterr().out + "".join(f.read_text() for f in out.glob("*.md"))
     assert "KV blocks per replica (the cost model's, from --model, --gpu and --tp)" in text
     assert "(--kv-blocks)" not in text
+
+
+@pytest.mark.parametrize("how", ["mount-point", "link-to-another-disk"])
+def test_compare_into_an_existing_folder_on_another_filesystem(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--out /data` (a mount point) or `--out reports` (a link to a folder on another disk): the report was staged
+    # beside --out, on its parent's filesystem, and moving its files in failed after every run (EXDEV), the
+    # report lost. Simulated: a rename across `disk`'s boundary fails as one across filesystems does.
+    import errno
+    import os
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = disk
+    if how == "link-to-another-disk":
+        out = tmp_path / "here" / "reports"
+        out.parent.mkdir()
+        out.symlink_to(disk)
+    real = os.replace
+
+    def across_filesystems(src: Any, dst: Any) -> None:
+        inside = [Path(os.path.realpath(p)).is_relative_to(disk) for p in (src, dst)]
+        if inside[0] != inside[1]:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", across_filesystems)
+    assert main([*COMPARE, "--no-progress", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert {"runs.csv", "summary.json", "summary.md"} <= {p.name for p in disk.iterdir()}
+    assert not any(p.name.endswith(".partial") for p in tmp_path.rglob("*"))
+    assert "wrote summary.json" in capsys.readouterr().out

@@ -4,7 +4,7 @@ or report folder behind (and an earlier output of the same name as it was).
 :func:`replaced` writes one file through a temporary name in the same folder, renamed onto the target on
 success; :func:`output_file` opens one that way, or writes a standard stream named as a file
 (``--out /dev/stdout``) through its own descriptor; :class:`StagedFolder` collects a report's files in a
-temporary folder beside the target, moved into place on success. They remove what they wrote otherwise.
+temporary folder (inside the target when it exists), moved into place on success. They remove what they wrote otherwise.
 """
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ def replaced(path: str | Path) -> Iterator[Path]:
 
 
 class StagedFolder:
-    """A folder of outputs built under a temporary name beside ``path`` (:attr:`path`) and moved into place by
-    :meth:`commit`: renamed to ``path`` when there is none yet (its missing parents made then), else its files
-    moved into the existing folder one by one. :meth:`discard` (a no-op after :meth:`commit`) removes it.
+    """A folder of outputs built under a temporary name (:attr:`path`) and moved into place by :meth:`commit`:
+    staged in the nearest folder of ``path`` that exists and renamed to ``path`` when there is none yet (its
+    missing parents made then), else staged inside the existing folder and its files moved there one by one. :meth:`discard` (a no-op after :meth:`commit`) removes it.
 
     Raises ``OSError`` when the folder cannot be made: ``path`` is a file, a parent is a file, ``path`` or a
     parent is a link to nothing, no permission, or one of ``names`` (the files the folder will hold) is a folder
@@ -147,9 +147,10 @@ class StagedFolder:
         if not anchor.is_dir():
             raise NotADirectoryError(f"{str(anchor)!r} is a file")
         self._check_names(names)
-        self.path = _partial_name(
-            anchor if anchor != self.target else anchor.parent, self.target.resolve().name
-        )
+        # in the nearest folder that exists: ``path`` itself when it does, so that the files are moved within one
+        # filesystem also when ``path`` is a mount point or a link to another disk (a stage beside it would be on
+        # its parent's filesystem, and the moves fail there after every run)
+        self.path = _partial_name(anchor, self.target.resolve().name)
         self.path.mkdir()
         self._done = False
 
