@@ -195,6 +195,29 @@ def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["class 0", "class 2"]
 
 
+def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
+    # no frontier; the runs (tables, bars) keep the order given
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [
+        _fake_result("lru", None, 3.0, 1_000_000),
+        _fake_result("unified-b0.8", 0.8, 1.5, 1_300_000),
+        _fake_result("unified-b0.1", 0.1, 2.5, 1_050_000),
+        _fake_result("unified-b0.4", 0.4, 2.0, 1_200_000),
+    ]
+    _plots(tmp_path, results, {}, ["lru"])
+    left, mid, _ = figures[-1].axes
+    (line,) = [ln for ln in left.get_lines() if ln.get_label() == "unified, fixed budget b"]
+    assert list(line.get_xdata()) == [1.05, 1.2, 1.3] and list(line.get_ydata()) == [2.5, 2.0, 1.5]
+    assert [t.get_text() for t in mid.get_xticklabels()] == [r["label"] for r in results]
+
+
 def test_compare_capacity_derives_from_the_protected_working_set(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

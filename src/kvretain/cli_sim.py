@@ -665,7 +665,10 @@ def _plots(
     classes = _classes(results)
     c0 = classes[0] if classes else "0"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    front = [r for r in results if r["label"].startswith("unified-b")]
+    # (in budget order: the line joins neighbouring budgets, whatever order --budgets gave them in)
+    front = sorted(
+        (r for r in results if r["label"].startswith("unified-b")), key=lambda r: float(r["budget"])
+    )
     anchors = [r for r in results if r["label"] in policies]
     written: list[str] = []
 
