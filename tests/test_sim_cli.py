@@ -92,6 +92,24 @@ def test_compare_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
 
 
+def test_compare_labels_budgets_that_print_alike_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 0.1234567 and 0.1234568 are two budgets (two runs), both labelled unified-b0.123457 (six digits): two rows
+    # of one name in every table, and no telling which was which
+    out = tmp_path / "rep"
+    argv = ["compare", "--limit", "5", "--kv-blocks", "400", "--no-progress", "--policies", "lru"]
+    assert main([*argv, "--budgets", "0.1234567,0.1234568,0.5", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    labels = ["lru", "unified-b0.1234567", "unified-b0.1234568", "unified-b0.5"]
+    assert [r["label"] for r in summary] == labels
+    assert [r["budget"] for r in summary[1:]] == [0.1234567, 0.1234568, 0.5]
+    assert [line.split(",")[0] for line in (out / "runs.csv").read_text().splitlines()[1:]] == labels
+    md = (out / "summary.md").read_text()
+    assert all(f"| {label} |" in md for label in labels)
+    capsys.readouterr()
+
+
 def test_bad_input_gives_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--model", "gpt-9", *SMALL]) == 2
     assert "unknown model 'gpt-9'" in capsys.readouterr().err

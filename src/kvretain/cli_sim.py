@@ -448,6 +448,13 @@ def protected_peak_blocks(reqs: Sequence[WorkloadRequest], cfg: SimConfig) -> in
     return max(peak, max(-(-(len(r.prompt) + r.output_len) // bs) for r in reqs))
 
 
+def budget_text(b: float) -> str:
+    """A fixed budget as its run's label and the frontier plot name it: ``:g`` (``0.2``, ``1``), or every digit
+    where six would not tell two budgets apart (``0.1234567`` and ``0.1234568``, both ``0.123457``)."""
+    text = f"{b:g}"
+    return text if float(text) == b else repr(b)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     reqs, source = load_workload(args)
     policies, budgets = args.policies, args.budgets
@@ -484,7 +491,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:  # (the weight with the other settings: PolicyConfig's bound on the values)
             raise ValueError(f"argument --frontier-priority-weight: {exc}") from None
-        runs.append((f"unified-b{b:g}", replace(base, policy_config=pc)))
+        runs.append((f"unified-b{budget_text(b)}", replace(base, policy_config=pc)))
     stage = _report_folder(args.out)  # before any output: a bad --out is one line
     try:
         return _compare_runs(args, stage, reqs, runs, (source, capacity))
@@ -709,7 +716,7 @@ def _plots(
         spots: dict[tuple[float, float], list[str]] = {}
         for r, x, y in zip(front, xs, ys, strict=True):
             if y is not None:
-                spots.setdefault((x, y), []).append(f"{r['budget']:g}")
+                spots.setdefault((x, y), []).append(budget_text(r["budget"]))
         pts = list(spots) + [(paid(r), _stat(r, c0, "ttft_mean_s") or 0.0) for r in anchors]
         span_x = (max(p[0] for p in pts) - min(p[0] for p in pts)) or 1.0
         span_y = (max(p[1] for p in pts) - min(p[1] for p in pts)) or 1.0
