@@ -136,6 +136,24 @@ def test_compare_without_matplotlib_claims_no_plots(
     assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "summary.json", "summary.md"]
 
 
+def test_compare_without_matplotlib_leaves_no_older_plots_in_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a report written again into the same folder without matplotlib kept the earlier run's frontier.png and
+    # ttft_by_class.png beside the new summary.json: plots of other runs, read as this report's
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r"
+    argv = ["compare", *SMALL, "--policies", "lru", "--out", str(out), "--no-progress"]
+    assert main([*argv, "--budgets", "0.5"]) == 0
+    (out / "notes.txt").write_text("mine\n")
+    assert {"frontier.png", "ttft_by_class.png"} <= {p.name for p in out.iterdir()}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main([*argv, "--budgets", "0.2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "runs.csv", "summary.json", "summary.md"]
+    assert "unified-b0.2" in (out / "summary.md").read_text()
+    capsys.readouterr()
+
+
 # ---------------------------------------------------------------- 19: compare's report
 def _fake_result(label: str, budget: float | None, c0_mean: float, paid: int) -> dict[str, Any]:
     return {

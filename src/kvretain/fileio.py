@@ -124,7 +124,9 @@ def replaced(path: str | Path) -> Iterator[Path]:
 class StagedFolder:
     """A folder of outputs built under a temporary name (:attr:`path`) and moved into place by :meth:`commit`:
     staged in the nearest folder of ``path`` that exists and renamed to ``path`` when there is none yet (its
-    missing parents made then), else staged inside the existing folder and its files moved there one by one. :meth:`discard` (a no-op after :meth:`commit`) removes it.
+    missing parents made then), else staged inside the existing folder and its files moved there one by one,
+    and any of ``names`` it does not hold removed there (an earlier output's, which would pass for this one's).
+    :meth:`discard` (a no-op after :meth:`commit`) removes it.
 
     Raises ``OSError`` when the folder cannot be made: ``path`` is a file, a parent is a file, ``path`` or a
     parent is a link to nothing, no permission, or one of ``names`` (the files the folder will hold) is a folder
@@ -146,7 +148,8 @@ class StagedFolder:
             anchor = anchor.parent
         if not anchor.is_dir():
             raise NotADirectoryError(f"{str(anchor)!r} is a file")
-        self._check_names(names)
+        self.names = tuple(names)
+        self._check_names(self.names)
         # in the nearest folder that exists: ``path`` itself when it does, so that the files are moved within one
         # filesystem also when ``path`` is a mount point or a link to another disk (a stage beside it would be on
         # its parent's filesystem, and the moves fail there after every run)
@@ -173,6 +176,8 @@ class StagedFolder:
             for f in files:
                 os.replace(f, self.target / f.name)
             self.path.rmdir()
+            for name in set(self.names) - {f.name for f in files}:  # an earlier output's, not this one's
+                (self.target / name).unlink(missing_ok=True)
         self._done = True
 
     def discard(self) -> None:
