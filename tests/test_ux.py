@@ -213,6 +213,24 @@ def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["class 0", "class 2"]
 
 
+def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one request in a class (`compare --limit 5`): its CDF was a step line of one point, which draws nothing, so
+    # the panel showed a legend over an empty plot
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
+    _plots(tmp_path, results, {"lru": {"0": [0.5], "2": [0.1, 0.3]}}, ["lru"])
+    (one,) = [ln for ln in figures[0].axes[0].get_lines() if ln.get_label() == "lru"]
+    assert list(one.get_xdata()) == [0.5] and one.get_marker() not in ("None", "", None)
+    (two,) = [ln for ln in figures[0].axes[1].get_lines() if ln.get_label() == "lru"]
+    assert list(two.get_xdata()) == [0.1, 0.3] and two.get_drawstyle() == "steps-post"
+
+
 def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
     # no frontier; the runs (tables, bars) keep the order given

@@ -686,7 +686,9 @@ def _plots(
             v = sorted(ttfts.get(label, {}).get(c, []))
             if v:  # the empirical CDF: a step at each request, flat between (no TTFT between two samples)
                 shares = [(k + 1) / len(v) for k in range(len(v))]
-                ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)])
+                # (a step line of one point draws nothing: a lone TTFT gets a marker)
+                one = {"marker": "o"} if len(v) == 1 else {}
+                ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)], **one)
         ax.set_xscale("log")
         ax.set_title(f"class {c}: TTFT CDF")
         ax.set_xlabel("TTFT (s, log scale; further left is better)")
