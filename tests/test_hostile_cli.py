@@ -1199,3 +1199,27 @@ def test_compare_into_an_existing_folder_on_another_filesystem(
     assert {"runs.csv", "summary.json", "summary.md"} <= {p.name for p in disk.iterdir()}
     assert not any(p.name.endswith(".partial") for p in tmp_path.rglob("*"))
     assert "wrote summary.json" in capsys.readouterr().out
+
+
+def test_compare_checks_its_protected_pool_size_for_every_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # compare replaces the cost model's pool by the protected peak working set and checks that it fits in memory:
+    # the check counted one pool where --replicas 3 allocate three (the cost model's size, checked before, counted
+    # them all)
+    import kvretain.cli_sim as cli_sim
+
+    calls: list[tuple[int, int]] = []
+    real = cli_sim.check_pool_fits
+
+    def record(num_blocks: int, *a: Any, **k: Any) -> None:
+        calls.append((num_blocks, k.get("pools", 1)))
+        real(num_blocks, *a, **k)
+
+    monkeypatch.setattr(cli_sim, "check_pool_fits", record)
+    monkeypatch.setattr(cli_sim, "_run", _interrupt)  # the runs themselves are not what is tested
+    argv = ["compare", "--limit", "200", "--replicas", "3", "--policies", "lru", "--budgets", "0.5"]
+    assert main([*argv, "--no-progress", "--out", str(tmp_path / "rep")]) == 130
+    capsys.readouterr()
+    (checked,) = [(n, pools) for n, pools in calls if n != 29_206]  # (not the cost model's size)
+    assert checked[1] == 3, calls

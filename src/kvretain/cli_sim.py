@@ -472,7 +472,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"({blocks:,} blocks), not from the cost model; pass --kv-blocks to choose it"
             )
         if blocks > 0:
-            check_pool_fits(blocks, [*policies, "unified"], base.policy_config, what="compare's KV capacity")
+            check_pool_fits(
+                blocks,
+                [*policies, "unified"],
+                base.policy_config,
+                "compare's KV capacity",
+                pools=base.replicas,
+            )
             base = replace(base, kv_blocks=blocks)
             capacity = (
                 f"{blocks:,} KV blocks per replica: the peak working set of the requests at protected "
