@@ -1223,3 +1223,21 @@ def test_compare_checks_its_protected_pool_size_for_every_replica(
     capsys.readouterr()
     (checked,) = [(n, pools) for n, pools in calls if n != 29_206]  # (not the cost model's size)
     assert checked[1] == 3, calls
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_compare_out_at_a_loop_of_links_says_so(
+    under: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--out rep` where rep -> loop -> rep: the error said rep 'is a link to ..., which is not there', and it is
+    import kvretain.cli_sim as cli_sim
+
+    monkeypatch.setattr(cli_sim, "_run", _interrupt)  # must not be reached
+    rep, loop = tmp_path / "rep", tmp_path / "loop"
+    rep.symlink_to(loop)
+    loop.symlink_to(rep)
+    out = rep / "x" if under else rep
+    assert main([*COMPARE, "--no-progress", "--out", str(out)]) == 2
+    msg = one_line(capsys, "kvretain compare: error: ")
+    assert f"--out {out}: cannot create the report folder ({str(rep)!r} is a loop of links)" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "rep"]

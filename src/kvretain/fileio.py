@@ -9,6 +9,7 @@ temporary folder (inside the target when it exists), moved into place on success
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import secrets
@@ -90,6 +91,15 @@ def output_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
         yield fh
 
 
+def _is_link_loop(path: Path) -> bool:
+    """Whether following the links of ``path`` comes back round (ELOOP) rather than to nothing."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
 def _partial_name(folder: Path, name: str) -> Path:
     return folder / f".{name or 'out'}.{secrets.token_hex(4)}.partial"
 
@@ -129,9 +139,9 @@ class StagedFolder:
     :meth:`discard` (a no-op after :meth:`commit`) removes it.
 
     Raises ``OSError`` when the folder cannot be made: ``path`` is a file, a parent is a file, ``path`` or a
-    parent is a link to nothing, no permission, or one of ``names`` (the files the folder will hold) is a folder
-    in ``path`` already. :meth:`commit` checks every file against ``path`` before it moves any, so an existing
-    folder is updated whole or not at all."""
+    parent is a link to nothing (or a loop of links), no permission, or one of ``names`` (the files the folder
+    will hold) is a folder in ``path`` already. :meth:`commit` checks every file against ``path`` before it
+    moves any, so an existing folder is updated whole or not at all."""
 
     def __init__(self, path: str | Path, names: Sequence[str] = ()) -> None:
         self.target = Path(path)
@@ -142,6 +152,8 @@ class StagedFolder:
         anchor = self.target
         while not anchor.exists() and anchor != anchor.parent:  # the nearest folder that exists
             if anchor.is_symlink():
+                if _is_link_loop(anchor):  # (its link is there: "which is not there" would be untrue)
+                    raise NotADirectoryError(f"{str(anchor)!r} is a loop of links")
                 raise NotADirectoryError(
                     f"{str(anchor)!r} is a link to {os.readlink(anchor)!r}, which is not there"
                 )
