@@ -462,3 +462,28 @@ def test_a_gzip_azure_trace_is_named_as_compressed(tmp_path: Path) -> None:
     )
     with pytest.raises(WorkloadError, match=r"az\.csv\.gz: gzip-compressed, not text \(decompress it first"):
         load_azure(csv, random.Random(0))
+
+
+@pytest.mark.parametrize("column", [1, 2])
+def test_an_azure_length_of_thousands_of_digits_names_its_line_and_column(
+    tmp_path: Path, column: int
+) -> None:
+    # int() refuses a string of more than 4,300 digits with Python's own ValueError ("Exceeds the limit (4300
+    # digits) for integer string conversion ... use sys.set_int_max_str_digits()"): it reached the user without
+    # the file, the line or the column
+    import random
+
+    from kvretain.workloads import WorkloadError, load_azure
+
+    cells = ["374", "44"]
+    cells[column - 1] = "9" * 5000
+    csv = tmp_path / "a.csv"
+    csv.write_text(
+        f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,{','.join(cells)}\n",
+        encoding="utf-8",
+    )
+    name = ["ContextTokens", "GeneratedTokens"][column - 1]
+    with pytest.raises(
+        WorkloadError, match=rf"a\.csv:2: column '{name}': must be an integer in .* 5000 digits"
+    ):
+        load_azure(csv, random.Random(0))

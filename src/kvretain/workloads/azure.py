@@ -113,6 +113,12 @@ _DECIMAL = re.compile(r"-?[0-9]+")
 def _int(text: str, where: str, column: str, minimum: int) -> int:
     if _DECIMAL.fullmatch(text.strip(" \t")) is None:  # (int() also reads "1_000", "+5", full-width digits)
         raise WorkloadError(f"{where}: column {column!r}: expected an integer, got {_short(text)}")
+    digits = text.strip(" \t").lstrip("-").lstrip("0")
+    if len(digits) > 100:  # (int() refuses over 4,300 digits with its own error, naming no line)
+        raise WorkloadError(
+            f"{where}: column {column!r}: must be an integer in [{minimum}, {MAX_TOKENS}] (MAX_TOKENS), "
+            f"got a number of {len(digits)} digits"
+        )
     value = int(text)
     if not minimum <= value <= MAX_TOKENS:  # the trace format's bound on a length, as Mooncake's
         raise WorkloadError(
