@@ -520,3 +520,21 @@ def test_a_trace_written_at_another_block_size_shares_what_its_tokens_share(tmp_
         got[tokens] = [json.loads(x)["hash_ids"] for x in out.read_text().splitlines()]
     assert got[256] == [[0, 1], [0], [0, 1, 2, 3]]
     assert got[512] == [[0], [0], [0, 1]]
+
+
+def test_exporting_a_mooncake_trace_refuses_a_seed_nothing_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a Mooncake trace draws nothing: --seed seeds only a drawing priority rule (as `replay` and `simulate` refuse
+    # it); the export took --seed 3 with --priority-rule keep, wrote the trace and said "(seed 3)"
+    trace, out = tmp_path / "t.jsonl", tmp_path / "x.jsonl"
+    trace.write_text(
+        json.dumps({"timestamp": 1, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]})
+    )
+    argv = ["workload", "export", "mooncake", "--trace", str(trace), "--seed", "3", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --seed" in err[0] and "random-sessions" in err[0], err
+    assert not out.exists()
+    assert main([*argv, "--priority-rule", "random"]) == 0  # a rule that draws reads it
+    assert main(["workload", "export", "mooncake", "--trace", str(trace), "--out", str(out)]) == 0

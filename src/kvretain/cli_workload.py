@@ -28,7 +28,7 @@ from kvretain.fileio import standard_stream, written_in_place
 from kvretain.workloads import WORKLOADS, WorkloadError, WorkloadRequest, tag_priorities
 from kvretain.workloads.export import write_mooncake
 from kvretain.workloads.mooncake import BLOCK_TOKENS_HINT, MOONCAKE_BLOCK_TOKENS, TraceError
-from kvretain.workloads.priority import make_rule, rule_choices
+from kvretain.workloads.priority import check_seed_read, make_rule, rule_choices
 
 
 def parse_options(items: list[str], what: str) -> dict[str, Any]:
@@ -59,6 +59,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.out == "-":  # standard output, as the tools a trace is piped into spell it
         args.out = "/dev/stdout"
     check_output_file(args.out, "--out")
+    if args.name == "mooncake":  # (a Mooncake trace draws nothing: the seed is the priority rule's alone)
+        check_seed_read(args.seed, args.priority_rule)
     options = parse_options(args.option, "--option")
     own = next((k for k in options if k in OWN_OPTIONS), None)
     if own is not None:
@@ -139,7 +141,12 @@ def add_subcommands(sub: Any) -> None:
     )
     e.add_argument("name", choices=WORKLOADS.names(), help="workload")
     e.add_argument("--out", required=True, help="output JSONL file ('-': standard output)")
-    e.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
+    e.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the workload (a Mooncake trace draws none: there, the priority rule's; default 0)",
+    )
     e.add_argument(
         "--trace",
         type=trace_arg("a trace file, or leave the option out"),
