@@ -212,6 +212,17 @@ def test_replay_table_says_na_for_a_class_without_requests_or_hits(tmp_path: Pat
     )
 
 
+def test_replay_table_checks_lru_against_an_anchor_only_where_one_was_measured(tmp_path: Path) -> None:
+    """The anchors are vLLM's LRU on the Mooncake conversation trace at 875 / 5,000 / 20,000 blocks: the check
+    read ``lru_matches_anchor: true`` at a capacity with no anchor (lru compared with itself) and compared
+    another trace with the conversation trace's figures (``false`` at 875 blocks); null there, no check ran."""
+    trace = _lines(tmp_path / "t.jsonl", [[0, 4 * (i % 3), 9 + i] for i in range(12)])
+    res = _run("replay_table.py", "--trace", str(trace), "--capacities", "4", "875", "--no-frontier")
+    assert res.returncode == 0, res.stderr
+    checks = json.loads(res.stdout.strip().splitlines()[-1])["checks"]
+    assert checks["4"]["lru_matches_anchor"] is None and checks["875"]["lru_matches_anchor"] is None
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
