@@ -487,3 +487,21 @@ def test_an_azure_length_of_thousands_of_digits_names_its_line_and_column(
         WorkloadError, match=rf"a\.csv:2: column '{name}': must be an integer in .* 5000 digits"
     ):
         load_azure(csv, random.Random(0))
+
+
+def test_a_path_the_system_cannot_look_up_is_a_trace_error(tmp_path: Path) -> None:
+    # read_trace raises TraceError (its contract, what bench/replay_table.py catches); looking a name of more than
+    # 255 bytes up raised the OSError "File name too long" from Path.is_dir(): a traceback out of replay_table.py
+    from kvretain.workloads import TraceError, read_trace
+
+    with pytest.raises(TraceError, match=r"cannot read the trace: File name too long"):
+        read_trace(tmp_path / ("a" * 300))
+    res = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "bench" / "replay_table.py"), "--trace", "a" * 300],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "File name too long" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -150,11 +150,15 @@ def read_trace(
         )
     check_scale_and_limit(1.0, limit)
     p = Path(path)
-    if p.is_dir():
+    try:
+        is_dir, exists, readable = p.is_dir(), p.exists(), p.is_file() or p.is_fifo()
+    except OSError as e:  # (a name the system cannot look up: too long, ...; a missing one is exists() False)
+        raise TraceError(f"{p}: cannot read the trace: {e.strerror or e}") from None
+    if is_dir:
         raise TraceError(f"{p} is a directory, not a trace file (pass a Mooncake-format JSONL file)")
-    if not p.exists():
+    if not exists:
         raise TraceError(f"trace file not found: {p} (pass the path of a Mooncake-format JSONL file)")
-    if not (p.is_file() or p.is_fifo()):  # (not a device: /dev/zero never ends, a terminal waits for input)
+    if not readable:  # (not a device: /dev/zero never ends, a terminal waits for input)
         raise TraceError(f"{p} is not a regular file or a pipe (pass a Mooncake-format JSONL file)")
     out: list[TraceRecord] = []
     try:
