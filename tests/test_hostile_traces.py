@@ -505,3 +505,14 @@ def test_a_path_the_system_cannot_look_up_is_a_trace_error(tmp_path: Path) -> No
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "File name too long" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_an_azure_path_the_system_cannot_look_up_is_a_workload_error(tmp_path: Path) -> None:
+    # load_azure raises WorkloadError for a file it cannot read (its docstring); a name of more than 255 bytes
+    # raised the OSError "File name too long" from Path.is_dir()
+    import random
+
+    from kvretain.workloads import WorkloadError, load_azure
+
+    with pytest.raises(WorkloadError, match=r"cannot read the trace: File name too long"):
+        load_azure(tmp_path / ("a" * 300), random.Random(0))

@@ -32,11 +32,15 @@ def load_azure(
     """
     check_scale_and_limit(time_scale, limit)
     p = Path(path)
-    if p.is_dir():
+    try:
+        is_dir, exists, readable = p.is_dir(), p.exists(), p.is_file() or p.is_fifo()
+    except OSError as e:  # (a name the system cannot look up: too long, ...; a missing one is exists() False)
+        raise WorkloadError(f"Azure trace {p}: cannot read the trace: {e.strerror or e}") from None
+    if is_dir:
         raise WorkloadError(f"Azure trace {p} is a folder (pass the CSV file)")
-    if not p.exists():
+    if not exists:
         raise WorkloadError(f"Azure trace not found: {p}")
-    if not (p.is_file() or p.is_fifo()):  # (a pipe is read once, as a file: ``-`` / /dev/stdin, <(...))
+    if not readable:  # (a pipe is read once, as a file: ``-`` / /dev/stdin, <(...))
         raise WorkloadError(f"Azure trace {p} is not a regular file or a pipe (pass the CSV file)")
     rows: list[tuple[datetime, int, int]] = []
     zoned: tuple[bool, int] | None = None  # whether the first row's time has a zone, and its line
