@@ -69,8 +69,8 @@ def rule_draws(name: str) -> bool:
 
 def check_seed_read(seed: int, rule: str) -> None:
     """A ``ValueError`` naming ``--seed`` when a trace run would not read a seed other than the default 0: a
-    trace draws nothing but its priority rule's draws (``replay``, ``simulate``: as every option a run does not
-    read is refused)."""
+    Mooncake trace draws nothing but its priority rule's draws (``replay``, ``simulate``, ``workload export``: as
+    every option a run does not read is refused)."""
     if seed != 0 and not rule_draws(rule):
         raise ValueError(
             f"argument --seed: with a trace it seeds the priority rule's draws, and --priority-rule {rule} draws "
