@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import re
@@ -54,6 +55,21 @@ def test_block_ids_follow_token_identity_and_partial_blocks() -> None:
         for seed, off, n in pieces:
             got += TokenSeq.seeded(seed, off + n).materialize()[off:]  # type: ignore[arg-type]
         assert got == toks[i * 512 : (i + 1) * 512]
+
+
+def test_export_to_a_gz_name_is_gzip_the_readers_read(tmp_path: Path) -> None:
+    """A trace exported as ``x.jsonl.gz`` is compressed (it was plain text under a ``.gz`` name) and reads back
+    as the plain export does."""
+    reqs = generate_multi_tenant(SMALL_MT, random.Random(0))
+    plain, packed = tmp_path / "mt.jsonl", tmp_path / "mt.jsonl.GZ"
+    assert write_mooncake(reqs, plain) == write_mooncake(reqs, packed) == len(reqs)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert (
+        b"partial" not in packed.read_bytes()[:64]
+    )  # (gzip names the file it holds: the target's, not a temporary's)
+    assert load_trace(packed) == load_trace(plain)
+    assert not list(tmp_path.glob(".*partial"))
 
 
 def test_ids_shared_exactly_when_tokens_shared() -> None:

@@ -140,7 +140,11 @@ def add_subcommands(sub: Any) -> None:
         "block, the last one partial), priority, session_id and retention directives.",
     )
     e.add_argument("name", choices=WORKLOADS.names(), help="workload")
-    e.add_argument("--out", required=True, help="output JSONL file ('-': standard output)")
+    e.add_argument(
+        "--out",
+        required=True,
+        help="output JSONL file (a name ending in .gz: gzip-compressed; '-': standard output)",
+    )
     e.add_argument(
         "--seed",
         type=int,

@@ -30,12 +30,15 @@ it), so a re-exported trace replays as the trace.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from kvretain.fileio import output_file
+from kvretain.fileio import output_file, standard_stream
 from kvretain.workloads.mooncake import MAX_TIMESTAMP_MS, refusal
 from kvretain.workloads.request import WorkloadError, WorkloadRequest
 from kvretain.workloads.tokens import SeededChunk, TokenSeq
@@ -160,9 +163,23 @@ def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any
 def write_mooncake(requests: Iterable[WorkloadRequest], path: str | Path, block_size: int = 512) -> int:
     """Write ``requests`` to ``path`` as Mooncake JSONL; returns the number of lines written. The file appears
     whole or not at all (:func:`~kvretain.fileio.output_file`): an error or a Ctrl-C half-way leaves no partial
-    trace (and an earlier file of that name as it was); standard output is written in place."""
+    trace (and an earlier file of that name as it was); standard output is written in place. A name ending in
+    ``.gz`` is written gzip-compressed, as the trace readers read it (a standard stream named so is not: its
+    reader chose the name of the shell's file, not the format)."""
     n = 0
-    with output_file(path) as fh:
+    gz = str(path).lower().endswith(".gz") and standard_stream(path) is None
+    with (
+        output_file(path, binary=gz) as out,
+        (
+            io.TextIOWrapper(
+                gzip.GzipFile(Path(path).name[:-3], "wb", fileobj=out, mtime=0),
+                encoding="utf-8",
+                newline="\n",
+            )
+            if gz
+            else nullcontext(out)
+        ) as fh,
+    ):
         for rec in mooncake_records(requests, block_size):
             fh.write(json.dumps(rec, separators=(", ", ": "), allow_nan=False) + "\n")
             n += 1
