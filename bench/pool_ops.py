@@ -412,9 +412,14 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     trace = DEFAULT_TRACE if args.trace is None else Path(args.trace)
-    if args.trace is not None and not trace.is_file():
-        why = "is a folder" if trace.is_dir() else "not found"
-        return fail(PROG, f"argument --trace: {args.trace} {why} (pass a Mooncake-format JSONL file)")
+    if args.trace is not None:
+        try:
+            found = trace.is_file()
+        except OSError as exc:  # (a name the system cannot look up: too long)
+            return fail(PROG, f"argument --trace: {args.trace}: cannot read the trace: {exc.strerror}")
+        if not found:
+            why = "is a folder" if trace.is_dir() else "not found"
+            return fail(PROG, f"argument --trace: {args.trace} {why} (pass a Mooncake-format JSONL file)")
     pools = args.pools or [*POLICIES, "vllm"]
     try:  # before anything runs: a pool past the memory, a trace that the replay command would refuse at the end
         check_pool_fits(

@@ -250,8 +250,13 @@ def test_replay_table_refuses_bad_arguments(tmp_path: Path, argv: list[str], say
         (["--ops", "0"], "argument --ops: must be an integer >= 1"),
         (["--trace", "{missing}"], "argument --trace: {missing} not found"),
         (["--command-repeats", "0"], "argument --command-repeats: must be an integer >= 1"),
+        # (a name the system cannot look up: Path.is_file raised OSError, a traceback)
+        (
+            ["--trace", "x" * 300 + ".jsonl"],
+            "argument --trace: " + "x" * 300 + ".jsonl: cannot read the trace",
+        ),
     ],
-    ids=["repeats-0", "sizes-0", "ops-0", "missing-trace", "command-repeats-0"],
+    ids=["repeats-0", "sizes-0", "ops-0", "missing-trace", "command-repeats-0", "name-too-long"],
 )
 def test_pool_ops_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
     """Refused as the command line is read (the small sizes keep the unfixed script's run short)."""
