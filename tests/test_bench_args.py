@@ -290,21 +290,28 @@ def test_pool_ops_refuses_what_failed_after_the_timed_runs(
         assert "of memory" in res.stderr and "use fewer blocks" in res.stderr
 
 
-def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_lookup() -> None:
-    """``--phases``: each timed method's wall time goes to its phase, whatever else the run does to ``lookup``."""
+def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--phases``: each timed method's wall time goes to its phase, whatever else the run does to ``lookup``.
+
+    The clock is the test's own (it moves only by what the methods and the run spend), so the split is asked
+    exactly: busy waits on the real clock read a phase long whenever the host descheduled the process across
+    one of their ends, and failed on a loaded host even as the best of five runs."""
     import time
 
     sys.path.insert(0, str(BENCH))
     import pool_ops
 
-    def busy(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    now = [0]
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: now[0])
+
+    def spend(ns: int) -> None:
+        now[0] += ns
 
     class Pool:
         def touch(self, ids: list[int]) -> None:
-            busy(0.002)
+            spend(2_000_000)
 
         def free_blocks(self, ids: list[int]) -> None:
             pass
@@ -313,34 +320,20 @@ def test_pool_ops_phases_put_a_slow_method_s_time_in_its_phase_and_the_rest_in_l
         """3 requests of 10 block operations: a touch, a free, and 1 ms of the bench's own work each."""
         for _ in range(3):
             pool.touch([])
-            busy(0.001)
+            spend(1_000_000)
             pool.free_blocks([])
         return 30
 
-    def split() -> dict[str, float]:
-        spent: dict[str, int] = {}
-        pool = Pool()
-        run = pool_ops._split_phases(
-            pool, {"touch": "touch", "free": "free_blocks"}, spent, lambda: ops(pool)
-        )
-        assert run() == 30 and type(pool).touch is Pool.touch  # (the class is untouched)
-        per_op = pool_ops.phases_per_op({**spent, "allocate": 0, "register": 0}, 30)
-        assert list(per_op) == list(pool_ops.PHASES)
-        return per_op
-
-    def as_timed(per_op: dict[str, float]) -> bool:
-        # touch: 200,000 ns per op, and little more; lookup: the 1 ms of its own, not the touch's 2
-        touch_ok = 0.002e9 * 3 / 30 <= per_op["touch"] < 0.0028e9 * 3 / 30
-        lookup_ok = 0.001e9 * 3 / 30 <= per_op["lookup"] < per_op["touch"]
-        return touch_ok and lookup_ok and per_op["free"] < per_op["touch"] / 10
-
-    # The busy waits end on the wall clock: a run the host descheduled across one of their ends reads a phase
-    # long (3 ms for a 2 ms touch on a loaded host), so the bounds are asked of the best of a few runs; a wrong
-    # split (a phase's time in another) misses them on every run.
-    runs = [split()]
-    while not as_timed(runs[-1]) and len(runs) < 5:
-        runs.append(split())
-    assert as_timed(runs[-1]), runs
+    spent: dict[str, int] = {}
+    pool = Pool()
+    run = pool_ops._split_phases(pool, {"touch": "touch", "free": "free_blocks"}, spent, lambda: ops(pool))
+    assert run() == 30 and type(pool).touch is Pool.touch  # (the class is untouched)
+    per_op = pool_ops.phases_per_op({**spent, "allocate": 0, "register": 0}, 30)
+    assert list(per_op) == list(pool_ops.PHASES)
+    # touch: its 2 ms a call over 10 operations a request; lookup: the run's own 1 ms, not the touch's 2
+    assert per_op["touch"] == 3 * 2_000_000 / 30
+    assert per_op["lookup"] == 3 * 1_000_000 / 30
+    assert per_op["free"] == 0
 
 
 def test_pool_ops_phases_split_every_pool_s_run(tmp_path: Path) -> None:
