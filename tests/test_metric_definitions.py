@@ -1,0 +1,33 @@
+"""The latency statistics' definitions, one rule wherever kvretain reports them (the simulator's
+:mod:`kvretain.engine.sim.metrics`, the serve bench's client-side figures, the plugin's histograms), checked
+against vLLM 0.33's (``vllm/benchmarks/serve.py``'s ``calculate_metrics``, ``vllm/v1/metrics``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from kvretain.engine.sim.metrics import percentile
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _vllm_serve():  # type: ignore[no-untyped-def]
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("vllm_serve")
+
+
+def test_serve_bench_percentiles_are_the_simulators() -> None:
+    """The serve bench's p99 read the sorted values at ``int(0.99 n)`` (the largest of 15 TTFTs), where the
+    simulator's (and vLLM's benchmark's, numpy's) interpolates between order statistics: the same quantity, two
+    rules."""
+    vs = _vllm_serve()
+    # 15 class-0 requests, as the bench's default 3 sessions x 5 turns
+    ttfts = [0.1 * i for i in range(1, 16)]
+    results = [vs.Result(0, 100, 0, 16, t, t + 1.0) for t in ttfts]
+    got = vs.summarize(results, 10.0)["class0"]
+    assert got["ttft_p99"] == percentile(sorted(ttfts), 99)
+    assert got["ttft_p50"] == percentile(sorted(ttfts), 50)
+    assert got["e2e_p99"] == percentile(sorted(t + 1.0 for t in ttfts), 99)
