@@ -244,10 +244,11 @@ async def drive(
     return results, makespan
 
 
-def pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float | None:
     """The ``q``-th percentile (0-100) of ``xs``: the simulator's rule (:func:`~kvretain.engine.sim.metrics.
-    percentile`, linear interpolation between order statistics, as numpy's default and vLLM's benchmark)."""
-    return percentile(sorted(xs), q)
+    percentile`, linear interpolation between order statistics, as numpy's default and vLLM's benchmark);
+    ``None`` (JSON ``null``, as the simulator's) for no values: ``NaN`` is no JSON."""
+    return percentile(sorted(xs), q) if xs else None
 
 
 def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
@@ -317,8 +318,12 @@ def run_servers(plan: Plan, args: argparse.Namespace) -> dict[str, dict[str, Any
     return {name: summarize(*run) for name, run in zip(servers, runs, strict=True)}
 
 
-def ratio(a: float, b: float) -> float | None:
-    return None if not b else a / b
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _cell(v: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"
 
 
 def build_parser() -> Parser:
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 k = f[f"class{c}"]
                 print(
                     f"{name:8}{c:>6}{k['requests']:>6}{k['prompt_tokens']:>8}{k['cached_tokens']:>8}"
-                    f"{k['ttft_p50']:>10.3f}{k['ttft_p99']:>8.3f}{k['e2e_p50']:>9.3f}{k['e2e_p99']:>8.3f}"
+                    f"{_cell(k['ttft_p50'], 10)}{_cell(k['ttft_p99'], 8)}{_cell(k['e2e_p50'], 9)}{_cell(k['e2e_p99'], 8)}"
                 )
             print(
                 f"{name:8} output {f['output_tokens']} tokens in {f['makespan_s']:.1f} s: {f['throughput_tok_s']:.1f} tok/s"

@@ -5,6 +5,7 @@ against vLLM 0.33's (``vllm/benchmarks/serve.py``'s ``calculate_metrics``, ``vll
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -31,3 +32,14 @@ def test_serve_bench_percentiles_are_the_simulators() -> None:
     assert got["ttft_p99"] == percentile(sorted(ttfts), 99)
     assert got["ttft_p50"] == percentile(sorted(ttfts), 50)
     assert got["e2e_p99"] == percentile(sorted(t + 1.0 for t in ttfts), 99)
+
+
+def test_serve_bench_json_has_no_nan_for_a_class_without_requests() -> None:
+    """A class that finished no request has no percentile: ``null``, not ``NaN`` (no JSON parser reads it)."""
+    vs = _vllm_serve()
+    figures = vs.summarize([vs.Result(0, 100, 0, 16, 0.5, 1.5)], 10.0)
+    text = json.dumps(figures, allow_nan=False)
+    assert json.loads(text)["class1"]["ttft_p50"] is None
+    assert vs.ratio(figures["class1"]["ttft_p50"], figures["class1"]["ttft_p50"]) is None
+    # the table's cell (a format of None raised)
+    assert vs._cell(figures["class1"]["ttft_p99"], 8) == "       -"
