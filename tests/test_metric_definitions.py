@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvretain.engine.sim.metrics import percentile
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -43,3 +45,15 @@ def test_serve_bench_json_has_no_nan_for_a_class_without_requests() -> None:
     assert vs.ratio(figures["class1"]["ttft_p50"], figures["class1"]["ttft_p50"]) is None
     # the table's cell (a format of None raised)
     assert vs._cell(figures["class1"]["ttft_p99"], 8) == "       -"
+
+
+def test_per_priority_histograms_have_vllms_buckets() -> None:
+    """``kvretain:time_to_first_token_seconds`` / ``kvretain:e2e_request_latency_seconds`` beside vLLM's
+    ``vllm:time_to_first_token_seconds`` / ``vllm:e2e_request_latency_seconds``: a ``histogram_quantile`` of each
+    is comparable only on the same bucket bounds. The TTFT buckets lacked vLLM's 1 ms and everything past 80 s,
+    the e2e ones everything past 240 s (a 5-minute batch request fell in ``+Inf``, read as 240 s)."""
+    from kvretain.integrations.vllm import metrics
+
+    buckets = pytest.importorskip("vllm.v1.metrics.buckets")
+    assert metrics.TTFT_BUCKETS == buckets.TIME_TO_FIRST_TOKEN_BUCKETS
+    assert metrics.E2E_BUCKETS == buckets.REQUEST_LATENCY_BUCKETS

@@ -532,7 +532,7 @@ def test_an_invalid_retention_field_is_named_in_the_error_param(xargs, param):
 
 def test_a_client_cannot_grow_the_per_priority_series_without_bound(monkeypatch):
     # vLLM takes any 64-bit request priority, and each distinct one was a ClassStats in the engine, a key in every
-    # metrics snapshot and 6 series in /metrics (18 buckets x 2 histograms more with ClassLatency): one request per
+    # metrics snapshot and 6 series in /metrics (two histograms of 22 and 21 buckets more with ClassLatency): one request per
     # priority grew them without bound. Past MAX_PRIORITY_CLASSES, new priorities share one "other" class.
     from kvretain.integrations.vllm import _runtime
 

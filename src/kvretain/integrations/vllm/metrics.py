@@ -434,6 +434,7 @@ def install() -> None:
 
 # ---------------------------------------------------------------- per-class latency (ASGI)
 TTFT_BUCKETS = (
+    0.001,
     0.005,
     0.01,
     0.02,
@@ -452,9 +453,37 @@ TTFT_BUCKETS = (
     20.0,
     40.0,
     80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
-"""vLLM's own TTFT buckets up to 80 s."""
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+"""vLLM's own TTFT buckets (0.33's ``TIME_TO_FIRST_TOKEN_BUCKETS``, of ``vllm:time_to_first_token_seconds``): a
+``histogram_quantile`` of a class's series and of vLLM's own compare only on the same bounds."""
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+"""vLLM's own end-to-end latency buckets (0.33's ``REQUEST_LATENCY_BUCKETS``, of
+``vllm:e2e_request_latency_seconds``)."""
 _histograms: dict[str, Any] = {}
 _hist_lock = threading.Lock()
 
