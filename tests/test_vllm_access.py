@@ -1035,6 +1035,18 @@ def test_class_latency_times_the_first_token_of_a_reasoning_or_tool_call_stream(
     seen.clear()
     asyncio.run(request(app_streaming(role, tool)))
     assert [name for name, _ in seen] == ["ttft", "e2e"]
+    # a token that decodes to no text yet (a special token, part of a character): "content": "" without the role,
+    # a completion's "text": ""; vLLM's benchmark (_choice_has_streamed_output) and engine take the TTFT there.
+    # It was taken at the next token with text
+    seen.clear()
+    empty = b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}\n\n'
+    asyncio.run(request(app_streaming(role, empty, answer)))
+    assert seen == [("ttft", 2), ("e2e", 3)]
+    seen.clear()
+    no_text = b'data: {"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}]}\n\n'
+    text = b'data: {"choices":[{"index":0,"text":"Paris","logprobs":null,"finish_reason":null}]}\n\n'
+    asyncio.run(request(app_streaming(no_text, text)))
+    assert seen == [("ttft", 1), ("e2e", 2)]
 
 
 # ---------------------------------------------------------------- review of the operator surface (session 42)

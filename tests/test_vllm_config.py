@@ -508,6 +508,29 @@ def test_a_streams_first_token_is_its_first_choice_for_completions_and_its_first
     assert (got.ttft, got.e2e, got.text, got.usage) == (2.0, 4.0, "ab", usage)
 
 
+def test_a_chats_first_token_may_decode_to_no_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM streams a chat token that decodes to no text yet (a special token, part of a character) as a delta with
+    # "content": "" and no role; vLLM's benchmark (_choice_has_streamed_output) takes the TTFT there, as vLLM's
+    # engine does. stream_chat waited for the first non-empty text: a token late
+    from kvretain.integrations.vllm import launch
+
+    clock = [0.0]
+    monkeypatch.setattr(launch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    deltas = [
+        SimpleNamespace(role="assistant", content=""),  # the opening chunk: no token
+        SimpleNamespace(role=None, content=""),  # the first token, no text yet
+        SimpleNamespace(role=None, content="a"),
+    ]
+    chunks = [SimpleNamespace(usage=None, choices=[SimpleNamespace(delta=d)]) for d in deltas]
+
+    async def create(**kwargs: Any) -> _Stream:
+        return _Stream(clock, chunks)
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    got = asyncio.run(launch.stream_chat(client, "m", [{"role": "user", "content": "hi"}], 0, 2))
+    assert (got.ttft, got.text) == (2.0, "a")
+
+
 def test_a_server_takes_the_callers_environment_over_the_launchers_defaults(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -226,7 +226,7 @@ def tiny_server_args(num_blocks: int, max_model_len: int = 512, extra: Sequence[
 
 @dataclass
 class Streamed:
-    """One streamed chat completion as a client sees it: time to the first content token (``None``: no content),
+    """One streamed chat completion as a client sees it: time to the first token (``None``: no token),
     total time, the text, and the final usage chunk (``None`` when the server sent none)."""
 
     ttft: float | None
@@ -248,7 +248,17 @@ async def stream_chat(client: Any, model: str, messages: Any, priority: int, max
         stream_options={"include_usage": True},
         extra_body={"priority": priority, "ignore_eos": True},
     )
-    return await _consume(stream, t0, lambda ch: ch.delta.content or "", first_on_empty=False)
+    return await _consume(stream, t0, lambda ch: ch.delta.content or "", first=_chat_token)
+
+
+def _chat_token(choice: Any) -> bool:
+    """Whether a chat chunk's choice carries a generated token: text, reasoning or a tool call, or ``content``
+    ``""`` without the role (a token that decodes to no text yet, a special token or part of a character; the
+    opening chunk carries the role with ``""``). vLLM's benchmark's rule (``_choice_has_streamed_output``)."""
+    d = choice.delta
+    if d.content or getattr(d, "reasoning", None) or getattr(d, "tool_calls", None):
+        return True
+    return d.content == "" and getattr(d, "role", None) is None
 
 
 async def stream_completion(
@@ -275,12 +285,14 @@ async def stream_completion(
         extra_body={"priority": priority, "ignore_eos": True},
         extra_headers=headers,
     )
-    return await _consume(stream, t0, lambda ch: ch.text or "", first_on_empty=True)
+    return await _consume(stream, t0, lambda ch: ch.text or "", first=lambda ch: True)
 
 
-async def _consume(stream: Any, t0: float, text_of: Callable[[Any], str], first_on_empty: bool) -> Streamed:
-    """Read a chat or completion stream: the first token's time (the first chunk with content, or with any
-    choice when ``first_on_empty``), the text and the final usage chunk."""
+async def _consume(
+    stream: Any, t0: float, text_of: Callable[[Any], str], first: Callable[[Any], bool]
+) -> Streamed:
+    """Read a chat or completion stream: the first token's time (that of the first choice that ``first`` says
+    carries a token), the text and the final usage chunk."""
     ttft = None
     parts: list[str] = []
     usage = None
@@ -289,7 +301,7 @@ async def _consume(stream: Any, t0: float, text_of: Callable[[Any], str], first_
             usage = chunk.usage
         for ch in chunk.choices:
             text = text_of(ch)
-            if ttft is None and (text or first_on_empty):
+            if ttft is None and first(ch):
                 ttft = time.monotonic() - t0
             parts.append(text)
     return Streamed(ttft, time.monotonic() - t0, "".join(parts), usage)

@@ -571,16 +571,20 @@ class ClassLatency:
 
 
 def _has_token(body: bytes) -> bool:
-    """True for an SSE chunk that carries generated text: ``"content":"x`` (chat; the first chat event carries
-    only the role, with ``"content":""``), ``"reasoning":"x`` (chat with a reasoning parser: the first tokens),
-    ``"tool_calls":[{`` (chat with a tool parser; vLLM leaves an empty list out) or ``"text":"x`` (completions)."""
-    for marker in (b'"content":"', b'"reasoning":"', b'"tool_calls":[', b'"text":"'):
+    """True for an SSE chunk that carries a generated token: ``"content":"x`` (chat), ``"reasoning":"x`` (chat with
+    a reasoning parser: the first tokens), ``"tool_calls":[{`` (chat with a tool parser; vLLM leaves an empty list
+    out), ``"text":"`` (completions, whatever the text) or ``"content":""`` in an event without the role (a token
+    that decodes to no text yet, a special token or part of a character; the first chat event carries only the
+    role, with ``"content":""``): vLLM's benchmark's rule (``_choice_has_streamed_output``)."""
+    for marker in (b'"content":"', b'"reasoning":"', b'"tool_calls":['):
         at = body.find(marker)
         while at >= 0:
             if body[at + len(marker) : at + len(marker) + 1] != b'"':
                 return True
             at = body.find(marker, at + 1)
-    return False
+    if b'"text":"' in body:
+        return True
+    return any(b'"content":""' in ev and b'"role":' not in ev for ev in body.split(b"\n\n"))
 
 
 def _priority_of(raw: bytes, scope: Any) -> int:
