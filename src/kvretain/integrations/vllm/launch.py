@@ -227,7 +227,11 @@ def tiny_server_args(num_blocks: int, max_model_len: int = 512, extra: Sequence[
 @dataclass
 class Streamed:
     """One streamed chat completion as a client sees it: time to the first token (``None``: no token),
-    total time, the text, and the final usage chunk (``None`` when the server sent none)."""
+    total time, the text, and the final usage chunk (``None`` when the server sent none).
+
+    NOTE: ``e2e`` runs to the end of the stream (the usage chunk and ``[DONE]`` read), where vLLM's benchmark
+    (``latency``, its e2el) stops at the last chunk that carries a token; the server sends those last chunks
+    together, so the two differ by their transfer alone."""
 
     ttft: float | None
     e2e: float
