@@ -241,6 +241,27 @@ def test_gpu_mem_util_where_it_sizes_nothing_is_refused(
     assert json.loads(capsys.readouterr().out)["kv_blocks_per_replica"] > half["kv_blocks_per_replica"]
 
 
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_router_with_one_replica_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    # one replica takes every request whatever the router: `--router prefix-affinity` (or any) with --replicas 1
+    # (the default) changed nothing (the JSON byte-identical across the four routers), as --gpu-mem-util with
+    # --kv-blocks, and was read silently
+    argv = [command, "--workload", "multi-tenant", "--limit", "20", "--no-progress"]
+    argv += ["--json"] if command == "simulate" else ["--out", str(tmp_path / "r")]
+    assert main([*argv, "--router", "prefix-affinity"]) == 2
+    one_line(capsys, "--router", "--replicas")
+    assert main([*argv, "--router", "round-robin", "--replicas", "1"]) == 2
+    one_line(capsys, "--router", "--replicas")
+    assert not (tmp_path / "r").exists()
+    if command == "simulate":  # where there are replicas to choose between it is read; left out, no question
+        assert main([*argv, "--router", "round-robin", "--replicas", "2"]) == 0
+        assert json.loads(capsys.readouterr().out)["router"] == "round-robin"
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["router"] == "least-loaded"
+
+
 def test_compare_help_names_its_own_kv_blocks_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -171,9 +171,9 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     h.add_argument("--replicas", type=integer(1), default=1, help="replicas behind the router (default 1)")
     h.add_argument(
         "--router",
-        default="least-loaded",
+        default=None,  # (given or not: one replica leaves it nothing to choose, check_sim; SimConfig's default)
         choices=ROUTERS.names(),
-        help="how requests are spread over replicas (default least-loaded): "
+        help=f"how requests are spread over replicas, 2 or more (default {SimConfig.router}): "
         + _choices_help(ROUTERS.describe()),
     )
     h.add_argument(
@@ -259,7 +259,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         tp=args.tp,
         cost_model=args.cost_model,
         replicas=args.replicas,
-        router=args.router,
+        router=SimConfig.router if args.router is None else args.router,
         kv_blocks=args.kv_blocks,
         gpu_mem_utilization=DEFAULT_GPU_MEM_UTIL if args.gpu_mem_util is None else args.gpu_mem_util,
         block_size=args.block_size,
@@ -303,6 +303,11 @@ def check_sim(args: argparse.Namespace) -> None:
     if args.gpu_mem_util is not None and args.kv_blocks is not None:
         raise ValueError(
             "argument --gpu-mem-util: sizes the KV cache from the cost model, which --kv-blocks sets; give one"
+        )
+    if args.router is not None and args.replicas == 1:  # (every router sends one replica every request)
+        raise ValueError(
+            f"argument --router: chooses among replicas, and --replicas {args.replicas} leaves one (any router "
+            "sends it every request); pass --replicas 2 or more, or leave --router out"
         )
     policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
     flag = "--policy" if args.command == "simulate" else "--policies"
