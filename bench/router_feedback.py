@@ -15,7 +15,7 @@ when they were routed (docs/results.md, "A public trace no session had").
                                     [--json F]
 
 The trace's requests get their priority from ``--rule`` (as ``kvretain simulate --priority-rule``; it must make two
-classes);
+classes, one of them class 0, which ``unified`` protects);
 priority scheduling, Llama-3-8B on H100 replicas (the catalog's roofline), the settings of ``kvretain simulate``.
 Last line JSON: ``{"replicas": n, "routers": {router: {"unified_vs_lru_hits": r, "weights_vs_lru_hits": r,
 "unified_vs_lru_recomputed": r, "lru_unmatched": n, "unified_unmatched": n}}}``.
@@ -200,11 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         reqs = requests(args.trace, args.rule, args.limit, args.seed)
     except ValueError as exc:
         return fail(PROG, f"argument trace: {exc}")
-    if not any(r.priority == 0 for r in reqs) or all(r.priority == 0 for r in reqs):
+    if len({r.priority for r in reqs}) < 2:
         return fail(
             PROG,
             f"argument --rule: {args.rule} gives the trace's requests one priority (pick a rule "
             "that makes two classes)",
+        )
+    if not any(r.priority == 0 for r in reqs):  # (two classes, neither the one unified protects)
+        return fail(
+            PROG,
+            f"argument --rule: {args.rule} gives no request priority 0, the class unified protects (pick a rule "
+            "that makes class 0 and another)",
         )
     del reqs
     t0 = time.perf_counter()

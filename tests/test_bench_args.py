@@ -504,6 +504,20 @@ def test_router_feedback_refuses_bad_arguments(tmp_path: Path, argv: list[str], 
     _refused(res, "router_feedback: error", says.format(**f))
 
 
+def test_router_feedback_names_the_missing_class_0_of_two_classes(tmp_path: Path) -> None:
+    # two classes, neither of them 0 (the class unified protects): it said "keep gives the trace's requests one
+    # priority", which they were not given
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 1000 * i, "input_length": 1024, "output_length": 8, "hash_ids": [0, i + 1]}
+        for i in range(4)
+    ]
+    trace.write_text("".join(json.dumps({**r, "priority": 1 + i % 2}) + "\n" for i, r in enumerate(rows)))
+    res = _run("router_feedback.py", str(trace), "--rule", "keep", "--replicas", "2")
+    _refused(res, "router_feedback: error", "argument --rule: keep gives no request priority 0")
+    assert "one priority" not in res.stderr
+
+
 def test_router_feedback_runs_each_setting_behind_each_router(tmp_path: Path, tiny: Path) -> None:
     out = tmp_path / "runs.json"
     res = _run(
