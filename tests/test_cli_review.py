@@ -262,6 +262,41 @@ def test_a_router_with_one_replica_is_refused(
         assert json.loads(capsys.readouterr().out)["router"] == "least-loaded"
 
 
+def test_compare_says_which_bound_sized_its_pool(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # the pool is the protected requests' peak working set (an even share of it a replica), or the largest
+    # request's blocks where that is more: "1,270 KV blocks per replica: the peak working set of the requests at
+    # protected retention priority" named a peak of 128 blocks (43 a replica of 3) by the largest request's 1,270
+    import math
+    import random
+
+    from kvretain.workloads import WORKLOADS, working_set
+
+    reqs = WORKLOADS.create("multi-tenant", rng=random.Random(0), limit=200, time_scale=1.0)
+    peak = math.ceil(working_set([r for r in reqs if r.priority == 0]).peak_tokens / 16)
+    largest = max(math.ceil((len(r.prompt) + r.output_len) / 16) for r in reqs)
+    assert largest > peak  # (the case)
+    argv = [
+        "compare",
+        "--workload",
+        "multi-tenant",
+        "--limit",
+        "200",
+        "--policies",
+        "lru",
+        "--budgets",
+        "0.5",
+    ]
+    argv += ["--no-progress", "--replicas", "3", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"{largest:,} KV blocks per replica: the largest request's" in err, err
+    assert (
+        f"peak working set of the requests at protected retention priority ({math.ceil(peak / 3):,} blocks a replica)"
+        in err
+    )
+    assert f"{largest:,} KV blocks per replica: the largest" in (tmp_path / "r" / "summary.md").read_text()
+
+
 def test_compare_help_names_its_own_kv_blocks_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

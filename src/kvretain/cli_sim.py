@@ -182,7 +182,8 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         default=None,
         help="KV blocks per replica (default: "
         + (
-            "the peak working set of the requests at protected retention priority, or, with none, "
+            "the peak working set of the requests at protected retention priority (a replica's even share, "
+            "at least the largest request's blocks), or, with none, "
             if compare
             else ""
         )
@@ -444,13 +445,21 @@ def protected_peak_blocks(reqs: Sequence[WorkloadRequest], cfg: SimConfig) -> in
     request priority maps to a protected retention priority (``>= protect_threshold``; class 0 by default),
     and never fewer than the largest request needs (a smaller pool could not serve it); 0 when no request is
     protected."""
+    peak = protected_peak_share(reqs, cfg)
+    if not peak:
+        return 0
+    bs = cfg.block_size
+    return max(peak, max(-(-(len(r.prompt) + r.output_len) // bs) for r in reqs))
+
+
+def protected_peak_share(reqs: Sequence[WorkloadRequest], cfg: SimConfig) -> int:
+    """The peak reuse working set of the protected requests (:func:`protected_peak_blocks`) in blocks, an even
+    share of it per replica; 0 when no request is protected."""
     threshold = cfg.policy_config.protect_threshold
     protected = [r for r in reqs if cfg.mapping.retention_for(r.priority) >= threshold]
     if not protected:
         return 0
-    bs = cfg.block_size
-    peak = math.ceil(working_set(protected).peak_tokens / bs / cfg.replicas)
-    return max(peak, max(-(-(len(r.prompt) + r.output_len) // bs) for r in reqs))
+    return math.ceil(working_set(protected).peak_tokens / cfg.block_size / cfg.replicas)
 
 
 def budget_text(b: float) -> str:
@@ -485,10 +494,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 pools=base.replicas,
             )
             base = replace(base, kv_blocks=blocks)
-            capacity = (
-                f"{blocks:,} KV blocks per replica: the peak working set of the requests at protected "
-                "retention priority (pass --kv-blocks to choose)"
-            )
+            peak = protected_peak_share(reqs, base)
+            what = "the peak working set of the requests at protected retention priority"
+            share = "" if base.replicas == 1 else " a replica"
+            if blocks > peak:  # (protected_peak_blocks: never fewer than the largest request needs)
+                what = f"the largest request's, more than {what} ({peak:,} blocks{share})"
+            elif base.replicas > 1:
+                what += f" (an even share of it over {base.replicas} replicas)"
+            capacity = f"{blocks:,} KV blocks per replica: {what}"
+            capacity += " (pass --kv-blocks to choose)"
     runs: list[tuple[str, SimConfig]] = [
         (p, replace(sim_config(args, p), kv_blocks=base.kv_blocks)) for p in policies
     ]
