@@ -117,11 +117,12 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def table(router: str, runs: dict[str, dict[str, Any]]) -> str:
-    """One router's runs, a row each: hits, recomputed tokens, unmatched requests, per class TTFT p99 and e2e."""
+    """One router's runs, a row each: hits, recomputed tokens, unmatched requests, per class TTFT p99, mean e2e
+    and hit ratio."""
     base = runs["lru"]
     classes = sorted(base["classes"], key=int)
     head = ["setting", "hit ratio", "recomputed", "unmatched"] + [
-        f"c{c} TTFT p99 / e2e / hit" for c in classes
+        f"c{c} TTFT p99 / mean e2e / hit" for c in classes
     ]
     rows = []
     for label, s in runs.items():

@@ -542,6 +542,8 @@ def test_router_feedback_runs_each_setting_behind_each_router(tmp_path: Path, ti
         assert figures["lru_unmatched"] == lru["unmatched"] and 0 < lru["unmatched"] <= lru["requests"]
         assert sorted(runs[router]) == ["lru", "unified", "weights"]
     assert "-- prefix-affinity" in res.stdout and "-- prefix-memory" in res.stdout
+    # (the column's e2e is the class's mean, TTFT its p99: the header read "TTFT p99 / e2e", as if both p99)
+    assert "c0 TTFT p99 / mean e2e / hit" in res.stdout
     assert (
         "Nonex" not in res.stdout
     )  # (a ratio to a figure of 0, lru recomputing nothing on a small trace: "-")
