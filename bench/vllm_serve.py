@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -269,8 +270,31 @@ def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
     return out
 
 
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_cores(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each server's model worker: half of this process's cores each, stock
+    the first half, the plugin the second (none: one core, or the caller exported the variable, which both
+    servers then take as it is).
+
+    NOTE: left to vllm-cpu's ``auto``, each server binds its worker's OpenMP thread to every core but the last
+    (kept for its API server): on 2 cores both workers were bound to core 0 and core 1 ran the API servers, so
+    the two models time-shared one core, and an OpenMP thread that spins while its peer holds the core stalled
+    whole steps (steps of 2-11 s in both servers' step logs, against a median of 0.06 s; the plugin took more of
+    them in two runs of three, class-1 TTFT p50 10-30x stock's with 2-9.5x its class-0 cached tokens)."""
+    if BIND in (os.environ if env is None else env):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    if half == 0:
+        return {}
+    return {"stock": ",".join(map(str, cpus[:half])), "plugin": ",".join(map(str, cpus[half : 2 * half]))}
+
+
 def run_servers(plan: Plan, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Stock and plugin servers at the same time, each driven by its own copy of the schedule.
+    """Stock and plugin servers at the same time, each driven by its own copy of the schedule, each model on
+    its own cores (:func:`engine_cores`).
 
     NOTE: together rather than one after the other: on a shared machine the load of other processes changes
     from minute to minute (load averages of 8 on 2 cores here), and running both at once subjects both to the
@@ -282,7 +306,14 @@ def run_servers(plan: Plan, args: argparse.Namespace) -> dict[str, dict[str, Any
         str(args.max_num_batched_tokens),
     ]
     server_args = tiny_server_args(args.blocks, args.max_model_len, extra)
-    envs = {"stock": {"KVRETAIN_POLICY": ""}, "plugin": {"KVRETAIN_POLICY": "unified"}}
+    envs: dict[str, dict[str, str]] = {
+        "stock": {"KVRETAIN_POLICY": ""},
+        "plugin": {"KVRETAIN_POLICY": "unified"},
+    }
+    cores = engine_cores()
+    for name, env in envs.items():
+        if name in cores:
+            env[BIND] = cores[name]
     servers = {
         name: VLLMServer(
             str(args.model),
@@ -293,8 +324,9 @@ def run_servers(plan: Plan, args: argparse.Namespace) -> dict[str, dict[str, Any
         )
         for name, env in envs.items()
     }
+    where = f"; models on cores {cores['stock']} / {cores['plugin']}" if cores else ""
     print(
-        f"== starting stock and plugin vLLM (SmolLM2, {args.blocks} blocks of 32 tokens); logs in {args.logs}"
+        f"== starting stock and plugin vLLM (SmolLM2, {args.blocks} blocks of 32 tokens{where}); logs in {args.logs}"
     )
     try:
         for srv in servers.values():

