@@ -431,6 +431,7 @@ class Simulation:
             "router": cfg.router,
             "kv_blocks_per_replica": self.num_blocks,
             "block_size": cfg.block_size,
+            # (steps and busy time summed over the replicas: busy_s is up to replicas x simulated_s)
             "steps": sum(rep.num_steps for rep in self.replicas),
             "busy_s": round(sum(rep.executor.busy_s for rep in self.replicas), 6),
             "frontend_in_s": cfg.frontend_in_s,
