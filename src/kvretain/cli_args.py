@@ -317,7 +317,8 @@ def missing_module(modules: Iterable[str], needed_by: str) -> str | None:
 
 
 STDOUT_CLOSED = 141
-"""The exit status when stdout's reader went away (``kvretain workload list | head -1``): 128 + SIGPIPE, what
+"""The exit status when stdout's reader went away (``kvretain workload export multi-tenant --out - | head -1``;
+not ``kvretain workload list | head -1``, whose few lines are in the pipe before ``head`` leaves): 128 + SIGPIPE, what
 a shell reports for a program SIGPIPE ended (``yes | head -1``), as Ctrl-C's 130 and SIGTERM's 143 are the
 shell's statuses for those signals. Not 0: the output was cut short, and ``set -o pipefail`` should see it."""
 
