@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment and run the whole test suite: ruff, mypy (strict on core and sched), pytest,
-# then the vLLM plugin tests (scripts/test_vllm.sh; KVRETAIN_SKIP_VLLM=1 skips them). Every step says what it
+# then the vLLM plugin tests (scripts/test_vllm.sh; KVRETAIN_SKIP_VLLM=1 skips them) and the serve tests against
+# real vLLM servers (scripts/test_vllm_serve.sh; KVRETAIN_SKIP_SERVE=1 skips them). Every step says what it
 # does, and keeps saying it every 30 s while it runs (KVRETAIN_HEARTBEAT_S changes the interval).
 set -euo pipefail
 cd "$(dirname "$0")/.."
