@@ -982,7 +982,8 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        from kvretain.plotting import plain_log_ticks
     except ImportError:
         return False
     classes = sorted({r.cls for recs in real.values() for r in recs})
@@ -996,9 +997,7 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
                 label = f"{'stock' if pol == 'lru' else 'plugin'} {pol}, {side}"
                 ax.step(xs, ys, style, where="post", color=colours.get(pol), label=label)
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        plain_log_ticks(ax.xaxis)
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"class {c}: real server vs simulator")

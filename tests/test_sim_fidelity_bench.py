@@ -461,3 +461,35 @@ def test_busy_machine_note_only_above_one_runnable_process_per_cpu() -> None:
     assert sf.busy_machine_note([], cpus=2) is None
     note = sf.busy_machine_note([7.1, 6.0, 5.5], cpus=2)
     assert note is not None and "7.10 on 2 CPUs" in note
+
+
+def _fidelity_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scale: float = 1.6) -> Any:
+    """``plot``'s figure (kept open) for SMALL's simulated records, the "real" side their TTFT x ``scale``."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
+    ws = sf.make_workload(SMALL)
+    sim = {p: sf.run_sim(ws, sf.Limits(blocks=64), p, str(cost)) for p in sf.POLICIES}
+    real = {p: [replace(r, ttft=r.ttft * scale) for r in recs] for p, recs in sim.items()}
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    assert sf.plot(tmp_path / "ttft_cdf.png", real, sim)
+    return kept[0]
+
+
+def test_the_cdf_axis_reads_at_several_ticks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TTFTs of 5-16 ms (half a decade): the log axis, ticked at 1, 2 and 5 per decade, had one label, "10"."""
+    fig = _fidelity_figure(tmp_path, monkeypatch)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        assert hi / lo < 10  # (the span the defect needs)
+        shown = [
+            t.get_text()
+            for t in ax.get_xticklabels() + ax.get_xticklabels(minor=True)
+            if t.get_text() and lo <= t.get_position()[0] <= hi and t.get_window_extent(renderer).width > 0
+        ]
+        assert len(shown) >= 3, shown

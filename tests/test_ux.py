@@ -231,6 +231,44 @@ def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, monkeypatch
     assert list(two.get_xdata()) == [0.1, 0.3] and two.get_drawstyle() == "steps-post"
 
 
+def _tick_labels(fig: Any, ax: Any) -> list[tuple[str, Any]]:
+    """The x tick labels a reader sees on ``ax`` (drawn, non-empty, inside the panel's width), left to right,
+    with their boxes."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panel = ax.get_window_extent(renderer)
+    out = []
+    for t in ax.get_xticklabels() + ax.get_xticklabels(minor=True):
+        box = t.get_window_extent(renderer)
+        if t.get_visible() and t.get_text() and box.x1 >= panel.x0 - 2 and box.x0 <= panel.x1 + 2:
+            out.append((t.get_text(), box))
+    return sorted(out, key=lambda tb: tb[1].x0)
+
+
+def test_ttft_cdf_tick_labels_neither_overlap_nor_thin_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # class 0's TTFTs within one decade (0.064-0.57 s, multi-tenant --limit 200): matplotlib labelled every minor
+    # tick of the log axis in scientific notation and "3x10^-1" ran into "4x10^-1"
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
+    ttfts = {"lru": {"0": [0.064, 0.35, 0.57], "2": [0.0075, 0.3, 30.0]}}
+    _plots(tmp_path, results, ttfts, ["lru"])
+    for ax in figures[0].axes:
+        labels = _tick_labels(figures[0], ax)
+        assert len(labels) >= 3, [s for s, _ in labels]
+        assert all(a.x1 <= b.x0 for (_, a), (_, b) in zip(labels, labels[1:], strict=False)), [
+            s for s, _ in labels
+        ]
+        assert all("10^" not in s and "times" not in s for s, _ in labels), [s for s, _ in labels]
+
+
 def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
     # no frontier; the runs (tables, bars) keep the order given

@@ -682,6 +682,8 @@ def _plots(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import ScalarFormatter
+
+        from kvretain.plotting import plain_log_ticks
     except ImportError:
         print(
             "matplotlib missing: no plots written (pip install matplotlib, or pip install -e '.[plots]')",
@@ -715,6 +717,7 @@ def _plots(
                 one = {"marker": "o"} if len(v) == 1 else {}
                 ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)], **one)
         ax.set_xscale("log")
+        plain_log_ticks(ax.xaxis)
         ax.set_title(f"class {c}: TTFT CDF")
         ax.set_xlabel("TTFT (s, log scale; further left is better)")
         ax.set_ylabel("share of requests")
