@@ -269,6 +269,40 @@ def test_ttft_cdf_tick_labels_neither_overlap_nor_thin_out(
         assert all("10^" not in s and "times" not in s for s, _ in labels), [s for s, _ in labels]
 
 
+def test_a_policy_that_coincides_with_another_stays_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `compare --limit 200`: unified ran as lru did (same TTFTs, same figures), and its green CDF line and
+    # diamond, drawn the same size on top, hid lru's in every panel: the reference was in the legend only
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    same = {"0": [0.2, 0.3], "2": [0.1, 0.5, 0.9]}
+    results = [
+        _fake_result("lru", None, 3.0, 1_000_000),
+        _fake_result("priority", None, 2.5, 1_050_000),
+        _fake_result("unified", None, 3.0, 1_000_000),
+        _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000),
+    ]
+    policies = ["lru", "priority", "unified"]
+    _plots(tmp_path, results, {"lru": same, "priority": same, "unified": same}, policies)
+    for ax in figures[0].axes:
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        widths = [lines[p].get_linewidth() for p in policies]
+        assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3, (
+            widths
+        )  # drawn wide to narrow
+    left = figures[-1].axes[0]
+    marks = {ln.get_label(): ln for ln in left.get_lines()}
+    sizes = [marks[p].get_markersize() for p in policies]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3, sizes
+    assert [marks[p].get_zorder() for p in policies] == [3, 3, 3]  # (in order: a later one is drawn on top)
+
+
 def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
     # no frontier; the runs (tables, bars) keep the order given

@@ -715,7 +715,10 @@ def _plots(
                 shares = [(k + 1) / len(v) for k in range(len(v))]
                 # (a step line of one point draws nothing: a lone TTFT gets a marker)
                 one = {"marker": "o"} if len(v) == 1 else {}
-                ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)], **one)
+                # wide to narrow in drawing order: a policy whose TTFTs are another's (unified often runs as
+                # lru) leaves the earlier one's line showing on both sides of its own
+                lw = 1.2 + 0.9 * (len(policies) - 1 - i)
+                ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)], lw=lw, **one)
         ax.set_xscale("log")
         plain_log_ticks(ax.xaxis)
         ax.set_title(f"class {c}: TTFT CDF")
@@ -767,12 +770,12 @@ def _plots(
                 color="0.25",
                 arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6},
             )
-    for i, r in enumerate(anchors):
+    for i, r in enumerate(anchors):  # large to small, as the CDF's lines: a coinciding one rings the next
         left.plot(
             [paid(r)],
             [_stat(r, c0, "ttft_mean_s")],
             "D",
-            ms=7,
+            ms=7 + 3 * (len(anchors) - 1 - i),
             mec="black",
             zorder=3,
             color=colors[i % len(colors)],
