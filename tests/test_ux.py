@@ -303,6 +303,34 @@ def test_a_policy_that_coincides_with_another_stays_visible(
     assert [marks[p].get_zorder() for p in policies] == [3, 3, 3]  # (in order: a later one is drawn on top)
 
 
+def test_a_bar_of_zero_or_of_no_figure_is_marked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `compare --limit 200`: class 0's hit ratio was 0 in every run, and the hit-ratio panel showed a legend entry
+    # "class 0" with no bar anywhere, as it would for runs with no figure at all (NaN: no lookup, all rejected)
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain.cli_sim import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [
+        _fake_result("lru", None, 3.0, 1_000_000),
+        _fake_result("unified", None, 2.0, 1_100_000),
+        _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000),
+    ]
+    results[0]["classes"]["0"]["hit_rate"] = 0.0
+    results[1]["classes"]["0"]["hit_rate"] = None
+    results[2]["classes"]["0"]["ttft_mean_s"] = None
+    _plots(tmp_path, results, {}, ["lru", "unified"])
+    _, mid, right = figures[-1].axes
+    zero = [b for b in mid.patches if b.get_height() == 0]
+    assert len(zero) == 1
+    marks = {t.get_text(): t.get_position() for t in mid.texts}
+    assert set(marks) == {"0", "n/a"}
+    assert marks["0"][0] == pytest.approx(zero[0].get_x() + zero[0].get_width() / 2)
+    assert [t.get_text() for t in right.texts] == ["n/a"]  # unified-b0.5's class 0 has no mean TTFT
+
+
 def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
     # no frontier; the runs (tables, bars) keep the order given

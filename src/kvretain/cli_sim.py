@@ -797,6 +797,19 @@ def _plots(
             vals = _bar_values(results, ref if relative else None, c, key)
             xs = [i + (j - (len(classes) - 1) / 2) * width for i in range(len(results))]
             ax.bar(xs, vals, width, label=f"class {c}", color=colors[j % len(colors)])
+            # (a bar of 0 and no bar at all both draw nothing: each is said)
+            for x, v in zip(xs, vals, strict=True):
+                if math.isnan(v) or v == 0:
+                    ax.text(
+                        x,
+                        0,
+                        "n/a" if math.isnan(v) else "0",
+                        rotation=90 if math.isnan(v) else 0,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="0.4" if math.isnan(v) else colors[j % len(colors)],
+                    )
         ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=30, ha="right", fontsize=8)
         if relative:
             ax.axhline(1.0, color="black", lw=0.8)
