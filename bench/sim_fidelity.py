@@ -1000,10 +1000,13 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
         plain_log_ticks(ax.xaxis)
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"class {c}: real server vs simulator")
+        ax.set_title(f"class {c} TTFT CDF: real server vs simulator")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    # one legend under the panels (the same four curves in each): inside a panel it covered the slower side's
+    # curve, which starts in the lower right
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
