@@ -990,12 +990,14 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
     fig, axes = plt.subplots(1, len(classes), figsize=(5.5 * len(classes), 4.2), squeeze=False)
     colours = {"lru": "tab:blue", "unified": "tab:orange"}
     for ax, c in zip(axes[0], classes, strict=True):
-        for pol in real:
+        for k, pol in enumerate(real):
+            # wide to narrow in drawing order: a policy with the other's TTFTs leaves the other's curve showing
+            lw = 1.5 + 1.2 * (len(real) - 1 - k)
             for side, src, style in (("real", real, "-"), ("sim", sim, "--")):
                 xs = sorted(r.ttft * 1e3 for r in src[pol] if r.cls == c)
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 label = f"{'stock' if pol == 'lru' else 'plugin'} {pol}, {side}"
-                ax.step(xs, ys, style, where="post", color=colours.get(pol), label=label)
+                ax.step(xs, ys, style, where="post", color=colours.get(pol), label=label, lw=lw)
         ax.set_xscale("log")
         plain_log_ticks(ax.xaxis)
         ax.set_xlabel("TTFT (ms)")

@@ -515,3 +515,15 @@ def test_the_cdf_legend_covers_no_curve(tmp_path: Path, monkeypatch: pytest.Monk
                 inside = [p for p in pts if box.x0 <= p[0] <= box.x1 and box.y0 <= p[1] <= box.y1]
                 assert not inside, (line.get_label(), len(inside))
     assert all("TTFT CDF" in ax.get_title() for ax in fig.axes)
+
+
+def test_a_policy_that_ran_as_the_other_stays_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both policies with the same TTFTs (a pool that never fills): the plugin's orange curves, drawn on top at
+    the same width, hid stock lru's blue ones; the legend listed curves the panels did not show."""
+    fig = _fidelity_figure(tmp_path, monkeypatch)
+    for ax in fig.axes:
+        width = {ln.get_label(): ln.get_linewidth() for ln in ax.get_lines()}
+        for side in ("real", "sim"):
+            assert width[f"stock lru, {side}"] > width[f"plugin unified, {side}"], width
