@@ -94,6 +94,7 @@ from kvretain.cli_args import (
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policies.evidence import paired_difference
 from kvretain.core.policy import PolicyConfig, policy_names
+from kvretain.fileio import output_file
 from kvretain.replay import ReplayRequest, ReplayResult, TraceError, replay, replay_requests
 from kvretain.workloads import WORKLOADS, WorkloadError
 from kvretain.workloads.export import write_mooncake
@@ -706,8 +707,11 @@ def plot_frontiers(
     )
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     # (bbox "tight": with one or two panels the suptitle and the figure legend are wider than the panels)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        with output_file(path, binary=True) as fh:  # whole or not at all: no half PNG over an earlier run's
+            fig.savefig(fh, dpi=110, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
 
 
 LABEL_OFFSETS = ((3, 2), (3, -9), (3, 13), (3, -20))

@@ -82,6 +82,7 @@ from kvretain.engine.sim.profiled import (  # noqa: E402
     write_profile,
 )
 from kvretain.engine.sim.simulator import SimConfig, Simulation  # noqa: E402
+from kvretain.fileio import output_file  # noqa: E402
 from kvretain.integrations.vllm.config import PluginConfig  # noqa: E402
 from kvretain.integrations.vllm.steplog import ENV_STEP_LOG, read_step_log  # noqa: E402
 from kvretain.sched.config import SchedulerConfig  # noqa: E402
@@ -1009,8 +1010,11 @@ def plot(path: Path, real: dict[str, list[Record]], sim: dict[str, list[Record]]
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with output_file(path, binary=True) as fh:  # whole or not at all: no half PNG over an earlier run's
+            fig.savefig(fh, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return True
 
 
