@@ -822,3 +822,34 @@ def test_a_cost_model_file_named_in_capitals_is_a_file(
     monkeypatch.chdir(tmp_path)
     assert main(["simulate", "--limit", "5", "--no-progress", "--cost-model", "COST.TOML", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cost_model"] == "COST.TOML"
+
+
+def test_the_profile_plot_reads_in_milliseconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step times of 23-44 ms (a small model on CPU): the log axes read "2x10^1", "3x10^1", "4x10^1" ms."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain import cli_profile
+    from kvretain.engine.sim.profiled import Profile, StepPoint, fit, median_relative_error
+
+    rng = random.Random(0)
+    pts = [
+        StepPoint(n, n * n // 2, 1, 0.020 + 0.0002 * n * rng.uniform(0.9, 1.1), "prefill")
+        for n in (32, 64, 96, 128)
+    ]
+    pts += [
+        StepPoint(b, b * 300, b, 0.022 + 0.001 * b * rng.uniform(0.9, 1.1), "decode") for b in (1, 4, 8, 16)
+    ]
+    coef = fit(pts)
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    profile = Profile(coef, tuple(pts), {"model": "/m/SmolLM2-135M"})
+    assert cli_profile._plot(str(tmp_path / "p.png"), pts, profile, median_relative_error(coef, pts))
+    (ax,) = kept[0].axes
+    kept[0].canvas.draw()
+    for ticks in (
+        ax.get_xticklabels() + ax.get_xticklabels(minor=True),
+        ax.get_yticklabels() + ax.get_yticklabels(minor=True),
+    ):
+        shown = [t.get_text() for t in ticks if t.get_text()]
+        assert "30" in shown and not any("10^" in s for s in shown), shown

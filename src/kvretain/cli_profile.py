@@ -374,6 +374,8 @@ def _plot(path: str, points: list[StepPoint], profile: Profile, err: float) -> b
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from kvretain.plotting import plain_log_ticks
     except ImportError:
         return False
     c = profile.coefficients
@@ -392,6 +394,8 @@ def _plot(path: str, points: list[StepPoint], profile: Profile, err: float) -> b
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="fitted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain_log_ticks(ax.xaxis)  # "30", not "3x10^1" (ms)
+    plain_log_ticks(ax.yaxis)
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("fitted step time (ms)")
     model = Path(str(profile.info.get("model", ""))).name
