@@ -530,28 +530,18 @@ def test_a_bad_ray_address_is_refused_before_anything_runs(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
-def test_a_frontier_png_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: Any) -> None:
+def test_a_frontier_png_is_written_whole_or_not_at_all(tmp_path: Path, savefig_fails_half_way: None) -> None:
     """savefig wrote straight into OUT/frontier-NAME.png: a full disk or a Ctrl-C half-way through left a truncated
     PNG in place of the earlier run's."""
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    def half(self: Any, fname: Any, *args: Any, **kwargs: Any) -> None:
-        if hasattr(fname, "write"):
-            fname.write(b"\x89PNG half")
-        else:
-            Path(fname).write_bytes(b"\x89PNG half")
-        raise OSError(28, "No space left on device")
-
     grid = _grid()
     cell = _cell(500, 0.99)
     grid.analyse_cell(cell)
     front = {"capacity": 500, "points": [{"budget": 0.5, "overall": 0.65, "class0": 0.72}]}
     png = tmp_path / "frontier-t.png"
     png.write_bytes(b"the earlier run's")
-    monkeypatch.setattr(Figure, "savefig", half)
     with pytest.raises(OSError):
         grid.plot_frontiers("t", [front], [cell], "native", png)
     assert png.read_bytes() == b"the earlier run's"

@@ -529,23 +529,12 @@ def test_a_policy_that_ran_as_the_other_stays_visible(
             assert width[f"stock lru, {side}"] > width[f"plugin unified, {side}"], width
 
 
-def test_the_cdf_png_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cdf_png_is_written_whole_or_not_at_all(tmp_path: Path, savefig_fails_half_way: None) -> None:
     """savefig wrote straight into OUT/ttft_cdf.png: a full disk or a Ctrl-C half-way left a truncated PNG in place
     of the earlier run's."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
-    def half(self: Any, fname: Any, *args: Any, **kwargs: Any) -> None:
-        if hasattr(fname, "write"):
-            fname.write(b"\x89PNG half")
-        else:
-            Path(fname).write_bytes(b"\x89PNG half")
-        raise OSError(28, "No space left on device")
-
     out = tmp_path / "out"
     out.mkdir()
     (out / "ttft_cdf.png").write_bytes(b"the earlier run's")
-    monkeypatch.setattr(Figure, "savefig", half)
     cost = tmp_path / "cost.toml"
     write_profile(cost, Profile(StepCoefficients(0.004, 2e-5, 1e-9, 1e-4)))
     recs = {p: sf.run_sim(sf.make_workload(SMALL), sf.Limits(blocks=64), p, str(cost)) for p in sf.POLICIES}

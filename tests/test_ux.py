@@ -173,15 +173,22 @@ def _fake_result(label: str, budget: float | None, c0_mean: float, paid: int) ->
     }
 
 
-def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The matplotlib figures the code under test closes (drawn, not shown), in order: their axes are read back."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+
+    drawn: list[Any] = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    return drawn
+
+
+def test_frontier_plot_is_honest(tmp_path: Path, figures: list[Any]) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     results = [
         _fake_result("lru", None, 3.0, 1_000_000),
         _fake_result("unified", None, 2.0, 1_100_000),
@@ -213,16 +220,11 @@ def test_frontier_plot_is_honest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["class 0", "class 2"]
 
 
-def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, figures: list[Any]) -> None:
     # one request in a class (`compare --limit 5`): its CDF was a step line of one point, which draws nothing, so
     # the panel showed a legend over an empty plot
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
     _plots(tmp_path, results, {"lru": {"0": [0.5], "2": [0.1, 0.3]}}, ["lru"])
     (one,) = [ln for ln in figures[0].axes[0].get_lines() if ln.get_label() == "lru"]
@@ -245,18 +247,11 @@ def _tick_labels(fig: Any, ax: Any) -> list[tuple[str, Any]]:
     return sorted(out, key=lambda tb: tb[1].x0)
 
 
-def test_ttft_cdf_tick_labels_neither_overlap_nor_thin_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ttft_cdf_tick_labels_neither_overlap_nor_thin_out(tmp_path: Path, figures: list[Any]) -> None:
     # class 0's TTFTs within one decade (0.064-0.57 s, multi-tenant --limit 200): matplotlib labelled every minor
     # tick of the log axis in scientific notation and "3x10^-1" ran into "4x10^-1"
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
     ttfts = {"lru": {"0": [0.064, 0.35, 0.57], "2": [0.0075, 0.3, 30.0]}}
     _plots(tmp_path, results, ttfts, ["lru"])
@@ -269,18 +264,11 @@ def test_ttft_cdf_tick_labels_neither_overlap_nor_thin_out(
         assert all("10^" not in s and "times" not in s for s, _ in labels), [s for s, _ in labels]
 
 
-def test_a_policy_that_coincides_with_another_stays_visible(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_policy_that_coincides_with_another_stays_visible(tmp_path: Path, figures: list[Any]) -> None:
     # `compare --limit 200`: unified ran as lru did (same TTFTs, same figures), and its green CDF line and
     # diamond, drawn the same size on top, hid lru's in every panel: the reference was in the legend only
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     same = {"0": [0.2, 0.3], "2": [0.1, 0.5, 0.9]}
     results = [
         _fake_result("lru", None, 3.0, 1_000_000),
@@ -303,16 +291,11 @@ def test_a_policy_that_coincides_with_another_stays_visible(
     assert [marks[p].get_zorder() for p in policies] == [3, 3, 3]  # (in order: a later one is drawn on top)
 
 
-def test_a_bar_of_zero_or_of_no_figure_is_marked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bar_of_zero_or_of_no_figure_is_marked(tmp_path: Path, figures: list[Any]) -> None:
     # `compare --limit 200`: class 0's hit ratio was 0 in every run, and the hit-ratio panel showed a legend entry
     # "class 0" with no bar anywhere, as it would for runs with no figure at all (NaN: no lookup, all rejected)
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     results = [
         _fake_result("lru", None, 3.0, 1_000_000),
         _fake_result("unified", None, 2.0, 1_100_000),
@@ -331,16 +314,11 @@ def test_a_bar_of_zero_or_of_no_figure_is_marked(tmp_path: Path, monkeypatch: py
     assert [t.get_text() for t in right.texts] == ["n/a"]  # unified-b0.5's class 0 has no mean TTFT
 
 
-def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frontier_line_follows_the_budgets_in_order(tmp_path: Path, figures: list[Any]) -> None:
     # `--budgets 0.8,0.1,0.4`: the line joined the points in the order given, a zigzag 0.8 -> 0.1 -> 0.4 that is
     # no frontier; the runs (tables, bars) keep the order given
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from kvretain.cli_sim import _plots
 
-    figures: list[Any] = []
-    monkeypatch.setattr(plt, "close", figures.append)
     results = [
         _fake_result("lru", None, 3.0, 1_000_000),
         _fake_result("unified-b0.8", 0.8, 1.5, 1_300_000),
