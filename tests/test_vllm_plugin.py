@@ -552,6 +552,34 @@ def test_invalid_directives_reaching_the_kv_manager_never_raise(model_dir: str, 
     queue_of(sched).check()
 
 
+def _free_order(sched: Scheduler) -> list[int]:
+    return [b.block_id for b in queue_of(sched).get_all_free_blocks()]
+
+
+def test_lru_keeps_vllms_free_order_through_a_prefix_cache_reset(model_dir: str) -> None:
+    """``reset_prefix_cache`` strips every hash and vLLM's list keeps its order (its cached blocks, oldest first,
+    behind the empty ones): ``lru`` keeps it too, so the blocks handed out after a reset are stock's. The queue
+    moved its cached blocks to the empty list by block id, and every later request got other blocks than in stock
+    vLLM (the same hits, other block tables)."""
+    specs = mixed_workload()
+    later = [Spec(f"after{i}", tokens(300 + i % 3, 40 + 9 * i), arrival_step=i) for i in range(12)]
+    tables: dict[str, list[Any]] = {}
+    for side in ("stock", "lru"):
+        plugin.disable()
+        if side == "lru":
+            enable("lru")
+        sched = build_scheduler(model_dir, 48, max_num_seqs=8)
+        run(sched, specs)
+        before = _free_order(sched)
+        assert sched.reset_prefix_cache()
+        rec = run(sched, later)
+        tables[side] = [before, _free_order(sched), rec.steps]
+        if side == "lru":
+            queue_of(sched).check()
+    assert tables["lru"][0] == tables["stock"][0]  # (the same order before the reset)
+    assert tables["lru"] == tables["stock"]
+
+
 # ---------------------------------------------------------------------------- (e) vLLM invariants
 @GRANULARITY
 def test_invariants_free_blocks_events_stats_and_reset(model_dir: str, granularity: str) -> None:

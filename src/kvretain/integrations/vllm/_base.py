@@ -132,8 +132,10 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def drain(self) -> None:
         """After a successful ``reset_prefix_cache`` (every hash is gone): move every queued block to the
-        unhashed list and start afresh."""
-        ids = sorted(self._held_ids())
+        unhashed list, in the queue's eviction order, and start afresh. vLLM's own list keeps its order through
+        the reset (its cached blocks, oldest first, behind the empty ones): ``lru`` then hands out the blocks stock
+        vLLM does (the order walks the queue's own state, not vLLM's stripped hashes)."""
+        ids = list(self._eviction_order())
         self.num_free_blocks -= len(ids)
         self._reset_state()
         self._mapped.clear()
