@@ -119,7 +119,9 @@ def test_a_request_sighted_before_reset_prefix_cache_enters_the_new_controllers_
     q.check()
 
 
-@pytest.mark.parametrize("hook,method", [("reset_prefix_cache", "_held_ids"), ("evict_blocks", "forget")])
+@pytest.mark.parametrize(
+    "hook,method", [("reset_prefix_cache", "_eviction_order"), ("evict_blocks", "forget")]
+)
 def test_an_error_in_the_reset_or_evict_hook_is_counted_not_raised_into_vllm(
     model_dir: str, hook: str, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -163,7 +163,7 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         raise NotImplementedError
 
     def _held_ids(self) -> set[int]:  # pragma: no cover - overridden
-        """The cached free blocks the queue holds (O(n); checks and reset)."""
+        """The cached free blocks the queue holds (O(n); consistency checks)."""
         raise NotImplementedError
 
     def _reset_state(self) -> None:  # pragma: no cover - overridden
