@@ -162,10 +162,6 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """Take cached free block ``bid`` out of the queue; False when it is on the unhashed list."""
         raise NotImplementedError
 
-    def _held_ids(self) -> set[int]:  # pragma: no cover - overridden
-        """The cached free blocks the queue holds (O(n); consistency checks)."""
-        raise NotImplementedError
-
     def _reset_state(self) -> None:  # pragma: no cover - overridden
         """Forget every queued block and all per-block state."""
         raise NotImplementedError

@@ -386,9 +386,6 @@ class RetentionFreeQueue(HookedFreeQueue):
             self._drop(bid, _runtime.now())
         return queued
 
-    def _held_ids(self) -> set[int]:
-        return self.policy.evictable_ids() | set(self._blocked)
-
     def check(self) -> None:
         """Consistency check for tests: counts, positions and policy membership agree. O(n)."""
         in_policy = self.policy.evictable_ids()
