@@ -346,8 +346,30 @@ def test_kv_capacity_by_hand_replicates_kv_heads_beyond_n_kv() -> None:
     gpu = toy_gpu(mem_bytes=10_000)
     # tp=2 splits the 2 KV heads, one a GPU: a token stores its logical 32 bytes
     assert CostModel(TOY, gpu, tp=2).kv_capacity_tokens(1.0) == (2 * 10_000 - TOY_WEIGHTS) // TOY_KV
-    # tp=4 > n_kv=2: each GPU holds a whole KV head, so a token takes 4 x 16 = 64 bytes of the replica
-    assert CostModel(TOY, gpu, tp=4).kv_capacity_tokens(1.0) == (4 * 10_000 - TOY_WEIGHTS) // (2 * TOY_KV)
+    # tp=4 > n_kv=2: each GPU holds a whole KV head, so a token takes 4 x 16 = 64 bytes of the replica, and
+    # each GPU holds that head's K and V projections too (TOY_KV_REPLICAS bytes more weights in the replica)
+    assert CostModel(TOY, gpu, tp=4).kv_capacity_tokens(1.0) == (4 * 10_000 - TOY_WEIGHTS - TOY_KV_REPLICAS) // (
+        2 * TOY_KV
+    )
+
+
+# tp=4 over n_kv=2: vLLM's QKVParallelLinear gives each GPU one KV head (num_kv_heads = 1, replicated tp/n_kv
+# times), so the replica stores 4 GPUs x (K and V: 2 x d x h) = 128 K/V projection weights a layer where the
+# model has 2 x d x h x n_kv = 64: 64 more a layer, x 2 layers x 2 bytes
+TOY_KV_REPLICAS = (4 * 2 * 8 * 2 - 2 * 8 * 2 * 2) * 2 * 2  # 256 bytes
+
+
+def test_weights_count_the_kv_projections_each_gpu_holds_beyond_n_kv() -> None:
+    """vLLM replicates the K/V projection weights with the KV heads when tp > n_kv (each rank sizes its K and V
+    projections for one head): the replica's weight memory, which the KV capacity is what is left of, grows
+    by those copies. tp <= n_kv splits them without copies."""
+    assert CostModel(TOY, toy_gpu(), tp=1).weight_bytes() == TOY_WEIGHTS
+    assert CostModel(TOY, toy_gpu(), tp=2).weight_bytes() == TOY_WEIGHTS
+    assert CostModel(TOY, toy_gpu(), tp=4).weight_bytes() == TOY_WEIGHTS + TOY_KV_REPLICAS
+    # Llama-3-70B at tp 16 (8 KV heads, each on 2 GPUs): 80 layers x 2 x 8192 x 128 x 8 more bf16 weights, 2.68 GB
+    big = CAT.model("llama-3-70b")
+    extra = CostModel(big, H100, tp=16).weight_bytes() - CostModel(big, H100, tp=8).weight_bytes()
+    assert extra == 80 * 2 * 8192 * 128 * 8 * 2 == 2_684_354_560
 
 
 def test_kv_capacity_utilization_range_and_room_for_one_token() -> None:

@@ -33,7 +33,11 @@ tokens it holds, which is what makes large decode batches cheap.
 Tensor parallelism splits FLOPs, weights and KV heads evenly over ``tp`` GPUs (``tp`` divides ``n_q`` and
 divides ``n_kv`` or is a multiple of it, each KV head then replicated ``tp/n_kv`` times, as vLLM) and adds two ring
 all-reduces per layer of the step's activations (``tokens*d*bytes``), each costing
-``allreduce_latency + 2*(tp-1)/tp * message / link_bandwidth``, not overlapped with compute.
+``allreduce_latency + 2*(tp-1)/tp * message / link_bandwidth``, not overlapped with compute. A replicated KV
+head is stored on each of its GPUs, its KV cache and its K and V projection weights alike (vLLM's
+``QKVParallelLinear`` sizes every rank's K and V for ``max(1, n_kv/tp)`` heads): at ``tp > n_kv`` the KV capacity
+is what the replica's memory leaves after ``2*L*d*h*(tp - n_kv)*bytes`` more weights than the model has, over
+``2*L*tp*h*bytes`` a token.
 """
 
 from __future__ import annotations
@@ -92,15 +96,19 @@ class CostModel:
         self.linear_flops_per_token = self.layer_flops_per_token + self.head_flops_per_sample
         """Linear FLOPs of one decode token (layers and LM head): the field notes' ``F``."""
         self.attn_flops_per_pair = 4 * m.n_layers * m.n_q_heads * h
+        # With tp > n_kv the KV heads are replicated (each GPU holds one, vLLM's QKVParallelLinear), and with
+        # them their K and V projection weights: one replica stores tp heads' worth of both, not n_kv.
+        kv_heads_per_gpu = max(1, m.n_kv_heads // tp)
+        kv_heads_stored = tp * kv_heads_per_gpu
+        self.params_per_layer_stored = self.params_per_layer + 2 * d * h * (kv_heads_stored - m.n_kv_heads)
+        """Weights of one layer summed over the replica's ``tp`` GPUs, replicated K/V projections included."""
         embeddings = m.vocab_size * d * (1 if m.tied_embeddings else 2)
-        self._weight_bytes = (m.n_layers * self.params_per_layer + embeddings) * m.bytes_per_param
+        self._weight_bytes = (m.n_layers * self.params_per_layer_stored + embeddings) * m.bytes_per_param
         self._layer_bytes = m.n_layers * self.params_per_layer * m.bytes_per_param
         self._head_bytes = m.vocab_size * d * m.bytes_per_param
         self._embed_row_bytes = d * m.bytes_per_param
         self._kv_bytes = 2 * m.n_layers * m.n_kv_heads * h * m.bytes_per_param
-        # With tp > n_kv the KV heads are replicated, so one replica stores more than the logical bytes.
-        kv_heads_per_gpu = max(1, m.n_kv_heads // tp)
-        self._kv_bytes_stored = tp * 2 * m.n_layers * kv_heads_per_gpu * h * m.bytes_per_param
+        self._kv_bytes_stored = 2 * m.n_layers * kv_heads_stored * h * m.bytes_per_param
         # Per-GPU rates; the work is split evenly over tp GPUs.
         self._sec_per_flop = 1.0 / (tp * gpu.peak_flops * gpu.compute_efficiency)
         self._sec_per_byte = 1.0 / (tp * gpu.mem_bandwidth * gpu.bandwidth_efficiency)
@@ -120,11 +128,13 @@ class CostModel:
 
     def weight_bytes(self) -> int:
         """Bytes of all weights of one replica (layers, input embedding, LM head): what the replica stores,
-        not what a step reads (see :meth:`step_work`)."""
+        the K and V projections of KV heads replicated over ``tp > n_kv`` GPUs once per copy; not what a step
+        reads (see :meth:`step_work`)."""
         return self._weight_bytes
 
     def kv_capacity_tokens(self, gpu_mem_utilization: float = 0.9) -> int:
-        """Tokens of KV one replica holds: ``tp * mem * utilization`` minus weights, over KV bytes/token.
+        """Tokens of KV one replica holds: ``tp * mem * utilization`` minus the weights it stores, over the KV
+        bytes a token takes on its ``tp`` GPUs (both with the copies of replicated KV heads, ``tp > n_kv``).
 
         Activations, CUDA graphs and fragmentation are not modelled (vLLM reserves a further ~1-3 GiB).
         Raises ``ValueError`` when the weights alone do not fit.
