@@ -311,6 +311,10 @@ TOY_FV = 2 * 10 * 8  # 160 LM-head FLOPs per sampled token
 TOY_A = 4 * 2 * 4 * 2  # 64 attention FLOPs per pair
 TOY_KV = 2 * 2 * 2 * 2 * 2  # 32 KV bytes per token
 TOY_WEIGHTS = (2 * TOY_P + 2 * 10 * 8) * 2  # 2,624 bytes: layers, embedding and (untied) LM head
+# tp=4 over n_kv=2: vLLM's QKVParallelLinear gives each GPU one KV head (num_kv_heads = 1, replicated tp/n_kv
+# times), so the replica stores 4 GPUs x (K and V: 2 x d x h) = 128 K/V projection weights a layer where the
+# model has 2 x d x h x n_kv = 64: 64 more a layer, x 2 layers x 2 bytes
+TOY_KV_REPLICAS = (4 * 2 * 8 * 2 - 2 * 8 * 2 * 2) * 2 * 2  # 256 bytes
 
 
 def toy_gpu(**kw: float) -> GPUSpec:
@@ -333,12 +337,16 @@ def test_decode_prices_its_context_as_pairs_and_kv_by_hand() -> None:
 
 
 def test_tensor_parallel_splits_flops_and_adds_two_ring_allreduces_per_layer() -> None:
-    # tp=4: FLOPs over 4 GPUs; 2*L = 4 all-reduces of tokens*d*bytes = 16 bytes a token, each
+    # tp=4: FLOPs over 4 GPUs (with the K and V of the 2 replicated heads computed on each of their GPUs: 2 FLOPs
+    # a copied weight a token); 2*L = 4 all-reduces of tokens*d*bytes = 16 bytes a token, each
     # latency + 2*(tp-1)/tp * message / link = 0.25 s + 1.5 * 16 / 96 s a token
     gpu = toy_gpu(peak_flops=1e3, link_bandwidth=96.0, allreduce_latency_s=0.25)
     cm = CostModel(TOY, gpu, tp=4)
     flops = 2 * (TOY_FL + TOY_FV) + TOY_A * 12
-    assert cm.decode_time([5, 7]) == pytest.approx(flops / 4e3 + 4 * 0.25 + 2 * 4 * 1.5 * 16 / 96, rel=1e-12)
+    kv_copies = 2 * 2 * (TOY_KV_REPLICAS // 2)  # 2 tokens x 2 FLOPs x 128 copied weights
+    assert cm.decode_time([5, 7]) == pytest.approx(
+        (flops + kv_copies) / 4e3 + 4 * 0.25 + 2 * 4 * 1.5 * 16 / 96, rel=1e-12
+    )
     assert CostModel(TOY, gpu, tp=1).decode_time([5, 7]) == pytest.approx(flops / 1e3, rel=1e-12)
 
 
@@ -348,15 +356,9 @@ def test_kv_capacity_by_hand_replicates_kv_heads_beyond_n_kv() -> None:
     assert CostModel(TOY, gpu, tp=2).kv_capacity_tokens(1.0) == (2 * 10_000 - TOY_WEIGHTS) // TOY_KV
     # tp=4 > n_kv=2: each GPU holds a whole KV head, so a token takes 4 x 16 = 64 bytes of the replica, and
     # each GPU holds that head's K and V projections too (TOY_KV_REPLICAS bytes more weights in the replica)
-    assert CostModel(TOY, gpu, tp=4).kv_capacity_tokens(1.0) == (4 * 10_000 - TOY_WEIGHTS - TOY_KV_REPLICAS) // (
-        2 * TOY_KV
-    )
-
-
-# tp=4 over n_kv=2: vLLM's QKVParallelLinear gives each GPU one KV head (num_kv_heads = 1, replicated tp/n_kv
-# times), so the replica stores 4 GPUs x (K and V: 2 x d x h) = 128 K/V projection weights a layer where the
-# model has 2 x d x h x n_kv = 64: 64 more a layer, x 2 layers x 2 bytes
-TOY_KV_REPLICAS = (4 * 2 * 8 * 2 - 2 * 8 * 2 * 2) * 2 * 2  # 256 bytes
+    assert CostModel(TOY, gpu, tp=4).kv_capacity_tokens(1.0) == (
+        4 * 10_000 - TOY_WEIGHTS - TOY_KV_REPLICAS
+    ) // (2 * TOY_KV)
 
 
 def test_weights_count_the_kv_projections_each_gpu_holds_beyond_n_kv() -> None:
@@ -370,6 +372,22 @@ def test_weights_count_the_kv_projections_each_gpu_holds_beyond_n_kv() -> None:
     big = CAT.model("llama-3-70b")
     extra = CostModel(big, H100, tp=16).weight_bytes() - CostModel(big, H100, tp=8).weight_bytes()
     assert extra == 80 * 2 * 8192 * 128 * 8 * 2 == 2_684_354_560
+
+
+def test_a_step_reads_and_computes_the_kv_projections_each_gpu_holds_beyond_n_kv() -> None:
+    """At tp=4 over n_kv=2 each GPU reads its replicated head's K and V projection weights every step and
+    computes that head's K and V for every token, so the replica's work is the stored weights', not the model's."""
+    free_links = {"link_bandwidth": 1e30, "allreduce_latency_s": 0.0}
+    memory = CostModel(TOY, toy_gpu(mem_bandwidth=1e3, **free_links), tp=4)
+    # layers with the replicated K/V, LM head, 2 embedding rows, 12 KV tokens of 2 x 32 bytes (replicated heads)
+    nbytes = 2 * TOY_P * 2 + TOY_KV_REPLICAS + 10 * 8 * 2 + 2 * 8 * 2 + 2 * TOY_KV * 12
+    assert memory.decode_time([5, 7]) == pytest.approx(nbytes / 4e3, rel=1e-12)
+    compute = CostModel(TOY, toy_gpu(peak_flops=1e3, **free_links), tp=4)
+    kv_copies_fl = 2 * (TOY_KV_REPLICAS // 2)  # 2 FLOPs a copied weight (128 of them) a token: 256
+    flops = 2 * (TOY_FL + kv_copies_fl + TOY_FV) + TOY_A * 12
+    assert compute.decode_time([5, 7]) == pytest.approx(flops / 4e3, rel=1e-12)
+    assert compute.layer_flops_per_token == TOY_FL + kv_copies_fl
+    assert CostModel(TOY, toy_gpu(), tp=2).layer_flops_per_token == TOY_FL  # split, no copies
 
 
 def test_kv_capacity_utilization_range_and_room_for_one_token() -> None:

@@ -37,7 +37,8 @@ all-reduces per layer of the step's activations (``tokens*d*bytes``), each costi
 head is stored on each of its GPUs, its KV cache and its K and V projection weights alike (vLLM's
 ``QKVParallelLinear`` sizes every rank's K and V for ``max(1, n_kv/tp)`` heads): at ``tp > n_kv`` the KV capacity
 is what the replica's memory leaves after ``2*L*d*h*(tp - n_kv)*bytes`` more weights than the model has, over
-``2*L*tp*h*bytes`` a token.
+``2*L*tp*h*bytes`` a token, and every step reads those weights and computes their K and V
+(``F_L`` grows by ``4*L*d*h*(tp - n_kv)`` a token).
 """
 
 from __future__ import annotations
@@ -89,22 +90,23 @@ class CostModel:
         self.params_per_layer = (
             d * h * (m.n_q_heads + 2 * m.n_kv_heads) + m.n_q_heads * h * d + 3 * d * m.ffn_dim
         )
-        self.layer_flops_per_token = 2 * m.n_layers * self.params_per_layer
-        """``F_L``: FLOPs of the transformer layers' matmuls per token."""
-        self.head_flops_per_sample = 2 * m.vocab_size * d
-        """``F_V``: FLOPs of the LM head per sampled token."""
-        self.linear_flops_per_token = self.layer_flops_per_token + self.head_flops_per_sample
-        """Linear FLOPs of one decode token (layers and LM head): the field notes' ``F``."""
-        self.attn_flops_per_pair = 4 * m.n_layers * m.n_q_heads * h
         # With tp > n_kv the KV heads are replicated (each GPU holds one, vLLM's QKVParallelLinear), and with
         # them their K and V projection weights: one replica stores tp heads' worth of both, not n_kv.
         kv_heads_per_gpu = max(1, m.n_kv_heads // tp)
         kv_heads_stored = tp * kv_heads_per_gpu
         self.params_per_layer_stored = self.params_per_layer + 2 * d * h * (kv_heads_stored - m.n_kv_heads)
         """Weights of one layer summed over the replica's ``tp`` GPUs, replicated K/V projections included."""
+        self.layer_flops_per_token = 2 * m.n_layers * self.params_per_layer_stored
+        """``F_L``: FLOPs of the transformer layers' matmuls per token, summed over the ``tp`` GPUs (each GPU
+        computes the K and V of the heads it holds, replicated ones included)."""
+        self.head_flops_per_sample = 2 * m.vocab_size * d
+        """``F_V``: FLOPs of the LM head per sampled token."""
+        self.linear_flops_per_token = self.layer_flops_per_token + self.head_flops_per_sample
+        """Linear FLOPs of one decode token (layers and LM head): the field notes' ``F``."""
+        self.attn_flops_per_pair = 4 * m.n_layers * m.n_q_heads * h
         embeddings = m.vocab_size * d * (1 if m.tied_embeddings else 2)
         self._weight_bytes = (m.n_layers * self.params_per_layer_stored + embeddings) * m.bytes_per_param
-        self._layer_bytes = m.n_layers * self.params_per_layer * m.bytes_per_param
+        self._layer_bytes = m.n_layers * self.params_per_layer_stored * m.bytes_per_param
         self._head_bytes = m.vocab_size * d * m.bytes_per_param
         self._embed_row_bytes = d * m.bytes_per_param
         self._kv_bytes = 2 * m.n_layers * m.n_kv_heads * h * m.bytes_per_param
