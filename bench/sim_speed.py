@@ -25,7 +25,7 @@ from kvretain.cli_args import (
     script_main,
     summary_of,
 )
-from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit
+from kvretain.cli_sim import SIM_POLICY_DEFAULTS, check_replicas_fit, check_router
 from kvretain.core.policy import make_policy, policy_names
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import SimConfig, Simulation
@@ -33,6 +33,7 @@ from kvretain.workloads import PRIORITY_RULES, load_mooncake, tag_priorities
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 PROG = "sim_speed"
+DEFAULT_ROUTER = "prefix-affinity"
 
 
 def build_parser() -> Parser:
@@ -53,9 +54,9 @@ def build_parser() -> Parser:
     )
     ap.add_argument(
         "--router",
-        default="prefix-affinity",
+        default=None,
         choices=ROUTERS.names(),
-        help="router (default prefix-affinity)",
+        help=f"router, 2 replicas or more (default {DEFAULT_ROUTER})",
     )
     add_limit_option(ap, "only the first N requests of the trace (default: all)")
     return ap
@@ -63,10 +64,14 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # (a router given with one replica changes nothing: kvretain simulate's and compare's rule)
+        check_router(args.router, args.replicas)
+    except ValueError as exc:
+        return fail(PROG, str(exc))
     cfg = SimConfig(
         policy=args.policy,
         replicas=args.replicas,
-        router=args.router,
+        router=DEFAULT_ROUTER if args.router is None else args.router,
         policy_config=SIM_POLICY_DEFAULTS,  # the settings of `kvretain simulate`
     )
     try:  # a policy the simulator cannot run (one that needs the future): before the trace is read

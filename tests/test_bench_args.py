@@ -454,6 +454,11 @@ def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path)
             ["{trace}", "--replicas", "100000"],
             "argument --replicas: 29,206 blocks x 100000 replicas need about",
         ),
+        # (ran, the router doing nothing: kvretain simulate's and compare's rule, check_router)
+        (
+            ["{trace}", "--replicas", "1", "--router", "round-robin"],
+            "argument --router: chooses among replicas, and --replicas 1 leaves one",
+        ),
     ],
     ids=[
         "missing",
@@ -465,6 +470,7 @@ def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path)
         "replicas-0",
         "offline-policy",
         "replicas-huge",
+        "router-one-replica",
     ],
 )
 def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: str) -> None:
@@ -472,6 +478,36 @@ def test_sim_speed_refuses_bad_arguments(tmp_path: Path, argv: list[str], says: 
     f["trace"] = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
     res = _run("sim_speed.py", *[a.format(**f) for a in argv])
     _refused(res, "sim_speed: error", says.format(**f))
+
+
+def test_sim_speed_refuses_a_router_with_one_replica_by_kvretains_own_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sim_speed asks cli_sim.check_router, the rule simulate and compare apply, not a copy of it; one replica
+    without --router still runs (its default router has nothing to choose)."""
+    from kvretain import cli_sim
+
+    asked: list[tuple[str | None, int]] = []
+    real = cli_sim.check_router
+
+    def spy(router: str | None, replicas: int) -> None:
+        asked.append((router, replicas))
+        real(router, replicas)
+
+    monkeypatch.setattr(cli_sim, "check_router", spy)  # (before the script imports it)
+    spec = importlib.util.spec_from_file_location("sim_speed_under_test", BENCH / "sim_speed.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    trace = str(_lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]]))
+    assert mod.main([trace, "--replicas", "1", "--router", "least-loaded"]) == 2
+    assert asked == [("least-loaded", 1)]
+    with pytest.raises(ValueError) as exc:
+        real("least-loaded", 1)
+    assert capsys.readouterr().err == f"sim_speed: error: {exc.value}\n"
+    assert mod.main([trace, "--replicas", "1"]) == 0
+    assert asked[-1] == (None, 1)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["requests"] == 2
 
 
 # ------------------------------------------------------------------------------------------ router_feedback.py

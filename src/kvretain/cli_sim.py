@@ -296,6 +296,16 @@ FRONTIER_SETS = ("budget", "isolation_goal", "priority_weight")
 """The unified settings that ``compare``'s fixed-budget runs set themselves."""
 
 
+def check_router(router: str | None, replicas: int) -> None:
+    """Refuse a ``--router`` given (``router`` not None) with one replica: every router sends it every request,
+    so the flag changes nothing (``simulate``, ``compare`` and ``bench/sim_speed.py``)."""
+    if router is not None and replicas == 1:
+        raise ValueError(
+            f"argument --router: chooses among replicas, and --replicas {replicas} leaves one (any router "
+            "sends it every request); pass --replicas 2 or more, or leave --router out"
+        )
+
+
 def check_sim(args: argparse.Namespace) -> None:
     """Checks that need several options, before anything runs (``simulate`` and ``compare``): the policy
     settings together, every policy usable online, and pools that fit in memory."""
@@ -305,11 +315,7 @@ def check_sim(args: argparse.Namespace) -> None:
         raise ValueError(
             "argument --gpu-mem-util: sizes the KV cache from the cost model, which --kv-blocks sets; give one"
         )
-    if args.router is not None and args.replicas == 1:  # (every router sends one replica every request)
-        raise ValueError(
-            f"argument --router: chooses among replicas, and --replicas {args.replicas} leaves one (any router "
-            "sends it every request); pass --replicas 2 or more, or leave --router out"
-        )
+    check_router(args.router, args.replicas)
     policies = [args.policy] if args.command == "simulate" else [*args.policies, "unified"]
     flag = "--policy" if args.command == "simulate" else "--policies"
     if args.command == "simulate":
