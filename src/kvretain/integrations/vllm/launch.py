@@ -24,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvretain.integrations.vllm.firsttoken import chunk_has_token
+
 HOST = "127.0.0.1"
 
 BASE_ENV: dict[str, str] = {
@@ -252,17 +254,7 @@ async def stream_chat(client: Any, model: str, messages: Any, priority: int, max
         stream_options={"include_usage": True},
         extra_body={"priority": priority, "ignore_eos": True},
     )
-    return await _consume(stream, t0, lambda ch: ch.delta.content or "", first=_chat_token)
-
-
-def _chat_token(choice: Any) -> bool:
-    """Whether a chat chunk's choice carries a generated token: text, reasoning or a tool call, or ``content``
-    ``""`` without the role (a token that decodes to no text yet, a special token or part of a character; the
-    opening chunk carries the role with ``""``). vLLM's benchmark's rule (``_choice_has_streamed_output``)."""
-    d = choice.delta
-    if d.content or getattr(d, "reasoning", None) or getattr(d, "tool_calls", None):
-        return True
-    return d.content == "" and getattr(d, "role", None) is None
+    return await _consume(stream, t0, lambda ch: ch.delta.content or "")
 
 
 async def stream_completion(
@@ -274,8 +266,7 @@ async def stream_completion(
     request_id: str | None = None,
 ) -> Streamed:
     """The same loop for a completion of a prompt given as token ids (no chat template, no tokenization: the
-    server sees exactly these tokens; ``bench/sim_fidelity.py``). The first token's time is that of the first
-    chunk with a choice, whatever its text (a token may decode to no text yet). ``request_id`` goes as the
+    server sees exactly these tokens; ``bench/sim_fidelity.py``). ``request_id`` goes as the
     ``X-Request-Id`` header: vLLM names the request ``cmpl-ID-...`` inside (its logs, the step log)."""
     t0 = time.monotonic()
     headers = {"X-Request-Id": request_id} if request_id is not None else None
@@ -289,23 +280,20 @@ async def stream_completion(
         extra_body={"priority": priority, "ignore_eos": True},
         extra_headers=headers,
     )
-    return await _consume(stream, t0, lambda ch: ch.text or "", first=lambda ch: True)
+    return await _consume(stream, t0, lambda ch: ch.text or "")
 
 
-async def _consume(
-    stream: Any, t0: float, text_of: Callable[[Any], str], first: Callable[[Any], bool]
-) -> Streamed:
-    """Read a chat or completion stream: the first token's time (that of the first choice that ``first`` says
-    carries a token), the text and the final usage chunk."""
+async def _consume(stream: Any, t0: float, text_of: Callable[[Any], str]) -> Streamed:
+    """Read a chat or completion stream: the first token's time (that of the first chunk that carries one,
+    :func:`~kvretain.integrations.vllm.firsttoken.chunk_has_token`: the server's latency middleware's rule too),
+    the text and the final usage chunk."""
     ttft = None
     parts: list[str] = []
     usage = None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
-        for ch in chunk.choices:
-            text = text_of(ch)
-            if ttft is None and first(ch):
-                ttft = time.monotonic() - t0
-            parts.append(text)
+        if ttft is None and chunk_has_token(chunk):
+            ttft = time.monotonic() - t0
+        parts.extend(text_of(ch) for ch in chunk.choices)
     return Streamed(ttft, time.monotonic() - t0, "".join(parts), usage)

@@ -41,7 +41,8 @@ priority, lower = more important; the first 64 priorities seen get their own lab
 
 :class:`ClassLatency` (ASGI, for ``--middleware``) adds per-priority latency histograms, which vLLM's own
 ``vllm:time_to_first_token_seconds`` lacks: ``kvretain:time_to_first_token_seconds{priority}`` (streaming
-requests, from arrival at the API server to the first streamed token) and
+requests, from arrival at the API server to the first streamed token, by
+:mod:`~kvretain.integrations.vllm.firsttoken`'s rule, the client loop's) and
 ``kvretain:e2e_request_latency_seconds{priority}``.
 """
 
@@ -63,6 +64,7 @@ from typing import Any
 
 from kvretain.integrations.vllm import _runtime
 from kvretain.integrations.vllm.config import ENV_METRICS_DIR, load_json, route_path
+from kvretain.integrations.vllm.firsttoken import SSEFirstToken
 
 PUBLISH_INTERVAL_S = 0.5
 """NOTE: Prometheus scrapes every 15-60 s; half a second keeps a scrape at most that stale at one small file
@@ -533,7 +535,7 @@ class ClassLatency:
             await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
-        state: dict[str, Any] = {"priority": None, "first": None, "status": 0, "stream": False}
+        state: dict[str, Any] = {"priority": None, "first": None, "status": 0, "watch": None}
         chunks: list[bytes] = []
 
         async def recv() -> Any:
@@ -549,12 +551,12 @@ class ClassLatency:
                 state["status"] = int(msg.get("status", 0))
                 for k, v in msg.get("headers", []):
                     if k.lower() == b"content-type" and b"event-stream" in v:
-                        state["stream"] = True
+                        state["watch"] = SSEFirstToken()
             elif (
                 msg["type"] == "http.response.body"
                 and state["first"] is None
-                and state["stream"]
-                and _has_token(msg.get("body", b""))
+                and state["watch"] is not None
+                and state["watch"].feed(msg.get("body", b""))
             ):
                 state["first"] = time.monotonic()
             await send(msg)
@@ -568,23 +570,6 @@ class ClassLatency:
                 if state["first"] is not None:
                     h["ttft"].labels(label).observe(state["first"] - t0)
                 h["e2e"].labels(label).observe(time.monotonic() - t0)
-
-
-def _has_token(body: bytes) -> bool:
-    """True for an SSE chunk that carries a generated token: ``"content":"x`` (chat), ``"reasoning":"x`` (chat with
-    a reasoning parser: the first tokens), ``"tool_calls":[{`` (chat with a tool parser; vLLM leaves an empty list
-    out), ``"text":"`` (completions, whatever the text) or ``"content":""`` in an event without the role (a token
-    that decodes to no text yet, a special token or part of a character; the first chat event carries only the
-    role, with ``"content":""``): vLLM's benchmark's rule (``_choice_has_streamed_output``)."""
-    for marker in (b'"content":"', b'"reasoning":"', b'"tool_calls":['):
-        at = body.find(marker)
-        while at >= 0:
-            if body[at + len(marker) : at + len(marker) + 1] != b'"':
-                return True
-            at = body.find(marker, at + 1)
-    if b'"text":"' in body:
-        return True
-    return any(b'"content":""' in ev and b'"role":' not in ev for ev in body.split(b"\n\n"))
 
 
 def _priority_of(raw: bytes, scope: Any) -> int:
