@@ -37,7 +37,7 @@ sys.exit(pathlib.Path(m.__file__).resolve().is_relative_to(pathlib.Path('src').r
 fi
 step "pytest (vLLM plugin against vLLM 0.33.0's scheduler, $VENV)" "$VENV/bin/python" -m pytest -p no:cacheprovider -W ignore::DeprecationWarning tests/test_vllm_plugin.py tests/test_vllm_runs.py \
   tests/test_vllm_order.py tests/test_vllm_fixes.py tests/test_vllm_differential.py tests/test_sched_equivalence.py tests/test_vllm_steplog.py \
-  tests/test_vllm_plugin_bench.py tests/test_vllm_access.py tests/test_vllm_threads.py "$@"
+  tests/test_vllm_plugin_bench.py tests/test_vllm_access.py tests/test_vllm_threads.py tests/test_vllm_firsttoken.py "$@"
 # vLLM's own tests with the plugin on (KVRETAIN_VLLM_SUITE=all: every policy; =0: skipped)
 case "${KVRETAIN_VLLM_SUITE:-ci}" in
   0 | off) ;;

