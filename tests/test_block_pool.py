@@ -12,6 +12,7 @@ import pytest
 
 from kvretain.core import BlockPool, BlockRetention, make_policy
 from kvretain.core.block_pool import NO_PARENT
+from kvretain.core.policies import LRUPolicy
 
 N = 10
 LEAF_ONLY = ["lfu", "priority", "unified"]
@@ -448,6 +449,45 @@ def test_lru_evicted_blocks_are_handed_out_in_eviction_order() -> None:
     # queue 1 0 3 2: the head of the second request (block 2, hash 3) is the last to go
     assert pool.get_new_blocks(3) == [1, 0, 3]
     assert pool.cached == {3: 2}
+
+
+class _HearsAllocations(LRUPolicy):
+    hears_allocations = True
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.calls: list[tuple[object, ...]] = []
+
+    def on_allocate(self, n: int, empty: int) -> None:
+        self.calls.append(("allocate", n, empty))
+
+    def pop(self, now: float) -> int | None:
+        self.calls.append(("pop",))
+        return super().pop(now)
+
+
+def test_a_policy_that_hears_allocations_is_told_of_each_before_its_pops() -> None:
+    """``on_allocate(n, empty)`` before the first pop of every allocation (the empty blocks are handed out first),
+    one that fails or pops nothing included; a bad clock refuses the call before it; other policies are not told
+    (``hears_allocations`` False: the base class's no-op is never called)."""
+    pol = _HearsAllocations(4)
+    now = [0.0]
+    pool = BlockPool(4, pol, clock=lambda: now[0])
+    run(pool, [1, 2, 3])  # one block left empty
+    assert pol.calls == [("allocate", 3, 4)]
+    pol.calls.clear()
+    assert pool.get_new_blocks(3) == [3, 2, 1]  # the empty block, then victims (LRU: deepest first)
+    assert pol.calls == [("allocate", 3, 1), ("pop",), ("pop",)]
+    pol.calls.clear()
+    assert pool.get_new_blocks(4) is None and pool.get_new_blocks(0) == []
+    now[0] = float("nan")
+    with pytest.raises(ValueError, match="clock returned"):
+        pool.get_new_blocks(1)
+    assert pol.calls == [("allocate", 4, 0), ("allocate", 0, 0)]
+    lru = new_pool("lru", 4)
+    lru.policy.on_allocate = lambda n, empty: pytest.fail("told")  # type: ignore[method-assign]
+    run(lru, [1, 2, 3, 4])
+    run(lru, [5])
 
 
 def test_lru_hit_does_not_refresh_recency_until_released() -> None:

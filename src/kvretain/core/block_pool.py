@@ -120,6 +120,7 @@ class BlockPool:
         policy.in_pool = True  # (its per-block state is this pool's now: block_states)
         self._leaf_only = policy.leaf_only
         self._tracks_uses = policy.tracks_uses
+        self._hears_allocations = policy.hears_allocations
         self.num_evictions = 0
         self.on_evict: Callable[[int, BlockHash], None] | None = None
         """Optional observer (statistics, KV events) called with each victim's id and hash."""
@@ -176,6 +177,11 @@ class BlockPool:
         Every cached-free block can be obtained: for leaf-only policies a chain becomes evictable leaf by leaf,
         and no free block has an in-use descendant (a block is registered only under its own request's
         parent block, see :meth:`cache_blocks`).
+
+        The empty blocks come first in the list, then the victims in the order the policy chose them (a caller
+        that gives the i-th block to a request's i-th missed block gives the victims to the last ones); a policy
+        whose ``hears_allocations`` is True is told how many empty blocks there are before its first pop
+        (``on_allocate``).
         """
         if n.__class__ is not int or n < 0:
             try:
@@ -189,6 +195,8 @@ class BlockPool:
             n = k
         empty = self._empty
         if n > len(empty) + self._num_cached_free:
+            if self._hears_allocations:
+                self.policy.on_allocate(n, len(empty))  # (announced, though nothing follows: policy.py)
             return None
         blocks = self._blocks
         out: list[int] = []
@@ -197,6 +205,8 @@ class BlockPool:
             now = self.clock()
             if now - now != 0.0:  # (NaN and +-inf)
                 raise _clock_error(now)
+        if self._hears_allocations:
+            self.policy.on_allocate(n, len(empty))
         for _ in range(k):
             bid = empty.pop()
             blocks[bid].ref_cnt = 1

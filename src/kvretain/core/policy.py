@@ -16,6 +16,9 @@ Life of a hashed block, as the policy sees it::
     expose(parent, now)             a victim's parent lost its last cached child: it is evictable now
     pop_exposed(parent, now)        expose(parent) + pop(now) in one call
 
+and, for a policy that asks for it (``hears_allocations``), ``on_allocate(n, empty)`` at the start of each
+allocation of a :class:`~kvretain.core.block_pool.BlockPool` (the pops that follow are that allocation's).
+
 Every method must be O(1) or O(log n) in the pool size.
 """
 
@@ -221,6 +224,9 @@ class EvictionPolicy(ABC):
     forgets_on_pop: ClassVar[bool] = False
     """When True ``pop`` already does what ``on_evicted`` would for the victim, and the pool skips that call
     after a ``pop`` (it still calls ``on_evicted`` for blocks dropped otherwise, e.g. by a prefix-cache reset)."""
+    hears_allocations: ClassVar[bool] = False
+    """When True a :class:`~kvretain.core.block_pool.BlockPool` calls :meth:`on_allocate` at each allocation (read
+    once, when the pool is built: for the other policies an allocation costs one test of a flag)."""
 
     def __init__(
         self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
@@ -325,6 +331,14 @@ class EvictionPolicy(ABC):
     ) -> None:
         """A request looked up its prefix: ``num_hits`` leading blocks of ``hashes`` were cached. ``seen``: what
         :meth:`on_arrival` returned for this request, if it was called."""
+
+    def on_allocate(self, n: int, empty: int) -> None:  # noqa: B027
+        """``BlockPool.get_new_blocks(n)`` begins (only for a policy whose ``hears_allocations`` is True): the pool
+        holds ``empty`` empty blocks and hands out ``min(n, empty)`` of them first, then one victim of :meth:`pop`
+        (or :meth:`pop_exposed`) for each further block, in the order of the blocks it returns. Every call that
+        gets past the checks of ``n`` and of the clock is announced, also one that then fails (``None``: fewer
+        free blocks than ``n``, nothing popped), so that a policy can tell the pops of one allocation from the
+        next one's. A pool that is not kvretain's (the vLLM plugin's queues) never calls it."""
 
     @abstractmethod
     def push(self, block_id: int, now: float) -> None:
