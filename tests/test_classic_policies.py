@@ -11,10 +11,15 @@ from collections.abc import Sequence
 
 import pytest
 
+import kvretain.replay as replay_module
 from kvretain.core import BlockPool, make_policy
+from kvretain.core.hashing import BlockHash
+from kvretain.core.kv_cache_manager import KVCacheManager
 from kvretain.core.policies import ARCPolicy, S3FIFOPolicy
 from kvretain.core.policies.s3fifo import FREQ_CAP
+from kvretain.core.policy import PolicyConfig
 from kvretain.replay import ReplayRequest, replay
+from kvretain.sched import Request, RunnerOutput, Scheduler, SchedulerConfig
 
 
 class Sim:
@@ -338,8 +343,8 @@ def test_arc_b1_ghost_hit_grows_p_by_the_ghost_ratio() -> None:
 
 
 class TextbookARC:
-    """ARC(c) as Fig. 4 of FAST'03 writes it, for one-block requests, with arc.py's one documented deviation
-    (REPLACE's tie ``|T1| == p`` with the missed page in B2 goes to T2)."""
+    """ARC(c) as Fig. 4 of FAST'03 writes it, for one-block requests (REPLACE's tie included: ``|T1| == p`` with
+    the missed page in B2 evicts from T1)."""
 
     def __init__(self, c: int) -> None:
         self.c = c
@@ -355,8 +360,8 @@ class TextbookARC:
         del d[x]
         return x
 
-    def _replace(self) -> None:
-        if self.t1 and len(self.t1) > self.p:
+    def _replace(self, x: int) -> None:
+        if self.t1 and (len(self.t1) > self.p or (x in self.b2 and len(self.t1) == self.p)):
             self.b1[self._lru(self.t1)] = None
         else:
             self.b2[self._lru(self.t2)] = None
@@ -369,20 +374,20 @@ class TextbookARC:
             return True
         if x in self.b1:  # Case II: adapt, then REPLACE
             self.p = min(c, self.p + max(1.0, len(self.b2) / len(self.b1)))
-            self._replace()
+            self._replace(x)
             del self.b1[x]
             self.t2[x] = None
             return False
         if x in self.b2:  # Case III
             self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
-            self._replace()
+            self._replace(x)
             del self.b2[x]
             self.t2[x] = None
             return False
         if len(self.t1) + len(self.b1) == c:  # Case IV
             if len(self.t1) < c:
                 self._lru(self.b1)
-                self._replace()
+                self._replace(x)
             else:
                 self._lru(self.t1)
         else:
@@ -390,7 +395,7 @@ class TextbookARC:
             if total >= c:
                 if total == 2 * c:
                     self._lru(self.b2)
-                self._replace()
+                self._replace(x)
         self.t1[x] = None
         return False
 
@@ -421,6 +426,181 @@ def test_arc_matches_textbook_arc_one_block_per_request(seed: int) -> None:
     assert first is None, f"c={c}: first difference at access {first}"
     assert arc_stats(sim)["p"] == ref.p
     assert replay(requests(singles(trace)), c, "arc", block_tokens=1).hit_blocks == sum(want)
+
+
+TIE_SETUP = [0, 0, 1, 2, 3, 1, 2]
+"""c = 3: T1 = [3], T2 = [1, 2] (LRU first), B1 = [], B2 = [0], p = 2 (two B1 hits), the pool full."""
+
+
+def test_arc_tie_with_the_missed_page_in_b2_evicts_from_t1() -> None:
+    """FAST'03's REPLACE evicts from T1 when ``|T1| > p`` or when ``|T1| == p`` and the missed page is in B2. After
+    TIE_SETUP, 0 (in B2) comes back: Case III lowers p to 1 = |T1|, and the tie evicts T1's 3, not T2's 1 (which
+    the next access then hits). Before the pops knew their page the tie went to T2: 1 was evicted and missed."""
+    ref = TextbookARC(3)
+    assert [ref.access(x) for x in TIE_SETUP] == [False, True, False, False, False, False, False]
+    sim = Sim("arc", 3)
+    assert sim.run(*singles(TIE_SETUP)) == 1
+    assert sim.evicted == [1, 2, 0]
+    assert arc_stats(sim) == {"p": 2.0, "t1": 1, "t2": 2, "b1": 0, "b2": 1}
+    assert not ref.access(0) and sim.run([0]) == 0
+    assert sim.evicted[-1] == 3  # T1's LRU block
+    assert list(ref.b1) == [3]
+    assert arc_stats(sim) == {"p": 1.0, "t1": 0, "t2": 3, "b1": 1, "b2": 0}
+    assert ref.p == 1.0 and (len(ref.t1), len(ref.t2), len(ref.b2)) == (0, 3, 0)
+    assert ref.access(1) and sim.run([1]) == 1
+    assert replay(requests(singles([*TIE_SETUP, 0, 1])), 3, "arc", block_tokens=1).hit_blocks == 2
+
+
+def test_arc_each_pop_of_a_request_knows_its_own_page() -> None:
+    """A request of several missed blocks: its allocation takes the empty blocks first, then pops one victim per
+    further block, in request order; the tie is decided by the page of that pop's own block. After TIE_SETUP (one
+    more block, held unhashed by a decode and then freed: one empty block), [9, 5, 0] misses three blocks; 0 in
+    B2 lowers p to 1 = |T1|. 9 takes the empty block; the pop for 5 (not in B2) evicts T2's 1, the pop for 0 (in
+    B2) T1's 3. Reading the pages from the first missed block on (9 for the first pop, 5 for the second) gave
+    T2's 1 and 2, as did the tie going to T2."""
+    sim = Sim("arc", 4)
+    pool = sim.pool
+    held = pool.get_new_blocks(1)  # (a decode's block: in use, no hash)
+    assert held is not None
+    sim.run(*singles(TIE_SETUP))
+    assert sim.evicted == [1, 2, 0]
+    pool.free_blocks(held)  # empty again
+    assert arc_stats(sim) == {"p": 2.0, "t1": 1, "t2": 2, "b1": 0, "b2": 1}
+    sim.run([9, 5, 0])
+    assert sim.evicted[3:] == [1, 3]
+    s = arc_stats(sim)
+    assert (s["p"], s["b1"], s["b2"]) == (1.0, 1, 1)  # B1: 3; B2: 1 (0 is resident again, in T2)
+
+
+def test_arc_a_pop_without_a_known_page_keeps_the_tie_in_t2() -> None:
+    """Only the first allocation after a lookup knows its pages: a later one (a decode block, a resume after
+    preemption), also after an allocation that popped nothing or failed, decides the tie as for a page in no
+    list (T2), as does a page that is no ghost."""
+    for between in ("nothing", "an empty allocation", "a failed allocation"):
+        sim = Sim("arc", 3)
+        sim.run(*singles(TIE_SETUP))
+        pool = sim.pool
+        sim.policy.lookup([0], 0, 35)  # 0 in B2: p = 1 = |T1|
+        if between == "an empty allocation":
+            assert pool.get_new_blocks(0) == []
+        elif between == "a failed allocation":
+            assert pool.get_new_blocks(4) is None
+        ids = pool.get_new_blocks(1)
+        assert ids is not None
+        assert sim.evicted[-1] == (3 if between == "nothing" else 1), between
+        pool.free_blocks(ids)
+    sim = Sim("arc", 3)
+    sim.run(*singles(TIE_SETUP))
+    sim.policy.lookup([7], 0, 35)  # 7 is no ghost: the tie goes to T2
+    ids = sim.pool.get_new_blocks(1)
+    assert ids is not None and sim.evicted[-1] == 1
+
+
+class PageSpy(ARCPolicy):
+    """``arc`` that records, for each victim, the page its pop made room for, and checks it against the hash the
+    block is then registered under (a block an allocation takes empty forgets any earlier record)."""
+
+    def __init__(self, num_blocks: int, config: PolicyConfig | None = None) -> None:
+        super().__init__(num_blocks, config)
+        self.page_of: dict[int, object] = {}
+        self.empty_taken = 0
+        self.pops = 0
+        self.known = 0
+        self.checked = 0
+
+    def on_allocate(self, n: int, empty: int) -> None:
+        super().on_allocate(n, empty)
+        self.empty_taken = min(n, empty)
+
+    def pop(self, now: float) -> int | None:
+        pages = self._x_pages
+        i = self._x_first + self._x_n - self._n
+        page = pages[i] if pages is not None and i < len(pages) else None
+        bid = super().pop(now)
+        if bid is not None:
+            self.pops += 1
+            self.known += page is not None
+            self.page_of[bid] = page
+        return bid
+
+    def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
+        page = self.page_of.pop(block_id, None)
+        if page is not None:
+            assert page == block_hash, f"block {block_id}: popped for {page!r}, registered as {block_hash!r}"
+            self.checked += 1
+        super().on_cached(block_id, block_hash, depth, now)
+
+
+def _spied(pool: BlockPool) -> PageSpy:
+    spy = pool.policy
+    assert isinstance(spy, PageSpy)
+    get_new_blocks = pool.get_new_blocks
+
+    def allocate(n: int) -> list[int] | None:
+        out = get_new_blocks(n)
+        for bid in out[: spy.empty_taken] if out else ():
+            spy.page_of.pop(bid, None)
+        return out
+
+    pool.get_new_blocks = allocate  # type: ignore[method-assign]
+    return spy
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_arc_pop_pages_are_the_blocks_they_allocate_in_replay(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In replay, the page each pop is told is the hash its victim block is registered under: chains over shared
+    prefixes, some longer than the pool."""
+    rng = random.Random(seed)
+    c = 20
+    blocks = [
+        [d * 1000 + i for i in range(rng.randint(1, 8))] for d in (rng.randrange(12) for _ in range(300))
+    ]
+    blocks += [list(range(50_000, 50_000 + c + 3))]  # (longer than the pool: no allocation)
+    spies: list[PageSpy] = []
+
+    def make(name: str, n: int, cfg: PolicyConfig | None = None) -> PageSpy:
+        spies.append(PageSpy(n, cfg))
+        return spies[-1]
+
+    def pool(n: int, policy: PageSpy, clock: object) -> BlockPool:
+        p = BlockPool(n, policy, clock)  # type: ignore[arg-type]
+        _spied(p)
+        return p
+
+    monkeypatch.setattr(replay_module, "make_policy", make)
+    monkeypatch.setattr(replay_module, "BlockPool", pool)
+    replay(requests(blocks), c, "arc", block_tokens=1, check_every=1)
+    spy = spies[0]
+    assert spy.pops > 100 and spy.known == spy.pops and spy.checked == spy.pops
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_arc_pop_pages_are_the_blocks_they_allocate_in_the_scheduler(seed: int) -> None:
+    """The same through the scheduler and KVCacheManager: chunked prefill, decode blocks, partial blocks freed
+    empty, preemption and its resumes. A pop whose block holds no page of the request's lookup (a decode block,
+    a later chunk's block, a resume's) is told none."""
+    rng = random.Random(seed)
+    bs = 4
+    spy = PageSpy(24)
+    kv = KVCacheManager(24, block_size=bs, policy=spy)
+    _spied(kv.pool)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4))
+    docs = [[d * 10_000 + t for t in range(bs * 12)] for d in range(6)]
+    for r in range(120):
+        doc = docs[rng.randrange(len(docs))]
+        prompt = [*doc[: rng.randint(1, 10) * bs + rng.randrange(bs)], 1_000_000 + r]
+        sched.add_request(Request(f"r{r}", prompt, rng.randint(1, 9), arrival_time=float(r)))
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = tuple(c.request_id for c in out.chunks if c.samples)
+        sched.update_from_output(out, RunnerOutput(sampled, tuple(7 for _ in sampled)))
+        kv.check_integrity()
+        steps += 1
+        assert steps < 10_000
+    assert spy.pops > 100 and 0 < spy.known < spy.pops and spy.checked > 50
 
 
 def test_arc_scan_does_not_flush_the_working_set_but_lru_does() -> None:

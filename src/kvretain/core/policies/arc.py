@@ -9,15 +9,16 @@ at least twice: frequency). Two ghost lists remember the hashes evicted from eac
                          hash in B1: p += max(1, |B2| / |B1|)   (T1 was too small)
                          hash in B2: p -= max(1, |B1| / |B2|)   (T2 was too small)
     insert  (on_cached)  hash in B1 or B2: leave the ghost list, enter T2 (p adapted here instead when no
-                         lookup saw the miss: a resume after preemption, or vLLM, whose lookup hook runs
-                         after the allocation)
+                         lookup saw the miss: a resume after preemption, or vLLM when the admission evicted
+                         nothing, whose lookup the plugin then gives after the allocation)
                          otherwise: enter T1 (first trimming the directory: when |T1| + |B1| reaches c the
                          LRU entry of B1 goes, else when the directory reaches 2c the LRU entry of B2)
     access  (a hit's release)          T1 -> T2 (MRU end); a T2 block goes to T2's MRU end
-    evict   (pop, ARC's REPLACE)       |T1| > p: T1's LRU block, its hash to B1's MRU end;
-                                       otherwise T2's LRU block, its hash to B2 (the other list when the
-                                       chosen one has no evictable block); no ghost entry while a copy of
-                                       its content is still cached
+    evict   (pop, ARC's REPLACE)       |T1| > p, or |T1| == p and the page x the victim makes room for
+                                       is in B2: T1's LRU block, its hash to B1's MRU end; otherwise T2's
+                                       LRU block, its hash to B2 (the other list when the chosen one has
+                                       no evictable block); no ghost entry while a copy of its content is
+                                       still cached
 
 so that |T1| + |T2| <= c (the pool), |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (the directory)
 hold throughout. What insert, access and ghost hit mean in the pool, and that a block enters its list
@@ -26,21 +27,41 @@ at its release (the MRU end, as ``lru`` does), is in :mod:`kvretain.core.policie
 FAST'03 adapts ``p`` on a ghost hit *before* REPLACE chooses the victim (Cases II and III). The pool evicts
 before it registers the new content (``pop`` comes before ``on_cached``), so the adaptation is done at the
 request's lookup (``on_lookup``, which the core manager and ``replay`` call before allocating) and the ghost
-entry is marked adapted (its value in B1 / B2) so that ``on_cached`` does not adapt again. NOTE: ARC's
-REPLACE also evicts from T1 when ``|T1| == p`` and the missed page is in B2; ``pop`` is not told which page
-it makes room for (a request may miss several), and the tie goes to T2. |T1| and |T2| count the blocks in
-use too (they are resident); only the evictable ones are in the LRU lists, so a block in use is skipped
-until its release puts it back (at the MRU end, where an access puts it anyway). Every operation is O(1).
+entry is marked adapted (its value in B1 / B2) so that ``on_cached`` does not adapt again. |T1| and |T2|
+count the blocks in use too (they are resident); only the evictable ones are in the LRU lists, so a block
+in use is skipped until its release puts it back (at the MRU end, where an access puts it anyway).
 
-On the Mooncake conversation trace this gives 0.0505 / 0.1151 / 0.2895 at 875 / 5,000 / 20,000 blocks
-against 0.0488 / 0.1124 / 0.2892 for textbook ARC in the field notes' simplified replay. (Before ``p`` was
-adapted at the lookup it was adapted at registration, after the victim was chosen: 0.0505 / 0.1144 /
-0.2894; the analysis that followed was made on those figures.) The gap is the release order: a request
-releases its blocks deepest first, so a chain's head is the newest entry of its list (with the old
-adaptation, the same sequence in request order gave 0.0488 and 0.1133); and the pool registers a chain below
-a block whose content another block still holds (an orphan left by an evicted parent, computed again: a copy,
-as vLLM registers it): 0.1129 at 5,000 blocks while the pool refused to register such chains, 0.1145 once it
-registered them (f84b17c), 0.1151 with the pool's later changes.
+REPLACE's tie (``|T1| == p``: T1 when the missed page x is in B2, else T2) needs x, and ``pop`` is not told
+it. The lookup keeps the request's hashes (a reference, and its hits); the pool announces the allocation that
+follows (``on_allocate``: it hands out its empty blocks first, then one victim per further block, and the core
+manager and ``replay`` give a request's blocks after its hits in that order), so the i-th pop of that
+allocation makes room for the hash ``hits + empty + i``, the content its victim block is allocated for (the
+paper's order too: the first misses fill the free slots, each later one calls REPLACE). "x in B2" is read at
+the pop, whether a lookup marked the entry or not: an entry leaves B2 only at a registration (its content's,
+as the paper moves x to T2 after REPLACE, or the directory's trim), never during an allocation (and a hash
+that an earlier pop of the same allocation sent to B2 is in B2). Where no page is known the tie goes to T2, as
+for a page in no list: any allocation but the first after a lookup (decode blocks, the later chunks of a
+chunked prefill, a resume after preemption, whose lookup the manager does not give the policy), a pop past the
+request's hashes (its partial last block; all of them when the lookup's hits include the last full block that
+the scheduler's cap recomputes), and the vLLM plugin, whose queues announce no allocation (the plugin gives
+the lookup at the admission's first eviction, but how vLLM's allocation maps blocks to hashes, its unhashed
+blocks first and its KV cache groups, is not told to the policy). NOTE: a caller that touches fewer hits than
+the lookup reported (the manager's ``new_computed_blocks`` a shorter prefix than ``get_computed_blocks``
+returned; kvretain's scheduler passes them all) shifts the pages. Every operation is O(1): the lookup keeps a
+reference, ``on_allocate`` three numbers, and a pop reads its page only at a tie (its index from the evictable
+count, which each pop lowers by one).
+
+On the Mooncake conversation trace this gives 0.0505 / 0.1151 / 0.2895 at 875 / 5,000 / 20,000 blocks (the
+same hits to the block with REPLACE's tie and without it: |T1| == p with both lists evictable at 86 / 1,197 /
+5,897 of 273,059 / 250,283 / 184,993 pops, none of them for a page in B2) against 0.0488 / 0.1124 / 0.2892 for
+textbook ARC in the field notes' simplified replay. (Before ``p`` was adapted at the lookup it was adapted at
+registration, after the victim was chosen: 0.0505 / 0.1144 / 0.2894; the analysis that followed was made on
+those figures.) The gap is the release order: a request releases its blocks deepest first, so a chain's head
+is the newest entry of its list (with the old adaptation, the same sequence in request order gave 0.0488 and
+0.1133); and the pool registers a chain below a block whose content another block still holds (an orphan left
+by an evicted parent, computed again: a copy, as vLLM registers it): 0.1129 at 5,000 blocks while the pool
+refused to register such chains, 0.1145 once it registered them (f84b17c), 0.1151 with the pool's later
+changes.
 """
 
 from __future__ import annotations
@@ -68,6 +89,7 @@ class _Block(ClassicBlock):
 @POLICIES.register("arc", "ARC (FAST'03): recency and frequency lists, their split adapted from ghost hits")
 class ARCPolicy(ClassicPolicy[_Block]):
     name = "arc"
+    hears_allocations = True
 
     def __init__(
         self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
@@ -81,6 +103,14 @@ class ARCPolicy(ClassicPolicy[_Block]):
         self._b1: OrderedDict[BlockHash, bool] = OrderedDict()
         self._b2: OrderedDict[BlockHash, bool] = OrderedDict()
         self.p = 0.0
+        # REPLACE's page x (module docstring): the latest lookup's hashes and hits, until an allocation takes
+        # them; then the pages of the current allocation's pops: its i-th pop, which finds _n == _x_n - i, makes
+        # room for _x_pages[_x_first + i] (None: no page known)
+        self._lookup_pages: Sequence[BlockHash] | None = None
+        self._lookup_hits = 0
+        self._x_pages: Sequence[BlockHash] | None = None
+        self._x_first = 0
+        self._x_n = 0
 
     # ------------------------------------------------------------------ insert / access
     def on_cached(self, block_id: int, block_hash: BlockHash, depth: int, now: float) -> None:
@@ -119,7 +149,10 @@ class ARCPolicy(ClassicPolicy[_Block]):
         """FAST'03 Cases II / III: a missed hash found in B1 or B2 adapts ``p`` now, before the request's
         allocation evicts (REPLACE with the adapted ``p``); the ghost entry is marked so that its
         ``on_cached`` does not adapt again (a second request missing the same ghost before it is registered
-        does not adapt twice either)."""
+        does not adapt twice either). The missed hashes are also kept for the allocation that follows
+        (:meth:`on_allocate`): the page each of its pops makes room for."""
+        self._lookup_pages = hashes
+        self._lookup_hits = num_hits
         b1 = self._b1
         b2 = self._b2
         if not b1 and not b2:
@@ -161,10 +194,32 @@ class ARCPolicy(ClassicPolicy[_Block]):
         del self._lists[b.lst][block_id]
 
     # ------------------------------------------------------------------ eviction
+    def on_allocate(self, n: int, empty: int) -> None:
+        """The allocation that follows a lookup is that request's: its blocks are the request's blocks after
+        the lookup's hits, in order, the empty ones first, so its i-th pop makes room for the missed hash
+        ``min(n, empty) + i`` places after the hits. Any other allocation (no lookup since the last one) knows
+        no page."""
+        pages = self._x_pages = self._lookup_pages
+        if pages is not None:
+            self._lookup_pages = None
+            self._x_first = self._lookup_hits + min(n, empty)
+            self._x_n = self._n
+
+    def _page_in_b2(self) -> bool:
+        """Whether the page the current pop makes room for is in B2 now, marked by a lookup or not (the paper
+        moves x to T2 after REPLACE; this module when x is registered); False where no page is known."""
+        pages = self._x_pages
+        if pages is None:
+            return False
+        # (each pop takes one block out of _n, and nothing else changes it during an allocation)
+        i = self._x_first + self._x_n - self._n
+        return i < len(pages) and pages[i] in self._b2
+
     def pop(self, now: float) -> int | None:
         t1 = self._lists[_T1]
         t2 = self._lists[_T2]
-        if t1 and (self._size[_T1] > self.p or not t2):
+        # (the tie is tested only where T2 would win without it: a pop from T1 reads as before)
+        if t1 and (self._size[_T1] > self.p or not t2 or (self._size[_T1] == self.p and self._page_in_b2())):
             bid = t1.popitem(last=False)[0]
             ghost = self._b1
         elif t2:
