@@ -90,20 +90,34 @@ class SSEFirstToken:
     __slots__ = ("_data", "_rest")
 
     def __init__(self) -> None:
-        self._rest = b""
-        self._data: bytes | None = None
+        # the pieces of the line not ended yet, and the data lines of the event not ended yet: kept as lists,
+        # joined once their line or event ends (a line or an event sent in many small pieces costs its length,
+        # where joining each piece to what came before cost its length squared)
+        self._rest: list[bytes] = []
+        self._data: list[bytes] | None = None
 
     def feed(self, body: bytes) -> bool:
-        lines = (self._rest + body if self._rest else body).split(b"\n")
-        self._rest = lines.pop()
+        if b"\n" not in body:
+            if body:
+                self._rest.append(body)
+            return False
+        if self._rest:
+            self._rest.append(body)
+            body = b"".join(self._rest)
+        lines = body.split(b"\n")
+        rest = lines.pop()
+        self._rest = [rest] if rest else []
         for line in lines:
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
                 data, self._data = self._data, None
-                if data is not None and event_has_token(data):
+                if data is not None and event_has_token(b"\n".join(data)):
                     return True
             elif line.startswith(b"data:"):
                 value = line[6:] if line.startswith(b"data: ") else line[5:]
-                self._data = value if self._data is None else self._data + b"\n" + value
+                if self._data is None:
+                    self._data = [value]
+                else:
+                    self._data.append(value)
         return False
