@@ -227,6 +227,16 @@ def test_config_level_errors() -> None:
     assert not cfg.is_default
 
 
+def test_an_empty_scope_is_refused_as_the_trace_loader_and_the_access_limits_refuse_it() -> None:
+    # an empty owner id made every request that sent one the owner of the others' levels (each could lower what
+    # another set); a trace line's empty retention_scope and an API key's empty scope were already refused
+    with pytest.raises(RetentionError, match=r"retention_scope must be a non-empty string.*omit it"):
+        RetentionConfig(scope="")
+    with pytest.raises(RetentionError, match=r"retention_scope must be a non-empty string"):
+        RetentionConfig.from_request_fields([{"start": 0, "priority": 80}], scope="")
+    assert RetentionConfig(scope=" s ").scope == " s "
+
+
 # ---------------------------------------------------------------- spellings
 
 

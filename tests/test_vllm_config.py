@@ -208,6 +208,14 @@ def test_register_without_vllm_is_inert_and_lazy() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_an_empty_retention_scope_fails_validation() -> None:
+    # it was taken as an owner id shared by every request that sent one (any of them could lower what another set)
+    msg = validation_message(
+        {"retention_scope": "", "retention_directives": '[{"start": 0, "priority": 80}]'}
+    )
+    assert msg is not None and "retention_scope must be a non-empty string" in msg, msg
+
+
 def test_a_misspelt_retention_field_fails_validation() -> None:
     # without the access middleware (README's plain `vllm serve`) a typo such as retention_scop was silently
     # ignored by the engine: the request ran with no retention and the client never knew; the middleware

@@ -412,6 +412,10 @@ def test_export_to_a_closed_stdout_ends_quietly_with_141() -> None:
 )
 def test_export_never_writes_a_line_the_reader_refuses(tmp_path: Path, kw: dict[str, str]) -> None:
     out = tmp_path / "t.jsonl"
+    if "retention_scope" in kw:  # (refused as the request is made, as the core's RetentionConfig refuses it)
+        with pytest.raises(WorkloadError, match="request a: retention_scope must be a non-empty string"):
+            WorkloadRequest("a", 0.0, TokenSeq.seeded(1, 600), 1, **kw)  # type: ignore[arg-type]
+        return
     req = WorkloadRequest("a", 0.0, TokenSeq.seeded(1, 600), 1, **kw)  # type: ignore[arg-type]
     try:
         write_mooncake([req], out)

@@ -402,6 +402,11 @@ class RetentionConfig:
         )
         if self.scope is not None and not isinstance(self.scope, str):
             raise RetentionError(f"retention_scope must be a string, got {show_value(self.scope)}")
+        if self.scope == "":  # (an owner id every request sending it would share: any could lower another's)
+            raise RetentionError(
+                "retention_scope must be a non-empty string (an owner id such as a session), got ''; "
+                "omit it for no scope"
+            )
         ordered = sorted(directives, key=lambda d: d.start)
         for a, b in zip(ordered, ordered[1:], strict=False):
             if a.end is None or a.end > b.start:
