@@ -558,3 +558,24 @@ def test_exporting_a_mooncake_trace_refuses_a_seed_nothing_reads(
     assert not out.exists()
     assert main([*argv, "--priority-rule", "random"]) == 0  # a rule that draws reads it
     assert main(["workload", "export", "mooncake", "--trace", str(trace), "--out", str(out)]) == 0
+
+
+def test_re_exporting_a_trace_of_one_block_requests_replays_as_the_trace(tmp_path: Path) -> None:
+    """Every request one hash id, none a whole block: the size the trace was read at was taken as its longest
+    prompt (300), not 512, so the export at 512 keyed blocks by their tokens: id 7's 300 and 200 tokens became
+    two blocks (1 hit of 3 where the trace's replay has 2)."""
+    trace, again = tmp_path / "t.jsonl", tmp_path / "again.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [7]},
+        {"timestamp": 1, "input_length": 200, "output_length": 1, "hash_ids": [7]},
+        {"timestamp": 2, "input_length": 300, "output_length": 1, "hash_ids": [7]},
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert _export_trace(trace, again) == 0
+    assert [json.loads(x)["hash_ids"] for x in again.read_text().splitlines()] == [[0], [0], [0]]
+    before, after = (replay(load_trace(p), 10, "lru") for p in (trace, again))
+    assert after.hit_blocks == before.hit_blocks == 2
+    # written at a size below the longest prompt, a block is its tokens (the 200 tokens are not the 300's block)
+    small = tmp_path / "small.jsonl"
+    assert _export_trace(trace, small, "--block-tokens", "250") == 0
+    assert [json.loads(x)["hash_ids"] for x in small.read_text().splitlines()] == [[0, 1], [2], [0, 1]]

@@ -111,10 +111,7 @@ class BlockIds:
 def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512) -> Iterator[dict[str, Any]]:
     """The Mooncake-format record of each request, sorted by arrival (see the module docstring)."""
     ordered = sorted(requests, key=lambda r: r.arrival_s)
-    read_at = max(
-        (c.length for r in ordered if r.block_ids is not None for c in r.prompt.chunks), default=None
-    )
-    ids = BlockIds(read_at)
+    ids = BlockIds(_trace_read_size(ordered, block_size))
     for r in ordered:
         ts = round(r.arrival_s * 1000.0, 3)
         # the format's bound (beyond it: `inf`, which json writes as `Infinity`, not JSON)
@@ -141,6 +138,27 @@ def mooncake_records(requests: Iterable[WorkloadRequest], block_size: int = 512)
         if why is not None:
             raise WorkloadError(f"request {r.request_id}: cannot be written in the trace format: {why}")
         yield rec
+
+
+def _trace_read_size(requests: Iterable[WorkloadRequest], block_size: int) -> int | None:
+    """The tokens per hash id the trace requests among ``requests`` were read at (``None``: no trace request).
+
+    A request of two or more ids has it as its first chunk's length. When every request has one id, it is
+    unknown but at least the longest prompt; written at a ``block_size`` of at least that, each request is one
+    block, its id, so ``block_size`` is taken. (The longest prompt was taken: a trace of one-block requests
+    written at 512 keyed its blocks by their tokens, and id 7's 300 and 200 tokens, one block to the replay,
+    were two in the export.)"""
+    longest = None
+    for r in requests:
+        if r.block_ids is None:
+            continue
+        chunks = r.prompt.chunks
+        if len(chunks) > 1:
+            return chunks[0].length
+        longest = max(longest or 0, chunks[0].length)
+    if longest is None:
+        return None
+    return block_size if longest <= block_size else longest
 
 
 def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any] | None:
