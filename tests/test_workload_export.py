@@ -10,10 +10,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvretain.cli import main
+from kvretain.core.hashing import BlockIdHasher
 from kvretain.core.retention import RetentionDirective
-from kvretain.replay import load_trace, replay, replay_requests
+from kvretain.replay import ReplayRequest, load_trace, replay, replay_requests
 from kvretain.workloads import WORKLOADS, TokenSeq, WorkloadError, WorkloadRequest, load_mooncake
 from kvretain.workloads.agent_pauses import AgentPausesConfig, generate_agent_pauses
 from kvretain.workloads.export import block_pieces, mooncake_records, write_mooncake
@@ -579,3 +582,139 @@ def test_re_exporting_a_trace_of_one_block_requests_replays_as_the_trace(tmp_pat
     small = tmp_path / "small.jsonl"
     assert _export_trace(trace, small, "--block-tokens", "250") == 0
     assert [json.loads(x)["hash_ids"] for x in small.read_text().splitlines()] == [[0, 1], [2], [0, 1]]
+
+
+# --- round trips (properties) -------------------------------------------------------------------------
+
+RT_BLOCK = 4  # tokens a block: small prompts span several blocks, partial ones included
+RT_SEEDS = range(1, 9)  # their first 16 tokens are 128 distinct tokens: equal tokens are equal pieces
+
+
+@st.composite
+def _rt_request(draw: st.DrawFn, i: int) -> WorkloadRequest:
+    parts = draw(st.lists(st.tuples(st.sampled_from(RT_SEEDS), st.integers(1, 16)), min_size=1, max_size=3))
+    prompt = TokenSeq(())
+    for seed, n in parts:
+        prompt = prompt + TokenSeq.seeded(seed, n)
+    cuts = sorted(draw(st.sets(st.integers(0, len(prompt)), max_size=4)))
+    ranges = [(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if a < b]
+    retention = tuple(
+        RetentionDirective(
+            a,
+            None if b == len(prompt) and draw(st.booleans()) else b,
+            draw(st.integers(0, 100)),
+            draw(st.none() | st.floats(0, 1e6)),
+        )
+        for a, b in ranges
+    )
+    return WorkloadRequest(
+        f"r{i}",
+        draw(st.integers(0, 10**9).map(lambda ms: ms / 1000) | st.floats(0, 1e6)),
+        prompt,
+        draw(st.integers(0, 50)),
+        priority=draw(st.integers(-(2**63), 2**63 - 1) | st.integers(-2, 2)),
+        retention=retention or None,
+        session_id=draw(st.none() | st.sampled_from(["s0", "s1", "é 会话"])),
+        cache_salt=draw(st.none() | st.sampled_from(["t0", "t1"])),
+        retention_scope=draw(st.none() | st.sampled_from(["scope"])),
+        decode_priority=draw(st.none() | st.integers(0, 100)),
+        decode_duration_s=draw(st.none() | st.floats(0, 1e6)),
+    )
+
+
+@st.composite
+def _rt_workload(draw: st.DrawFn) -> list[WorkloadRequest]:
+    return [draw(_rt_request(i)) for i in range(draw(st.integers(1, 8)))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=_rt_workload())
+def test_an_export_reads_back_as_its_requests_and_replays_as_their_tokens(
+    tmp_path: Path, reqs: list[WorkloadRequest]
+) -> None:
+    """Any workload, exported and read back: the same requests in arrival order (lengths, priorities, sessions,
+    salts, retention; timestamps in ms, to the microsecond), and two requests share their first k hash ids exactly
+    when they share their first k blocks of tokens under the same salt; so the export replays as the requests'
+    own token blocks do."""
+    path = tmp_path / "rt.jsonl"
+    assert write_mooncake(reqs, path, RT_BLOCK) == len(reqs)
+    records = read_trace(path, RT_BLOCK)
+    ordered = sorted(reqs, key=lambda r: r.arrival_s)
+    assert [(b.input_length, b.output_length, b.priority) for b in records] == [
+        (r.prompt_len, r.output_len, r.priority) for r in ordered
+    ]
+    assert [(b.session_id, b.cache_salt) for b in records] == [(r.session_id, r.cache_salt) for r in ordered]
+    assert [b.retention for b in records] == [r.retention_config() for r in ordered]
+    for b, r in zip(records, ordered, strict=True):
+        assert abs(b.timestamp_ms - r.arrival_s * 1000) <= 5e-4 + 1e-9 * r.arrival_s * 1000
+        if r.arrival_s * 1e6 == round(r.arrival_s * 1e6):  # a whole number of microseconds: exactly
+            assert b.arrival_s == r.arrival_s
+    # the ids are the blocks: a prefix of tokens (block by block, the partial last one included) and the salt
+    content: dict[int, tuple[str | None, tuple[int, ...]]] = {}
+    own: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    expected = []
+    hasher = BlockIdHasher()
+    for b, r in zip(records, ordered, strict=True):
+        toks = tuple(r.prompt.materialize())
+        ids = []
+        for k, h in enumerate(b.hash_ids):
+            block = (r.cache_salt, toks[: (k + 1) * RT_BLOCK])
+            assert content.setdefault(h, block) == block  # one id, one content
+            ids.append(own.setdefault(block, len(own)))
+        expected.append(
+            ReplayRequest(
+                tuple(hasher.block_keys(ids)),
+                b.timestamp_ms / 1000,
+                b.input_length,
+                r.priority,
+                r.retention_config(),
+            )
+        )
+    assert len(set(content.values())) == len(content)  # one content, one id
+    back = load_trace(path, block_tokens=RT_BLOCK)
+    for policy in ("lru", "priority", "unified"):
+        want, got = (replay(x, 6, policy, block_tokens=RT_BLOCK, record_hits=True) for x in (expected, back))
+        assert got.to_json() == want.to_json() and got.request_hits == want.request_hits
+
+
+@st.composite
+def _rt_trace(draw: st.DrawFn, max_ids: int) -> list[dict[str, object]]:
+    """Trace lines of ids 0..5 (an id under another parent is another block), prompts of up to ``RT_BLOCK``
+    tokens an id."""
+    rows: list[dict[str, object]] = []
+    for _ in range(draw(st.integers(1, 8))):
+        ids = draw(st.lists(st.integers(0, 5), min_size=1, max_size=max_ids))
+        row: dict[str, object] = {
+            "timestamp": draw(st.integers(0, 10**6).map(lambda x: x / 8)),
+            "input_length": draw(st.integers((len(ids) - 1) * RT_BLOCK + 1, len(ids) * RT_BLOCK)),
+            "output_length": draw(st.integers(0, 9)),
+            "hash_ids": ids,
+            "priority": draw(st.integers(-2, 2)),
+        }
+        for key, values in (("session_id", ["s0", "s1"]), ("cache_salt", ["t0", "t1"])):
+            if draw(st.booleans()):
+                row[key] = draw(st.sampled_from(values))
+        if draw(st.booleans()):
+            row["retention"] = [{"start": 0, "end": draw(st.none() | st.integers(1, 3)), "priority": 90}]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("read_at", [RT_BLOCK, 512])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_re_exported_trace_replays_as_the_trace(tmp_path: Path, read_at: int, data: st.DataObject) -> None:
+    """A Mooncake trace read (``load_mooncake``) and written at the tokens per id it was read at replays as the
+    trace, request by request. At 512 every prompt is one id of at most 4 tokens (the size read at is no chunk's
+    length: each chunk is a partial block)."""
+    rows = data.draw(_rt_trace(4 if read_at == RT_BLOCK else 1))
+    trace, again = tmp_path / "t.jsonl", tmp_path / "again.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_mooncake(load_mooncake(trace, read_at), again, read_at)
+    before, after = (load_trace(p, block_tokens=read_at) for p in (trace, again))
+    assert [(r.timestamp_s, r.input_length, r.priority, r.retention) for r in after] == [
+        (r.timestamp_s, r.input_length, r.priority, r.retention) for r in before
+    ]
+    for policy in ("lru", "priority", "unified"):
+        want, got = (replay(x, 5, policy, block_tokens=read_at, record_hits=True) for x in (before, after))
+        assert got.to_json() == want.to_json() and got.request_hits == want.request_hits
