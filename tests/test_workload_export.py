@@ -718,3 +718,27 @@ def test_a_re_exported_trace_replays_as_the_trace(tmp_path: Path, read_at: int, 
     for policy in ("lru", "priority", "unified"):
         want, got = (replay(x, 5, policy, block_tokens=read_at, record_hits=True) for x in (before, after))
         assert got.to_json() == want.to_json() and got.request_hits == want.request_hits
+
+
+def test_an_infinite_retention_duration_is_refused_by_name_not_by_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a duration of 1e300 s at --time-scale 1e10 is inf, which the core takes and JSON cannot hold: the export
+    # ended "error: Out of range float values are not JSON compliant", naming no request and no field
+    trace, out = tmp_path / "t.jsonl", tmp_path / "x.jsonl"
+    directive = {"start": 0, "end": None, "priority": 80, "duration_s": 1e300}
+    line = {
+        "timestamp": 0,
+        "input_length": 600,
+        "output_length": 1,
+        "hash_ids": [1, 2],
+        "retention": [directive],
+    }
+    trace.write_text(json.dumps(line) + "\n")
+    assert _export_trace(trace, out, "--time-scale", "1e10") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "request mooncake-1: retention directive 0's duration_s inf s" in err[0], err
+    assert not out.exists()
+    decode = _req("d", TokenSeq.seeded(1, 8), decode_priority=50, decode_duration_s=float("inf"))
+    with pytest.raises(WorkloadError, match="request d: retention decode_duration_s inf s"):
+        list(mooncake_records([decode]))

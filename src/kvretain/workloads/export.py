@@ -33,6 +33,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -166,6 +167,17 @@ def _retention_field(r: WorkloadRequest) -> list[dict[str, Any]] | dict[str, Any
     cfg = r.retention_config()
     if cfg is None:
         return None
+    for what, seconds in (
+        *((f"directive {i}'s duration_s", d.duration_s) for i, d in enumerate(cfg.directives)),
+        ("decode_duration_s", cfg.decode_duration_s),
+    ):
+        if seconds is not None and not math.isfinite(
+            seconds
+        ):  # (JSON has no Infinity: json.dumps failed naming nothing)
+            raise WorkloadError(
+                f"request {r.request_id}: retention {what} {seconds} s is beyond the trace format's numbers (null is no "
+                "expiry; a smaller --time-scale?)"
+            )
     directives = [d.to_dict() for d in cfg.directives]
     extra: dict[str, Any] = {
         "scope": cfg.scope,
