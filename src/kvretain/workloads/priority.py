@@ -178,7 +178,8 @@ def longest_rule(
     """The longest conversations are the important ones: the top ``fraction`` of sessions (``session_key``),
     ranked by number of turns, then total prompt tokens.
 
-    ``round(fraction * sessions)`` sessions are chosen; ties at the cut are broken by first appearance.
+    ``round(fraction * sessions)`` sessions are chosen, Python's ``round``: a half goes to the even count (0.25 of
+    10 sessions picks 2, of 6 picks 2, of 2 picks none); ties at the cut are broken by first appearance.
     """
     _check_fraction(fraction)
     turns: Counter[str | int] = Counter()
