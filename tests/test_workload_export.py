@@ -647,7 +647,7 @@ def test_an_export_reads_back_as_its_requests_and_replays_as_their_tokens(
     assert [b.retention for b in records] == [r.retention_config() for r in ordered]
     for b, r in zip(records, ordered, strict=True):
         assert abs(b.timestamp_ms - r.arrival_s * 1000) <= 5e-4 + 1e-9 * r.arrival_s * 1000
-        if r.arrival_s * 1e6 == round(r.arrival_s * 1e6):  # a whole number of microseconds: exactly
+        if r.arrival_s == round(r.arrival_s * 1000) / 1000:  # a whole number of milliseconds: exactly
             assert b.arrival_s == r.arrival_s
     # the ids are the blocks: a prefix of tokens (block by block, the partial last one included) and the salt
     content: dict[int, tuple[str | None, tuple[int, ...]]] = {}
