@@ -25,7 +25,10 @@ size). A block's id is the number of the distinct ``(parent id, pieces)`` it is,
 first appearance: two requests share their first k ids exactly when they share their first k blocks
 (``cache_salt`` keys the first block). Ids are exact (a dict, no hash collisions) and deterministic. A block of a
 request read from a trace keeps that trace's identity: its id is the block, whole or partial (as the replay keys
-it), so a re-exported trace replays as the trace.
+it), so a re-exported trace replays as the trace. Its ids are numbered anew, though: the rules that read an id's
+value (``reference``: ``hash_ids[1] % 4``; ``by-session``: a hash of it) pick other conversations on the export
+than on the trace (``[0, 8]`` is important to ``reference``, its export ``[0, 1]`` is not); give the rule to the
+export (``--priority-rule``), which writes the priorities it picks on the trace.
 """
 
 from __future__ import annotations
