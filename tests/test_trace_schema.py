@@ -107,6 +107,15 @@ def test_blank_lines_and_a_byte_order_mark(tmp_path: Path) -> None:
     assert [r.request_id for r in load_mooncake(path)] == ["mooncake-1", "mooncake-4"]
 
 
+def test_a_byte_order_mark_past_the_first_line_is_named(tmp_path: Path) -> None:
+    # two files joined (`cat a.jsonl b.jsonl`), the second with a byte-order mark: the error said "not valid JSON
+    # (Expecting value at column 1)", of a character no editor shows
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(rec([1])) + "\n\ufeff" + json.dumps(rec([2])) + "\n")
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: a byte-order mark \(U\+FEFF\) starts the line"):
+        read_trace(path)
+
+
 # ---------------------------------------------------------------------------------------------- defect 8
 def test_out_of_order_timestamps_are_sorted_stably_in_both(tmp_path: Path) -> None:
     rows = [

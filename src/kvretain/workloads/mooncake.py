@@ -243,6 +243,11 @@ def parse_trace_line(
             text = raw
         if lineno == 1:
             text = text.lstrip("\ufeff")
+        elif text.startswith("\ufeff"):  # (invisible: JSON's error was "Expecting value at column 1")
+            raise _LineError(
+                "a byte-order mark (U+FEFF) starts the line; only the file's first line may have one "
+                "(two files joined?)"
+            )
         if not text.strip(" \t\r\n"):  # JSON's whitespace only: a line of U+00A0 is no blank line
             return None
         return _record(_loads(text), lineno, block_tokens)
