@@ -266,6 +266,45 @@ def test_replay_sessions_beyond_memory_are_refused_before_generating(
     assert "more than the 1.0 GiB available" in msg
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "--capacity-blocks", "1e300", "--policy", "lru"],
+        ["replay", "--sessions", "1e300", "--policy", "lru"],
+        ["simulate", "--kv-blocks", "1e300", "--replicas", "2", "--router", "round-robin"],
+        ["simulate", "--replicas", "1e300", "--kv-blocks", "100"],
+        ["workload", "export", "multi-tenant", "--out", "OUT", "--option", "duration_s=1e300"],
+    ],
+)
+def test_a_count_of_hundreds_of_digits_is_refused_in_a_readable_line(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # an integer option accepts 1e300 (as 1e6 for a million): the memory check refused it, but its one line
+    # spelled the count and the bytes out in full, 300 digits each with their commas (700+ characters)
+    import re
+
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    argv = [str(tmp_path / "t.jsonl") if a == "OUT" else a for a in argv]
+    assert main([*argv, "--no-progress"] if argv[0] != "workload" else argv) == 2
+    msg = one_line(capsys, "kvretain ")
+    assert "need about" in msg and "more than the 1.0 GiB available" in msg, msg
+    assert not re.search(r"\d[\d,]{20}", msg), msg  # no number of more than a dozen digits
+    assert "e+" in msg.split("need about")[1].split("of memory")[0], msg  # the bytes in powers of ten
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_human_bytes_and_counts_stay_short() -> None:
+    from kvretain.core.memory import human_bytes, human_count
+
+    assert human_bytes(1536) == "1.5 KiB" and human_count(1234) == "1,234"  # the usual forms are kept
+    assert human_count(100000, grouped=False) == "100000"
+    for n in (1e18, 1e30, 1e300, 10**300):
+        assert len(human_bytes(n)) <= 16 and len(human_count(n)) <= 10, (human_bytes(n), human_count(n))
+        assert float(human_count(n)) == pytest.approx(float(n), rel=1e-2)
+
+
 # ---------------------------------------------------------------- simulate --catalog
 def test_a_binary_catalog_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cat = tmp_path / "models.toml"

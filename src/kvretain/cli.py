@@ -34,7 +34,7 @@ from kvretain.cli_args import (
     stdout_closed,
     trace_arg,
 )
-from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits
+from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits, check_pool_fits, human_count
 from kvretain.core.policy import POLICIES, PolicyConfig, policy_names
 from kvretain.core.retention import RetentionError
 from kvretain.replay import (
@@ -95,7 +95,7 @@ def check_replay(args: argparse.Namespace) -> None:
     sessions = args.sessions or DEFAULT_SESSIONS
     if sessions > UNMEASURED_MULTIPLE * SAMPLE_SESSIONS:
         per = synthetic_bytes_per_session(args.seed)
-        count, each = f"{sessions:,} sessions", f"{per:,.0f} bytes per session"
+        count, each = f"{human_count(sessions)} sessions", f"{per:,.0f} bytes per session"
         check_fits(per * sessions, "argument --sessions", count, each, "sessions")
 
 

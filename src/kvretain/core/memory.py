@@ -104,14 +104,24 @@ def available_memory_bytes() -> int | None:
     return avail
 
 
+def human_count(n: float, grouped: bool = True) -> str:
+    """A count ``n`` for a message: its digits (with thousands separators when ``grouped``) below 10**15, in powers
+    of ten beyond (``"1.00e+300"``): an integer option given as ``1e300`` is a count of 301 digits, which made the
+    one-line error that refuses it several hundred characters long."""
+    if n < 1e15:
+        return f"{n:,.0f}" if grouped else f"{n:.0f}"
+    return f"{n:.2e}"
+
+
 def human_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit under 1,024 of it (``"1.5 GiB"``); ``"an unbounded amount"`` for an infinite
-    or NaN ``n`` (a size computed from a setting of 1e308)."""
+    """``n`` bytes in the largest binary unit under 1,024 of it (``"1.5 GiB"``); a million PiB or more in powers of
+    ten (``"1.06e+282 PiB"``, not 282 digits); ``"an unbounded amount"`` for an infinite or NaN ``n`` (a size
+    computed from a setting of 1e308)."""
     if n != n or n == float("inf"):
         return "an unbounded amount"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
-            return f"{n:,.1f} {unit}"
+            return f"{n:,.1f} {unit}" if n < 1e6 else f"{n:.2e} {unit}"
         n /= 1024
     return f"{n:,.1f} PiB"  # pragma: no cover - the loop always returns
 
@@ -131,7 +141,8 @@ def check_pool_fits(
     if avail is None or num_blocks * pools <= SAMPLE_BLOCKS:  # all the pools: many small ones add up
         return
     per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
-    count = f"{num_blocks:,} blocks" + (f" x {pools} {pools_are}" if pools > 1 else "")
+    count = f"{human_count(num_blocks)} blocks"
+    count += f" x {human_count(pools, grouped=False)} {pools_are}" if pools > 1 else ""
     check_fits(per * num_blocks * pools, what, count, f"{per:,.0f} bytes per block under {name!r}", "blocks")
 
 

@@ -95,6 +95,7 @@ def check_size(name: str, config: Any) -> None:
         (size.spans, default.spans),
     )
     from kvretain.core.memory import UNMEASURED_MULTIPLE, check_fits
+    from kvretain.core.memory import human_count as _count  # (1e308 asks for a count of 300 digits)
 
     if all(v <= UNMEASURED_MULTIPLE * max(d, 1.0) for v, d in pairs):
         return
@@ -110,12 +111,6 @@ def check_size(name: str, config: Any) -> None:
     )
     unit += "after they are generated)"
     check_fits(need, f"{name} config", count, per, unit)
-
-
-def _count(n: float) -> str:
-    """``n`` for a message: with thousands separators up to 10**12, in powers of ten beyond (a rate or duration
-    of 1e308 asks for a count of 300 digits)."""
-    return f"{n:,.0f}" if n < 1e12 else f"{n:.2e}"
 
 
 @functools.cache
