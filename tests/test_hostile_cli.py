@@ -305,6 +305,31 @@ def test_human_bytes_and_counts_stay_short() -> None:
         assert float(human_count(n)) == pytest.approx(float(n), rel=1e-2)
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--tp", "3"], "argument --tp: tp=3 must be >= 1 and divide n_q_heads=32 (model llama-3-8b)"),
+        # (the catalog's bound on a model's tp)
+        (["--tp", "1e300"], "argument --tp: must be an integer in [1, 1024], got 1e300"),
+        (["--model", "gpt-9"], "argument --model: unknown model 'gpt-9'; known: "),
+        (["--gpu", "tpu-9"], "argument --gpu: unknown GPU 'tpu-9'; known: "),
+    ],
+)
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_model_gpu_or_tp_the_catalog_cannot_serve_is_named_by_its_option(
+    command: str, argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "tp=3 must be >= 1 and divide n_q_heads=32" and "unknown model 'gpt-9'" named no option (every other bad
+    # value's line does), and --tp 1e300 was accepted by the parser and printed as a 301-digit tp= in that line
+    out = tmp_path / "rep"
+    extra = ["--out", str(out)] if command == "compare" else []
+    assert main([command, *argv, "--limit", "5", "--no-progress", *extra]) == 2
+    msg = one_line(capsys, f"kvretain {command}: error: ")
+    assert msg.startswith(f"kvretain {command}: error: {says}"), msg
+    assert len(msg) < 200, msg
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- simulate --catalog
 def test_a_binary_catalog_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cat = tmp_path / "models.toml"

@@ -36,8 +36,8 @@ from kvretain.cli_args import (
 )
 from kvretain.core.memory import check_pool_fits
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
-from kvretain.engine.sim.catalog import Catalog, load_catalog
-from kvretain.engine.sim.costmodel import COST_MODELS, is_cost_model_file
+from kvretain.engine.sim.catalog import Catalog, builtin_catalog, load_catalog
+from kvretain.engine.sim.costmodel import COST_MODELS, CostModel, is_cost_model_file
 from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import DEFAULT_GPU_MEM_UTIL, MAX_FRONTEND_S, SimConfig, Simulation
@@ -154,7 +154,9 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     h = p.add_argument_group("hardware")
     h.add_argument("--model", default="llama-3-8b", help="model from the catalog (default llama-3-8b)")
     h.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (default h100-sxm)")
-    h.add_argument("--tp", type=integer(1), default=None, help="tensor parallelism (default: the model's)")
+    h.add_argument(
+        "--tp", type=integer(1, 1024), default=None, help="tensor parallelism, 1..1024 (default: the model's)"
+    )
     h.add_argument(
         "--catalog",
         type=path_arg("a TOML file, or leave the option out"),
@@ -334,7 +336,7 @@ def check_sim(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise ValueError(f"argument {flag}: {exc}") from None
     cfg = cfgs[0]
-    blocks = cfg.blocks_per_replica(cfg.cost())
+    blocks = cfg.blocks_per_replica(_cost_model(cfg, args.tp is not None))
     if blocks < 1:  # only from the cost model (--kv-blocks is >= 1): the room left holds no whole block
         tokens = cfg.cost().kv_capacity_tokens(cfg.gpu_mem_utilization)
         raise ValueError(
@@ -346,6 +348,23 @@ def check_sim(args: argparse.Namespace) -> None:
         "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
     )
     check_replicas_fit(cfg, policies, what)
+
+
+def _cost_model(cfg: SimConfig, tp_given: bool) -> CostModel:
+    """``cfg``'s cost model, with a model or GPU the catalog does not hold, or a ``--tp`` the model cannot be
+    split by, named by its option (they said "unknown model 'x'" and "tp=3 must ... divide n_q_heads=32")."""
+    cat = cfg.catalog or builtin_catalog()
+    for flag, find, name in (("--model", cat.model, cfg.model), ("--gpu", cat.gpu, cfg.gpu)):
+        try:
+            find(name)
+        except KeyError as e:
+            raise ValueError(f"argument {flag}: {e.args[0]}") from None
+    try:
+        return cfg.cost()
+    except ValueError as e:
+        if not tp_given:  # (a catalog's own tp is checked where the catalog is read)
+            raise
+        raise ValueError(f"argument --tp: {e} (model {cfg.model})") from None
 
 
 def check_replicas_fit(cfg: SimConfig, policies: Sequence[str], what: str, at_once: int = 1) -> None:
