@@ -178,6 +178,16 @@ def test_workload_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "retrieval-scan" in capsys.readouterr().out
 
 
+def test_workload_without_its_command_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    # a bare `kvretain workload` said "the following arguments are required: workload_command": the parser's
+    # internal name of the choice, which no --help shows
+    assert main(["workload"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("kvretain workload: error: ") and "{export,list}" in err, err
+    assert "workload_command" not in err, err
+
+
 # --- generators -----------------------------------------------------------------------------------
 
 

@@ -132,7 +132,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: Any) -> None:
     w = sub.add_parser("workload", help="list workloads or export one as a Mooncake-format trace")
-    wsub = w.add_subparsers(dest="workload_command", required=True)
+    # (the metavar names the choices in the error of a bare `kvretain workload`, which named the dest)
+    wsub = w.add_subparsers(dest="workload_command", required=True, metavar="{export,list}")
     e = wsub.add_parser(
         "export",
         help="write a workload in the Mooncake replay format (priority, session_id, retention kept)",
