@@ -233,6 +233,37 @@ def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, figures: li
     assert list(two.get_xdata()) == [0.1, 0.3] and two.get_drawstyle() == "steps-post"
 
 
+def test_the_ttft_cdf_shows_shares_from_0_to_1(tmp_path: Path, figures: list[Any]) -> None:
+    # a class with one finished request (`compare` of a one-request trace): its lone point at share 1.0 got an
+    # axis of 0.96-1.04, shares above 1 and none of the scale below
+    from kvretain.cli_sim import _plots
+
+    results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
+    _plots(tmp_path, results, {"lru": {"0": [0.5], "2": [0.1, 0.3, 0.7]}}, ["lru"])
+    for ax in figures[0].axes:
+        low, high = ax.get_ylim()
+        assert low <= 0.0 and 1.0 <= high <= 1.1, (ax.get_title(), low, high)
+
+
+def test_a_panel_with_no_finished_request_says_why(tmp_path: Path, figures: list[Any]) -> None:
+    # `compare --kv-blocks 1`: every request rejected at admission, and the report's TTFT CDF and trade-off panels
+    # were bare frames (a legend over nothing, in the trade-off panel), with no word of why
+    from kvretain.cli_sim import _plots
+
+    results = [_fake_result("lru", None, 3.0, 1_000_000), _fake_result("unified-b0.5", 0.5, 2.0, 1_100_000)]
+    for r in results:
+        r["classes"]["0"].update(ttft_mean_s=None, ttft_p99_s=None, hit_rate=None, rejected=7)
+    _plots(tmp_path, results, {"lru": {"2": [0.1, 0.3]}}, ["lru"])
+    c0, c2 = figures[0].axes
+    assert [t.get_text() for t in c2.texts] == []  # (a panel with its line says nothing more)
+    (note,) = [t.get_text() for t in c0.texts]
+    assert "no class 0 request finished" in note and "7 rejected" in note, note
+    left = figures[-1].axes[0]
+    assert any("no class 0 request finished" in t.get_text() for t in left.texts), [
+        t.get_text() for t in left.texts
+    ]
+
+
 def _tick_labels(fig: Any, ax: Any) -> list[tuple[str, Any]]:
     """The x tick labels a reader sees on ``ax`` (drawn, non-empty, inside the panel's width), left to right,
     with their boxes."""

@@ -694,6 +694,17 @@ def _bar_values(
     return [v / base if base and v is not None else math.nan for v in (_stat(r, c, key) for r in results)]
 
 
+NOTE: dict[str, Any] = {"ha": "center", "va": "center", "fontsize": 10, "color": "0.35"}
+"""How a panel with nothing to draw says why."""
+
+
+def _why_none(results: Sequence[dict[str, Any]], c: str) -> str:
+    """Why class ``c`` has no TTFT in any of ``results``: its requests rejected at admission (the pool or the
+    token budget holds none of them), or none sent."""
+    rejected = max((int(r["classes"].get(c, {}).get("rejected") or 0) for r in results), default=0)
+    return f"({rejected:,} rejected at admission: see summary.md)" if rejected else "(none sent)"
+
+
 def _plots(
     out: Path,
     results: Sequence[dict[str, Any]],
@@ -749,7 +760,18 @@ def _plots(
         ax.set_title(f"class {c}: TTFT CDF")
         ax.set_xlabel("TTFT (s, log scale; further left is better)")
         ax.set_ylabel("share of requests")
+        # NOTE: a share runs from 0 to 1: left to matplotlib, a class with one request (its lone point at 1.0)
+        # got an axis of 0.96-1.04, shares above 1 and none of the scale below
+        ax.set_ylim(0.0, 1.05)
         plain(ax.yaxis)
+        if not ax.get_lines():  # every request of the class rejected in every run: say so, not a bare frame
+            ax.text(
+                0.5,
+                0.5,
+                f"no class {c} request finished\n{_why_none(results, c)}",
+                **NOTE,
+                transform=ax.transAxes,
+            )
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
@@ -805,6 +827,14 @@ def _plots(
             zorder=3,
             color=colors[i % len(colors)],
             label=r["label"],
+        )
+    if all(_stat(r, c0, "ttft_mean_s") is None for r in results):  # nothing to place on either axis
+        left.text(
+            0.5,
+            0.5,
+            f"no class {c0} request finished\n{_why_none(results, c0)}",
+            **NOTE,
+            transform=left.transAxes,
         )
     left.set_xlabel(f"class {low}: recomputed prompt tokens (millions; lower is better)")
     left.set_ylabel(f"class {c0} mean TTFT (s; lower is better)")
