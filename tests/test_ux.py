@@ -233,6 +233,21 @@ def test_a_class_with_one_ttft_is_visible_in_the_cdf(tmp_path: Path, figures: li
     assert list(two.get_xdata()) == [0.1, 0.3] and two.get_drawstyle() == "steps-post"
 
 
+def test_a_lone_ttft_that_coincides_with_another_policys_stays_visible(
+    tmp_path: Path, figures: list[Any]
+) -> None:
+    # `compare` of a one-request trace: lru, priority and unified each drew its lone TTFT as a marker of one size
+    # at the same point, and only unified's (drawn last) showed
+    from kvretain.cli_sim import _plots
+
+    policies = ["lru", "priority", "unified"]
+    results = [_fake_result(p, None, 3.0, 1_000_000) for p in policies]
+    _plots(tmp_path, results, {p: {"0": [0.18], "2": [0.1, 0.3]} for p in policies}, policies)
+    marks = {ln.get_label(): ln for ln in figures[0].axes[0].get_lines()}
+    sizes = [marks[p].get_markersize() for p in policies]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3, sizes
+
+
 def test_the_ttft_cdf_shows_shares_from_0_to_1(tmp_path: Path, figures: list[Any]) -> None:
     # a class with one finished request (`compare` of a one-request trace): its lone point at share 1.0 got an
     # axis of 0.96-1.04, shares above 1 and none of the scale below

@@ -749,11 +749,12 @@ def _plots(
             v = sorted(ttfts.get(label, {}).get(c, []))
             if v:  # the empirical CDF: a step at each request, flat between (no TTFT between two samples)
                 shares = [(k + 1) / len(v) for k in range(len(v))]
-                # (a step line of one point draws nothing: a lone TTFT gets a marker)
-                one = {"marker": "o"} if len(v) == 1 else {}
                 # wide to narrow in drawing order: a policy whose TTFTs are another's (unified often runs as
                 # lru) leaves the earlier one's line showing on both sides of its own
                 lw = 1.2 + 0.9 * (len(policies) - 1 - i)
+                # (a step line of one point draws nothing: a lone TTFT gets a marker, large to small as the
+                # lines, so that a later policy's marker on the same TTFT rings an earlier one's, not hides it)
+                one = {"marker": "o", "ms": 5.0 + 3.0 * (len(policies) - 1 - i)} if len(v) == 1 else {}
                 ax.step(v, shares, where="post", label=label, color=colors[i % len(colors)], lw=lw, **one)
         ax.set_xscale("log")
         plain_log_ticks(ax.xaxis)
