@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,14 +175,18 @@ def _fake_result(label: str, budget: float | None, c0_mean: float, paid: int) ->
 
 
 @pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The matplotlib figures the code under test closes (drawn, not shown), in order: their axes are read back."""
+def figures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """The matplotlib figures the code under test closes (drawn, not shown), in order: their axes are read back;
+    closed after the test (kept open, they added up to matplotlib's warning of more than 20 open figures)."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
+    close = plt.close
     drawn: list[Any] = []
     monkeypatch.setattr(plt, "close", drawn.append)
-    return drawn
+    yield drawn
+    for fig in drawn:
+        close(fig)
 
 
 def test_frontier_plot_is_honest(tmp_path: Path, figures: list[Any]) -> None:
@@ -246,6 +251,51 @@ def test_a_lone_ttft_that_coincides_with_another_policys_stays_visible(
     marks = {ln.get_label(): ln for ln in figures[0].axes[0].get_lines()}
     sizes = [marks[p].get_markersize() for p in policies]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3, sizes
+
+
+def test_a_dozen_classes_fit_the_report_figures(tmp_path: Path, figures: list[Any]) -> None:
+    # `compare` of a trace with priorities 0-11: the TTFT CDFs were one row of 12 panels (6,000 px wide), the bar
+    # panels' 12-column legends ran over the neighbouring panels and the bars (matplotlib warned on stderr that
+    # tight_layout could not apply), and classes 10 and 11 had the bar colours of classes 0 and 1
+    import warnings
+
+    from matplotlib.colors import to_rgba
+
+    from kvretain.cli_sim import _plots
+
+    classes = [str(c) for c in range(12)]
+
+    def result(label: str, budget: float | None, scale: float) -> dict[str, Any]:
+        per = {
+            c: {"ttft_mean_s": scale * (1 + k % 5), "recomputed_tokens": 1000 * k, "hit_rate": 0.05 * k}
+            for k, c in enumerate(classes)
+        }
+        per["5"]["ttft_mean_s"] = (
+            1.7 * scale * (1 + 5 % 5) * (2.0 if budget else 1.0)
+        )  # a tall bar under the legend
+        return {"label": label, "budget": budget, "output_tokens_per_s": 1.0, "hit_rate": 0.5, "classes": per}
+
+    results = [result("lru", None, 1.0), result("unified", None, 1.0), result("unified-b0.5", 0.5, 1.0)]
+    ttfts = {"lru": {c: [0.1, 0.2 * (k + 1)] for k, c in enumerate(classes)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the tight_layout warning reached the user's terminal)
+        _plots(tmp_path, results, ttfts, ["lru", "unified"])
+    cdf = figures[0]
+    shown = [ax for ax in cdf.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == [f"class {c}: TTFT CDF" for c in classes]
+    width, height = cdf.get_size_inches()
+    assert width <= 20 and width / height <= 3, (width, height)  # in rows, not one strip
+    fig = figures[-1]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[1:]:
+        legend = ax.get_legend()
+        box, panel = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1, (ax.get_title(), box, panel)
+        bars = [b for b in ax.patches if b.get_height() > 0]
+        assert not any(box.overlaps(b.get_window_extent(renderer)) for b in bars), ax.get_title()
+        shades = {to_rgba(h.get_facecolor()) for h in legend.legend_handles}
+        assert len(shades) == len(classes), ax.get_title()
 
 
 def test_the_ttft_cdf_shows_shares_from_0_to_1(tmp_path: Path, figures: list[Any]) -> None:

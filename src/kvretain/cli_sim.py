@@ -694,6 +694,11 @@ def _bar_values(
     return [v / base if base and v is not None else math.nan for v in (_stat(r, c, key) for r in results)]
 
 
+CDF_COLUMNS = 4
+"""Panels in a row of the TTFT CDF figure (one a class)."""
+LEGEND_COLUMNS = 4
+"""Classes in a row of the bar panels' legends."""
+
 NOTE: dict[str, Any] = {"ha": "center", "va": "center", "fontsize": 10, "color": "0.35"}
 """How a panel with nothing to draw says why."""
 
@@ -735,6 +740,13 @@ def _plots(
     classes = _classes(results)
     c0 = classes[0] if classes else "0"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # one colour a class in the bars: the default cycle has 10, and class 10's bars were class 0's blue
+    if len(classes) <= len(colors):
+        shades = list(colors)
+    elif len(classes) <= 20:
+        shades = [plt.get_cmap("tab20")(k) for k in range(len(classes))]
+    else:
+        shades = [plt.get_cmap("turbo")(k / (len(classes) - 1)) for k in range(len(classes))]
     # (in budget order: the line joins neighbouring budgets, whatever order --budgets gave them in)
     front = sorted(
         (r for r in results if r["label"].startswith("unified-b")), key=lambda r: float(r["budget"])
@@ -743,8 +755,13 @@ def _plots(
     written: list[str] = []
 
     # 1. TTFT distribution per class
-    fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
-    for ax, c in zip(axes[0], classes, strict=True):
+    # NOTE: in rows of at most CDF_COLUMNS panels: a trace with a dozen priorities drew one row 6,000 px wide
+    cols = max(1, min(len(classes), CDF_COLUMNS))
+    rows = max(1, math.ceil(len(classes) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(classes) :]:  # (the last row's spare places)
+        ax.set_visible(False)
+    for ax, c in zip(axes.flat, classes, strict=False):
         for i, label in enumerate(policies):
             v = sorted(ttfts.get(label, {}).get(c, []))
             if v:  # the empirical CDF: a step at each request, flat between (no TTFT between two samples)
@@ -852,7 +869,7 @@ def _plots(
         for j, c in enumerate(classes):
             vals = _bar_values(results, ref if relative else None, c, key)
             xs = [i + (j - (len(classes) - 1) / 2) * width for i in range(len(results))]
-            ax.bar(xs, vals, width, label=f"class {c}", color=colors[j % len(colors)])
+            ax.bar(xs, vals, width, label=f"class {c}", color=shades[j])
             # (a bar of 0 and no bar at all both draw nothing: each is said)
             for x, v in zip(xs, vals, strict=True):
                 if math.isnan(v) or v == 0:
@@ -864,15 +881,19 @@ def _plots(
                         ha="center",
                         va="bottom",
                         fontsize=7,
-                        color="0.4" if math.isnan(v) else colors[j % len(colors)],
+                        color="0.4" if math.isnan(v) else shades[j],
                     )
         ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=30, ha="right", fontsize=8)
         if relative:
             ax.axhline(1.0, color="black", lw=0.8)
         plain(ax.yaxis)
-        ax.set_ylim(0, 1.2 * max([1.0, *(h for b in ax.patches if not math.isnan(h := b.get_height()))]))
+        # (a dozen classes in one legend row ran over the neighbouring panels: rows of LEGEND_COLUMNS, each row
+        # more room above the bars for it)
+        legend_rows = math.ceil(len(classes) / LEGEND_COLUMNS) if classes else 1
+        top = max([1.0, *(h for b in ax.patches if not math.isnan(h := b.get_height()))])
+        ax.set_ylim(0, (1.2 + 0.1 * (legend_rows - 1)) * top)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8, ncol=len(classes), loc="upper center")
+        ax.legend(fontsize=8, ncol=min(len(classes), LEGEND_COLUMNS), loc="upper center")
 
     bars(mid, "hit_rate", relative=False)
     mid.set_ylabel("prefix-cache hit ratio (higher is better)")
