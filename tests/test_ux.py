@@ -298,6 +298,41 @@ def test_a_dozen_classes_fit_the_report_figures(tmp_path: Path, figures: list[An
         assert len(shades) == len(classes), ax.get_title()
 
 
+def test_classes_beyond_a_legend_are_told_apart_by_a_colour_scale(tmp_path: Path, figures: list[Any]) -> None:
+    # a trace whose requests each carry their own priority (300 classes): each bar panel's legend of 300 entries
+    # ran off the figure over the panels beside it, and matplotlib's tight_layout warning reached stderr
+    import warnings
+
+    from kvretain.cli_sim import _plots
+
+    classes = [str(c) for c in range(30)]
+
+    def result(label: str, budget: float | None) -> dict[str, Any]:
+        per = {
+            c: {"ttft_mean_s": 1.0 + k, "recomputed_tokens": k, "hit_rate": 0.02 * k}
+            for k, c in enumerate(classes)
+        }
+        return {"label": label, "budget": budget, "output_tokens_per_s": 1.0, "hit_rate": 0.5, "classes": per}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _plots(tmp_path, [result("lru", None), result("unified-b0.5", 0.5)], {}, ["lru"])
+    fig = figures[-1]
+    _, mid, right, *scales = fig.axes
+    assert mid.get_legend() is None and right.get_legend() is None
+    assert len(scales) == 2  # a colour scale beside each bar panel, its ends named
+    for scale in scales:
+        assert [t.get_text() for t in scale.get_yticklabels()] == [
+            f"class {classes[0]}",
+            f"class {classes[-1]}",
+        ]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    width = fig.bbox.width
+    assert all(b.x0 >= 0 and b.x1 <= width for b in boxes), [(b.x0, b.x1) for b in boxes]
+
+
 def test_the_ttft_cdf_shows_shares_from_0_to_1(tmp_path: Path, figures: list[Any]) -> None:
     # a class with one finished request (`compare` of a one-request trace): its lone point at share 1.0 got an
     # axis of 0.96-1.04, shares above 1 and none of the scale below

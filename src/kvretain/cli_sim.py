@@ -698,6 +698,8 @@ CDF_COLUMNS = 4
 """Panels in a row of the TTFT CDF figure (one a class)."""
 LEGEND_COLUMNS = 4
 """Classes in a row of the bar panels' legends."""
+LEGEND_CLASSES = 20
+"""Most classes the bar panels list in a legend; more are told apart by a colour scale."""
 
 NOTE: dict[str, Any] = {"ha": "center", "va": "center", "fontsize": 10, "color": "0.35"}
 """How a panel with nothing to draw says why."""
@@ -722,6 +724,8 @@ def _plots(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
         from matplotlib.ticker import ScalarFormatter
 
         from kvretain.plotting import plain_log_ticks
@@ -888,12 +892,20 @@ def _plots(
             ax.axhline(1.0, color="black", lw=0.8)
         plain(ax.yaxis)
         # (a dozen classes in one legend row ran over the neighbouring panels: rows of LEGEND_COLUMNS, each row
-        # more room above the bars for it)
-        legend_rows = math.ceil(len(classes) / LEGEND_COLUMNS) if classes else 1
+        # more room above the bars for it; beyond LEGEND_CLASSES a colour scale, as a legend of 300 entries ran
+        # off the figure)
+        listed = len(classes) <= LEGEND_CLASSES
+        legend_rows = math.ceil(len(classes) / LEGEND_COLUMNS) if classes and listed else 1
         top = max([1.0, *(h for b in ax.patches if not math.isnan(h := b.get_height()))])
         ax.set_ylim(0, (1.2 + 0.1 * (legend_rows - 1)) * top)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8, ncol=min(len(classes), LEGEND_COLUMNS), loc="upper center")
+        if listed:
+            ax.legend(fontsize=8, ncol=min(len(classes), LEGEND_COLUMNS), loc="upper center")
+        else:
+            scale = ScalarMappable(Normalize(0, len(classes) - 1), plt.get_cmap("turbo"))
+            bar = fig.colorbar(scale, ax=ax, pad=0.01)
+            ends = [0, len(classes) - 1]
+            bar.set_ticks(ends, labels=[f"class {classes[k]}" for k in ends])
 
     bars(mid, "hit_rate", relative=False)
     mid.set_ylabel("prefix-cache hit ratio (higher is better)")
