@@ -249,8 +249,8 @@ def _replay_all(args: argparse.Namespace, requests: Sequence[ReplayRequest], sou
 
 def cmd_policies(args: argparse.Namespace) -> int:
     policy_names()
-    for name, doc in POLICIES.describe().items():
-        print(f"{name:10s} {doc}")
+    # (in one write, as `workload list`: a reader leaving after the first line must not race a later write)
+    sys.stdout.write("".join(f"{name:10s} {doc}\n" for name, doc in POLICIES.describe().items()))
     return 0
 
 

@@ -125,8 +125,10 @@ def check_disk(reqs: list[WorkloadRequest], block_tokens: int, out: str) -> None
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    for name, doc in WORKLOADS.describe().items():
-        print(f"{name:15s} {doc}")
+    # NOTE: in one write: under PYTHONUNBUFFERED (common in containers) each print() was its own write, and a
+    # reader that left after the first line (`kvretain workload list | head -1`) made the next one fail: status
+    # 141 or 0 by a race, where a listing that fits in the pipe whole ends with 0
+    sys.stdout.write("".join(f"{name:15s} {doc}\n" for name, doc in WORKLOADS.describe().items()))
     return 0
 
 
