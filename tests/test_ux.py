@@ -333,6 +333,25 @@ def test_classes_beyond_a_legend_are_told_apart_by_a_colour_scale(tmp_path: Path
     assert all(b.x0 >= 0 and b.x1 <= width for b in boxes), [(b.x0, b.x1) for b in boxes]
 
 
+def test_a_one_class_trade_off_panel_has_no_negative_tokens_and_a_plain_title(
+    tmp_path: Path, figures: list[Any]
+) -> None:
+    # `compare` of a one-request trace: the panel was titled "what class 0 gains against what class 0 pays", and
+    # with no run recomputing a token its axis of recomputed tokens ran from -0.06 to 0.06 million
+    from kvretain.cli_sim import _plots
+
+    def result(label: str, budget: float | None) -> dict[str, Any]:
+        per = {"0": {"ttft_mean_s": 0.18, "recomputed_tokens": 0, "hit_rate": 0.0}}
+        return {"label": label, "budget": budget, "output_tokens_per_s": 1.0, "hit_rate": 0.0, "classes": per}
+
+    _plots(tmp_path, [result("lru", None), result("unified-b0.5", 0.5)], {"lru": {"0": [0.18]}}, ["lru"])
+    left = figures[-1].axes[0]
+    assert "pays" not in left.get_title() and "class 0" in left.get_title(), left.get_title()
+    low, high = left.get_xlim()
+    shown = [t for t in left.get_xticks() if low <= t <= high]
+    assert shown and min(shown) == 0 and high > 0, (low, high, shown)  # (the markers at 0 stay inside)
+
+
 def test_the_ttft_cdf_shows_shares_from_0_to_1(tmp_path: Path, figures: list[Any]) -> None:
     # a class with one finished request (`compare` of a one-request trace): its lone point at share 1.0 got an
     # axis of 0.96-1.04, shares above 1 and none of the scale below

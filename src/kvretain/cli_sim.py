@@ -860,8 +860,16 @@ def _plots(
         )
     left.set_xlabel(f"class {low}: recomputed prompt tokens (millions; lower is better)")
     left.set_ylabel(f"class {c0} mean TTFT (s; lower is better)")
-    left.set_title(f"what class {c0} gains against what class {low} pays")
+    if low != c0:
+        left.set_title(f"what class {c0} gains against what class {low} pays")
+    else:  # one class: it gains and pays alike ("what class 0 gains against what class 0 pays")
+        left.set_title(f"class {c0}: mean TTFT against recomputed tokens")
     left.margins(0.2)  # room for the labels inside the axes
+    lo, hi = left.get_xlim()
+    if (
+        lo < 0 <= hi
+    ):  # a count of tokens: no negative scale (every run recomputing none centred the axis on 0)
+        left.set_xlim(-0.05 * hi if hi > 0 else -0.05, hi if hi > 0 else 1.0)
     plain(left.xaxis)
     plain(left.yaxis)
     left.grid(alpha=0.3)
