@@ -65,6 +65,17 @@ def test_install_hints_work_from_a_clone() -> None:
         assert "pip install 'kvretain[" not in text and "pip install kvretain[" not in text
 
 
+def test_the_readme_counts_the_lines_of_the_listings_it_names() -> None:
+    # the README said `kvretain workload list` prints seven lines; it printed six (one a workload)
+    from kvretain.core.policy import policy_names
+    from kvretain.workloads import WORKLOADS
+
+    words = {6: "six", 7: "seven", 8: "eight", 9: "nine"}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"`kvretain workload list`'s {words[len(WORKLOADS.names())]} lines" in readme
+    assert f"`kvretain policies`' {words[len(policy_names())]}" in readme
+
+
 def test_compare_report_folder_is_ignored_by_git() -> None:
     assert "/report/" in (ROOT / ".gitignore").read_text().splitlines()
 
