@@ -67,10 +67,13 @@ def build_scheduler(
     policy: str = "priority",
     enable_chunked_prefill: bool = True,
     kv_events: bool = False,
+    reserve_full_isl: bool = True,
+    enable_prefix_caching: bool = True,
 ) -> Any:
     """vLLM's ``Scheduler`` over a KV cache of ``num_blocks`` blocks (vLLM's null block included) of
-    ``block_size`` tokens, one full-attention group, prefix caching on; ``policy`` is ``fcfs`` or
-    ``priority``. Every other setting is vLLM 0.33's default."""
+    ``block_size`` tokens, one full-attention group, prefix caching on unless ``enable_prefix_caching`` is
+    False; ``policy`` is ``fcfs`` or ``priority``; ``reserve_full_isl``: ``scheduler_reserve_full_isl``. Every
+    other setting is vLLM 0.33's default."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -100,8 +103,9 @@ def build_scheduler(
             policy=policy,
             is_encoder_decoder=False,
             enable_chunked_prefill=enable_chunked_prefill,
+            scheduler_reserve_full_isl=reserve_full_isl,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )

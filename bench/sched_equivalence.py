@@ -19,6 +19,9 @@ every request whose prefill completes or that decodes, ``update_from_output``):
   kvretain plugin's ``unified`` for ``unified`` (``KVRETAIN_POLICY=unified``, the plugin's default options
   and granularity; kvretain's side gets the same ``PolicyConfig``).
 
+A request may also be added between a step's ``schedule()`` and its ``update_from_output`` (``Spec.mid_step``),
+or aborted (``Spec.abort_step``): the tests' generated workloads do both; the trace does neither.
+
 Per step both record the scheduled requests and their token counts, the preempted requests, and each
 admission's prefix hit (``num_computed_tokens`` when a waiting or preempted request is scheduled). The
 report gives the first divergent step with both sides' records around it, and per queue policy a JSON line
@@ -57,6 +60,8 @@ class Spec:
     priority: int
     arrival_s: float
     arrival_step: int
+    mid_step: bool = False  # added between the step's schedule() and update_from_output, not before
+    abort_step: int | None = None  # aborted at the start of this step, if still live
 
 
 def load_workload(path: Path, limit: int, step_ms: float, max_prompt: int, max_output: int) -> list[Spec]:
@@ -141,22 +146,44 @@ def drive(
     clock: Clock,
     add: Callable[[Spec], None],
     has_unfinished: Callable[[], bool],
-    one_step: Callable[[int], StepRecord],
+    one_step: Callable[[int, Callable[[], None]], StepRecord],
     max_steps: int,
+    abort: Callable[[str], None] | None = None,
 ) -> Trace:
-    """The loop both sides share: arrivals of the step, then one engine step."""
+    """The loop both sides share: the step's aborts (``Spec.abort_step``), its arrivals, then one engine step
+    (``one_step(step, mid)`` calls ``mid`` between ``schedule()`` and ``update_from_output``: the arrivals
+    marked ``Spec.mid_step`` are added there)."""
     tr = Trace(name)
     t0 = time.perf_counter()
+    aborts: dict[int, list[str]] = {}
+    for s in specs:
+        if s.abort_step is not None:
+            aborts.setdefault(s.abort_step, []).append(s.rid)
+    added: set[str] = set()
     pos = 0
     step = 0
     while pos < len(specs) or has_unfinished():
         if not has_unfinished() and pos < len(specs):
             step = max(step, specs[pos].arrival_step)  # idle: jump to the next arrival
         clock.set_step(step)
+        if abort is not None:
+            for rid in aborts.get(step, ()):
+                if rid in added:
+                    abort(rid)
+        mid: list[Spec] = []
         while pos < len(specs) and specs[pos].arrival_step <= step:
-            add(specs[pos])
+            if specs[pos].mid_step:
+                mid.append(specs[pos])
+            else:
+                add(specs[pos])
+            added.add(specs[pos].rid)
             pos += 1
-        rec = one_step(step)
+
+        def add_mid(mid: list[Spec] = mid) -> None:
+            for s in mid:
+                add(s)
+
+        rec = one_step(step, add_mid)
         tr.records.append(rec)
         for rid, hit in rec.admitted.items():
             tr.first_hits.setdefault(rid, hit)
@@ -181,6 +208,7 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
         policy=args.policy,
         config=plugin_config(args).policy_config(args.block_size),
         clock=clock,
+        enable_caching=getattr(args, "enable_caching", True),
     )
     sched = Scheduler(
         kv,
@@ -188,7 +216,8 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
             policy=queue,
             max_num_batched_tokens=args.max_batched_tokens,
             max_num_seqs=args.max_num_seqs,
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=chunked_prefill(args),
+            reserve_full_prompt=getattr(args, "reserve_full_prompt", True),
         ),
         clock=clock,
     )
@@ -196,9 +225,10 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
     def add(s: Spec) -> None:
         sched.add_request(Request(s.rid, s.prompt, s.max_tokens, s.arrival_s, s.priority))
 
-    def one_step(step: int) -> StepRecord:
+    def one_step(step: int, mid: Callable[[], None]) -> StepRecord:
         before = {r.request_id for r in sched.running}
         out = sched.schedule()
+        mid()
         sampled = [c.request_id for c in out.chunks if c.samples]
         sched.update_from_output(out, RunnerOutput(tuple(sampled), (harness.SAMPLED_TOKEN,) * len(sampled)))
         return StepRecord(
@@ -208,12 +238,15 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
             {c.request_id: c.num_computed_tokens for c in out.chunks if c.request_id not in before},
         )
 
-    return drive("kvretain", specs, clock, add, sched.has_unfinished, one_step, args.max_steps)
+    def abort(rid: str) -> None:
+        sched.abort(rid)
+
+    return drive("kvretain", specs, clock, add, sched.has_unfinished, one_step, args.max_steps, abort)
 
 
 def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir: str) -> Trace:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     import kvretain.integrations.vllm as plugin
 
@@ -230,6 +263,9 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
             max_batched_tokens=args.max_batched_tokens,
             max_model_len=args.max_model_len,
             policy=queue,
+            enable_chunked_prefill=chunked_prefill(args),
+            reserve_full_isl=getattr(args, "reserve_full_prompt", True),
+            enable_prefix_caching=getattr(args, "enable_caching", True),
         )
         hasher = harness.block_hasher(args.block_size)
         queue_cls = type(sched.kv_cache_manager.block_pool.free_block_queue).__name__
@@ -250,7 +286,7 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
                 ),
             )
 
-        def one_step(step: int) -> StepRecord:
+        def one_step(step: int, mid: Callable[[], None]) -> StepRecord:
             before = {r.request_id for r in sched.running}
             out = sched.schedule()
             reqs = sched.requests
@@ -259,16 +295,27 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
             admitted = {
                 rid: reqs[rid].num_computed_tokens - n for rid, n in n_sched.items() if rid not in before
             }
+            mid()
             sched.update_from_output(out, harness.runner_output(sched, out))
             return StepRecord(step, n_sched, sorted(out.preempted_req_ids or ()), admitted)
 
-        tr = drive("vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps)
+        def abort(rid: str) -> None:
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+        tr = drive("vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps, abort)
         tr.name = f"vllm ({queue_cls})"
         return tr
     finally:
         if args.policy != "lru":
             plugin.disable()
             plugin.set_clock(None)
+
+
+def chunked_prefill(args: argparse.Namespace) -> bool:
+    """Whether both sides chunk prefills: the namespace's ``chunked_prefill``, True without it (the command
+    line always chunks; ``tests/test_sched_equivalence.py`` turns it off, and ``reserve_full_prompt`` and
+    ``enable_caching`` likewise)."""
+    return bool(getattr(args, "chunked_prefill", True))
 
 
 def plugin_config(args: argparse.Namespace) -> Any:
