@@ -20,11 +20,27 @@ One step (``schedule``), in vLLM v1's order but split by concern:
    request is then the last one admitted this step (as in 1., a step that preempts admits no one else, so a
    victim never runs again in the step that preempted it).
 
-Admission (``add_request``) rejects, as vLLM does, a request that could never be scheduled: one whose prompt
-and output need more KV blocks than the replica has (vLLM refuses ``prompt + max_tokens > max_model_len``,
-and sizes ``max_model_len`` to what its KV cache holds), or, without chunked prefill, more tokens than one
-step's budget (vLLM then rejects sequences longer than ``max_num_batched_tokens``). Such a request would
-otherwise preempt itself forever at the head of the queue.
+Admission (``add_request``) rejects a request that could never be scheduled: one whose prompt and output need
+more KV blocks than the replica has, or, without chunked prefill, more tokens than one step's budget. Such a
+request would otherwise preempt itself forever at the head of the queue. NOTE: this stands in for vLLM's
+``max_model_len``, which kvretain does not model, and differs from it on purpose: vLLM 0.33 refuses only a
+prompt of ``max_model_len`` tokens or more (its input processor), accepts a longer ``max_tokens`` (its API
+server clamps it to ``max_model_len - prompt``) and ends the request when it holds ``max_model_len`` tokens
+(``FINISHED_LENGTH_CAPPED``); its engine refuses to start when the KV cache cannot hold ``max_model_len``
+tokens, or, without chunked prefill, when ``max_num_batched_tokens < max_model_len``. kvretain has no context
+length: a request runs to its ``max_tokens``, and one that cannot fit is refused whole, where vLLM would run it
+cut short at ``max_model_len``.
+
+What is modelled is vLLM 0.33's scheduler at its defaults, matched step for step by ``bench/sched_equivalence.py``
+and ``tests/test_sched_equivalence.py`` (``max_num_batched_tokens``, ``max_num_seqs``, chunked prefill on or off,
+``scheduler_reserve_full_isl`` as ``reserve_full_prompt``, prefix caching on or off, ``fcfs`` / ``priority``,
+arrivals between a step's ``schedule()`` and ``update_from_output``, aborts). Not modelled, each at vLLM's
+default there: ``long_prefill_token_threshold`` (0: no cap on a chunk; vLLM 0.33 has no
+``max_num_partial_prefills``), ``watermark`` (0), ``max_num_scheduled_tokens`` and ``max_num_active_seqs``
+(``max_num_batched_tokens`` and ``max_num_seqs``), ``prefill_schedule_interval`` (1), speculative decoding and
+its ``num_lookahead_tokens`` (0), encoder inputs and their compute budget and cache (text-only requests), LoRA's
+``max_loras``, requests waiting for a grammar or for remote KV (KV connectors), async scheduling and pipeline
+parallelism.
 
 Preemption frees the request's blocks through ``KVCacheManager.free`` (they stay cached with its retention,
 so a resume can hit them), resets its computed tokens and puts it back in the waiting queue.
