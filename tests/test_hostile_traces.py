@@ -516,3 +516,46 @@ def test_an_azure_path_the_system_cannot_look_up_is_a_workload_error(tmp_path: P
 
     with pytest.raises(WorkloadError, match=r"cannot read the trace: File name too long"):
         load_azure(tmp_path / ("a" * 300), random.Random(0))
+
+
+AZURE_CSV = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:50.99,396,109\n"
+)
+
+
+def test_replay_of_a_csv_trace_names_the_likely_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `kvretain replay az.csv` (an Azure trace) said only "az.csv:1: not valid JSON (Expecting value at column 1)":
+    # a first line that is no JSON and holds commas is named as CSV, with the commands that read an Azure CSV
+    csv = tmp_path / "az.csv"
+    csv.write_text(AZURE_CSV)
+    rc, out, err = run_cli(["replay", str(csv)], capsys)
+    msg = assert_one_clear_line(rc, out, err, rf"^kvretain replay: error: {csv}:1: not valid JSON")
+    assert "looks like a CSV header" in msg and "Mooncake-format JSONL" in msg
+    assert "`kvretain simulate TRACE --workload azure`" in msg
+    assert "`kvretain workload export azure --trace TRACE --out TRACE.jsonl`" in msg
+    # (the commands the hint gives do read it)
+    assert main(["simulate", str(csv), "--workload", "azure", "--no-progress", "--json"]) == 0
+    out_jsonl = tmp_path / "az.jsonl"
+    assert main(["workload", "export", "azure", "--trace", str(csv), "--out", str(out_jsonl)]) == 0
+    assert main(["replay", str(out_jsonl), "--capacity-blocks", "50", "--policy", "lru"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        '{"timestamp": 0, "input_length": 1,',  # a cut JSON line: JSON, not CSV
+        "[1, 2,",
+        "timestamp input_length",  # no comma: no guess
+    ],
+)
+def test_a_bad_first_line_that_is_no_csv_header_gets_no_csv_hint(first: str, tmp_path: Path) -> None:
+    from kvretain.workloads import TraceError, read_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(first + "\n" + line() + "\n")
+    with pytest.raises(TraceError, match=r"t\.jsonl:1: not valid JSON") as err:
+        read_trace(path)
+    assert "CSV" not in str(err.value)

@@ -250,9 +250,31 @@ def parse_trace_line(
             )
         if not text.strip(" \t\r\n"):  # JSON's whitespace only: a line of U+00A0 is no blank line
             return None
-        return _record(_loads(text), lineno, block_tokens)
+        try:
+            obj = _loads(text)
+        except _LineError as e:
+            if lineno == 1 and str(e).startswith("not valid JSON") and _looks_like_csv(text):
+                raise _LineError(f"{e}; {CSV_HINT}") from None
+            raise
+        return _record(obj, lineno, block_tokens)
     except _LineError as e:
         raise TraceError(f"{where}: {e}") from None
+
+
+CSV_HINT = (
+    "line 1 looks like a CSV header, and this reads Mooncake-format JSONL: an Azure LLM trace (CSV) runs with "
+    "`kvretain simulate TRACE --workload azure`, or `kvretain workload export azure --trace TRACE --out "
+    "TRACE.jsonl` writes it as JSONL"
+)
+"""What a first line that is no JSON but looks like CSV adds to the error: ``kvretain replay az.csv`` (an Azure
+trace) said only "not valid JSON (Expecting value at column 1)"."""
+
+
+def _looks_like_csv(text: str) -> bool:
+    """Whether a line that is no JSON looks like a CSV header: it has commas and does not start as JSON's object
+    or array does (a cut JSON line has commas too)."""
+    line = text.strip()
+    return "," in line and not line.startswith(("{", "["))
 
 
 # ---------------------------------------------------------------------------------------------- JSON
