@@ -79,8 +79,44 @@ def test_many_small_replicas_are_checked_against_memory_too(
     monkeypatch.setattr(cli_sim, "load_workload", _interrupt)  # must not be reached
     argv = ["simulate", "--replicas", "1000000", "--kv-blocks", "100", "--no-progress"]
     assert main(argv) == 2
-    msg = one_line(capsys, "kvretain simulate: error: argument --kv-blocks: 100 blocks x 1000000 replicas")
-    assert "more than the 1.0 GiB available" in msg
+    # (one replica's 100 blocks fit: the replicas are what is too many, and the message names --replicas)
+    msg = one_line(capsys, "kvretain simulate: error: argument --replicas: 100 blocks x 1000000 replicas")
+    assert "more than the 1.0 GiB available; use fewer replicas" in msg
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+@pytest.mark.parametrize("replicas", ["1e300", "100000"])
+def test_too_many_replicas_name_replicas_not_blocks(
+    command: str,
+    replicas: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `kvretain simulate --replicas 1e300` said "--kv-blocks (default: from the cost model): 29,206 blocks x
+    # 1.00e+300 replicas need ...; use fewer blocks": the user set --replicas, and one replica's pool fits
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    argv = [command, "--replicas", replicas, "--limit", "20", "--no-progress"]
+    assert main([*argv, *(["--out", str(tmp_path / "rep")] if command == "compare" else [])]) == 2
+    msg = one_line(capsys, f"kvretain {command}: error: argument --replicas: ")
+    assert f"blocks x {replicas.replace('1e300', '1.00e+300')} replicas need" in msg, msg
+    assert msg.endswith("use fewer replicas") and "kv-blocks" not in msg, msg
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_pool_too_large_for_one_replica_still_names_kv_blocks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvretain.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    assert main(["simulate", "--replicas", "2", "--kv-blocks", "1e12", "--no-progress"]) == 2
+    msg = one_line(
+        capsys, "kvretain simulate: error: argument --kv-blocks: 1,000,000,000,000 blocks x 2 replicas"
+    )
+    assert msg.endswith("use fewer blocks")
 
 
 # ---------------------------------------------------------------- workload export --option

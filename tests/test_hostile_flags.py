@@ -448,6 +448,20 @@ def test_pool_check_counts_every_pool_and_the_most_demanding_policy(monkeypatch:
         memory.check_pool_fits(n, ["lru", "unified"])  # priced at the larger of the two
     with pytest.raises(memory.PoolTooLargeError, match=r"10,000 blocks x 6 replicas"):
         memory.check_pool_fits(n, ["lru"], pools=6)  # 60 bytes a block in all
+    # with the setting of the number of pools named: it is what the message names when one pool fits
+    with pytest.raises(
+        memory.PoolTooLargeError,
+        match=r"^--jobs: 10,000 blocks x 6 processes need .*; use fewer processes$",
+    ):
+        memory.check_pool_fits(
+            n, ["lru"], what="--blocks", pools=6, pools_are="processes", pools_what="--jobs"
+        )
+    with pytest.raises(
+        memory.PoolTooLargeError, match=r"^--blocks: 10,000 blocks x 6 processes .*fewer blocks$"
+    ):
+        memory.check_pool_fits(
+            n, ["unified"], what="--blocks", pools=6, pools_are="processes", pools_what="--jobs"
+        )
     # pools below the measured sample one by one still add up past it
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1)
     memory.check_pool_fits(memory.SAMPLE_BLOCKS, ["lru"])

@@ -367,11 +367,19 @@ def _cost_model(cfg: SimConfig, tp_given: bool) -> CostModel:
         raise ValueError(f"argument --tp: {e} (model {cfg.model})") from None
 
 
-def check_replicas_fit(cfg: SimConfig, policies: Sequence[str], what: str, at_once: int = 1) -> None:
+def check_replicas_fit(
+    cfg: SimConfig,
+    policies: Sequence[str],
+    what: str,
+    at_once: int = 1,
+    replicas_what: str = "argument --replicas",
+) -> None:
     """A ``ValueError`` (``PoolTooLargeError``) naming ``what`` when the KV pools of ``cfg.replicas`` replicas
     (``cfg``'s blocks per replica, under the most demanding of ``policies``) would not fit in memory, times
     ``at_once`` simulations run together: checked before any run, as ``--replicas 100000`` grew memory until
-    the machine gave out. ``kvretain simulate``/``compare``'s check, and the bench scripts' that simulate."""
+    the machine gave out. When one replica's pool fits, the message names ``replicas_what`` instead (the
+    replicas are too many, not the blocks). ``kvretain simulate``/``compare``'s check, and the bench scripts'
+    that simulate."""
     blocks = cfg.blocks_per_replica(cfg.cost())
     pools_are = "replicas" if at_once == 1 else f"replicas ({at_once} simulations at once)"
     check_pool_fits(
@@ -381,6 +389,7 @@ def check_replicas_fit(cfg: SimConfig, policies: Sequence[str], what: str, at_on
         what=what,
         pools=cfg.replicas * at_once,
         pools_are=pools_are,
+        pools_what=replicas_what,
     )
 
 
@@ -517,6 +526,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 base.policy_config,
                 "compare's KV capacity",
                 pools=base.replicas,
+                pools_what="argument --replicas",
             )
             base = replace(base, kv_blocks=blocks)
             peak = protected_peak_share(reqs, base)

@@ -133,17 +133,24 @@ def check_pool_fits(
     what: str = "num_blocks",
     pools: int = 1,
     pools_are: str = "replicas",
+    pools_what: str | None = None,
 ) -> None:
     """Raise :class:`PoolTooLargeError` when ``pools`` pools of ``num_blocks`` blocks (the most demanding of
     ``policies``) would not fit in the memory available. ``what`` names the setting in the message,
-    ``pools_are`` what holds the pools (the simulator's replicas, a bench's processes)."""
+    ``pools_are`` what holds the pools (the simulator's replicas, a bench's processes). ``pools_what``, when
+    given, names the setting of the number of pools: the message names it instead of ``what`` when one pool
+    fits and only all of them do not (``--replicas 1e300`` was told to use fewer blocks)."""
     avail = available_memory_bytes()
     if avail is None or num_blocks * pools <= SAMPLE_BLOCKS:  # all the pools: many small ones add up
         return
     per, name = max((pool_bytes_per_block(p, config), p) for p in policies)
     count = f"{human_count(num_blocks)} blocks"
     count += f" x {human_count(pools, grouped=False)} {pools_are}" if pools > 1 else ""
-    check_fits(per * num_blocks * pools, what, count, f"{per:,.0f} bytes per block under {name!r}", "blocks")
+    unit = "blocks"
+    if pools_what is not None and pools > 1 and per * num_blocks <= avail:  # one pool fits: too many pools
+        what = pools_what
+        unit = pools_are.partition(" (")[0]  # ("replicas (3 simulations at once)": fewer replicas)
+    check_fits(per * num_blocks * pools, what, count, f"{per:,.0f} bytes per block under {name!r}", unit)
 
 
 def check_fits(need: float, what: str, count: str, per: str, unit: str) -> None:
