@@ -1078,7 +1078,44 @@ def test_a_trace_named_dash_is_read_from_standard_input(tmp_path: Path) -> None:
     assert len((tmp_path / "az.jsonl").read_text().splitlines()) == 2  # (the Azure reader takes a pipe too)
     # (standard input has no suffix: the format is asked for, in one line)
     assert (tmp_path / "format.rc").read_text().strip() == "rc=2"
-    assert "cannot tell the trace format of '/dev/stdin'" in proc.stderr and "pass --workload" in proc.stderr
+    assert (
+        "cannot tell the trace format of standard input" in proc.stderr and "pass --workload" in proc.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        (
+            "printf 'x\\n' | KV simulate - --no-progress",
+            "kvretain simulate: error: cannot tell the trace format of standard input (",
+        ),
+        (
+            "printf '{bad\\n' | KV simulate - --workload mooncake --no-progress",
+            "kvretain simulate: error: standard input, line 1: not valid JSON",
+        ),
+        (
+            "printf '{bad\\n' | KV compare - --workload mooncake --no-progress",
+            "kvretain compare: error: standard input, line 1: not valid JSON",
+        ),
+        ("printf '{bad\\n' | KV replay -", "kvretain replay: error: standard input, line 1: not valid JSON"),
+        ("KV replay - < /dev/null", "kvretain replay: error: standard input is not a regular file or a pipe"),
+        ("printf '' | KV replay -", "kvretain replay: error: standard input: no requests in the trace"),
+        (
+            "printf 'a,b\\n' | KV workload export azure --trace - --out x.jsonl",
+            "kvretain workload export: error: standard input, line 1: expected header",
+        ),
+    ],
+    ids=["simulate-format", "simulate", "compare", "replay", "replay-device", "replay-empty", "export-azure"],
+)
+def test_a_trace_read_from_standard_input_is_named_so_in_errors(
+    script: str, says: str, tmp_path: Path
+) -> None:
+    # `cat t.jsonl | kvretain simulate -` (and replay -, workload export --trace -) named the trace '/dev/stdin',
+    # a path the user never typed: "/dev/stdin:2: not valid JSON"
+    proc = _kvretain_in_shell(script, tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(says) and "/dev/stdin" not in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- TOML integers past a float (session 45)

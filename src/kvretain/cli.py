@@ -19,6 +19,7 @@ from typing import Any
 
 from kvretain import __version__
 from kvretain.cli_args import (
+    STDIN_PATH,
     Parser,
     SubcommandParser,
     add_block_tokens_option,
@@ -31,6 +32,7 @@ from kvretain.cli_args import (
     json_text,
     option_error,
     policy_config,
+    stdin_named,
     stdout_closed,
     trace_arg,
 )
@@ -368,6 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = "kvretain"
+    args: argparse.Namespace | None = None
+
+    def error(message: str) -> int:
+        if getattr(args, "trace", None) == STDIN_PATH:  # (a trace of ``-``: "standard input", not /dev/stdin)
+            message = stdin_named(message)
+        return fail(prog, message)
+
     try:
         parser = build_parser(argv[0] if argv else None)
         try:
@@ -386,12 +395,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         return stdout_closed()
     except (TraceError, RetentionError, ValueError, KeyError) as exc:
-        return fail(prog, str(exc))
+        return error(str(exc))
     except OSError as exc:  # a write that failed: a full disk, standard output on /dev/full, an I/O error
         if exc.filename is None:  # (standard output: the interpreter's last flush at exit would fail again)
             stdout_closed()
             return fail(prog, f"cannot write to standard output: {exc.strerror or exc}")
-        return fail(prog, f"{exc.strerror or exc}: {exc.filename}")
+        return error(f"{exc.strerror or exc}: {exc.filename}")
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

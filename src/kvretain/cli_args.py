@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -245,6 +246,17 @@ def path_arg(kind: str) -> Callable[[str], str]:
 
 STDIN_PATH = "/dev/stdin"
 """What a trace argument of ``-`` reads: standard input (a pipe, or the file the shell redirected into it)."""
+
+
+_STDIN_AT_LINE = re.compile(rf"{re.escape(STDIN_PATH)}:(\d+):")
+_STDIN_NAMED = re.compile(rf"'{re.escape(STDIN_PATH)}'|{re.escape(STDIN_PATH)}(?![\w/])")
+
+
+def stdin_named(message: str) -> str:
+    """``message`` (an error about a trace read from standard input) with :data:`STDIN_PATH`, a path the user
+    never typed, named "standard input" ("standard input, line 2: ..."): ``cat t.jsonl | kvretain replay -`` said
+    "/dev/stdin:2: not valid JSON"."""
+    return _STDIN_NAMED.sub("standard input", _STDIN_AT_LINE.sub(r"standard input, line \1:", message))
 
 
 def trace_arg(kind: str) -> Callable[[str], str]:
