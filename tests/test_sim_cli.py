@@ -249,3 +249,23 @@ def test_simulate_tells_a_gzip_mooncake_trace_by_its_name(
     assert json.loads(capsys.readouterr().out)["requests"] == 3
     assert main(["simulate", str(tmp_path / "t.csv.gz"), "--no-progress"]) == 2
     assert "cannot tell the trace format" in capsys.readouterr().err
+
+
+def test_simulate_and_compare_do_not_offer_the_offline_oracle(capsys: pytest.CaptureFixture[str]) -> None:
+    # `simulate --help` listed belady among --policy's choices, and every run of it was refused (an offline oracle,
+    # replay only); typed, it is still refused with that reason, and replay still offers it
+    for argv in (["simulate", "--help"], ["compare", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "belady" not in out, out
+    assert main(["simulate", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nope'" in err and "'lru'" in err and "belady" not in err, err
+    assert main(["compare", "--policies", "lru,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown eviction policy 'nope'; choose from: arc, lfu, lru" in err and "belady" not in err, err
+    for argv in (["simulate", "--policy", "belady"], ["compare", "--policies", "lru,belady"]):
+        assert main([*argv, "--limit", "5", "--no-progress"]) == 2
+        assert "policy 'belady' is an offline oracle" in capsys.readouterr().err
+    assert main(["replay", "--help"]) == 0
+    assert "belady" in capsys.readouterr().out

@@ -186,17 +186,22 @@ def slo_spec(text: str) -> str:
     return text
 
 
-def names_of(registry_names: Callable[[], list[str]], kind: str) -> Callable[[str], list[str]]:
-    """A comma-separated, non-empty list of distinct registered names (checked before anything runs)."""
+def names_of(
+    registry_names: Callable[[], list[str]], kind: str, listed: Callable[[], list[str]] | None = None
+) -> Callable[[str], list[str]]:
+    """A comma-separated, non-empty list of distinct registered names (checked before anything runs). ``listed``:
+    the names an error offers, when not all of them (a name accepted but not offered is refused later, with its
+    reason: compare's belady, an offline oracle)."""
 
     def parse(text: str) -> list[str]:
         names = [p.strip() for p in text.split(",") if p.strip()]
-        known = registry_names()
+        accepted = registry_names()
+        known = accepted if listed is None else listed()
         if not names:
             raise argparse.ArgumentTypeError(
                 f"expected at least one {kind} (comma-separated), got {text!r}; choose from: {', '.join(known)}"
             )
-        bad = [n for n in names if n not in known]
+        bad = [n for n in names if n not in accepted]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {kind} {bad[0]!r}; choose from: {', '.join(known)}")
         if len(set(names)) != len(names):

@@ -82,6 +82,32 @@ def _choices_help(docs: dict[str, str]) -> str:
     return "; ".join(f"{k}: {v.rstrip('.')}" for k, v in docs.items()).replace("%", "%%")
 
 
+def sim_policy_names() -> list[str]:
+    """The eviction policies the simulator runs, as simulate's and compare's choices list them: the registry's
+    less those that cannot be built without knowing the future (belady, an offline oracle: replay only)."""
+    names = []
+    for name in policy_names():
+        try:
+            make_policy(name, 1, SIM_POLICY_DEFAULTS)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+class _Offered(list[str]):
+    """argparse choices that offer ``offered`` (usage, --help, the "invalid choice" error) and accept every one
+    of ``accepted``: simulate's --policy does not offer belady, and ``--policy belady`` typed is refused by
+    :func:`check_sim` with the reason (an offline oracle), not as an unknown name."""
+
+    def __init__(self, offered: list[str], accepted: list[str]) -> None:
+        super().__init__(offered)
+        self._accepted = frozenset(accepted)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._accepted
+
+
 _FRONTEND_WHY = " seconds (a front end takes milliseconds; MAX_FRONTEND_S)"
 
 
@@ -945,7 +971,10 @@ def add_subcommands(sub: Any) -> None:
     s = sub.add_parser("simulate", help="simulate serving a workload (default: the multi-tenant workload)")
     _add_common(s)
     s.add_argument(
-        "--policy", default="unified", choices=policy_names(), help="eviction policy (default unified)"
+        "--policy",
+        default="unified",
+        choices=_Offered(sim_policy_names(), policy_names()),
+        help="eviction policy (default unified)",
     )
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_simulate, check=check_sim)
@@ -960,7 +989,7 @@ def add_subcommands(sub: Any) -> None:
     _add_common(c, compare=True)
     c.add_argument(
         "--policies",
-        type=names_of(policy_names, "eviction policy"),
+        type=names_of(policy_names, "eviction policy", listed=sim_policy_names),
         default="lru,priority,unified",
         help="comma-separated eviction policies run as they are (default lru,priority,unified)",
     )
