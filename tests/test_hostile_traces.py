@@ -338,6 +338,25 @@ def test_compare_out_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     assert_one_clear_line(rc, out, err, r"--out .*file/r: cannot create the report folder")
     assert sorted(os.listdir(tmp_path)) == ["file", "t.jsonl"]
+    assert "'file' is a file" in err or f"'{tmp_path / 'file'}' is a file" in err, err
+
+
+@pytest.mark.parametrize("out", ["/dev/null", "/dev/null/r", "pipe", "pipe/r"])
+def test_compare_out_at_a_device_or_pipe_says_it_is_no_folder(
+    out: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `kvretain compare --out /dev/null` said "'/dev/null' is a file"
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("pipe")
+    rc, out_text, err = run_cli(["compare", "--limit", "5", "--no-progress", "--out", out], capsys)
+    kind = "a device" if out.startswith("/dev") else "a named pipe"
+    at = out.removesuffix("/r")
+    assert_one_clear_line(
+        rc,
+        out_text,
+        err,
+        rf"--out {out}: cannot create the report folder \('{at}' is {kind}, not a folder\)$",
+    )
 
 
 @pytest.mark.parametrize("junk", ["\u00a0", "\x0c", "\x1c", "\u2028", "\u3000"])

@@ -131,6 +131,20 @@ def replaced(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def _not_a_folder(path: Path) -> str:
+    """What ``path``, which is there and no folder, is instead: ``'x' is a file``, ``'/dev/null' is a device,
+    not a folder`` (a device, a named pipe or a socket was called a file)."""
+    if path.is_file():
+        return f"{str(path)!r} is a file"
+    kinds = [
+        (path.is_char_device() or path.is_block_device(), "a device"),
+        (path.is_fifo(), "a named pipe"),
+        (path.is_socket(), "a socket"),
+    ]
+    kind = next((k for found, k in kinds if found), None)
+    return f"{str(path)!r} is {kind}, not a folder" if kind else f"{str(path)!r} is not a folder"
+
+
 class StagedFolder:
     """A folder of outputs built under a temporary name (:attr:`path`) and moved into place by :meth:`commit`:
     staged in the nearest folder of ``path`` that exists and renamed to ``path`` when there is none yet (its
@@ -146,7 +160,7 @@ class StagedFolder:
     def __init__(self, path: str | Path, names: Sequence[str] = ()) -> None:
         self.target = Path(path)
         if self.target.exists() and not self.target.is_dir():
-            raise FileExistsError(f"{str(self.target)!r} is a file")
+            raise FileExistsError(_not_a_folder(self.target))
         if self.target.is_dir() and not os.access(self.target, os.W_OK | os.X_OK):
             raise PermissionError(f"{str(self.target)!r}: permission denied")
         anchor = self.target
@@ -159,7 +173,7 @@ class StagedFolder:
                 )
             anchor = anchor.parent
         if not anchor.is_dir():
-            raise NotADirectoryError(f"{str(anchor)!r} is a file")
+            raise NotADirectoryError(_not_a_folder(anchor))
         self.names = tuple(names)
         self._check_names(self.names)
         # in the nearest folder that exists: ``path`` itself when it does, so that the files are moved within one
