@@ -138,7 +138,9 @@ class CostModel:
         """Tokens of KV one replica holds: ``tp * mem * utilization`` minus the weights it stores, over the KV
         bytes a token takes on its ``tp`` GPUs (both with the copies of replicated KV heads, ``tp > n_kv``).
 
-        Activations, CUDA graphs and fragmentation are not modelled (vLLM reserves a further ~1-3 GiB).
+        Activations, CUDA graphs and fragmentation are not modelled (vLLM reserves a further ~1-3 GiB), nor
+        vLLM's null block (one of the blocks it counts holds no content: a pool one block smaller; the
+        benches that compare with a vLLM server, ``sim_fidelity.py`` and ``sched_equivalence.py``, take it off).
         Raises ``ValueError`` when the weights alone do not fit.
         """
         if not 0 < gpu_mem_utilization <= 1:
