@@ -514,3 +514,76 @@ def test_priority_queue_iterates_in_scheduling_order() -> None:
     for rid, prio, t in (("a", 0, 0.0), ("b", 2, 0.0), ("c", 1, 0.0), ("d", 1, 0.5), ("e", 0, 1.0)):
         s.add_request(req(rid, 4, prio=prio, t=t))
     assert [r.request_id for r in s.waiting] == ["a", "e", "c", "d", "b"]
+
+
+def test_max_model_len_is_an_integer_of_at_least_one_or_none() -> None:
+    assert SchedulerConfig().max_model_len is None and SchedulerConfig(max_model_len=1).max_model_len == 1
+    for bad in (0, -5, True, 1.5, "32", float("nan")):
+        with pytest.raises(ValueError, match=r"max_model_len must be an integer >= 1 or None, got "):
+            SchedulerConfig(max_model_len=bad)  # type: ignore[arg-type]
+
+
+def test_a_request_ends_when_it_holds_max_model_len_tokens() -> None:
+    # the review's reproduction: vLLM 0.33 (max_model_len 32) ends a 30-token prompt's request after 2 steps,
+    # holding 32 tokens (check_stop: num_tokens >= max_model_len); kvretain took its 10 max_tokens
+    for limit, steps in ((None, 10), (32, 2), (31, 1), (40, 10), (100, 10)):
+        s = make(16, max_model_len=limit)
+        a = req("a", 30, out=10)
+        assert s.add_request(a)
+        n = 0
+        while s.has_unfinished():
+            step(s)
+            n += 1
+        assert (n, a.status, a.num_tokens) == (steps, RequestStatus.FINISHED, 30 + steps), limit
+        assert s.kv.get_num_free_blocks() == 16 and s.num_rejected == 0
+    # a resume after preemption keeps the limit (prompt and output count, as in vLLM): 32 tokens of KV, two
+    # requests of 19 each
+    s = make(8, max_model_len=20)
+    lo, hi = req("lo", 12, out=30, prio=1), req("hi", 12, out=30, prio=0, t=1.0)
+    s.add_request(lo)
+    s.add_request(hi)
+    while s.has_unfinished():
+        step(s)
+    assert lo.num_preemptions >= 1 and (lo.num_tokens, hi.num_tokens) == (20, 20)
+
+
+def test_a_prompt_of_max_model_len_tokens_or_more_is_rejected_at_admission() -> None:
+    s = make(64, max_model_len=32)
+    for n in (32, 33, 200):
+        r = req(f"p{n}", n, out=1)
+        assert s.add_request(r) is False and r.status is RequestStatus.REJECTED
+        assert r.rejection == (
+            f"request 'p{n}': its {n} prompt tokens reach max_model_len (32), leaving no room for an output token"
+        )
+    assert s.num_rejected == 3 and not s.has_unfinished()
+    ok = req("p31", 31, out=5)  # one output token: it ends holding 32
+    assert s.add_request(ok)
+    while s.has_unfinished():
+        step(s)
+    assert ok.num_output_tokens == 1 and ok.status is RequestStatus.FINISHED
+
+
+def test_the_pool_check_counts_the_kv_of_max_model_len_tokens_at_most() -> None:
+    # 15 + 10 - 1 = 24 tokens of KV do not fit 16, but the request stops at 16 tokens (15 of KV) with
+    # max_model_len 16: it is admitted and runs
+    assert make(4).add_request(req("a", 15, out=10)) is False
+    s = make(4, max_model_len=16)
+    a = req("a", 15, out=10)
+    assert s.add_request(a)
+    while s.has_unfinished():
+        step(s)
+    assert a.num_tokens == 16
+    # the refusal names the output tokens the request can have: 20 - 15 = 5 (19 tokens of KV, 5 blocks)
+    s = make(4, max_model_len=20)
+    b = req("b", 15, out=10)
+    assert s.add_request(b) is False
+    assert b.rejection == (
+        "request 'b' needs 5 KV blocks of 4 tokens for its 15 prompt and 5 output tokens, but the replica has only 4"
+    )
+    # without chunked prefill the budget check counts them too: 8 + 4 - 1 = 11 > 10, but at most 9 with 10
+    s = make(64, max_num_batched_tokens=10, enable_chunked_prefill=False, max_model_len=10)
+    c = req("c", 8, out=4)
+    assert s.add_request(c)
+    while s.has_unfinished():
+        step(s)
+    assert c.num_tokens == 10

@@ -20,21 +20,26 @@ One step (``schedule``), in vLLM v1's order but split by concern:
    request is then the last one admitted this step (as in 1., a step that preempts admits no one else, so a
    victim never runs again in the step that preempted it).
 
-Admission (``add_request``) rejects a request that could never be scheduled: one whose prompt and output need
-more KV blocks than the replica has, or, without chunked prefill, more tokens than one step's budget. Such a
-request would otherwise preempt itself forever at the head of the queue. NOTE: this stands in for vLLM's
-``max_model_len``, which kvretain does not model, and differs from it on purpose: vLLM 0.33 refuses only a
-prompt of ``max_model_len`` tokens or more (its input processor), accepts a longer ``max_tokens`` (its API
-server clamps it to ``max_model_len - prompt``) and ends the request when it holds ``max_model_len`` tokens
-(``FINISHED_LENGTH_CAPPED``); its engine refuses to start when the KV cache cannot hold ``max_model_len``
-tokens, or, without chunked prefill, when ``max_num_batched_tokens < max_model_len``. kvretain has no context
-length: a request runs to its ``max_tokens``, and one that cannot fit is refused whole, where vLLM would run it
-cut short at ``max_model_len``.
+Admission (``add_request``) rejects a request that could never be scheduled: with ``max_model_len`` set, a
+prompt of ``max_model_len`` tokens or more (vLLM 0.33's input processor refuses it: no room for one output
+token); one whose prompt and output need more KV blocks than the replica has, or, without chunked prefill, more
+tokens than one step's budget. Such a request would otherwise preempt itself forever at the head of the queue.
+
+``max_model_len`` (``SchedulerConfig``; None by default: no context length, a request runs to its
+``max_tokens``): when set, as in vLLM 0.33, a request ends when it holds ``max_model_len`` tokens, prompt and
+output (``check_stop``'s ``FINISHED_LENGTH_CAPPED``, the same finish as at ``max_tokens``; vLLM's API server
+clamps ``max_tokens`` to ``max_model_len - prompt``, to the same effect), so the block and budget checks above
+count at most ``max_model_len - 1`` tokens of KV. NOTE: vLLM's engine also refuses to start when the KV cache
+cannot hold ``max_model_len`` tokens, or, without chunked prefill, when ``max_num_batched_tokens <
+max_model_len``; kvretain does not: it refuses, per request, one that cannot fit. Without ``max_model_len`` the
+refusal differs from vLLM on purpose: a request whose ``max_tokens`` the pool cannot hold is refused whole,
+where vLLM would run it cut short at its ``max_model_len``.
 
 What is modelled is vLLM 0.33's scheduler at its defaults, matched step for step by ``bench/sched_equivalence.py``
 and ``tests/test_sched_equivalence.py`` (``max_num_batched_tokens``, ``max_num_seqs``, chunked prefill on or off,
 ``scheduler_reserve_full_isl`` as ``reserve_full_prompt``, prefix caching on or off, ``fcfs`` / ``priority``,
-arrivals between a step's ``schedule()`` and ``update_from_output``, aborts). Not modelled, each at vLLM's
+``max_model_len`` when set (the long prompt refused, the request cut at it), arrivals between a step's
+``schedule()`` and ``update_from_output``, aborts). Not modelled, each at vLLM's
 default there: ``long_prefill_token_threshold`` (0: no cap on a chunk; vLLM 0.33 has no
 ``max_num_partial_prefills``), ``watermark`` (0), ``max_num_scheduled_tokens`` and ``max_num_active_seqs``
 (``max_num_batched_tokens`` and ``max_num_seqs``), ``prefill_schedule_interval`` (1), speculative decoding and
@@ -83,20 +88,29 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def admission_error(self, req: Request) -> str | None:
         """Why ``req`` can never be scheduled here (see the module docstring), or None when it can."""
+        cfg = self.config
+        limit = cfg.max_model_len
         kv_tokens = req.max_kv_tokens
+        if limit is not None:
+            if req.num_prompt_tokens >= limit:  # (vLLM's input processor: no room for one output token)
+                return (
+                    f"request {req.request_id!r}: its {req.num_prompt_tokens:,} prompt tokens reach "
+                    f"max_model_len ({limit:,}), leaving no room for an output token"
+                )
+            kv_tokens = min(kv_tokens, limit - 1)  # (it ends holding max_model_len tokens)
+        outputs = kv_tokens + 1 - req.num_prompt_tokens  # (max_tokens, or fewer when cut at max_model_len)
         bs = self.kv.block_size
         need = -(-kv_tokens // bs)
         if need > self.kv.num_blocks:
             return (
                 f"request {req.request_id!r} needs {need:,} KV blocks of {bs} tokens for its "
-                f"{req.num_prompt_tokens:,} prompt and {req.max_tokens:,} output tokens, but the replica has "
+                f"{req.num_prompt_tokens:,} prompt and {outputs:,} output tokens, but the replica has "
                 f"only {self.kv.num_blocks:,}"
             )
-        cfg = self.config
         if not cfg.enable_chunked_prefill and kv_tokens > cfg.max_num_batched_tokens:
             return (
                 f"request {req.request_id!r}: its {req.num_prompt_tokens:,} prompt and "
-                f"{req.max_tokens:,} output tokens exceed max_num_batched_tokens "
+                f"{outputs:,} output tokens exceed max_num_batched_tokens "
                 f"({cfg.max_num_batched_tokens:,}) without chunked prefill"
             )
         return None
@@ -295,9 +309,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests; returns the finished ones. Each step's
-        output is applied once, in order, with tokens for the chunks that sample only (the executor's contract,
-        not checked here: a second application would advance the computed tokens again)."""
+        """Advance computed tokens, append sampled tokens, finish requests (at ``max_tokens`` output tokens, or at
+        ``max_model_len`` tokens in all when set); returns the finished ones. Each step's output is applied once,
+        in order, with tokens for the chunks that sample only (the executor's contract, not checked here: a
+        second application would advance the computed tokens again)."""
         now = self.clock()
         reqs = self.requests
         for c in out.chunks:
@@ -305,11 +320,13 @@ class Scheduler:
             if req is not None and req.status is RequestStatus.RUNNING:
                 req.num_computed_tokens += c.num_new_tokens
         finished: list[Request] = []
+        limit = self.config.max_model_len
         for rid, tok in zip(result.req_ids, result.token_ids, strict=True):
             req = reqs.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            if req.append_output(tok, now):
+            # (vLLM's check_stop: its max_tokens, or max_model_len tokens in all; both finish it by length)
+            if req.append_output(tok, now) or (limit is not None and req.num_tokens >= limit):
                 finished.append(req)
         for req in finished:
             self._finish(req, now)
