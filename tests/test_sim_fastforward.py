@@ -64,6 +64,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("contended", {"kv_blocks": 520, "block_size": 4, "replicas": 2, "router": "prefix-affinity"}),
     ("contended", {"kv_blocks": 2_000, "block_size": 1}),
     ("contended", {"kv_blocks": 1_000, "block_size": 2}),
+    # max_model_len: runs cut where a request reaches it (and, at 700, a prompt of 700 tokens or more rejected)
+    ("multi-tenant", {"kv_blocks": 1_500, "sched": SchedulerConfig(max_model_len=2_000)}),
+    ("contended", {"kv_blocks": 300, "sched": SchedulerConfig(max_model_len=1_000)}),
+    ("contended", {"kv_blocks": 400, "block_size": 2, "sched": SchedulerConfig(max_model_len=700)}),
+    ("contended", {"kv_blocks": 260, "block_size": 4, "sched": SchedulerConfig(max_model_len=1_003)}),
 ]
 
 
@@ -136,3 +141,23 @@ def test_fast_forward_runs_while_max_num_seqs_requests_run_and_others_wait() -> 
     assert fast.summary()["steps"] == steps and steps >= 400
     assert fast.fast_forwarded_steps > 0.9 * steps
     assert run(SimConfig(fast_forward=True, **kw), wl) == run(SimConfig(fast_forward=False, **kw), wl)
+
+
+@pytest.mark.parametrize("limit", [None, 1, 2, 600, 1_000, 1_201, 10_000])
+def test_fast_forward_stops_each_request_at_max_model_len(limit: int | None) -> None:
+    """A request ends holding ``min(prompt + max_tokens, max_model_len)`` tokens, fast-forwarded or not; a prompt
+    of ``max_model_len`` tokens or more is rejected. (Before the run was capped at the limit, a run planned to the
+    fewest remaining ``max_tokens`` went past it: the requests came back longer than step by step.)"""
+    wl = contended()
+    kw: dict[str, Any] = {"kv_blocks": 2_000, "sched": SchedulerConfig(max_model_len=limit)}
+    slow, fast = (Simulation(SimConfig(fast_forward=ff, **kw), wl).run() for ff in (False, True))
+    for sim in (slow, fast):
+        cap = limit or 1 << 62
+        want = {w.request_id: min(len(w.prompt) + w.output_len, cap) for w in wl if len(w.prompt) < cap}
+        assert {r.request_id: r.num_tokens for r in sim.finished} == want
+        assert sorted(r.request_id for r in sim.rejected) == sorted(
+            w.request_id for w in wl if w.request_id not in want
+        )
+    assert run(SimConfig(fast_forward=True, **kw), wl) == run(SimConfig(fast_forward=False, **kw), wl)
+    if limit is None or limit > 1_000:
+        assert fast.fast_forwarded_steps > 0

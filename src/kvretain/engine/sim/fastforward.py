@@ -12,7 +12,8 @@ Between those events a step's only effects are:
   when ``(total - 1) % block_size == 0`` and registers a full block when ``total % block_size == 0``;
   at every other step ``allocate_slots(req, 1, ...)`` changes nothing (no block needed, none becomes full).
 
-A :class:`DecodeRun` plans ``k`` steps (``k`` = the fewest tokens any request still has to generate, cut
+A :class:`DecodeRun` plans ``k`` steps (``k`` = the fewest tokens any request still has to generate, its
+``max_tokens`` or, with ``SchedulerConfig.max_model_len``, what takes it to ``max_model_len`` tokens; cut
 before the first step whose allocations exceed the pool's allocatable blocks: allocations are the only
 thing that consumes them during the run, since nothing is freed before the last step). It performs the cache
 events of step ``s`` at the step's start time ``T[s-1]``, in running order, through the manager's own
@@ -139,12 +140,15 @@ def plan_decode_run(rep: Replica, now: float) -> DecodeRun | None:
         return None
     ctx = 0
     k = 1 << 62
+    limit = cfg.max_model_len
     for r in running:
         n = r.num_tokens
         if n - r.num_computed_tokens != 1:
             return None
         ctx += n  # decode context of step 1 = computed + 1
         rem = r.max_tokens - len(r.output_token_ids)
+        if limit is not None and limit - n < rem:  # (it finishes holding max_model_len tokens)
+            rem = limit - n
         if rem < k:
             k = rem
     if k < MIN_RUN_STEPS:
