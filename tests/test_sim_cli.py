@@ -154,6 +154,32 @@ def test_simulate_reports_rejected_requests_and_exits_0(capsys: pytest.CaptureFi
     assert out.count("but the replica has only 1") == 3
 
 
+def test_simulate_max_model_len_cuts_outputs_and_rejects_long_prompts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --max-model-len N: a request ends holding N tokens, a prompt of N or more is rejected (vLLM 0.33); without
+    # it, the same run as before the option existed
+    base = run_json(capsys, "--policy", "lru", *SMALL)
+    none = run_json(capsys, "--policy", "lru", *SMALL, "--max-model-len", "1e9")  # (no request reaches it)
+    for obj in (base, none):
+        obj.pop("wall_s")
+    assert none == base and base["rejected"] == 0
+    cut = run_json(capsys, "--policy", "lru", *SMALL, "--max-model-len", "2000")
+    rejections = cut["rejections"]
+    assert isinstance(rejections, list) and cut["rejected"] == len(rejections) > 0
+    assert all("prompt tokens reach max_model_len (2,000)" in r["reason"] for r in rejections)
+    assert cut["requests"] + cut["rejected"] == 60
+    assert cut["output_tokens"] < base["output_tokens"]  # type: ignore[operator]
+    assert "--max-model-len N" in _help(capsys, "compare")
+    text = " ".join(_help(capsys, "simulate").split())
+    assert "vLLM's default: the model's context length; kvretain's default: unbounded" in text
+
+
+def _help(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    assert main([command, "--help"]) == 0
+    return capsys.readouterr().out
+
+
 def test_simulate_lists_three_rejected_requests_whole(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--limit", "3", "--kv-blocks", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out

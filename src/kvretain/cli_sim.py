@@ -171,6 +171,15 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
     g.add_argument(
         "--max-num-seqs", type=integer(1), default=256, help="most running requests per replica (default 256)"
     )
+    g.add_argument(
+        "--max-model-len",
+        type=integer(1),
+        default=None,
+        metavar="N",
+        help="context length, >= 1: a prompt of N tokens or more is rejected, a request ends when it holds N "
+        "tokens, prompt and output, as in vLLM (vLLM's default: the model's context length; kvretain's "
+        "default: unbounded, every request runs to its output length)",
+    )
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument(
         "--waiting-preempts-running",
@@ -301,6 +310,7 @@ def sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
             max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=not args.no_chunked_prefill,
             waiting_preempts_running=args.waiting_preempts_running,
+            max_model_len=args.max_model_len,
         ),
         closed_loop=not args.open_loop,
         frontend_in_s=args.frontend_in_s,
