@@ -22,6 +22,13 @@ every request whose prefill completes or that decodes, ``update_from_output``):
 A request may also be added between a step's ``schedule()`` and its ``update_from_output`` (``Spec.mid_step``),
 or aborted (``Spec.abort_step``): the tests' generated workloads do both; the trace does neither.
 
+``max_model_len``: vLLM's side always has one (``--max-prompt + --max-output`` by default, which no request
+reaches; kvretain's side then has none, its default). With ``--max-model-len N`` both sides have N: a prompt of N
+tokens or more is refused on both sides (kvretain's admission; on vLLM's side the driver refuses it as vLLM's
+input processor would, before its scheduler, which never sees it), a request ends when it holds N tokens (vLLM's
+``check_stop``), and the JSON lines add ``refused`` and ``same_refusals_and_lengths`` (the same requests refused,
+each finished one as long, on both sides).
+
 Per step both record the scheduled requests and their token counts, the preempted requests, and each
 admission's prefix hit (``num_computed_tokens`` when a waiting or preempted request is scheduled). The
 report gives the first divergent step with both sides' records around it, and per queue policy a JSON line
@@ -112,6 +119,12 @@ class Trace:
     records: list[StepRecord] = field(default_factory=list)
     first_hits: dict[str, int] = field(default_factory=dict)  # first admission's hit per request
     wall_s: float = 0.0
+    refused: list[str] = field(
+        default_factory=list
+    )  # requests refused on arrival (a prompt over max_model_len)
+    lengths: dict[str, int] = field(
+        default_factory=dict
+    )  # tokens (prompt and output) of each finished request
 
     @property
     def hit_tokens(self) -> int:
@@ -140,6 +153,12 @@ class Clock:
         return self.t
 
 
+def kvretain_max_model_len(args: argparse.Namespace) -> int | None:
+    """kvretain's ``max_model_len``: vLLM's (``args.max_model_len``) when the namespace's ``limit_model_len`` is
+    True (``--max-model-len``, or a test), else None (kvretain's default; vLLM's side keeps its own)."""
+    return args.max_model_len if getattr(args, "limit_model_len", False) else None
+
+
 def drive(
     name: str,
     specs: list[Spec],
@@ -149,11 +168,13 @@ def drive(
     one_step: Callable[[int, Callable[[], None]], StepRecord],
     max_steps: int,
     abort: Callable[[str], None] | None = None,
+    trace: Trace | None = None,
 ) -> Trace:
     """The loop both sides share: the step's aborts (``Spec.abort_step``), its arrivals, then one engine step
     (``one_step(step, mid)`` calls ``mid`` between ``schedule()`` and ``update_from_output``: the arrivals
-    marked ``Spec.mid_step`` are added there)."""
-    tr = Trace(name)
+    marked ``Spec.mid_step`` are added there). ``trace``: the trace to fill (the sides' ``add`` and
+    ``one_step`` record in it the requests refused and the lengths of those that finish)."""
+    tr = Trace(name) if trace is None else trace
     t0 = time.perf_counter()
     aborts: dict[int, list[str]] = {}
     for s in specs:
@@ -218,19 +239,25 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
             max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=chunked_prefill(args),
             reserve_full_prompt=getattr(args, "reserve_full_prompt", True),
+            max_model_len=kvretain_max_model_len(args),
         ),
         clock=clock,
     )
+    tr = Trace("kvretain")
 
     def add(s: Spec) -> None:
-        sched.add_request(Request(s.rid, s.prompt, s.max_tokens, s.arrival_s, s.priority))
+        if not sched.add_request(Request(s.rid, s.prompt, s.max_tokens, s.arrival_s, s.priority)):
+            tr.refused.append(s.rid)
 
     def one_step(step: int, mid: Callable[[], None]) -> StepRecord:
         before = {r.request_id for r in sched.running}
         out = sched.schedule()
         mid()
         sampled = [c.request_id for c in out.chunks if c.samples]
-        sched.update_from_output(out, RunnerOutput(tuple(sampled), (harness.SAMPLED_TOKEN,) * len(sampled)))
+        done = sched.update_from_output(
+            out, RunnerOutput(tuple(sampled), (harness.SAMPLED_TOKEN,) * len(sampled))
+        )
+        tr.lengths.update((r.request_id, r.num_tokens) for r in done)
         return StepRecord(
             step,
             {c.request_id: c.num_new_tokens for c in out.chunks},
@@ -241,7 +268,7 @@ def run_kvretain(specs: list[Spec], args: argparse.Namespace, queue: str) -> Tra
     def abort(rid: str) -> None:
         sched.abort(rid)
 
-    return drive("kvretain", specs, clock, add, sched.has_unfinished, one_step, args.max_steps, abort)
+    return drive("kvretain", specs, clock, add, sched.has_unfinished, one_step, args.max_steps, abort, tr)
 
 
 def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir: str) -> Trace:
@@ -272,7 +299,16 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
         if (queue_cls == "FreeKVCacheBlockQueue") != (args.policy == "lru"):
             raise SystemExit(f"vLLM's free queue is {queue_cls}: the plugin is not (or wrongly) installed")
 
+        tr = Trace("vllm")
+
         def add(s: Spec) -> None:
+            if len(s.prompt) >= args.max_model_len:
+                # vLLM's front end refuses it (its input processor's prompt length check: a prompt of
+                # max_model_len tokens or more leaves no room for an output token); its scheduler, which does
+                # not check, never sees it. A max_tokens beyond max_model_len - prompt is not clamped here (the
+                # API server would): check_stop ends the request at max_model_len tokens all the same.
+                tr.refused.append(s.rid)
+                return
             harness.add_request(
                 sched,
                 Request(
@@ -296,13 +332,17 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
                 rid: reqs[rid].num_computed_tokens - n for rid, n in n_sched.items() if rid not in before
             }
             mid()
+            live = {rid: reqs[rid] for rid in n_sched}  # (finished requests leave sched.requests)
             sched.update_from_output(out, harness.runner_output(sched, out))
+            tr.lengths.update((rid, q.num_tokens) for rid, q in live.items() if q.is_finished())
             return StepRecord(step, n_sched, sorted(out.preempted_req_ids or ()), admitted)
 
         def abort(rid: str) -> None:
             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
-        tr = drive("vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps, abort)
+        tr = drive(
+            "vllm", specs, clock, add, sched.has_unfinished_requests, one_step, args.max_steps, abort, tr
+        )
         tr.name = f"vllm ({queue_cls})"
         return tr
     finally:
@@ -415,6 +455,15 @@ def build_parser() -> Parser:
         "--max-prompt", type=integer(1), default=16384, help="prompt tokens kept per request, >= 1"
     )
     ap.add_argument(
+        "--max-model-len",
+        type=integer(1),
+        default=None,
+        metavar="N",
+        help="max_model_len of both sides, >= 1, at most what the pool holds: a prompt of N tokens or more is "
+        "refused, a request ends holding N tokens (default: none for kvretain, its default; vLLM's side "
+        "--max-prompt + --max-output, which no request reaches)",
+    )
+    ap.add_argument(
         "--max-steps",
         type=integer(1),
         default=200_000,
@@ -427,13 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     from kvretain.workloads.mooncake import TraceError
 
     args = build_parser().parse_args(argv)
-    args.max_model_len = args.max_prompt + args.max_output
-    if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
-        return fail(
-            PROG,
-            f"argument --max-prompt/--max-output: --max-prompt + --max-output ({args.max_model_len}) must fit "
-            f"the pool ({args.pool_blocks - 1} usable blocks of {args.block_size})",
-        )
+    args.limit_model_len = args.max_model_len is not None
+    pool = f"the pool ({args.pool_blocks - 1} usable blocks of {args.block_size})"
+    if (
+        args.limit_model_len
+    ):  # (vLLM's engine refuses to start with a KV cache that cannot hold max_model_len)
+        if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
+            return fail(PROG, f"argument --max-model-len: {args.max_model_len} must fit {pool}")
+    else:
+        args.max_model_len = args.max_prompt + args.max_output
+        if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
+            return fail(
+                PROG,
+                f"argument --max-prompt/--max-output: --max-prompt + --max-output ({args.max_model_len}) must "
+                f"fit {pool}",
+            )
     os.environ.pop("KVRETAIN_POLICY", None)
 
     try:  # (the trace parser's message names a missing file, a folder, the file's line and field)
@@ -444,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_module(["torch", "vllm"], "the vLLM side")
     if missing:
         return fail(PROG, missing)
+    if args.limit_model_len:
+        refused = sum(len(s.prompt) >= args.max_model_len for s in specs)
+        cut = sum(len(s.prompt) + s.max_tokens > args.max_model_len > len(s.prompt) for s in specs)
+        print(
+            f"max_model_len {args.max_model_len} on both sides: {refused} prompts refused, {cut} outputs cut"
+        )
     print(
         f"{len(specs)} requests of {args.trace.name} (class 0: {sum(s.priority == 0 for s in specs)}), "
         f"{sum(len(s.prompt) for s in specs):,} prompt tokens; policy {args.policy}"
@@ -463,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         res = compare(k, v)
         res.update(policy=args.policy, queue=q, requests=len(specs))
+        if args.limit_model_len:  # (the same requests refused, and each finished one as long, on both sides)
+            res.update(
+                refused=len(v.refused),
+                same_refusals_and_lengths=(k.refused, k.lengths) == (v.refused, v.lengths),
+            )
         print(json.dumps(res))
         results[q] = res
     if len(queues) == 1:

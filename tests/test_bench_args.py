@@ -435,6 +435,11 @@ def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path)
     trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
     res = _run("sched_equivalence.py", "--trace", str(trace), "--max-prompt", "100000", timeout=60)
     _refused(res, "sched_equivalence: error", "argument --max-prompt/--max-output: ")
+    # --max-model-len N on both sides: N must fit the pool, as vLLM's engine requires (the prompts may not)
+    res = _run("sched_equivalence.py", "--trace", str(trace), "--max-model-len", "40000", timeout=60)
+    _refused(
+        res, "sched_equivalence: error", "argument --max-model-len: 40000 must fit the pool (2047 usable"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- sim_speed.py
@@ -813,6 +818,7 @@ RANGES = [
     ("sched_equivalence", "--max-batched-tokens", "0", "must be an integer >= 1"),
     ("sched_equivalence", "--max-prompt", "0", "must be an integer >= 1"),
     ("sched_equivalence", "--max-output", "0", "must be an integer >= 1"),
+    ("sched_equivalence", "--max-model-len", "0", "must be an integer >= 1"),
     ("sched_equivalence", "--step-ms", "0", "must be a finite number > 0"),
     ("sched_equivalence", "--max-steps", "0", "must be an integer >= 1"),
     ("vllm_plugin", "--requests", "0", "must be an integer >= 1"),

@@ -206,8 +206,16 @@ def _one_at_a_time(seed: int, edge: argparse.Namespace | None = None) -> list[eq
             prompt = list(rng.choice(systems))  # entirely cached once its system prompt is
         elif shape < 0.25:
             prompt = [*rng.choice(systems), *range(1, edge.max_model_len)]  # cut to max_model_len - 1 below
-        prompt = prompt[: edge.max_model_len - 1]
-        max_tokens = min(max_tokens, edge.max_model_len - len(prompt))
+        if getattr(edge, "limit_model_len", False):
+            # both sides have max_model_len: prompts of max_model_len - 1, max_model_len (refused) and more
+            # (refused), the others cut short of it; every max_tokens kept (an output past it is cut)
+            m, cut = edge.max_model_len, rng.random()
+            prompt = prompt[
+                : m - 1 if cut < 0.1 else m if cut < 0.2 else m + 5 if cut < 0.25 else rng.randint(1, m)
+            ]
+        else:
+            prompt = prompt[: edge.max_model_len - 1]
+            max_tokens = min(max_tokens, edge.max_model_len - len(prompt))
         mid = rng.random() < 0.2
         abort = step + rng.randrange(20) if rng.random() < 0.1 else None
         specs.append(eq.Spec(f"r{i:03d}", prompt, max_tokens, priority, arrival_s, step, mid, abort))
@@ -276,6 +284,40 @@ def test_lru_matches_stock_vllm_on_edge_case_engines(tmp_path: Path) -> None:
         seen["uncached"] += not a.enable_caching
         seen["mid"] += sum(s.mid_step for s in specs)
         seen["aborts"] += sum(s.abort_step is not None for s in specs)
+    assert all(seen.values()), seen
+
+
+def _limited_engine(seed: int) -> argparse.Namespace:
+    """:func:`_edge_engine`'s engine with ``max_model_len`` on both sides (``limit_model_len``): what the pool
+    holds, or less (down to 2 tokens)."""
+    a = _edge_engine(seed)
+    rng = random.Random(-1 - seed)
+    a.max_model_len = rng.choice([a.max_model_len, rng.randint(2, a.max_model_len)])
+    a.limit_model_len = True
+    return a
+
+
+def test_lru_matches_stock_vllm_with_max_model_len_on_both_sides(tmp_path: Path) -> None:
+    """With ``max_model_len`` set on kvretain's side too (``SchedulerConfig.max_model_len``), step for step with
+    stock vLLM on 40 engines (:func:`_limited_engine`) and workloads whose prompts reach it (refused on both
+    sides: kvretain's admission; on vLLM's, its input processor, which the driver plays) or whose outputs run
+    past it (cut by both at ``max_model_len`` tokens): the same steps, the same requests refused, every
+    finished request as long. Fails before kvretain had ``max_model_len``: its requests ran to ``max_tokens``."""
+    seen = {"refused": 0, "cut": 0, "preemptions": 0, "unchunked": 0}
+    for seed in range(40):
+        a = _limited_engine(seed)
+        specs = _one_at_a_time(seed, a)
+        model_dir = harness.write_tiny_model(tmp_path / str(seed), vocab_size=1000, max_len=a.max_model_len)
+        for queue in ("fcfs", "priority"):
+            k = eq.run_kvretain(specs, a, queue)
+            v = eq.run_vllm(specs, a, queue, model_dir)
+            res = eq.compare(k, v)
+            assert res["first_divergence"] is None, (seed, queue, vars(a), res)
+            assert (k.refused, k.lengths) == (v.refused, v.lengths), (seed, queue)
+            seen["preemptions"] += v.preemptions
+        seen["refused"] += len(v.refused)
+        seen["cut"] += sum(n == a.max_model_len for n in v.lengths.values())
+        seen["unchunked"] += not a.chunked_prefill
     assert all(seen.values()), seen
 
 
