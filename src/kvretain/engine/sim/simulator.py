@@ -17,8 +17,9 @@ is used. A request reaches the engine ``SimConfig.frontend_in_s`` after it is se
 client ``frontend_out_s`` after their step (both 0 by default: the engine driven directly).
 
 Admission: a request that no replica could ever schedule (``Scheduler.admission_error``: its prompt and
-output need more KV blocks than a replica has, or its prompt reaches ``SchedulerConfig.max_model_len``) is rejected on arrival, with a reason, and counted in the
-summary (``rejected``, ``rejections``, per class); the router only sees the replicas that can hold it.
+output need more KV blocks than a replica has, or its prompt reaches ``SchedulerConfig.max_model_len``) is
+rejected on arrival, with a reason, and counted in the summary (``rejected``, ``rejections``, per class); the
+router only sees the replicas that can hold it.
 
 Deterministic: no wall clock, no global random state, ties broken by sequence numbers.
 """
