@@ -121,6 +121,25 @@ def test_policy_config_validation(kwargs: dict[str, float], pattern: str) -> Non
         PolicyConfig(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["false", "0", 0, 1, None, float("nan"), 0.5])
+def test_adapt_frequency_must_be_a_bool(value: object) -> None:
+    """A switch given as anything but a bool is refused: ``"false"`` (a config file's or an environment's
+    string) is truthy and silently turned the balance on."""
+    with pytest.raises(ValueError, match=r"adapt_frequency must be True or False, got "):
+        PolicyConfig(adapt_frequency=value)  # type: ignore[arg-type]
+    assert PolicyConfig(adapt_frequency=False).adapt_frequency is False
+
+
+def test_cost_scale_tokens_refuses_both_bools() -> None:
+    """``True`` was refused as a number of tokens but ``False`` passed as the "off" value 0 (``False == 0``)."""
+    for value in (True, False):
+        with pytest.raises(
+            ValueError, match=r"cost_scale_tokens must be a finite number >= 1 .* got (True|False)"
+        ):
+            PolicyConfig(cost_scale_tokens=value)
+    assert PolicyConfig(cost_scale_tokens=0).cost_scale_tokens == 0
+
+
 def test_policy_config_edges_are_valid() -> None:
     low = PolicyConfig(budget=0.0, isolation_goal=None, frequency_cap=1, ghost_factor=0.0)
     assert (low.budget, low.isolation_goal, low.frequency_cap, low.ghost_factor) == (0.0, None, 1, 0.0)

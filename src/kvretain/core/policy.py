@@ -152,10 +152,12 @@ class PolicyConfig:
         _integer(
             "frequency_cap", self.frequency_cap, 1, MAX_FREQUENCY_CAP, "a count of uses; MAX_FREQUENCY_CAP"
         )
-        if self.cost_scale_tokens != 0:
+        if self.cost_scale_tokens != 0 or isinstance(self.cost_scale_tokens, bool):  # (False == 0)
             _number(
                 "cost_scale_tokens", self.cost_scale_tokens, 1.0, INF, "tokens; 0 turns the cost term off"
             )
+        if not isinstance(self.adapt_frequency, bool):  # ("false" is truthy: it would turn the balance on)
+            raise ValueError(f"adapt_frequency must be True or False, got {show_value(self.adapt_frequency)}")
         _number("ghost_factor", self.ghost_factor, 0.0, MAX_GHOST_FACTOR, "a multiple of the pool size")
         _integer("block_size", self.block_size, 1, None, "tokens per block")
         if self.next_use is not None and not callable(self.next_use):
