@@ -234,3 +234,29 @@ def test_fits_after_freeing_counts_a_block_once_every_holder_is_freed_and_a_free
     m.free(a)  # type: ignore[arg-type]
     assert m.allocate_slots(*args) is not None  # type: ignore[arg-type]
     m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((-100, 0, 0), ValueError, r"num_new_tokens must be >= 0, got -100"),
+        ((2.5, 0, 0), TypeError, r"num_new_tokens must be an integer number of tokens, got 2\.5"),
+        (("3", 0, 0), TypeError, r"num_new_tokens must be an integer number of tokens, got '3'"),
+        ((True, 0, 0), TypeError, r"num_new_tokens must be an integer number of tokens, got True"),
+        ((2, -1, 0), ValueError, r"num_computed_tokens must be >= 0, got -1"),
+        ((2, 0, -(10**9)), ValueError, r"reserve_tokens must be >= 0, got -1000000000"),
+    ],
+)
+def test_fits_after_freeing_refuses_the_token_counts_allocate_slots_refuses(
+    args: tuple[object, object, object], error: type[Exception], match: str
+) -> None:
+    """The question "does it fit after freeing these?" takes the arguments of ``allocate_slots``, and refuses
+    what it refuses: a negative count answered 0 ("fits now"), 2.5 answered None, "3" failed deep inside."""
+    m = KVCacheManager(4, block_size=BS, policy="lru")
+    a = Req("a", [1, 2, 3, 4, 5])
+    admit(m, a)
+    r = Req("b", [7, 7, 7])
+    new, computed, reserve = args
+    with pytest.raises(error, match=match):
+        m.fits_after_freeing(r, new, computed, (), reserve, [a])  # type: ignore[arg-type]
+    assert m.fits_after_freeing(r, 3, 0, (), 0, [a]) == 1  # type: ignore[arg-type]
