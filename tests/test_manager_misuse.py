@@ -260,3 +260,36 @@ def test_fits_after_freeing_refuses_the_token_counts_allocate_slots_refuses(
     with pytest.raises(error, match=match):
         m.fits_after_freeing(r, new, computed, (), reserve, [a])  # type: ignore[arg-type]
     assert m.fits_after_freeing(r, 3, 0, (), 0, [a]) == 1  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("extra", [{"cache_salt": "t"}, "t", 3])
+def test_extra_keys_that_are_not_extra_keys_are_refused_before_anything_is_allocated(extra: object) -> None:
+    """A request's ``extra_keys`` must be an ``ExtraKeys`` (or None): a dict or a string failed with an
+    ``AttributeError`` from the hasher, and ``allocate_slots`` failed after taking the request's blocks."""
+    for first in ("get_computed_blocks", "allocate_slots"):
+        m = KVCacheManager(4, block_size=BS, policy="lru")
+        r = Req("a", [1, 2, 3, 4, 5], extra_keys=extra)
+        with pytest.raises(TypeError, match=r"request 'a': extra_keys must be an ExtraKeys or None, got "):
+            if first == "allocate_slots":
+                m.allocate_slots(r, 5, 0)  # type: ignore[arg-type]
+            else:
+                m.get_computed_blocks(r)  # type: ignore[arg-type]
+        assert m.get_num_free_blocks() == 4 and m.num_blocks_of(r) == 0 and not counted(m)  # type: ignore[arg-type]
+        m.check_integrity()
+
+
+def test_a_token_that_cannot_be_hashed_fails_allocate_slots_before_it_allocates() -> None:
+    """Generated tokens of which one is no int64 (two appended before a step's allocation, as speculative
+    decoding does) raise, and the call changes nothing: the block for them was allocated and kept, although the
+    caller was told the call failed."""
+    m = KVCacheManager(4, block_size=BS, policy="lru")
+    r = Req("a", [1, 2, 3])
+    admit(m, r)
+    r.all_token_ids += [2**70, 5]  # completes block 1 and starts block 2
+    with pytest.raises(ValueError, match=r"token id 1180591620717411303424 does not fit in a signed 64-bit"):
+        m.allocate_slots(r, 2, 3)  # type: ignore[arg-type]
+    assert m.num_blocks_of(r) == 2 and m.get_num_free_blocks() == 2  # type: ignore[arg-type]
+    m.check_integrity()
+    r.all_token_ids[3] = 4
+    assert m.allocate_slots(r, 2, 3) == [2]  # type: ignore[arg-type]
+    m.check_integrity()

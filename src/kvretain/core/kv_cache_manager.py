@@ -186,7 +186,12 @@ class KVCacheManager:
                 return
             tokens = req.all_token_ids
             prefix = cast("Sequence[bytes]", st.hashes)
-            st.hashes = self.hasher.hash_blocks(tokens[: n_full * self.block_size], req.extra_keys, prefix)
+            extra = req.extra_keys
+            if extra is not None and not isinstance(extra, ExtraKeys):
+                raise TypeError(
+                    f"request {req.request_id!r}: extra_keys must be an ExtraKeys or None, got {show_value(extra)}"
+                )
+            st.hashes = self.hasher.hash_blocks(tokens[: n_full * self.block_size], extra, prefix)
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -308,6 +313,11 @@ class KVCacheManager:
                     f"request {req.request_id!r}: new_computed_blocks must be a prefix of the blocks its "
                     f"get_computed_blocks returned, still cached, got {show_value(new_computed_blocks)}"
                 )
+        known = min(num_computed_tokens + num_new_tokens, len(req.all_token_ids))
+        if self.enable_caching:
+            # hashed before anything changes: a token or extra key that cannot be hashed fails the call here, not
+            # after its blocks were allocated
+            self._update_hashes(req, st, known)
         n_new, n_check = self._blocks_needed(
             st, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
         )
@@ -327,7 +337,7 @@ class KVCacheManager:
             return None
         st.blocks.extend(new)
         if self.enable_caching:
-            self._cache_full_blocks(req, st, num_computed_tokens + num_new_tokens)
+            self._cache_full_blocks(st, known)
         return new
 
     def _blocks_needed(
@@ -387,9 +397,9 @@ class KVCacheManager:
                     free += 1
         return None  # pragma: no cover - the loop returns
 
-    def _cache_full_blocks(self, req: CacheRequest, st: _ReqState, num_tokens: int) -> None:
-        known = min(num_tokens, len(req.all_token_ids))
-        self._update_hashes(req, st, known)
+    def _cache_full_blocks(self, st: _ReqState, known: int) -> None:
+        """Register the request's blocks that are full with its first ``known`` tokens (hashed already:
+        :meth:`allocate_slots` hashes them before it allocates)."""
         n_full = min(known // self.block_size, len(st.blocks), len(st.hashes))
         if n_full > st.num_cached:
             self.pool.cache_blocks(st.blocks, st.hashes, st.num_cached, n_full)
