@@ -129,6 +129,34 @@ def test_a_bad_clock_reading_takes_nothing() -> None:
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["lru", "priority", "unified"])
+def test_a_clock_reading_that_is_no_float_is_converted_or_refused_before_the_pool_changes(
+    policy: str,
+) -> None:
+    """The pool checked only ``now - now != 0``: a Decimal, an int past a float's range or a complex passed, and
+    the priority policies failed on it after the pool had released the blocks (integrity broken); a str or None
+    failed with "unsupported operand type(s) for -"."""
+    from decimal import Decimal
+
+    now: list[object] = [Decimal("1.5")]
+    pool = BlockPool(3, make_policy(policy, 3), clock=lambda: now[0])
+    ids = pool.get_new_blocks(2)
+    assert ids is not None
+    pool.cache_blocks(ids, [1, 2], 0, 2)
+    pool.free_blocks(ids, BlockRetention([80, 90], [1.0, 2.0]))  # (a Decimal is a number of seconds)
+    pool.check_integrity()
+    assert pool.touch(ids) is None
+    for bad in (10**400, 1j, "1", None, True):
+        now[0] = bad
+        with pytest.raises(ValueError, match=r"the pool's clock returned .*; it must return a finite number"):
+            pool.free_blocks(ids, BlockRetention([80, 90], [1.0, 2.0]))
+        assert pool.ref_cnt[:2] == [1, 1]
+        pool.check_integrity()
+    now[0] = 3
+    pool.free_blocks(ids)
+    pool.check_integrity()
+
+
 def test_an_observer_that_raises_leaves_the_pool_consistent() -> None:
     # an on_evict that raised mid-eviction left the victim in use with its hash dropped (integrity broken)
     for hook in ("on_evict", "on_evict_batch"):

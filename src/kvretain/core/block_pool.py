@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from kvretain.core.hashing import BlockHash
 from kvretain.core.policy import NO_PARENT, BlockState, EvictionPolicy
-from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention
+from kvretain.core.retention import DEFAULT_RETENTION_PRIORITY, BlockRetention, show_value
 
 
 def _position(block_ids: Sequence[int], bid: object) -> int:
@@ -57,11 +57,29 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _clock_error(now: float) -> ValueError:
+def _clock_error(now: object) -> ValueError:
     """The error for a clock reading that is not a finite number (a NaN would make every expiry comparison false:
-    directives would never lapse). The callers test ``now - now != 0.0``: NaN for both NaN and +-inf, no call on
-    the hot path."""
-    return ValueError(f"the pool's clock returned {now!r}; it must return a finite number of seconds")
+    directives would never lapse)."""
+    return ValueError(
+        f"the pool's clock returned {show_value(now)}; it must return a finite number of seconds"
+    )
+
+
+def _clock_reading(now: object) -> float:
+    """A clock reading that is not a finite ``float`` (the callers test ``now.__class__ is not float or now - now
+    != 0.0``: NaN for both NaN and +-inf, no call on the hot path) as a ``float``, or :func:`_clock_error`.
+
+    An int, a numpy float or a ``Decimal`` is converted: the policies add durations (floats) to it, which a
+    ``Decimal`` refused, and a complex or an int past a float's range failed there, after the pool had changed."""
+    if isinstance(now, bool | str | bytes):
+        raise _clock_error(now)
+    try:
+        f = float(now)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise _clock_error(now) from None
+    if f - f != 0.0:  # (NaN and +-inf)
+        raise _clock_error(now)
+    return f
 
 
 def _not_an_id(b: object, n: int) -> bool:
@@ -203,8 +221,8 @@ class BlockPool:
         k = min(n, len(empty))
         if k < n:  # (read before anything is taken: a bad clock changes nothing)
             now = self.clock()
-            if now - now != 0.0:  # (NaN and +-inf)
-                raise _clock_error(now)
+            if now.__class__ is not float or now - now != 0.0:  # (NaN and +-inf)
+                now = _clock_reading(now)
         if self._hears_allocations:
             self.policy.on_allocate(n, len(empty))
         for _ in range(k):
@@ -381,8 +399,8 @@ class BlockPool:
             if (p.__class__ is not int or not 0 <= p < self.num_blocks) and _not_an_id(p, self.num_blocks):
                 raise _out_of_range("cache_blocks", block_ids[start - 1 : start], self.num_blocks)
         now = self.clock()
-        if now - now != 0.0:  # (NaN and +-inf)
-            raise _clock_error(now)
+        if now.__class__ is not float or now - now != 0.0:  # (NaN and +-inf)
+            now = _clock_reading(now)
         cached = self.cached
         blocks = self._blocks
         leaf_only = self._leaf_only
@@ -487,8 +505,8 @@ class BlockPool:
                 f"free_blocks: retention must be a BlockRetention or None, got {type(retention).__name__}"
             )
         now = self.clock()
-        if now - now != 0.0:  # (NaN and +-inf)
-            raise _clock_error(now)
+        if now.__class__ is not float or now - now != 0.0:  # (NaN and +-inf)
+            now = _clock_reading(now)
         blocks = self._blocks
         policy = self.policy
         track = self._tracks_uses
