@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvretain.core.block_pool import BlockPool
 from kvretain.core.kv_cache_manager import KVCacheManager
 from kvretain.core.policy import PolicyConfig, make_policy, policy_names
 from kvretain.core.retention import BlockRetention, PriorityMapping, RetentionConfig, RetentionDirective
@@ -293,3 +294,33 @@ def test_a_token_that_cannot_be_hashed_fails_allocate_slots_before_it_allocates(
     r.all_token_ids[3] = 4
     assert m.allocate_slots(r, 2, 3) == [2]  # type: ignore[arg-type]
     m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (
+            lambda: KVCacheManager(4, mapping={"normal": 0}),
+            r"mapping must be a PriorityMapping or None, got \{",
+        ),
+        (lambda: KVCacheManager(4, enable_caching="no"), r"enable_caching must be True or False, got 'no'"),
+        (
+            lambda: KVCacheManager(4, clock=5.0),
+            r"clock must be a function returning seconds or None, got 5\.0",
+        ),
+        (
+            lambda: make_policy("unified", 4, {"budget": 0.5}),
+            r"config must be a PolicyConfig or None, got \{",
+        ),
+        (lambda: make_policy("lru", 4, {"budget": 0.5}), r"config must be a PolicyConfig or None, got \{"),
+        (lambda: BlockPool(True, make_policy("lru", 1)), r"num_blocks must be a positive integer, got True"),
+    ],
+)
+def test_constructor_arguments_of_the_wrong_type_are_refused_where_they_are_given(
+    build: object, match: str
+) -> None:
+    """A mapping given as a dict failed with an AttributeError at the first admission, after its lookup was
+    counted; a config dict at the first release (unified) or never (lru: ignored); ``enable_caching="no"`` turned
+    caching on; a clock that is no function failed at the first eviction."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        build()  # type: ignore[operator]

@@ -110,8 +110,10 @@ class BlockPool:
         policy: EvictionPolicy,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {show_value(num_blocks)}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a function returning seconds or None, got {show_value(clock)}")
         if policy.num_blocks != num_blocks:
             raise ValueError(f"policy was built for {policy.num_blocks} blocks, pool has {num_blocks}")
         if getattr(policy, "in_pool", False):  # (a policy class that skipped EvictionPolicy.__init__)

@@ -122,6 +122,13 @@ class KVCacheManager:
         clock: Callable[[], float] | None = None,
         enable_caching: bool = True,
     ) -> None:
+        # (checked here: each was read only later, a mapping after its request's lookup was counted)
+        if config is not None and not isinstance(config, PolicyConfig):
+            raise TypeError(f"config must be a PolicyConfig or None, got {show_value(config)}")
+        if mapping is not None and not isinstance(mapping, PriorityMapping):
+            raise TypeError(f"mapping must be a PriorityMapping or None, got {show_value(mapping)}")
+        if not isinstance(enable_caching, bool):  # ("no" is truthy)
+            raise TypeError(f"enable_caching must be True or False, got {show_value(enable_caching)}")
         if isinstance(policy, str) and config is not None and config.block_size != block_size:
             # the default block size stands for "the pool's" (SimConfig's default policy_config, for one): it is
             # adopted; any other value that differs is a contradiction

@@ -233,6 +233,8 @@ class EvictionPolicy(ABC):
     def __init__(
         self, num_blocks: int, config: PolicyConfig | None = None, *, capacity: int | None = None
     ) -> None:
+        if config is not None and not isinstance(config, PolicyConfig):
+            raise TypeError(f"config must be a PolicyConfig or None, got {show_value(config)}")
         self.num_blocks = num_blocks
         self.config = config or PolicyConfig()
         self.capacity = num_blocks if capacity is None else _checked_capacity(capacity, num_blocks)
