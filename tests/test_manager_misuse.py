@@ -324,3 +324,15 @@ def test_constructor_arguments_of_the_wrong_type_are_refused_where_they_are_give
     caching on; a clock that is no function failed at the first eviction."""
     with pytest.raises((TypeError, ValueError), match=match):
         build()  # type: ignore[operator]
+
+
+def test_a_lookup_by_a_request_that_holds_blocks_is_not_counted_as_its_first() -> None:
+    """A request allocated without a lookup, then looked up (a scheduler that looks up running requests): the
+    lookup found the request's own blocks, and the next allocation counted them as its first lookup's hits."""
+    m = KVCacheManager(8, block_size=BS, policy="lru")
+    r = Req("a", [1, 2, 3, 4, 5, 6, 7])
+    assert m.allocate_slots(r, 4, 0) == [0, 1]  # type: ignore[arg-type]
+    assert m.get_computed_blocks(r) == ([0, 1], 4)  # type: ignore[arg-type]
+    assert m.allocate_slots(r, 3, 4) == [2, 3]  # type: ignore[arg-type]
+    assert not counted(m)
+    m.check_integrity()

@@ -249,7 +249,7 @@ class KVCacheManager:
             if bid is None:
                 break
             hits.append(bid)
-        if not st.looked_up:
+        if not st.looked_up and not st.blocks:  # (a request holding blocks would find its own)
             st.hit_blocks = st.resident = len(hits)
             # NOTE: the cap is the scheduler's (the last token's logits), not the cache's: a prompt of whole blocks
             # repeated finds its last block cached but cannot use it. The policy compares the pool with shadow
