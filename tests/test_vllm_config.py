@@ -471,6 +471,39 @@ def test_stop_kills_what_outlives_the_api_server_in_its_process_group(tmp_path: 
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_stop_kills_what_a_crashed_api_server_left_in_its_process_group(tmp_path: Path) -> None:
+    """An API server that dies during start-up without stopping its engine core (killed: the OOM killer, a
+    crash; vLLM's engine core does not watch its parent) leaves it running with the model in memory; stop()
+    ended the group only while its leader was alive, so the engine core outlived the failed start."""
+    from kvretain.integrations.vllm.launch import ServerError, VLLMServer
+
+    child = tmp_path / "child"
+    fake = tmp_path / "python"
+    fake.write_text(
+        f"#!/bin/sh\nsh -c 'trap \"\" TERM; echo $$ > {child}.part; mv {child}.part {child}; exec sleep 60' &\n"
+        f"while [ ! -s {child} ]; do sleep 0.05; done\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    server.start()
+    pid = 0
+    try:
+        with pytest.raises(ServerError, match="exited during start-up"):
+            server.wait_ready(timeout_s=20)
+        pid = int(child.read_text())
+        assert _running(pid)  # (the leader is gone, its engine core stand-in is not)
+        server.stop(grace_s=5)
+        deadline = time.monotonic() + 5
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid)
+    finally:
+        server.stop(grace_s=5)
+        if pid and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 class _Stream:
     """An ``openai`` stream as ``launch``'s loop reads it: each chunk advances the (fake) clock by a second."""
 

@@ -161,7 +161,8 @@ class VLLMServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; remove its private IPC folder."""
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s`` (what is left of it at once where the
+        API server has exited already); remove its private IPC folder."""
         proc, self.proc = self.proc, None
         try:
             self._end(proc, grace_s)
@@ -175,21 +176,24 @@ class VLLMServer:
 
     @staticmethod
     def _end(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        with contextlib.suppress(
-            ProcessLookupError
-        ):  # the engine core may outlive the API server by a moment
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        # the engine core may outlive the API server by a moment, or for good where the API server died without
+        # stopping it (killed during start-up: vLLM's engine core does not watch its parent); the group goes too.
+        # (Linux reuses no pid while a process group of that id has members, so while any is left this signals
+        # the server's own; once all are gone, only a new group leader given the same pid could take the signal)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
     def __enter__(self) -> VLLMServer:
