@@ -233,6 +233,28 @@ def test_the_server_log_says_why_the_plugin_refused() -> None:
     assert "kvretain vLLM plugin disabled: KVRETAIN_POLICY='bogus': unknown policy" in log
 
 
+def test_a_pool_without_prefix_caching_says_the_plugin_has_nothing_to_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server without prefix caching builds its pool all the same: the log said the plugin was enabled, then
+    nothing (no queue, no kvretain series in /metrics). It says why now, and the pool stays stock."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    caplog.set_level(logging.INFO, logger=_runtime.LOGGER_NAME)
+    plugin.enable(PluginConfig())
+    pool = BlockPool(12, enable_caching=False, hash_block_size=BLOCK)
+    assert type(pool.free_block_queue).__name__ == "FreeKVCacheBlockQueue"  # (stock)
+    said = [r for r in caplog.records if "prefix caching is off" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert "12-block" in said[0].getMessage() and "unified (run granularity)" in said[0].getMessage()
+    caplog.clear()
+    BlockPool(12, enable_caching=True, hash_block_size=BLOCK)
+    assert not any("prefix caching is off" in r.getMessage() for r in caplog.records)
+    plugin.disable()
+    BlockPool(12, enable_caching=False, hash_block_size=BLOCK)  # (a stock server: not a word)
+    assert not any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------------------- hook errors, counters
 def test_hook_errors_are_counted_and_logged_again_with_the_count(caplog: pytest.LogCaptureFixture) -> None:
     from kvretain.integrations.vllm import _patches

@@ -160,7 +160,18 @@ def _make_pool_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
         cfg = _active
-        if cfg is None or type(self) is not BlockPool or not self.enable_caching:
+        if cfg is None or type(self) is not BlockPool:
+            return
+        if not self.enable_caching:
+            # NOTE: vLLM builds the pool of a server without prefix caching (--no-enable-prefix-caching, or a model
+            # it turns caching off for) all the same: the plugin said it was enabled and then did nothing, and
+            # /metrics had no kvretain series, without a word
+            logger.warning(
+                "kvretain: prefix caching is off in this %d-block KV cache (--enable-prefix-caching): there are "
+                "no cached blocks to retain; %s has no effect here",
+                len(self.blocks),
+                cfg.describe(),
+            )
             return
         if self.get_num_free_blocks() != len(self.blocks) - 1:
             return  # not a fresh pool: leave it stock
