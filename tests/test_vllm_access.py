@@ -817,6 +817,48 @@ def test_a_bad_key_setting_stops_the_server_with_one_line():
     )
 
 
+def test_a_misspelt_key_variable_does_not_open_the_server(tmp_path):
+    # KVRETAIN_API_KEY_FILE=keys.json (one letter off) started the server open to every client, its only trace a
+    # warning among vLLM's start-up lines: a name close to a key variable, with no key variable set, stops it
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"keys": [{"key": "sk-12345678"}]}')
+    for name, meant in [
+        ("KVRETAIN_API_KEY_FILE", "KVRETAIN_API_KEYS_FILE"),
+        ("KVRETAIN_KEYS_FILE", "KVRETAIN_API_KEYS_FILE"),
+        ("KVRETAIN_API_KEY", "KVRETAIN_API_KEYS"),
+    ]:
+        with pytest.raises(
+            AccessConfigError, match=rf"^'{name}' is not a kvretain setting \(did you mean {meant}\?\)"
+        ):
+            AccessPolicy.from_env({name: str(keys)})
+    # a key variable set: the stray name is only warned about (by the plugin's register()); other misspellings
+    # and the test scripts' own variables do not touch the limits
+    assert (
+        len(AccessPolicy.from_env({"KVRETAIN_API_KEYS_FILE": str(keys), "KVRETAIN_API_KEY": "x"}).keys) == 1
+    )
+    for env in ({"KVRETAIN_POLICY_OPTION": "budget=1"}, {"KVRETAIN_SERVE_MODEL": "m"}, {}):
+        assert AccessPolicy.from_env(env).is_open
+
+
+def test_a_misspelt_key_variable_stops_the_server_with_one_line():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRETAIN_API_KEYS")}
+    env["KVRETAIN_API_KEY_FILE"] = "keys.json"
+    code = "import kvretain.integrations.vllm.middleware"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "kvretain access limits: 'KVRETAIN_API_KEY_FILE' is not a kvretain setting (did you mean "
+            "KVRETAIN_API_KEYS_FILE?); without KVRETAIN_API_KEYS_FILE the server would be open to every client"
+        )
+    )
+
+
 def test_a_retention_cap_allows_exactly_the_priorities_the_mapping_puts_within_it():
     # the floor was found by walking 256 priorities up from 0: README's own table (0:80,1:35,2:10) with a cap of
     # 50 refused priority -1 (45 by the formula); normal=300 refused 400 (which maps to 0); a cap no priority

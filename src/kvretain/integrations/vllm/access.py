@@ -61,6 +61,7 @@ from kvretain.integrations.vllm.config import (
     SCOPE_KEY,
     check_directive_count,
     load_json,
+    misspelt_env_names,
     retention_from_extra_args,
     shown_field,
     unknown_fields_message,
@@ -308,6 +309,15 @@ class AccessPolicy:
                 raise AccessConfigError(f"{name} holds only blanks; name the limits there, or unset it")
         if path and text:
             raise AccessConfigError(f"set {ENV_KEYS_FILE} or {ENV_KEYS}, not both")
+        if not path and not text:
+            # a misspelt key variable (API_KEY_FILE for API_KEYS_FILE) left the server open to every client, a warning
+            # among vLLM's start-up lines its only trace: keys were meant, so the server does not start
+            for name, meant in misspelt_env_names(env).items():
+                if meant in (ENV_KEYS, ENV_KEYS_FILE):
+                    raise AccessConfigError(
+                        f"{show_value(name)} is not a kvretain setting (did you mean {meant}?); without "
+                        f"{meant} the server would be open to every client: fix the name, or unset it"
+                    )
         where = ENV_KEYS
         if path:
             where = f"{ENV_KEYS_FILE}={path}"

@@ -263,16 +263,25 @@ def _option_value(key: str, raw: str, kind: str) -> Any:
     return num
 
 
+def misspelt_env_names(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Each ``KVRETAIN_*`` variable set that kvretain does not read (a misspelt name), with the known name it is
+    closest to (``None``: none is close)."""
+    env = os.environ if environ is None else environ
+    tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
+    known = {*ENV_NAMES, *TOOL_ENV_NAMES}
+    out: dict[str, str | None] = {}
+    for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in known):
+        hint = difflib.get_close_matches(name.removeprefix("KVRETAIN_"), tails, n=1, cutoff=0.6)
+        out[name] = tails[hint[0]] if hint else None
+    return out
+
+
 def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[str]:
     """One line for each ``KVRETAIN_*`` variable set that kvretain does not read (a misspelt name:
     the setting meant would be ignored without a word), with the known name it is closest to."""
-    env = os.environ if environ is None else environ
     lines = []
-    tails = {n.removeprefix("KVRETAIN_"): n for n in ENV_NAMES}  # (the shared prefix is no likeness)
-    known = {*ENV_NAMES, *TOOL_ENV_NAMES}
-    for name in sorted(n for n in env if n.startswith("KVRETAIN_") and n not in known):
-        hint = difflib.get_close_matches(name.removeprefix("KVRETAIN_"), tails, n=1, cutoff=0.6)
-        said = f"did you mean {tails[hint[0]]}?" if hint else f"known: {', '.join(ENV_NAMES)}"
+    for name, meant in misspelt_env_names(environ).items():
+        said = f"did you mean {meant}?" if meant else f"known: {', '.join(ENV_NAMES)}"
         lines.append(f"{show_value(name)} is not a kvretain setting and is ignored ({said})")
     return lines
 

@@ -4,8 +4,8 @@
         --middleware kvretain.integrations.vllm.middleware.AccessLimits
 
 The limits (:mod:`kvretain.integrations.vllm.access`) are loaded when vLLM imports this module, so a broken key
-file stops the server at start instead of opening it; a server without keys logs at start that priorities and
-retention are open to every client. With keys, every path but ``/health``, ``/ping``, ``/version``, ``/load``
+file (or, with no key variable set, a misspelt one) stops the server at start instead of opening it; a server
+without keys logs at start that priorities and retention are open to every client. With keys, every path but ``/health``, ``/ping``, ``/version``, ``/load``
 and ``/metrics`` needs ``Authorization: Bearer KEY``, websockets included (``/v1/realtime``: unlimited keys only,
 refused with close code 1008); completions and chat completions are checked (and maybe rewritten), other POST
 endpoints are open to unlimited keys only (they could carry a priority unchecked). As vLLM's own API-key check,
