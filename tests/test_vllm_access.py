@@ -817,6 +817,25 @@ def test_a_bad_key_setting_stops_the_server_with_one_line():
     )
 
 
+def test_a_clamped_duration_is_logged_as_the_other_clamps():
+    # the server's log read "retention_directives[0].duration None -> 0" for a directive without a duration, and
+    # "60.0 -> 0" where every other clamp reads "95 -> 25" or "1e+06 -> 604800"
+    policy = AccessPolicy.from_json(
+        {
+            "mode": "clamp",
+            "keys": [{"key": "sk-batch-01234567", "max_retention_priority": 25, "max_duration_s": 0}],
+        }
+    )
+    key = policy.keys[0]
+    never = policy.check({"vllm_xargs": {"retention_directives": '[{"start": 0, "priority": 20}]'}}, key)
+    assert never.notes == ["retention_directives[0].duration none (never lapses) -> 0"]
+    sixty = policy.check({"retention_directives": [{"start": 0, "priority": 95, "duration": 60}]}, key)
+    assert sixty.notes == [
+        "retention_directives[0].priority 95 -> 25",
+        "retention_directives[0].duration 60 -> 0",
+    ]
+
+
 def test_a_misspelt_key_variable_does_not_open_the_server(tmp_path):
     # KVRETAIN_API_KEY_FILE=keys.json (one letter off) started the server open to every client, its only trace a
     # warning among vLLM's start-up lines: a name close to a key variable, with no key variable set, stops it

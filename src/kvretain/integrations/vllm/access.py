@@ -596,7 +596,8 @@ class AccessPolicy:
                 raise AccessDenied(
                     403, f"{dw}: key {key.name!r} may retain for at most {longest:g} s; got {got}", dw
                 )
-            d.notes.append(f"{note} {dur} -> {longest:g}")
+            was = "none (never lapses)" if dur is None else f"{dur:g}"  # (as the other notes: 60, not 60.0)
+            d.notes.append(f"{note} {was} -> {longest:g}")
             dv = replace(dv, duration_s=longest)
         return dv
 
