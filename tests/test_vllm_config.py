@@ -331,6 +331,30 @@ def test_a_server_gets_a_private_ipc_folder_that_stop_removes(tmp_path: Path) ->
     assert (mine / "left").exists()
 
 
+def test_servers_do_not_inherit_the_callers_metrics_folder(monkeypatch, tmp_path: Path) -> None:
+    """A caller that enabled the plugin in-process (or exported the variable) has KVRETAIN_METRICS_DIR set: every
+    server it started published into that one folder and each server's /metrics summed the others' counts. Only
+    ``env`` passes one now; unset, each server's API server makes its own."""
+    from kvretain.integrations.vllm.launch import VLLMServer
+
+    monkeypatch.setenv("KVRETAIN_METRICS_DIR", str(tmp_path / "callers"))
+    fake, seen = _fake_interpreter(tmp_path, '"[$KVRETAIN_METRICS_DIR]"')
+    server = VLLMServer("model", python=str(fake), log_path=tmp_path / "log")
+    try:
+        assert _started_and_seen(server, seen) == "[]"
+    finally:
+        server.stop(grace_s=5)
+    seen.unlink()
+    mine = str(tmp_path / "mine")
+    server = VLLMServer(
+        "model", python=str(fake), env={"KVRETAIN_METRICS_DIR": mine}, log_path=tmp_path / "l"
+    )
+    try:
+        assert _started_and_seen(server, seen) == f"[{mine}]"
+    finally:
+        server.stop(grace_s=5)
+
+
 def test_a_server_that_cannot_start_leaves_no_ipc_folder_and_cannot_start_twice(
     monkeypatch, tmp_path: Path
 ) -> None:

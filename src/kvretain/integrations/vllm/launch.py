@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvretain.integrations.vllm.config import ENV_METRICS_DIR
 from kvretain.integrations.vllm.firsttoken import chunk_has_token
 
 HOST = "127.0.0.1"
@@ -72,7 +73,9 @@ class VLLMServer:
 
     NOTE: vLLM's processes talk over ZeroMQ IPC sockets it creates in ``VLLM_RPC_BASE_PATH`` (default: the
     system's temporary folder) and leaves there when they are killed; unless the environment names that folder,
-    each server gets a private one, removed by :meth:`stop`.
+    each server gets a private one, removed by :meth:`stop`. ``KVRETAIN_METRICS_DIR`` is not inherited (only
+    ``env`` passes one): servers that share it report each other's counts, and a caller that enabled the plugin
+    in-process has it set to its own folder; unset, each server's API server makes its own.
     """
 
     model: str
@@ -108,7 +111,8 @@ class VLLMServer:
             raise ServerError(f"this server was started already (pid {self.proc.pid}); stop() it first")
         if self.port == 0:
             self.port = free_port()
-        env = {**BASE_ENV, **os.environ, **self.env}  # (defaults the caller's environment may override)
+        inherited = {k: v for k, v in os.environ.items() if k != ENV_METRICS_DIR}
+        env = {**BASE_ENV, **inherited, **self.env}  # (defaults the caller's environment may override)
         if "VLLM_RPC_BASE_PATH" not in env:
             self.rpc_dir = _private_ipc_dir()
             if self.rpc_dir is not None:
