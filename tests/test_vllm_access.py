@@ -1431,3 +1431,46 @@ def test_the_metrics_side_channel_logs_through_vllms_logger(monkeypatch, caplog)
     under = _runtime.LOGGER_NAME + "."
     assert said["kvretain: per-priority metrics side channel unavailable"].startswith(under)
     assert said["kvretain: prometheus collector not registered"].startswith(under)
+
+
+def test_class_latency_times_no_e2e_for_a_stream_the_client_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a client that disconnects mid-stream (its own timeout, under load) got an e2e observation at the moment it
+    # left, where vLLM's own vllm:e2e_request_latency_seconds leaves an aborted request out; its first token, once
+    # streamed, is still a TTFT (vLLM's TTFT histogram observes it at the first token too)
+    seen = _recorded_latencies(monkeypatch)
+    token = b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+
+    def app_leaving(how: str) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": token, "more_body": True})
+            if how == "full":
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            elif how == "send fails":  # (Starlette under ASGI 2.4: the last send raises, ClientDisconnect)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # "cancelled": Starlette's task group cancelled at http.disconnect, the app returns, no last body
+
+        return app
+
+    async def request(how: str) -> None:
+        msgs = [{"type": "http.request", "body": b'{"stream": true}', "more_body": False}]
+
+        async def receive() -> Any:
+            return msgs.pop(0)
+
+        async def send(msg: Any) -> None:
+            if how == "send fails" and msg["type"] == "http.response.body" and not msg.get("more_body"):
+                raise OSError("client gone")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        with contextlib.suppress(OSError):
+            await metrics.ClassLatency(app_leaving(how))(scope, receive, send)
+
+    asyncio.run(request("full"))
+    assert [name for name, _ in seen] == ["ttft", "e2e"]
+    for how in ("cancelled", "send fails"):
+        seen.clear()
+        asyncio.run(request(how))
+        assert [name for name, _ in seen] == ["ttft"], how

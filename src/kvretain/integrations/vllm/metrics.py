@@ -43,7 +43,9 @@ priority, lower = more important; the first 64 priorities seen get their own lab
 ``vllm:time_to_first_token_seconds`` lacks: ``kvretain:time_to_first_token_seconds{priority}`` (streaming
 requests, from arrival at the API server to the first streamed token, by
 :mod:`~kvretain.integrations.vllm.firsttoken`'s rule, the client loop's) and
-``kvretain:e2e_request_latency_seconds{priority}``.
+``kvretain:e2e_request_latency_seconds{priority}`` (to the end of a response sent in full: a stream its client
+left is not observed, as vLLM's own e2e histogram leaves an aborted request out); responses other than 200 are
+not observed.
 """
 
 from __future__ import annotations
@@ -535,7 +537,7 @@ class ClassLatency:
             await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
-        state: dict[str, Any] = {"priority": None, "first": None, "status": 0, "watch": None}
+        state: dict[str, Any] = {"priority": None, "first": None, "status": 0, "watch": None, "done": False}
         chunks: list[bytes] = []
 
         async def recv() -> Any:
@@ -560,6 +562,9 @@ class ClassLatency:
             ):
                 state["first"] = time.monotonic()
             await send(msg)
+            # (sent in full: a client gone makes the server's send raise, or cancels the app before its last body)
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                state["done"] = True
 
         try:
             await self.app(scope, recv, snd)
@@ -569,7 +574,11 @@ class ClassLatency:
                 label = _LABELS.of(state["priority"])
                 if state["first"] is not None:
                     h["ttft"].labels(label).observe(state["first"] - t0)
-                h["e2e"].labels(label).observe(time.monotonic() - t0)
+                # NOTE: a response sent in full only: a stream its client left (a client's timeout) is no request's
+                # latency; vLLM's own e2e histogram leaves such an aborted request out too (its TTFT, once
+                # streamed, counts in both)
+                if state["done"]:
+                    h["e2e"].labels(label).observe(time.monotonic() - t0)
 
 
 def _priority_of(raw: bytes, scope: Any) -> int:
