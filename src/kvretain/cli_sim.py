@@ -247,7 +247,9 @@ def _add_common(p: argparse.ArgumentParser, compare: bool = False) -> None:
         "--slo",
         type=slo_spec,
         default=",".join(f"{k}={v.ttft_s:g}:{v.tpot_s:g}" for k, v in DEFAULT_SLOS.items()),
-        help="per-class targets 'class=ttft_s:tpot_s,...' (larger classes take the last one; default %(default)s)",
+        help="per-class targets 'class=ttft_s:tpot_s,...': a request meets its SLO when its TTFT and TPOT are "
+        "within them (with one output token: its TTFT; rejected at admission: missed; SLO attainment is over every "
+        "request sent); a class not listed takes the nearest lower listed class's (default %(default)s)",
     )
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none either when not a terminal)"
@@ -986,7 +988,13 @@ def add_subcommands(sub: Any) -> None:
         choices=_Offered(sim_policy_names(), policy_names()),
         help="eviction policy (default unified)",
     )
-    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (latencies in seconds, keys ending _s: the client's TTFT and e2e, TPOT, ITL, the "
+        "engine's queueing time; _p50/_p90/_p99 interpolated linearly as numpy's and vLLM's benchmark; goodput_rps "
+        "and output_tokens_per_s per second of simulated_s; 'requests': those that finished)",
+    )
     s.set_defaults(func=cmd_simulate, check=check_sim)
     c = sub.add_parser(
         "compare",

@@ -5,7 +5,8 @@ TPOT = (last token - first token) / (tokens - 1) (a preemption's stall included,
 ITL = each gap between two tokens of a request, pooled over the requests (as vLLM's benchmark);
 e2e = finish - arrival; queueing = first schedule - the engine's receipt (arrival + the front end's
 ``frontend_in_s``). Each as mean, p50, p90, p99 (linear interpolation between order statistics, numpy's
-default). A request meets its SLO when its TTFT and TPOT are within its class's targets (:class:`SLO`); SLO
+default). A request meets its SLO when its TTFT and TPOT are within its class's targets (:class:`SLO`; with one
+output token, its TTFT alone, as vLLM's benchmark takes that TPOT as 0 for goodput); SLO
 attainment is over every request sent, a request rejected at admission missing its SLO (as goodput counts
 requests in DistServe and vLLM's benchmark); goodput and output tokens per second divide by the simulated span
 the caller passes (``Simulation.summary``: the first send of a finished request to the last token received,
