@@ -375,15 +375,7 @@ class KVCacheManager:
         prefix, 0 when it succeeds now; ``None`` when freeing all of them is not enough. A block counts as freed once every
         reference to it is among the freed requests'; a hit held only by them is free again, and taken back. Token
         counts that :meth:`allocate_slots` refuses are refused here too."""
-        if (
-            type(num_new_tokens) is not int
-            or type(num_computed_tokens) is not int
-            or type(reserve_tokens) is not int
-            or num_new_tokens < 0
-            or num_computed_tokens < 0
-            or reserve_tokens < 0
-        ):
-            _check_token_counts(req, num_new_tokens, num_computed_tokens, reserve_tokens)
+        _check_token_counts(req, num_new_tokens, num_computed_tokens, reserve_tokens)
         st = self._state(req)
         _, n_check = self._blocks_needed(
             st, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
