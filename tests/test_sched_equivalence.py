@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -272,12 +272,7 @@ def test_lru_matches_stock_vllm_on_edge_case_engines(tmp_path: Path) -> None:
     for seed in range(40):
         a = _edge_engine(seed)
         specs = _one_at_a_time(seed, a)
-        model_dir = harness.write_tiny_model(tmp_path / str(seed), vocab_size=1000, max_len=a.max_model_len)
-        for queue in ("fcfs", "priority"):
-            k = eq.run_kvretain(specs, a, queue)
-            v = eq.run_vllm(specs, a, queue, model_dir)
-            res = eq.compare(k, v)
-            assert res["first_divergence"] is None, (seed, queue, vars(a), res)
+        for _, _, v in _both_queues_alike(tmp_path, seed, a, specs):
             seen["preemptions"] += v.preemptions
         seen["unchunked"] += not a.chunked_prefill
         seen["unreserved"] += not a.reserve_full_prompt
@@ -285,6 +280,20 @@ def test_lru_matches_stock_vllm_on_edge_case_engines(tmp_path: Path) -> None:
         seen["mid"] += sum(s.mid_step for s in specs)
         seen["aborts"] += sum(s.abort_step is not None for s in specs)
     assert all(seen.values()), seen
+
+
+def _both_queues_alike(
+    tmp_path: Path, seed: int, a: argparse.Namespace, specs: list[eq.Spec]
+) -> Iterator[tuple[str, eq.Trace, eq.Trace]]:
+    """``specs`` through kvretain's scheduler and stock vLLM's on engine ``a``, under ``fcfs`` then ``priority``,
+    asserted step for step alike; yields each queue's ``(queue, kvretain's run, vLLM's run)``."""
+    model_dir = harness.write_tiny_model(tmp_path / str(seed), vocab_size=1000, max_len=a.max_model_len)
+    for queue in ("fcfs", "priority"):
+        k = eq.run_kvretain(specs, a, queue)
+        v = eq.run_vllm(specs, a, queue, model_dir)
+        res = eq.compare(k, v)
+        assert res["first_divergence"] is None, (seed, queue, vars(a), res)
+        yield queue, k, v
 
 
 def _limited_engine(seed: int) -> argparse.Namespace:
@@ -307,12 +316,7 @@ def test_lru_matches_stock_vllm_with_max_model_len_on_both_sides(tmp_path: Path)
     for seed in range(40):
         a = _limited_engine(seed)
         specs = _one_at_a_time(seed, a)
-        model_dir = harness.write_tiny_model(tmp_path / str(seed), vocab_size=1000, max_len=a.max_model_len)
-        for queue in ("fcfs", "priority"):
-            k = eq.run_kvretain(specs, a, queue)
-            v = eq.run_vllm(specs, a, queue, model_dir)
-            res = eq.compare(k, v)
-            assert res["first_divergence"] is None, (seed, queue, vars(a), res)
+        for queue, k, v in _both_queues_alike(tmp_path, seed, a, specs):
             assert (k.refused, k.lengths) == (v.refused, v.lengths), (seed, queue)
             seen["preemptions"] += v.preemptions
         seen["refused"] += len(v.refused)
