@@ -502,8 +502,9 @@ class _FakeEngine:
     more the first time a step has its shape), the whole step 2 ms more (the output processor). ``quirk``: what a
     wrong engine does instead."""
 
-    def __init__(self, clock: list[float], block: int, quirk: str | None) -> None:
+    def __init__(self, clock: list[float], block: int, quirk: str | None, max_model_len: int) -> None:
         self.clock = clock
+        self.max_model_len = max_model_len
         self.block = block
         self.quirk = quirk
         self.slow = False
@@ -516,6 +517,10 @@ class _FakeEngine:
 
     def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
         tokens = prompt["prompt_token_ids"]
+        if not 1 <= len(tokens) <= self.max_model_len:  # (vLLM's VLLMValidationError)
+            raise ValueError(
+                f"maximum context length is {self.max_model_len}, the prompt has {len(tokens)} tokens"
+            )
         self.reqs[rid] = (tokens, params.max_tokens, [], [])
         self.added[len(tokens), params.max_tokens] += 1
 
@@ -574,7 +579,7 @@ def _measure_on_a_fake_engine(
 
     def llm(**kwargs: Any) -> Any:
         made.update(kwargs)
-        made["engine"] = _FakeEngine(clock, kwargs["block_size"], quirk)
+        made["engine"] = _FakeEngine(clock, kwargs["block_size"], quirk, kwargs["max_model_len"])
         return SimpleNamespace(llm_engine=made["engine"])
 
     fake = types.ModuleType("vllm")
@@ -614,7 +619,7 @@ def test_the_measuring_module_times_each_shape_and_reports_its_fastest_and_media
     assert made["enable_prefix_caching"] and made["block_size"] == 4 and made["max_num_seqs"] == 8
     # (prompt tokens, max_tokens): the warm-up; per round, each prefill shape once untimed and 3 times timed
     # (after one request that caches the 8-token prefix), the decode batch's 2 requests
-    assert made["engine"].added == {(5, 4): 1, (64, 4): 4, (8, 1): 8, (9, 1): 2, (12, 1): 8, (8, 8): 4}
+    assert made["engine"].added == {(7, 3): 1, (10, 3): 4, (8, 1): 8, (9, 1): 2, (12, 1): 8, (8, 8): 4}
     assert events[0] == {"event": "plan", "total": 7} and events[-1]["engine"] == "vllm 0.0-fake"
     points = [e for e in events if e["event"] == "point"]
     # (label, tokens, pairs, sampled, fastest engine-core step)
@@ -853,3 +858,18 @@ def test_the_profile_plot_reads_in_milliseconds(tmp_path: Path, monkeypatch: pyt
     ):
         shown = [t.get_text() for t in ticks if t.get_text()]
         assert "30" in shown and not any("10^" in s for s in shown), shown
+
+
+@pytest.mark.parametrize("longest", [4, 5, 35, 67, 68, 1025, 2048])
+def test_the_warm_up_fits_the_engines_max_model_len(longest: int) -> None:
+    # `kvretain profile --new-tokens 32 --cached 0 --contexts 32 --decode-steps 1` sizes the engine at 35 tokens:
+    # its warm-up sent 64-token prompts, which vLLM refused ("maximum context length is 35 tokens")
+    from kvretain.integrations.vllm.stepprofile import warmup_requests
+
+    reqs = warmup_requests(longest)
+    assert len(reqs) == 5
+    for prompt, new in reqs:
+        assert prompt >= 1 and new >= 1 and prompt + new <= longest
+    # a grid that fits them keeps the warm-up it had: one long prefill, four 64-token prompts
+    if longest >= 68:
+        assert reqs == [(longest - 8, 4)] + [(64, 4)] * 4

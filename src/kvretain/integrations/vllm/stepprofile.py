@@ -53,6 +53,19 @@ def emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+WARMUP_SHORT = (64, 4)
+"""The warm-up's short requests: at most this many prompt tokens, this many generated (cut to fit)."""
+
+
+def warmup_requests(longest: int) -> list[tuple[int, int]]:
+    """The untimed warm-up's requests ``(prompt tokens, max_tokens)`` for an engine of ``max_model_len``
+    ``longest``: one long prefill and four short ones, each within ``longest`` (vLLM refuses a prompt longer
+    than ``max_model_len``: a grid of 32-token steps has ``longest`` 35, below 64 + 4)."""
+    new = min(WARMUP_SHORT[1], max(1, longest // 4))
+    short = max(1, min(WARMUP_SHORT[0], longest - new))
+    return [(max(1, longest - 2 * new), new)] + [(short, new)] * 4
+
+
 def main(spec_path: str) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -134,9 +147,8 @@ def main(spec_path: str) -> int:
             engine.step()
 
     # warm-up: one long prefill and a few decode steps (allocators, kernels' first calls), untimed
-    add(tokens(longest - 8), 4)
-    for _ in range(4):
-        add(tokens(64), 4)
+    for prompt, new_tokens in warmup_requests(longest):
+        add(tokens(prompt), new_tokens)
     drain()
     emit({"event": "done", "what": "warm-up"})
 
