@@ -873,3 +873,29 @@ def test_the_warm_up_fits_the_engines_max_model_len(longest: int) -> None:
     # a grid that fits them keeps the warm-up it had: one long prefill, four 64-token prompts
     if longest >= 68:
         assert reqs == [(longest - 8, 4)] + [(64, 4)] * 4
+
+
+def test_a_grid_of_fewer_points_than_coefficients_is_refused_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # one prefill and one decode point measured for half a minute, then "a fit needs at least 4 points, got 2"
+    ran = tmp_path / "ran"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    fake.chmod(0o755)
+    grid = ["--new-tokens", "32", "--cached", "0", "--batch-sizes", "1", "--contexts", "32"]
+    argv = [
+        "profile",
+        "--model",
+        str(tmp_path),
+        "--python",
+        str(fake),
+        "--out",
+        str(tmp_path / "c.toml"),
+        *grid,
+    ]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the grid has 1 prefill and 1 decode points" in err, err
+    assert "--new-tokens, --cached, --batch-sizes, --contexts" in err and not ran.exists()
+    assert not (tmp_path / "c.toml").exists()

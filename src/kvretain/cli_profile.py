@@ -219,6 +219,13 @@ def check_profile(args: argparse.Namespace) -> None:
         )
     if 0 in args.new_tokens or 0 in args.batch_sizes or 0 in args.contexts:
         raise ValueError("arguments --new-tokens, --batch-sizes, --contexts: sizes must be >= 1")
+    prefills, decodes = len(args.new_tokens) * len(args.cached), len(args.batch_sizes) * len(args.contexts)
+    if prefills + decodes < len(COEFFICIENTS):  # (fit's own check, found after minutes of measuring)
+        raise ValueError(
+            f"arguments --new-tokens, --cached, --batch-sizes, --contexts: the grid has {prefills} prefill and "
+            f"{decodes} decode points, and fitting the {len(COEFFICIENTS)} coefficients needs at least "
+            f"{len(COEFFICIENTS)} (for example --new-tokens 32,64 --cached 0,32)"
+        )
 
 
 def plot_path(args: argparse.Namespace) -> str:
