@@ -997,6 +997,7 @@ def test_a_python_that_measures_nothing_is_named(
     true = tmp_path / "true"
     true.write_text("#!/bin/sh\nexit 0\n")
     true.chmod(0o755)
+    (tmp_path / "config.json").write_text("{}")  # (a model directory)
     argv = ["profile", "--model", str(tmp_path), "--python", str(true), "--out", str(tmp_path / "c.toml")]
     assert main([*argv, "--no-progress"]) == 2
     msg = one_line(

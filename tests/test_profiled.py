@@ -35,6 +35,15 @@ from kvretain.engine.sim.profiled import (
     write_profile,
 )
 
+
+def model_dir(tmp_path: Path) -> str:
+    """A folder that ``kvretain profile --model`` takes (one holding a ``config.json``), for a fake engine."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return str(model)
+
+
 TRUE = StepCoefficients(step_overhead_s=0.02, per_token_s=3e-5, per_pair_s=2e-9, per_sequence_s=4e-4)
 
 
@@ -148,7 +157,7 @@ def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture
     # the fake engine's whole steps take 1.5x its engine-core steps: --what core (the default) fits the core's
     # times and keeps the whole step's beside them; --what step fits the whole step's
     fake = fake_engine(tmp_path)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
     for what, factor in ((None, 1.0), ("core", 1.0), ("step", 1.5)):
         out = tmp_path / f"{what}.toml"
         assert (
@@ -274,12 +283,15 @@ def test_loads_names_where() -> None:
 
 def test_profile_cli_errors_are_one_line(tmp_path: Path) -> None:
     # a missing model directory and a missing measuring Python: status 2, one line, nothing started
-    for extra in (["--model", str(tmp_path / "nope")], ["--model", str(tmp_path), "--python", "/no/python"]):
+    for extra in (
+        ["--model", str(tmp_path / "nope")],
+        ["--model", model_dir(tmp_path), "--python", "/no/python"],
+    ):
         r = subprocess.run(
             [sys.executable, "-m", "kvretain", "profile", *extra], capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "argument --" in r.stderr
-    argv = ["profile", "--model", str(tmp_path), "--python", sys.executable, "--cached", "10"]
+    argv = ["profile", "--model", model_dir(tmp_path), "--python", sys.executable, "--cached", "10"]
     r = subprocess.run(
         [sys.executable, "-m", "kvretain", *argv],
         capture_output=True,
@@ -300,7 +312,7 @@ def test_profile_to_standard_output_writes_the_profile_alone_there(tmp_path: Pat
     fake = fake_engine(tmp_path)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress"]
+    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress"]
     argv += ["--out", "/dev/stdout", "--plot", str(tmp_path / "p.png")]
     proc = subprocess.run(
         [sys.executable, "-m", "kvretain", *argv], capture_output=True, text=True, env=env, timeout=120
@@ -325,7 +337,16 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
     out = tmp_path / "cost.toml"
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(out), "--no-progress"]
+    argv = [
+        "profile",
+        "--model",
+        model_dir(tmp_path),
+        "--python",
+        str(fake),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main([*argv, "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["median_abs_rel_error"] < 1e-9 and obj["points"] == len(grid_points(TRUE))
@@ -352,7 +373,15 @@ def _profile_refusing(tmp_path: Path, capsys: pytest.CaptureFixture[str], printe
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    argv = [
+        "profile",
+        "--model",
+        model_dir(tmp_path),
+        "--python",
+        str(fake),
+        "--out",
+        str(tmp_path / "c.toml"),
+    ]
     assert main(argv) == 2
     return capsys.readouterr().err
 
@@ -402,7 +431,7 @@ def test_a_long_malformed_measuring_line_is_shown_shortened(
 def test_profile_sizes_below_one_are_refused_before_measuring(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, says: str
 ) -> None:
-    assert main(["profile", "--model", str(tmp_path), "--python", sys.executable, flag]) == 2
+    assert main(["profile", "--model", model_dir(tmp_path), "--python", sys.executable, flag]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 
@@ -415,7 +444,16 @@ def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexec sleep 30\n")
     fake.chmod(0o755)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--timeout", "1", "--no-progress"]
+    argv = [
+        "profile",
+        "--model",
+        model_dir(tmp_path),
+        "--python",
+        str(fake),
+        "--timeout",
+        "1",
+        "--no-progress",
+    ]
     assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ran past 1 s" in err
@@ -433,7 +471,7 @@ def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixtur
     spec = tmp_path / "spec.json"
     fake.write_text(f'#!/bin/sh\ncp "$3" {spec}\ncat {data}\n')  # argv: -m MODULE SPEC
     fake.chmod(0o755)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
     assert main([*argv, "--out", str(tmp_path / "c.toml"), "--cpus", "0"]) == 0
     capsys.readouterr()
     assert (
@@ -664,7 +702,7 @@ def test_profile_writes_both_files_or_neither(
     import kvretain.cli_profile as cli_profile
 
     fake = fake_engine(tmp_path)
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
     out, plot = tmp_path / "m.toml", tmp_path / "m.png"
 
     def full(path: str, *a: object, **k: object) -> bool:
@@ -696,7 +734,16 @@ def test_profile_to_standard_output_needs_a_plot_name(out: str, tmp_path: Path) 
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src}
-    argv = [sys.executable, "-m", "kvretain", "profile", "--model", str(tmp_path), "--python", sys.executable]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvretain",
+        "profile",
+        "--model",
+        model_dir(tmp_path),
+        "--python",
+        sys.executable,
+    ]
     with open(tmp_path / "stdout.txt", "w") as redirected:
         r = subprocess.run(
             [*argv, "--out", out], stdout=redirected, stderr=subprocess.PIPE, text=True, env=env
@@ -792,7 +839,15 @@ def test_the_profile_progress_bar_ends_at_its_total(
             pass
 
     monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
-    argv = ["profile", "--model", str(tmp_path), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    argv = [
+        "profile",
+        "--model",
+        model_dir(tmp_path),
+        "--python",
+        str(fake),
+        "--out",
+        str(tmp_path / "c.toml"),
+    ]
     assert main([*argv, "--json"]) == 0
     assert [(b.n, b.total) for b in bars] == [(7, 7)]
 
@@ -899,3 +954,26 @@ def test_a_grid_of_fewer_points_than_coefficients_is_refused_before_measuring(
     assert err.count("\n") == 1 and "the grid has 1 prefill and 1 decode points" in err, err
     assert "--new-tokens, --cached, --batch-sizes, --contexts" in err and not ran.exists()
     assert not (tmp_path / "c.toml").exists()
+
+
+@pytest.mark.parametrize("config", [None, "config.json", "params.json"])
+def test_a_model_folder_without_a_config_is_refused_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str | None
+) -> None:
+    # vLLM refused it after ~10 s of start-up, and the last line shown was pydantic's "For further information
+    # visit https://errors.pydantic.dev/..."
+    model, ran = tmp_path / "model", tmp_path / "ran"
+    model.mkdir()
+    if config:
+        (model / config).write_text("{}")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    fake.chmod(0o755)
+    argv = ["profile", "--model", str(model), "--python", str(fake), "--out", str(tmp_path / "c.toml")]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    if config:  # (the fake engine ran, and reported nothing)
+        assert ran.exists() and "reported no measurements" in err, err
+    else:
+        assert not ran.exists() and "argument --model" in err and "holds no config.json or params.json" in err

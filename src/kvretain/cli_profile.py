@@ -51,6 +51,9 @@ from kvretain.fileio import output_file, standard_stream
 MARK = "KVRETAIN-PROFILE "  # the measuring module's line prefix (stepprofile.MARK; that module imports vLLM)
 WHATS = ("core", "step")
 """What a measured point's time is: the engine core's own step, or the whole ``llm_engine.step()``."""
+MODEL_CONFIGS = ("config.json", "params.json")
+"""The files of which a model directory that vLLM loads holds one (vLLM's own check, after ~10 s of start-up,
+ended in a pydantic traceback whose last line was a link)."""
 TARGET = 0.10  # issue 13's acceptance: median absolute relative error <= 10%
 
 
@@ -225,6 +228,11 @@ def check_profile(args: argparse.Namespace) -> None:
             f"arguments --new-tokens, --cached, --batch-sizes, --contexts: the grid has {prefills} prefill and "
             f"{decodes} decode points, and fitting the {len(COEFFICIENTS)} coefficients needs at least "
             f"{len(COEFFICIENTS)} (for example --new-tokens 32,64 --cached 0,32)"
+        )
+    if not any((Path(args.model) / name).is_file() for name in MODEL_CONFIGS):  # (last: after the options)
+        raise ValueError(
+            f"argument --model: {args.model!r} holds no {' or '.join(MODEL_CONFIGS)}, so vLLM cannot load it (a "
+            "Hugging Face model directory has config.json, a Mistral one params.json)"
         )
 
 
