@@ -653,11 +653,11 @@ def test_the_measuring_module_times_each_shape_and_reports_its_fastest_and_media
     assert capsys.readouterr().out.splitlines() == [MARK + json.dumps(e) for e in events]
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["HF_HUB_OFFLINE"] == "1"
     assert os.environ["OMP_NUM_THREADS"] == (str(len(cpus)) if cpus else "x")
-    assert made["max_model_len"] == 13 and made["max_num_batched_tokens"] == 8192  # 4 + 8 cached + 1 sampled
+    assert made["max_model_len"] == 16 and made["max_num_batched_tokens"] == 8192  # decode: 8 + 8 max_tokens
     assert made["enable_prefix_caching"] and made["block_size"] == 4 and made["max_num_seqs"] == 8
     # (prompt tokens, max_tokens): the warm-up; per round, each prefill shape once untimed and 3 times timed
     # (after one request that caches the 8-token prefix), the decode batch's 2 requests
-    assert made["engine"].added == {(7, 3): 1, (10, 3): 4, (8, 1): 8, (9, 1): 2, (12, 1): 8, (8, 8): 4}
+    assert made["engine"].added == {(8, 4): 1, (12, 4): 4, (8, 1): 8, (9, 1): 2, (12, 1): 8, (8, 8): 4}
     assert events[0] == {"event": "plan", "total": 7} and events[-1]["engine"] == "vllm 0.0-fake"
     points = [e for e in events if e["event"] == "point"]
     # (label, tokens, pairs, sampled, fastest engine-core step)
@@ -977,3 +977,13 @@ def test_a_model_folder_without_a_config_is_refused_before_measuring(
         assert ran.exists() and "reported no measurements" in err, err
     else:
         assert not ran.exists() and "argument --model" in err and "holds no config.json or params.json" in err
+
+
+@pytest.mark.parametrize(("b", "c"), [(1, 32), (16, 1024), (32, 1024), (64, 4096)])
+def test_a_decode_points_requests_fit_the_engines_max_model_len(b: int, c: int) -> None:
+    # `--batch-sizes 16 --contexts 1024`: the engine was sized at 1024 + 5 + 2 tokens, its 16 prefills took 3
+    # chunked steps, and the first 8 requests reached max_model_len in the timed steps ("emitted 8 tokens, not 16")
+    from kvretain.integrations.vllm.stepprofile import decode_max_tokens, engine_sizes
+
+    longest, batch_tokens = engine_sizes([(32, 0)], [(b, c)], 5)
+    assert c + decode_max_tokens(b, c, 5, batch_tokens) <= longest <= batch_tokens

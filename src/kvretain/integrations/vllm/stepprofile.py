@@ -53,6 +53,28 @@ def emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def decode_max_tokens(b: int, c: int, decode_steps: int, batch_tokens: int) -> int:
+    """``max_tokens`` of each of a decode point's ``b`` requests of ``c`` prompt tokens: enough that none finishes
+    while the others' prefills still run (chunked over several steps of ``batch_tokens``) or during the
+    ``decode_steps`` + 1 steps that follow."""
+    setup_steps = -(-b * c // batch_tokens) + 2
+    return decode_steps + setup_steps + 3
+
+
+def engine_sizes(
+    prefill: list[tuple[int, int]], decode: list[tuple[int, int]], decode_steps: int
+) -> tuple[int, int]:
+    """The engine's ``max_model_len`` and ``max_num_batched_tokens`` for the grid: room for every request whole,
+    a decode request's ``max_tokens`` included (vLLM ends a request at ``max_model_len``: a batch of 16 at
+    context 1024, its prefills chunked over 3 steps, had its first 8 requests end in the timed steps, "a step
+    emitted 8 tokens, not 16")."""
+    longest = max([n + p + 1 for n, p in prefill] + [c + decode_steps + 2 for _, c in decode])
+    budget = max([n for n, _ in prefill] + [2048])
+    batch_tokens = max(budget, longest, 8192)
+    longest = max([longest] + [c + decode_max_tokens(b, c, decode_steps, batch_tokens) for b, c in decode])
+    return longest, max(batch_tokens, longest)
+
+
 WARMUP_SHORT = (64, 4)
 """The warm-up's short requests: at most this many prompt tokens, this many generated (cut to fit)."""
 
@@ -84,10 +106,8 @@ def main(spec_path: str) -> int:
     prefill = [(int(n), int(p)) for n, p in spec["prefill"]]
     decode = [(int(b), int(c)) for b, c in spec["decode"]]
     repeats, decode_steps = int(spec["repeats"]), int(spec["decode_steps"])
-    longest = max([n + p + 1 for n, p in prefill] + [c + decode_steps + 2 for _, c in decode])
+    longest, batch_tokens = engine_sizes(prefill, decode, decode_steps)
     max_batch = max([b for b, _ in decode] + [1])
-    budget = max([n for n, _ in prefill] + [2048])
-    batch_tokens = max(budget, longest, 8192)
     rounds = int(spec.get("rounds", 1))
     emit({"event": "plan", "total": rounds * (len(prefill) + len(decode)) + 1})
     llm = LLM(
@@ -172,8 +192,9 @@ def main(spec_path: str) -> int:
 
     def measure_decode(b: int, c: int) -> tuple[list[tuple[float, float]], int]:
         # enough tokens that none finishes while the others' prefills still run (chunked over several steps)
-        setup_steps = -(-b * c // batch_tokens) + 2
-        gen: dict[str, int] = {add(tokens(c), decode_steps + setup_steps + 3): 0 for _ in range(b)}
+        gen: dict[str, int] = {
+            add(tokens(c), decode_max_tokens(b, c, decode_steps, batch_tokens)): 0 for _ in range(b)
+        }
         while min(gen.values()) < 1:
             for o in engine.step():
                 gen[o.request_id] = len(o.outputs[0].token_ids)
