@@ -44,6 +44,11 @@ def model_dir(tmp_path: Path) -> str:
     return str(model)
 
 
+def profile_argv(tmp_path: Path, python: str, *rest: str) -> list[str]:
+    """``kvretain profile`` on :func:`model_dir`'s folder with the measuring ``python`` (a fake), then ``rest``."""
+    return ["profile", "--model", model_dir(tmp_path), "--python", python, *rest]
+
+
 TRUE = StepCoefficients(step_overhead_s=0.02, per_token_s=3e-5, per_pair_s=2e-9, per_sequence_s=4e-4)
 
 
@@ -157,7 +162,7 @@ def test_profile_what_core_or_step(tmp_path: Path, capsys: pytest.CaptureFixture
     # the fake engine's whole steps take 1.5x its engine-core steps: --what core (the default) fits the core's
     # times and keeps the whole step's beside them; --what step fits the whole step's
     fake = fake_engine(tmp_path)
-    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = profile_argv(tmp_path, str(fake), "--no-progress", "--json")
     for what, factor in ((None, 1.0), ("core", 1.0), ("step", 1.5)):
         out = tmp_path / f"{what}.toml"
         assert (
@@ -291,7 +296,7 @@ def test_profile_cli_errors_are_one_line(tmp_path: Path) -> None:
             [sys.executable, "-m", "kvretain", "profile", *extra], capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "argument --" in r.stderr
-    argv = ["profile", "--model", model_dir(tmp_path), "--python", sys.executable, "--cached", "10"]
+    argv = profile_argv(tmp_path, sys.executable, "--cached", "10")
     r = subprocess.run(
         [sys.executable, "-m", "kvretain", *argv],
         capture_output=True,
@@ -312,7 +317,7 @@ def test_profile_to_standard_output_writes_the_profile_alone_there(tmp_path: Pat
     fake = fake_engine(tmp_path)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress"]
+    argv = profile_argv(tmp_path, str(fake), "--no-progress")
     argv += ["--out", "/dev/stdout", "--plot", str(tmp_path / "p.png")]
     proc = subprocess.run(
         [sys.executable, "-m", "kvretain", *argv], capture_output=True, text=True, env=env, timeout=120
@@ -337,16 +342,7 @@ def test_profile_command_fits_and_writes_with_a_fake_engine(
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
     out = tmp_path / "cost.toml"
-    argv = [
-        "profile",
-        "--model",
-        model_dir(tmp_path),
-        "--python",
-        str(fake),
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
+    argv = profile_argv(tmp_path, str(fake), "--out", str(out), "--no-progress")
     assert main([*argv, "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["median_abs_rel_error"] < 1e-9 and obj["points"] == len(grid_points(TRUE))
@@ -373,15 +369,7 @@ def _profile_refusing(tmp_path: Path, capsys: pytest.CaptureFixture[str], printe
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
-    argv = [
-        "profile",
-        "--model",
-        model_dir(tmp_path),
-        "--python",
-        str(fake),
-        "--out",
-        str(tmp_path / "c.toml"),
-    ]
+    argv = profile_argv(tmp_path, str(fake), "--out", str(tmp_path / "c.toml"))
     assert main(argv) == 2
     return capsys.readouterr().err
 
@@ -431,7 +419,7 @@ def test_a_long_malformed_measuring_line_is_shown_shortened(
 def test_profile_sizes_below_one_are_refused_before_measuring(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, says: str
 ) -> None:
-    assert main(["profile", "--model", model_dir(tmp_path), "--python", sys.executable, flag]) == 2
+    assert main(profile_argv(tmp_path, sys.executable, flag)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 
@@ -444,16 +432,7 @@ def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexec sleep 30\n")
     fake.chmod(0o755)
-    argv = [
-        "profile",
-        "--model",
-        model_dir(tmp_path),
-        "--python",
-        str(fake),
-        "--timeout",
-        "1",
-        "--no-progress",
-    ]
+    argv = profile_argv(tmp_path, str(fake), "--timeout", "1", "--no-progress")
     assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ran past 1 s" in err
@@ -471,7 +450,7 @@ def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixtur
     spec = tmp_path / "spec.json"
     fake.write_text(f'#!/bin/sh\ncp "$3" {spec}\ncat {data}\n')  # argv: -m MODULE SPEC
     fake.chmod(0o755)
-    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = profile_argv(tmp_path, str(fake), "--no-progress", "--json")
     assert main([*argv, "--out", str(tmp_path / "c.toml"), "--cpus", "0"]) == 0
     capsys.readouterr()
     assert (
@@ -702,7 +681,7 @@ def test_profile_writes_both_files_or_neither(
     import kvretain.cli_profile as cli_profile
 
     fake = fake_engine(tmp_path)
-    argv = ["profile", "--model", model_dir(tmp_path), "--python", str(fake), "--no-progress", "--json"]
+    argv = profile_argv(tmp_path, str(fake), "--no-progress", "--json")
     out, plot = tmp_path / "m.toml", tmp_path / "m.png"
 
     def full(path: str, *a: object, **k: object) -> bool:
@@ -839,15 +818,7 @@ def test_the_profile_progress_bar_ends_at_its_total(
             pass
 
     monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
-    argv = [
-        "profile",
-        "--model",
-        model_dir(tmp_path),
-        "--python",
-        str(fake),
-        "--out",
-        str(tmp_path / "c.toml"),
-    ]
+    argv = profile_argv(tmp_path, str(fake), "--out", str(tmp_path / "c.toml"))
     assert main([*argv, "--json"]) == 0
     assert [(b.n, b.total) for b in bars] == [(7, 7)]
 
