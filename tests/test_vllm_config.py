@@ -469,6 +469,14 @@ def _running(pid: int) -> bool:
     return state != "Z"  # (a killed child no one has reaped yet is gone too)
 
 
+def _ends(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone within ``within_s`` seconds (polled)."""
+    deadline = time.monotonic() + within_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_stop_kills_what_outlives_the_api_server_in_its_process_group(tmp_path: Path) -> None:
     # the engine core may outlive the API server by a moment: a child that ignores SIGTERM stands in for it
@@ -486,10 +494,7 @@ def test_stop_kills_what_outlives_the_api_server_in_its_process_group(tmp_path: 
     pid = int(child.read_text())
     try:
         server.stop(grace_s=5)
-        deadline = time.monotonic() + 5
-        while _running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _running(pid)
+        assert _ends(pid)
     finally:
         if _running(pid):
             os.kill(pid, signal.SIGKILL)
@@ -518,10 +523,7 @@ def test_stop_kills_what_a_crashed_api_server_left_in_its_process_group(tmp_path
         pid = int(child.read_text())
         assert _running(pid)  # (the leader is gone, its engine core stand-in is not)
         server.stop(grace_s=5)
-        deadline = time.monotonic() + 5
-        while _running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _running(pid)
+        assert _ends(pid)
     finally:
         server.stop(grace_s=5)
         if pid and _running(pid):
