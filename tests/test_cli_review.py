@@ -334,7 +334,7 @@ def test_compare_report_counts_rejected_requests(capsys: pytest.CaptureFixture[s
     table = (tmp_path / "r" / "summary.md").read_text()
     assert "| preempt | rejected |" in table
     # no lookup: no hit ratio ("-"), and every request sent missed its SLO (0.000, not "-")
-    assert "| lru | 0 | - | 0 | 0 | 20 | - | - | - | 0.000 |" in table
+    assert "| lru | 0 | 0.00 | - | 0 | 0 | 20 | - | - | - | 0.000 |" in table
 
 
 def test_a_time_scale_beyond_the_clocks_resolution_is_refused(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -10,10 +11,18 @@ import pytest
 
 from kvretain.cli import main
 
-KEYS = {"policy", "requests", "simulated_s", "wall_s", "output_tokens_per_s", "hit_rate"}
+KEYS = {
+    "policy",
+    "requests",
+    "simulated_s",
+    "wall_s",
+    "output_tokens_per_s",
+    "request_throughput_rps",
+    "hit_rate",
+}
 KEYS |= {"recomputed_tokens", "preemptions", "classes"}
 CLASS_KEYS = {"requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_mean_s", "e2e_p99_s"}
-CLASS_KEYS |= {"hit_rate", "recomputed_tokens", "preemptions", "slo_attainment"}
+CLASS_KEYS |= {"hit_rate", "recomputed_tokens", "preemptions", "slo_attainment", "request_throughput_rps"}
 SMALL = ["--limit", "60", "--kv-blocks", "2000", "--no-progress"]
 
 
@@ -90,6 +99,33 @@ def test_compare_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "| run |" in (out / "summary.md").read_text()
     assert (out / "ttft_by_class.png").stat().st_size > 0 and (out / "frontier.png").stat().st_size > 0
     capsys.readouterr()
+
+
+def test_simulate_and_compare_report_request_throughput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM bench serve's "Request throughput (req/s)": finished requests over the span output_tokens_per_s
+    # divides by; in --json, the table's first lines, and compare's runs.csv and summary.md
+    obj = run_json(capsys, "--policy", "lru", *SMALL)
+    rps = obj["request_throughput_rps"]
+    assert isinstance(rps, float) and rps > 0
+    assert math.isclose(rps, obj["requests"] / obj["simulated_s"], rel_tol=1e-5)  # type: ignore[operator]
+    assert main(["simulate", "--policy", "lru", *SMALL]) == 0
+    assert f" tok/s, {rps:.2f} req/s; hit rate" in capsys.readouterr().out
+    out = tmp_path / "rep"
+    assert main(["compare", *SMALL, "--policies", "lru", "--budgets", "0.5", "--out", str(out)]) == 0
+    capsys.readouterr()
+    rows = list(csv.DictReader((out / "runs.csv").open()))
+    summary = json.loads((out / "summary.json").read_text())
+    assert [float(r["request_throughput_rps"]) for r in rows] == [
+        r["request_throughput_rps"] for r in summary
+    ]
+    md = (out / "summary.md").read_text()
+    assert "| run | out tok/s | req/s | hit |" in md
+    assert (
+        f"| lru | {summary[0]['output_tokens_per_s']:.0f} | {summary[0]['request_throughput_rps']:.2f} |"
+        in md
+    )
 
 
 def test_compare_labels_budgets_that_print_alike_apart(

@@ -630,6 +630,42 @@ def test_latency_summary_reports_mean_p50_p90_p99_and_slo_attainment_over_every_
     assert out["goodput_rps"] == 0.11 and out["output_tokens_per_s"] == 1.01
 
 
+def test_request_throughput_is_finished_requests_over_the_span_as_vllms_benchmark() -> None:
+    """vLLM 0.33's ``calculate_metrics`` (``vllm/benchmarks/serve.py``): ``request_throughput = completed /
+    dur_s``, a failed request not completed; here the finished requests over the simulated span, a request
+    rejected at admission not counted (it is in the SLO attainment's denominator, not here)."""
+    reqs = [_served(f"r{k}", [1.0 + k, 2.0 + k]) for k in range(8)]
+    out = latency_summary(reqs, {0: SLO(10.0, 1.0)}, simulated_s=4.0, rejected=3)
+    assert out["request_throughput_rps"] == 2.0  # 8 finished in 4 s
+    assert (
+        latency_summary(reqs[:1], {0: SLO(10.0, 1.0)}, simulated_s=3.0)["request_throughput_rps"] == 0.333333
+    )
+    assert (
+        latency_summary([], {0: SLO(10.0, 1.0)}, simulated_s=0.0, rejected=2)["request_throughput_rps"] == 0.0
+    )
+
+
+def test_the_summary_reports_request_throughput_over_the_same_span_as_output_throughput() -> None:
+    """Three requests finish (two of class 0, one of class 1), one is rejected at admission (more blocks than
+    the pool has): 3 requests over the span from the first send (t = 1 s) to the last token at its client,
+    and each class's own finished requests over that same span."""
+    wl = [
+        wr("a", TokenSeq.seeded(1, 200), 8, t=1.0),
+        wr("b", TokenSeq.seeded(2, 300), 4, t=1.5),
+        wr("c", TokenSeq.seeded(3, 100), 6, t=2.0, priority=1),
+        wr("huge", TokenSeq.seeded(4, 2_000), 4, t=1.2),  # 126 blocks of 16: rejected
+    ]
+    sim = Simulation(SimConfig(kv_blocks=64, frontend_out_s=0.002), wl).run()
+    s = sim.summary()
+    last = max(r.finish_time for r in sim.finished)  # type: ignore[type-var]
+    span = last + 0.002 - 1.0  # type: ignore[operator]
+    assert (s["requests"], s["rejected"]) == (3, 1) and s["simulated_s"] == pytest.approx(span)
+    assert s["request_throughput_rps"] == round(3 / span, 6)
+    assert s["output_tokens_per_s"] == round(18 / span, 6)  # (the same span)
+    assert s["classes"]["0"]["request_throughput_rps"] == round(2 / span, 6)
+    assert s["classes"]["1"]["request_throughput_rps"] == round(1 / span, 6)
+
+
 def test_a_prefix_match_keeps_its_replica_at_exactly_slack_more_requests_than_the_least_loaded() -> None:
     pm = ROUTERS.create("prefix-memory")
     reps = _replicas([0, 0], pool_blocks=8)

@@ -472,7 +472,7 @@ def print_table(obj: dict[str, Any]) -> None:
     )
     print(
         f"simulated {obj['simulated_s']:.1f} s in {obj['wall_s']:.1f} s; output {obj['output_tokens_per_s']:.0f} "
-        f"tok/s; hit rate {_fmt(obj['hit_rate'])}; recomputed {obj['recomputed_tokens']} tokens; "
+        f"tok/s, {obj['request_throughput_rps']:.2f} req/s; hit rate {_fmt(obj['hit_rate'])}; recomputed {obj['recomputed_tokens']} tokens; "
         f"{obj['preemptions']} preemptions ({obj['resumes']} resumes hit {obj['resume_hit_tokens']} tokens, "
         f"not in the hit rate); SLO attainment {_fmt(obj['slo_attainment'])}"
     )
@@ -670,6 +670,7 @@ _CSV_COLS = [
     "rejected",
     "simulated_s",
     "output_tokens_per_s",
+    "request_throughput_rps",
     "hit_rate",
 ]
 _CSV_COLS += ["recomputed_tokens", "preemptions", "slo_attainment", "goodput_rps", "ttft_p99_s"]
@@ -702,7 +703,7 @@ def _write_csv(path: Path, results: Sequence[dict[str, Any]]) -> None:
 
 def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, frontier_weight: float) -> str:
     classes = _classes(results)
-    head = ["run", "out tok/s", "hit", "recomputed", "preempt", "rejected"]
+    head = ["run", "out tok/s", "req/s", "hit", "recomputed", "preempt", "rejected"]
     head += [f"c{c} {k}" for c in classes for k in ("ttft mean", "ttft p99", "hit", "SLO")]
     lines = [
         f"# kvretain compare: {printable(source)}",
@@ -716,7 +717,8 @@ def _markdown(results: Sequence[dict[str, Any]], source: str, capacity: str, fro
     ]
     for r in results:
         hit = r["hit_rate"]
-        cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", "-" if hit is None else f"{hit:.4f}"]
+        cells = [r["label"], f"{r['output_tokens_per_s']:.0f}", f"{r['request_throughput_rps']:.2f}"]
+        cells += ["-" if hit is None else f"{hit:.4f}"]
         cells += [str(r["recomputed_tokens"]), str(r["preemptions"]), str(r["rejected"])]
         for c in classes:
             st = r["classes"].get(c, {})
@@ -992,8 +994,9 @@ def add_subcommands(sub: Any) -> None:
         "--json",
         action="store_true",
         help="print one JSON object (latencies in seconds, keys ending _s: the client's TTFT and e2e, TPOT, ITL, the "
-        "engine's queueing time; _p50/_p90/_p99 interpolated linearly as numpy's and vLLM's benchmark; goodput_rps "
-        "and output_tokens_per_s per second of simulated_s; 'requests': those that finished)",
+        "engine's queueing time; _p50/_p90/_p99 interpolated linearly as numpy's and vLLM's benchmark; "
+        "request_throughput_rps (finished requests), goodput_rps and output_tokens_per_s per second of simulated_s, "
+        "as vLLM's benchmark; 'requests': those that finished)",
     )
     s.set_defaults(func=cmd_simulate, check=check_sim)
     c = sub.add_parser(

@@ -8,9 +8,11 @@ e2e = finish - arrival; queueing = first schedule - the engine's receipt (arriva
 default). A request meets its SLO when its TTFT and TPOT are within its class's targets (:class:`SLO`; with one
 output token, its TTFT alone, as vLLM's benchmark takes that TPOT as 0 for goodput); SLO
 attainment is over every request sent, a request rejected at admission missing its SLO (as goodput counts
-requests in DistServe and vLLM's benchmark); goodput and output tokens per second divide by the simulated span
-the caller passes (``Simulation.summary``: the first send of a finished request to the last token received,
-the same span for every class).
+requests in DistServe and vLLM's benchmark); request throughput (finished requests), goodput and output tokens
+per second divide by the simulated span the caller passes (``Simulation.summary``: the first send of a finished
+request to the last token received, the same span for every class), as vLLM 0.33's benchmark
+(``vllm/benchmarks/serve.py``, ``calculate_metrics``: ``request_throughput = completed / dur_s``, a failed
+request not completed, as a rejected one here).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def latency_summary(
     sent = len(reqs) + rejected
     out["slo_attainment"] = _r(len(good) / sent) if sent else None
     span = simulated_s if simulated_s > 0 else math.inf
+    out["request_throughput_rps"] = _r(len(reqs) / span)  # (vLLM's "Request throughput (req/s)")
     out["goodput_rps"] = _r(len(good) / span)
     out["output_tokens"] = sum(r.num_output_tokens for r in reqs)
     out["output_tokens_per_s"] = _r(out["output_tokens"] / span)

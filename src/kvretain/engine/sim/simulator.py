@@ -417,6 +417,7 @@ class Simulation:
             "simulated_s": round(span, 6),
             "wall_s": round(self.wall_s, 3),
             "output_tokens_per_s": overall["output_tokens_per_s"],
+            "request_throughput_rps": overall["request_throughput_rps"],
             "rejected": len(rejected),
             "hit_rate": round(h / q, 6) if q else None,  # (no lookup: no ratio)
             "resumes": sum(s.resumes for s in stats.values()),
@@ -440,7 +441,7 @@ class Simulation:
             **{
                 k: v
                 for k, v in overall.items()
-                if k not in ("requests", "output_tokens_per_s", "preemptions")
+                if k not in ("requests", "output_tokens_per_s", "request_throughput_rps", "preemptions")
             },
             # each replica's policy state at the end (``unified``: its protection controller's level, target and
             # estimates; one controller a replica)
