@@ -73,8 +73,63 @@ def build_scheduler(
     """vLLM's ``Scheduler`` over a KV cache of ``num_blocks`` blocks (vLLM's null block included) of
     ``block_size`` tokens, one full-attention group, prefix caching on unless ``enable_prefix_caching`` is
     False; ``policy`` is ``fcfs`` or ``priority``; ``reserve_full_isl``: ``scheduler_reserve_full_isl``. Every
-    other setting is vLLM 0.33's default."""
+    other setting is vLLM 0.33's default. Built directly, as vLLM's own scheduler tests do: vLLM's start-up
+    checks do not run (:func:`start_up_refusal` runs its KV cache check)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = _vllm_config(
+        model_dir,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched_tokens,
+        max_model_len=max_model_len,
+        policy=policy,
+        enable_chunked_prefill=enable_chunked_prefill,
+        kv_events=kv_events,
+        reserve_full_isl=reserve_full_isl,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([LAYER], _attention_spec(block_size))],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+
+
+LAYER = "model.layers.0.self_attn"
+"""The one attention layer of the harness's KV cache."""
+
+
+def _attention_spec(block_size: int) -> Any:
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
+
+
+def _vllm_config(
+    model_dir: str,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_batched_tokens: int,
+    max_model_len: int,
+    policy: str = "priority",
+    enable_chunked_prefill: bool = True,
+    kv_events: bool = False,
+    reserve_full_isl: bool = True,
+    enable_prefix_caching: bool = True,
+) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -83,9 +138,6 @@ def build_scheduler(
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
 
     model_config = ModelConfig(
         model=model_dir,
@@ -94,7 +146,7 @@ def build_scheduler(
         max_model_len=max_model_len,
         dtype="float32",
     )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -109,24 +161,30 @@ def build_scheduler(
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn"],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float32),
-            )
-        ],
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=True,
-    )
+
+
+def start_up_refusal(model_dir: str, *, num_blocks: int, **config: Any) -> str | None:
+    """Why vLLM 0.33 would refuse to start :func:`build_scheduler`'s engine (the same keyword arguments) for its
+    KV cache, or None: vLLM's own planning (``vllm/v1/core/kv_cache_planning.py``'s ``get_kv_cache_configs``,
+    whose ``_check_enough_kv_cache_memory`` raises "To serve at least one request with the model's max seq len
+    ...") on the cache ``--num-gpu-blocks-override num_blocks`` gives a real server (the null block included),
+    the layout resolved as the engine core resolves it on this machine (the CPU attention backend's)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    vllm_config = _vllm_config(model_dir, **config)
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    specs = [{LAYER: _attention_spec(config["block_size"])}]
+    layouts = [[layout.name for layout in CPUAttentionBackend.supported_kv_cache_layouts()]]
+    resolve_kv_cache_layout(vllm_config, layouts, specs[0].values())
+    groups = get_global_kv_cache_groups(vllm_config, specs)
+    try:
+        (kv_cache_config,) = get_kv_cache_configs(vllm_config, specs, [2**40], groups)
+    except ValueError as e:
+        return str(e)
+    assert kv_cache_config.num_blocks == num_blocks, kv_cache_config.num_blocks
+    return None
 
 
 def block_hasher(block_size: int) -> Any:

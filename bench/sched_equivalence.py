@@ -277,23 +277,28 @@ def run_vllm(specs: list[Spec], args: argparse.Namespace, queue: str, model_dir:
 
     import kvretain.integrations.vllm as plugin
 
+    engine: dict[str, Any] = {
+        "num_blocks": args.pool_blocks,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_batched_tokens": args.max_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "policy": queue,
+        "enable_chunked_prefill": chunked_prefill(args),
+        "reserve_full_isl": getattr(args, "reserve_full_prompt", True),
+        "enable_prefix_caching": getattr(args, "enable_caching", True),
+    }
+    # (the harness builds the scheduler directly, past vLLM's start-up checks: an engine vLLM would not start,
+    # a KV cache too small for one request of max_model_len, would be compared all the same)
+    refusal = harness.start_up_refusal(model_dir, **engine)
+    if refusal is not None:
+        raise ValueError(f"vLLM 0.33 refuses to start this engine: {refusal}")
     clock = Clock(args.step_ms)
     if args.policy != "lru":
         plugin.set_clock(clock)
         plugin.enable(plugin_config(args))
     try:
-        sched = harness.build_scheduler(
-            model_dir,
-            num_blocks=args.pool_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_batched_tokens=args.max_batched_tokens,
-            max_model_len=args.max_model_len,
-            policy=queue,
-            enable_chunked_prefill=chunked_prefill(args),
-            reserve_full_isl=getattr(args, "reserve_full_prompt", True),
-            enable_prefix_caching=getattr(args, "enable_caching", True),
-        )
+        sched = harness.build_scheduler(model_dir, **engine)
         hasher = harness.block_hasher(args.block_size)
         queue_cls = type(sched.kv_cache_manager.block_pool.free_block_queue).__name__
         if (queue_cls == "FreeKVCacheBlockQueue") != (args.policy == "lru"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,6 +65,13 @@ def args(policy: str, granularity: str = "block") -> argparse.Namespace:
         step_ms=50.0,
         max_steps=20_000,
     )
+
+
+def held(a: argparse.Namespace) -> int:
+    """The largest ``max_model_len`` engine ``a``'s pool holds (its usable blocks, vLLM's null block apart, times
+    the block size): a larger one and vLLM 0.33 refuses to start (``bench/sched_equivalence.py``'s ``run_vllm``
+    checks every engine with vLLM's own check, ``_vllm_harness.start_up_refusal``)."""
+    return int((a.pool_blocks - 1) * a.block_size)
 
 
 def run_both(tmp_path: Path, a: argparse.Namespace, queue: str) -> dict[str, object]:
@@ -140,6 +148,7 @@ def test_lru_matches_stock_vllm_when_content_is_computed_twice(
     # it; kvretain's pool left the copy and the rest of its request unhashed: f hit 8 tokens where vLLM's hits
     # 20, and the unhashed copies, reused first, kept o's prefix that vLLM's LRU evicts (review 34)
     a = argparse.Namespace(**{**vars(args("lru")), "block_size": 4, "pool_blocks": pool_blocks})
+    a.max_model_len = held(a)
     specs = make()
     model_dir = harness.write_tiny_model(tmp_path, vocab_size=1000, max_len=a.max_model_len)
     k = eq.run_kvretain(specs, a, queue)
@@ -172,6 +181,7 @@ def test_lru_matches_stock_vllm_when_a_request_scheduled_in_the_step_is_preempte
             "reserve_full_prompt": False,
         }
     )
+    a.max_model_len = held(a)
     model_dir = harness.write_tiny_model(tmp_path, vocab_size=1000, max_len=a.max_model_len)
     k = eq.run_kvretain(specs, a, queue)
     v = eq.run_vllm(specs, a, queue, model_dir)
@@ -341,6 +351,7 @@ def test_unified_decides_as_the_plugin_one_request_at_a_time(tmp_path: Path, gra
             "max_batched_tokens": 2048,
         }
     )
+    a.max_model_len = held(a)
     model_dir = harness.write_tiny_model(tmp_path, vocab_size=1000, max_len=a.max_model_len)
     for seed in range(20, 28):
         specs = _one_at_a_time(seed)
@@ -349,3 +360,71 @@ def test_unified_decides_as_the_plugin_one_request_at_a_time(tmp_path: Path, gra
             assert res["first_divergence"] is None, (seed, res)
         # (runs: seed 27 diverges at step 636, 1.027x the plugin's hit tokens; every other seed identical)
         assert 0.95 <= res["hit_tokens_vs_vllm"] <= 1.05, (seed, res)  # type: ignore[operator]
+
+
+def _vllm_refusal(model_dir: str, a: argparse.Namespace) -> str | None:
+    """vLLM 0.33's own start-up refusal of engine ``a`` (``_vllm_harness.start_up_refusal``), or None."""
+    return harness.start_up_refusal(
+        model_dir,
+        num_blocks=a.pool_blocks,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_batched_tokens=a.max_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_chunked_prefill=eq.chunked_prefill(a),
+    )
+
+
+def test_a_pool_too_small_for_max_model_len_is_refused_where_vllm_refuses_to_start(tmp_path: Path) -> None:
+    """kvretain's ``Scheduler`` is refused (``SchedulerConfig.check_pool``) on exactly the engines whose KV cache
+    vLLM 0.33 refuses to start on ("To serve at least one request with the model's max seq len ...": its
+    ``get_kv_cache_configs``, the null block held back, every one of the max_model_len tokens counted): pools of
+    2 to 12 blocks (vLLM's count; kvretain's pool is one less) of 1, 2, 4 and 16 tokens, at every max_model_len
+    up to a block and one past what the pool holds; the largest max_model_len kvretain's message names is the
+    one vLLM's estimates. Fails before kvretain refused such a pool: its scheduler started on every one."""
+    from kvretain.core.kv_cache_manager import KVCacheManager
+    from kvretain.sched.config import SchedulerConfig
+    from kvretain.sched.scheduler import Scheduler
+
+    model_dir = harness.write_tiny_model(tmp_path, vocab_size=1000, max_len=4096)
+    refused = 0
+    for block in (1, 2, 4, 16):
+        for pool in (2, 3, 5, 12):
+            for limit in range(1, pool * block + 2):
+                a = argparse.Namespace(
+                    pool_blocks=pool,
+                    block_size=block,
+                    max_num_seqs=1,
+                    max_batched_tokens=64,
+                    max_model_len=limit,
+                )
+                theirs = _vllm_refusal(model_dir, a)
+                kv = KVCacheManager(pool - 1, block, policy="lru")
+                try:
+                    Scheduler(kv, SchedulerConfig(max_model_len=limit))
+                    ours = None
+                except ValueError as e:
+                    ours = str(e)
+                assert (ours is None) == (theirs is None), (pool, block, limit, ours, theirs)
+                if theirs is not None:
+                    refused += 1
+                    estimate = re.search(r"the estimated maximum model length is (\d+)\.", theirs)
+                    assert estimate is not None, theirs
+                    held_here = f"the largest max_model_len it holds is {int(estimate[1]):,} "
+                    assert held_here in str(ours), (ours, theirs)
+    assert refused == sum(
+        4 * (b + 1) for b in (1, 2, 4, 16)
+    )  # (what each pool holds + 1 .. a block and one past)
+
+
+def test_every_generated_engine_is_one_vllm_starts(tmp_path: Path) -> None:
+    """The engines :func:`_edge_engine` and :func:`_limited_engine` make (200 seeds each, the tests drive the
+    first 40) hold one request of their ``max_model_len``: vLLM 0.33 starts on each (its own check) and
+    kvretain's side, with the limit set, accepts each pool."""
+    from kvretain.sched.config import SchedulerConfig
+
+    model_dir = harness.write_tiny_model(tmp_path, vocab_size=1000, max_len=8192)
+    for seed in range(200):
+        for a in (_edge_engine(seed), _limited_engine(seed)):
+            assert _vllm_refusal(model_dir, a) is None, (seed, vars(a))
+            SchedulerConfig(max_model_len=a.max_model_len).check_pool(a.pool_blocks - 1, a.block_size)

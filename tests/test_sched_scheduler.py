@@ -526,7 +526,7 @@ def test_max_model_len_is_an_integer_of_at_least_one_or_none() -> None:
 def test_a_request_ends_when_it_holds_max_model_len_tokens() -> None:
     # the review's reproduction: vLLM 0.33 (max_model_len 32) ends a 30-token prompt's request after 2 steps,
     # holding 32 tokens (check_stop: num_tokens >= max_model_len); kvretain took its 10 max_tokens
-    for limit, steps in ((None, 10), (32, 2), (31, 1), (40, 10), (100, 10)):
+    for limit, steps in ((None, 10), (32, 2), (31, 1), (40, 10), (64, 10)):  # (64: what 16 blocks of 4 hold)
         s = make(16, max_model_len=limit)
         a = req("a", 30, out=10)
         assert s.add_request(a)
@@ -563,6 +563,28 @@ def test_a_prompt_of_max_model_len_tokens_or_more_is_rejected_at_admission() -> 
     assert ok.num_output_tokens == 1 and ok.status is RequestStatus.FINISHED
 
 
+def test_a_pool_that_cannot_hold_one_request_of_max_model_len_tokens_is_refused() -> None:
+    # vLLM 0.33 refuses to start when its KV cache (less its null block, which kvretain's pool leaves out) cannot
+    # hold cdiv(max_model_len, block_size) blocks, and names the largest max_model_len it holds: 4 blocks of 4
+    # tokens hold 16 (every one of the 16 counted, though a request stops holding 15 of KV)
+    for limit in (1, 13, 16):
+        assert make(4, max_model_len=limit).config.max_model_len == limit
+    for limit, need in ((17, 5), (20, 5), (21, 6), (10**9, 250_000_000)):
+        with pytest.raises(ValueError) as e:
+            make(4, max_model_len=limit)
+        assert str(e.value) == (
+            f"max_model_len {limit:,}: one request of {limit:,} tokens needs {need:,} KV blocks of 4 tokens, "
+            "but the KV cache has 4: the largest max_model_len it holds is 16 (vLLM refuses to start with a KV "
+            "cache that cannot hold one request of max_model_len tokens)"
+        )
+    # without max_model_len nothing to check (a request that cannot fit is refused on its own at admission)
+    assert make(1).config.max_model_len is None
+    SchedulerConfig(max_model_len=16).check_pool(4, 4)
+    with pytest.raises(ValueError, match="needs 2 KV blocks of 16 tokens, but the KV cache has 1:"):
+        SchedulerConfig(max_model_len=17).check_pool(1, 16)
+    SchedulerConfig().check_pool(1, 1)
+
+
 def test_the_pool_check_counts_the_kv_of_max_model_len_tokens_at_most() -> None:
     # 15 + 10 - 1 = 24 tokens of KV do not fit 16, but the request stops at 16 tokens (15 of KV) with
     # max_model_len 16: it is admitted and runs
@@ -573,13 +595,11 @@ def test_the_pool_check_counts_the_kv_of_max_model_len_tokens_at_most() -> None:
     while s.has_unfinished():
         step(s)
     assert a.num_tokens == 16
-    # the refusal names the output tokens the request can have: 20 - 15 = 5 (19 tokens of KV, 5 blocks)
-    s = make(4, max_model_len=20)
-    b = req("b", 15, out=10)
-    assert s.add_request(b) is False
-    assert b.rejection == (
-        "request 'b' needs 5 KV blocks of 4 tokens for its 15 prompt and 5 output tokens, but the replica has only 4"
-    )
+    # with max_model_len 20 (19 tokens of KV, 5 blocks) a request could need more blocks than the pool has:
+    # vLLM does not start on such a pool, and no more does kvretain's scheduler (so that, with the limit set, no
+    # request is refused for blocks)
+    with pytest.raises(ValueError, match="the largest max_model_len it holds is 16 "):
+        make(4, max_model_len=20)
     # without chunked prefill the budget check counts them too: 8 + 4 - 1 = 11 > 10, but at most 9 with 10
     s = make(64, max_num_batched_tokens=10, enable_chunked_prefill=False, max_model_len=10)
     c = req("c", 8, out=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -196,7 +197,8 @@ def test_simulate_max_model_len_cuts_outputs_and_rejects_long_prompts(
     # --max-model-len N: a request ends holding N tokens, a prompt of N or more is rejected (vLLM 0.33); without
     # it, the same run as before the option existed
     base = run_json(capsys, "--policy", "lru", *SMALL)
-    none = run_json(capsys, "--policy", "lru", *SMALL, "--max-model-len", "1e9")  # (no request reaches it)
+    # (no request reaches it; 32,000 tokens: what SMALL's 2,000 blocks of 16 hold)
+    none = run_json(capsys, "--policy", "lru", *SMALL, "--max-model-len", "32000")
     for obj in (base, none):
         obj.pop("wall_s")
     assert none == base and base["rejected"] == 0
@@ -209,6 +211,52 @@ def test_simulate_max_model_len_cuts_outputs_and_rejects_long_prompts(
     assert "--max-model-len N" in _help(capsys, "compare")
     text = " ".join(_help(capsys, "simulate").split())
     assert "vLLM's default: the model's context length; kvretain's default: unbounded" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "pool"),
+    [
+        (
+            ["simulate", "--kv-blocks", "100", "--max-model-len", "1601"],
+            r"\(--kv-blocks\) has 100: .* is 1,600 ",
+        ),
+        (
+            ["simulate", "--max-model-len", "100000000"],
+            r"\(from the cost model: --model, --gpu, --tp and --gpu-mem-util\) has [\d,]+: ",
+        ),
+        (["compare", "--kv-blocks", "10", "--max-model-len", "161"], r"\(--kv-blocks\) has 10: .* is 160 "),
+        (  # (compare's own pool, sized on the protected requests' working set once the workload is read)
+            ["compare", "--limit", "200", "--max-model-len", "100000"],
+            r"\(compare's, the peak working set of the protected requests; pass --kv-blocks to choose\) has ",
+        ),
+    ],
+)
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], pool: str
+) -> None:
+    # vLLM 0.33 refuses to start when its KV cache cannot hold one request of max_model_len tokens: so do simulate
+    # and compare, before any run, naming the option, the pool and the largest max_model_len it holds
+    out = tmp_path / "rep"
+    extra = ["--out", str(out)] if argv[0] == "compare" else []
+    limit = [] if "--limit" in argv else ["--limit", "5"]
+    assert main([*argv, *limit, "--no-progress", *extra]) == 2
+    got, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert got == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"kvretain {argv[0]}: error: argument --max-model-len: one request of "), (
+        lines[0]
+    )
+    assert re.search(pool, lines[0]) and "the largest max_model_len it holds is" in lines[0], lines[0]
+    assert lines[0].endswith(
+        "(vLLM refuses to start with a KV cache that cannot hold one request of max_model_len tokens)"
+    )
+    assert not out.exists()
+
+
+def test_a_max_model_len_the_kv_cache_just_holds_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # 100 blocks of 16 tokens hold 1,600: vLLM starts, and so does simulate (1,601 is refused above)
+    obj = run_json(capsys, "--kv-blocks", "100", "--max-model-len", "1600", "--limit", "5", "--no-progress")
+    assert obj["requests"] + obj["rejected"] == 5  # type: ignore[operator]
 
 
 def _help(capsys: pytest.CaptureFixture[str], command: str) -> str:

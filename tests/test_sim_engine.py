@@ -630,6 +630,18 @@ def test_latency_summary_reports_mean_p50_p90_p99_and_slo_attainment_over_every_
     assert out["goodput_rps"] == 0.11 and out["output_tokens_per_s"] == 1.01
 
 
+def test_a_simulation_whose_pool_cannot_hold_one_request_of_max_model_len_is_refused() -> None:
+    # vLLM 0.33 refuses to start on a KV cache that cannot hold one request of max_model_len tokens (10 blocks of
+    # 16 hold 160); so does the simulator, before it runs, and a pool that holds it runs
+    wl = [wr("a", TokenSeq.seeded(1, 100), 4)]
+    with pytest.raises(
+        ValueError, match=r"^max_model_len 161: .* the largest max_model_len it holds is 160 "
+    ):
+        Simulation(SimConfig(kv_blocks=10, sched=SchedulerConfig(max_model_len=161)), wl)
+    sim = Simulation(SimConfig(kv_blocks=10, sched=SchedulerConfig(max_model_len=160)), wl).run()
+    assert [r.num_output_tokens for r in sim.finished] == [4]
+
+
 def test_request_throughput_is_finished_requests_over_the_span_as_vllms_benchmark() -> None:
     """vLLM 0.33's ``calculate_metrics`` (``vllm/benchmarks/serve.py``): ``request_throughput = completed /
     dur_s``, a failed request not completed; here the finished requests over the simulated span, a request

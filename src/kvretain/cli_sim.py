@@ -42,7 +42,7 @@ from kvretain.engine.sim.metrics import DEFAULT_SLOS, parse_slos
 from kvretain.engine.sim.router import ROUTERS
 from kvretain.engine.sim.simulator import DEFAULT_GPU_MEM_UTIL, MAX_FRONTEND_S, SimConfig, Simulation
 from kvretain.fileio import StagedFolder
-from kvretain.sched.config import SchedulerConfig
+from kvretain.sched.config import SchedulerConfig, pool_too_small
 from kvretain.sched.queue import QUEUE_POLICIES
 from kvretain.workloads import WORKLOADS, WorkloadRequest, tag_priorities, working_set
 from kvretain.workloads.priority import check_seed_read, make_rule, rule_choices
@@ -386,6 +386,26 @@ def check_sim(args: argparse.Namespace) -> None:
         "argument --kv-blocks" if args.kv_blocks is not None else "--kv-blocks (default: from the cost model)"
     )
     check_replicas_fit(cfg, policies, what)
+    if args.command == "simulate" or args.kv_blocks is not None:  # (compare's own pool: checked once sized)
+        check_max_model_len(cfg, blocks, pool_source(args))
+
+
+def pool_source(args: argparse.Namespace) -> str:
+    """Where a replica's KV blocks come from, as errors name it: ``--kv-blocks``, or the cost model."""
+    if args.kv_blocks is not None:
+        return "--kv-blocks"
+    return "from the cost model: --model, --gpu, --tp and --gpu-mem-util"
+
+
+def check_max_model_len(cfg: SimConfig, blocks: int, source: str) -> None:
+    """``--max-model-len`` against a replica's pool of ``blocks`` (``source``: where its size comes from), before
+    any run: vLLM's start-up refusal of a KV cache that cannot hold one request of ``max_model_len`` tokens
+    (``kvretain.sched.config.pool_too_small``), one line naming the option. Nothing without the option."""
+    limit = cfg.sched.max_model_len
+    if limit is not None:
+        reason = pool_too_small(limit, blocks, cfg.block_size, f"a replica's KV cache ({source})")
+        if reason is not None:
+            raise ValueError(f"argument --max-model-len: {reason}")
 
 
 def _cost_model(cfg: SimConfig, tp_given: bool) -> CostModel:
@@ -472,7 +492,8 @@ def print_table(obj: dict[str, Any]) -> None:
     )
     print(
         f"simulated {obj['simulated_s']:.1f} s in {obj['wall_s']:.1f} s; output {obj['output_tokens_per_s']:.0f} "
-        f"tok/s, {obj['request_throughput_rps']:.2f} req/s; hit rate {_fmt(obj['hit_rate'])}; recomputed {obj['recomputed_tokens']} tokens; "
+        f"tok/s, {obj['request_throughput_rps']:.2f} req/s; hit rate {_fmt(obj['hit_rate'])}; "
+        f"recomputed {obj['recomputed_tokens']} tokens; "
         f"{obj['preemptions']} preemptions ({obj['resumes']} resumes hit {obj['resume_hit_tokens']} tokens, "
         f"not in the hit rate); SLO attainment {_fmt(obj['slo_attainment'])}"
     )
@@ -547,6 +568,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     base = sim_config(args, "unified")
     where = "--kv-blocks" if args.kv_blocks is not None else "the cost model's, from --model, --gpu and --tp"
     capacity = f"{base.blocks_per_replica(base.cost()):,} KV blocks per replica ({where})"
+    pool_from = pool_source(args)
     if args.kv_blocks is None:
         # NOTE: the cost model's capacity holds the protected class's whole working set with room to spare,
         # so no budget would matter. A pool of exactly the protected class's peak working set makes the
@@ -576,6 +598,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 what += f" (an even share of it over {base.replicas} replicas)"
             capacity = f"{blocks:,} KV blocks per replica: {what}"
             capacity += " (pass --kv-blocks to choose)"
+            pool_from = (
+                "compare's, the peak working set of the protected requests; pass --kv-blocks to choose"
+            )
+    check_max_model_len(base, base.blocks_per_replica(base.cost()), pool_from)
     runs: list[tuple[str, SimConfig]] = [
         (p, replace(sim_config(args, p), kv_blocks=base.kv_blocks)) for p in policies
     ]
@@ -995,8 +1021,8 @@ def add_subcommands(sub: Any) -> None:
         action="store_true",
         help="print one JSON object (latencies in seconds, keys ending _s: the client's TTFT and e2e, TPOT, ITL, the "
         "engine's queueing time; _p50/_p90/_p99 interpolated linearly as numpy's and vLLM's benchmark; "
-        "request_throughput_rps (finished requests), goodput_rps and output_tokens_per_s per second of simulated_s, "
-        "as vLLM's benchmark; 'requests': those that finished)",
+        "request_throughput_rps (finished requests), goodput_rps and output_tokens_per_s per second of "
+        "simulated_s, as vLLM's benchmark; 'requests': those that finished)",
     )
     s.set_defaults(func=cmd_simulate, check=check_sim)
     c = sub.add_parser(

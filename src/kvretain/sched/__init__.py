@@ -4,8 +4,10 @@ Public contract::
 
     Request                   tokens, priority, retention, lifecycle and times (a core CacheRequest)
     QUEUE_POLICIES            fcfs, priority
-    SchedulerConfig           token budget, max running requests, chunked prefill, waiting-preempts-running
-    Scheduler                 add_request(req) -> bool (False: REJECTED, it can never fit; req.rejection says why)
+    SchedulerConfig           token budget, max running requests, chunked prefill, waiting-preempts-running,
+                              max_model_len (check_pool: the KV cache holds one request of it, else ValueError)
+    Scheduler                 Scheduler(kv, config) (ValueError: config.check_pool fails on kv's pool)
+                              add_request(req) -> bool (False: REJECTED, it can never fit; req.rejection says why)
                               schedule() -> SchedulerOutput; update_from_output(out, RunnerOutput)
 """
 

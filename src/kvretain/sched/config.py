@@ -26,7 +26,9 @@ class SchedulerConfig:
         its ``max_tokens``). When set, as vLLM 0.33: a prompt of ``max_model_len`` tokens or more is rejected at
         admission (vLLM's input processor refuses it), and a request ends when it holds ``max_model_len``
         tokens (``check_stop``: finished by length, as at ``max_tokens``), so its KV never exceeds
-        ``max_model_len - 1`` tokens. vLLM's default is the model's context length; kvretain's is None.
+        ``max_model_len - 1`` tokens. vLLM's default is the model's context length; kvretain's is None. A KV
+        cache too small for one request of ``max_model_len`` tokens is refused (:meth:`check_pool`, which
+        ``Scheduler`` calls), as vLLM refuses to start on one.
     """
 
     policy: str = "priority"
@@ -52,3 +54,38 @@ class SchedulerConfig:
         for name in ("enable_chunked_prefill", "waiting_preempts_running", "reserve_full_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def check_pool(self, num_blocks: int, block_size: int) -> None:
+        """``ValueError`` when ``max_model_len`` is set and a pool of ``num_blocks`` blocks of ``block_size``
+        tokens cannot hold one request of ``max_model_len`` tokens (:func:`pool_too_small`); vLLM 0.33 refuses
+        to start on such a KV cache. Nothing to check without ``max_model_len``."""
+        if self.max_model_len is not None:
+            reason = pool_too_small(self.max_model_len, num_blocks, block_size)
+            if reason is not None:
+                raise ValueError(f"max_model_len {self.max_model_len:,}: {reason}")
+
+
+def pool_too_small(
+    max_model_len: int, num_blocks: int, block_size: int, pool: str = "the KV cache"
+) -> str | None:
+    """Why ``num_blocks`` usable KV blocks of ``block_size`` tokens cannot serve ``max_model_len``, or None.
+
+    vLLM 0.33's start-up check (``vllm/v1/core/kv_cache_planning.py``: ``get_kv_cache_configs`` ->
+    ``_check_enough_kv_cache_memory``, "To serve at least one request with the model's max seq len ..."): the KV
+    memory of one request of ``max_model_len`` tokens, ``cdiv(max_model_len, block_size)`` blocks
+    (``FullAttentionSpec.max_memory_usage_bytes``: all ``max_model_len`` tokens, though a request stops holding
+    ``max_model_len - 1`` of KV), must fit the cache's memory less one block (the null block its ``BlockPool``
+    holds back). A kvretain pool's blocks are the usable ones, vLLM's null block apart
+    (``bench/sched_equivalence.py`` gives vLLM one block more), so the rule here is ``cdiv(max_model_len,
+    block_size) <= num_blocks``, and the largest ``max_model_len`` it holds, ``num_blocks * block_size``, is
+    vLLM's estimate in its message ("the estimated maximum model length is ...": a binary search over the same
+    condition). ``pool`` names the cache in the reason. (The simulator's pool sized by its cost model counts
+    the null block as usable: one block more than vLLM's from the same memory, ``costmodel``'s docstring.)"""
+    need = -(-max_model_len // block_size)
+    if need <= num_blocks:
+        return None
+    return (
+        f"one request of {max_model_len:,} tokens needs {need:,} KV blocks of {block_size:,} tokens, but "
+        f"{pool} has {num_blocks:,}: the largest max_model_len it holds is {num_blocks * block_size:,} "
+        "(vLLM refuses to start with a KV cache that cannot hold one request of max_model_len tokens)"
+    )

@@ -29,10 +29,12 @@ tokens than one step's budget. Such a request would otherwise preempt itself for
 ``max_tokens``): when set, as in vLLM 0.33, a request ends when it holds ``max_model_len`` tokens, prompt and
 output (``check_stop``'s ``FINISHED_LENGTH_CAPPED``, the same finish as at ``max_tokens``; vLLM's API server
 clamps ``max_tokens`` to ``max_model_len - prompt``, to the same effect), so the block and budget checks above
-count at most ``max_model_len - 1`` tokens of KV. NOTE: vLLM's engine also refuses to start when the KV cache
-cannot hold ``max_model_len`` tokens, or, without chunked prefill, when ``max_num_batched_tokens <
-max_model_len``; kvretain does not: it refuses, per request, one that cannot fit. Without ``max_model_len`` the
-refusal differs from vLLM on purpose: a request whose ``max_tokens`` the pool cannot hold is refused whole,
+count at most ``max_model_len - 1`` tokens of KV. As vLLM's engine refuses to start when its KV cache cannot
+hold one request of ``max_model_len`` tokens, a ``Scheduler`` is refused (``ValueError``,
+``SchedulerConfig.check_pool``) on a pool of fewer than ``cdiv(max_model_len, block_size)`` blocks, so that with
+the limit set no request is ever refused for blocks. NOTE: vLLM also refuses to start without chunked prefill
+when ``max_num_batched_tokens < max_model_len``; kvretain does not: it refuses, per request, one that cannot fit
+a step. Without ``max_model_len`` the refusal differs from vLLM on purpose: a request whose ``max_tokens`` the pool cannot hold is refused whole,
 where vLLM would run it cut short at its ``max_model_len``.
 
 What is modelled is vLLM 0.33's scheduler at its defaults, matched step for step by ``bench/sched_equivalence.py``
@@ -75,6 +77,9 @@ class Scheduler:
     ) -> None:
         self.kv = kv
         self.config = config or SchedulerConfig()
+        self.config.check_pool(
+            kv.num_blocks, kv.block_size
+        )  # (vLLM's start-up refusal; none without a limit)
         self.clock: Callable[[], float] = clock or kv.pool.clock
         """The times stamped on requests (first scheduled, tokens, finish): the cache's clock unless given."""
         self.waiting = make_queue(self.config.policy)
