@@ -51,6 +51,7 @@ from typing import Any
 
 import _vllm_harness as harness
 from kvretain.cli_args import Parser, RawDefaultsHelpFormatter, fail, integer, missing_module
+from kvretain.sched.config import pool_too_small
 
 PROG = "sched_equivalence"
 
@@ -482,19 +483,21 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.limit_model_len = args.max_model_len is not None
-    pool = f"the pool ({args.pool_blocks - 1} usable blocks of {args.block_size})"
+    usable = args.pool_blocks - 1  # (vLLM's pool keeps one block as its null block)
+    pool = "the pool (less vLLM's null block)"
     if (
         args.limit_model_len
     ):  # (vLLM's engine refuses to start with a KV cache that cannot hold max_model_len)
-        if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
-            return fail(PROG, f"argument --max-model-len: {args.max_model_len} must fit {pool}")
+        reason = pool_too_small(args.max_model_len, usable, args.block_size, pool)
+        if reason is not None:
+            return fail(PROG, f"argument --max-model-len: {reason}")
     else:
         args.max_model_len = args.max_prompt + args.max_output
-        if args.max_model_len > (args.pool_blocks - 1) * args.block_size:
+        reason = pool_too_small(args.max_model_len, usable, args.block_size, pool)
+        if reason is not None:
             return fail(
                 PROG,
-                f"argument --max-prompt/--max-output: --max-prompt + --max-output ({args.max_model_len}) must "
-                f"fit {pool}",
+                f"argument --max-prompt/--max-output: --max-prompt + --max-output ({args.max_model_len:,}): {reason}",
             )
     os.environ.pop("KVRETAIN_POLICY", None)
 

@@ -438,7 +438,10 @@ def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path)
     # --max-model-len N on both sides: N must fit the pool, as vLLM's engine requires (the prompts may not)
     res = _run("sched_equivalence.py", "--trace", str(trace), "--max-model-len", "40000", timeout=60)
     _refused(
-        res, "sched_equivalence: error", "argument --max-model-len: 40000 must fit the pool (2047 usable"
+        res,
+        "sched_equivalence: error",
+        "argument --max-model-len: one request of 40,000 tokens needs 2,500 KV blocks of 16 tokens, but the pool "
+        "(less vLLM's null block) has 2,047: the largest max_model_len it holds is 32,752",
     )
 
 
