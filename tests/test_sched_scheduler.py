@@ -601,9 +601,27 @@ def test_the_pool_check_counts_the_kv_of_max_model_len_tokens_at_most() -> None:
     with pytest.raises(ValueError, match="the largest max_model_len it holds is 16 "):
         make(4, max_model_len=20)
     # without chunked prefill the budget check counts them too: 8 + 4 - 1 = 11 > 10, but at most 9 with 10
-    s = make(64, max_num_batched_tokens=10, enable_chunked_prefill=False, max_model_len=10)
+    s = make(64, max_num_batched_tokens=10, max_num_seqs=4, enable_chunked_prefill=False, max_model_len=10)
     c = req("c", 8, out=4)
     assert s.add_request(c)
     while s.has_unfinished():
         step(s)
     assert c.num_tokens == 10
+
+
+def test_max_model_len_holds_the_budget_to_vllms_start_up_rules() -> None:
+    """vLLM 0.33 (``SchedulerConfig.verify_max_model_len``) refuses to start with a budget below max_model_len
+    without chunked prefill, or below max_num_seqs; with max_model_len set the scheduler refuses them too."""
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(65\)"
+    ):
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=False, max_model_len=65
+        )
+    with pytest.raises(ValueError, match=r"must be at least max_num_seqs \(5\)"):
+        SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=5, max_model_len=4)
+    # the edges vLLM accepts: a budget equal to max_model_len without chunking, equal to max_num_seqs with it
+    SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=False, max_model_len=64)
+    SchedulerConfig(max_num_batched_tokens=5, max_num_seqs=5, max_model_len=4000)
+    # without max_model_len the scheduler is not held to vLLM's start-up rules (edge settings stay testable)
+    SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=5, enable_chunked_prefill=False)

@@ -28,7 +28,10 @@ class SchedulerConfig:
         tokens (``check_stop``: finished by length, as at ``max_tokens``), so its KV never exceeds
         ``max_model_len - 1`` tokens. vLLM's default is the model's context length; kvretain's is None. A KV
         cache too small for one request of ``max_model_len`` tokens is refused (:meth:`check_pool`, which
-        ``Scheduler`` calls), as vLLM refuses to start on one.
+        ``Scheduler`` calls), as vLLM refuses to start on one; so are the settings vLLM's
+        ``SchedulerConfig.verify_max_model_len`` refuses: a budget below ``max_model_len`` without chunked prefill,
+        and a budget below ``max_num_seqs`` (checked only with ``max_model_len`` set: without it the scheduler is
+        not held to vLLM's start-up rules).
     """
 
     policy: str = "priority"
@@ -54,6 +57,19 @@ class SchedulerConfig:
         for name in ("enable_chunked_prefill", "waiting_preempts_running", "reserve_full_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # vLLM 0.33's start-up checks of the budget against the context (verify_max_model_len)
+        if m is not None:
+            if self.max_num_batched_tokens < m and not self.enable_chunked_prefill:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens:,}) is smaller than max_model_len "
+                    f"({m:,}) without chunked prefill: vLLM refuses to start (it would reject every longer prompt); "
+                    "raise the budget, lower max_model_len or enable chunked prefill"
+                )
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens:,}) must be at least max_num_seqs "
+                    f"({self.max_num_seqs:,}): vLLM refuses to start"
+                )
 
     def check_pool(self, num_blocks: int, block_size: int) -> None:
         """``ValueError`` when ``max_model_len`` is set and a pool of ``num_blocks`` blocks of ``block_size``
