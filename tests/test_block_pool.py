@@ -644,6 +644,45 @@ def test_ids_outside_the_pool_are_refused_and_change_nothing(policy: str) -> Non
         pool.get_new_blocks(True)
 
 
+@pytest.mark.parametrize("policy", ["lru", *LEAF_ONLY, "s3fifo", "arc"])
+def test_a_bool_is_not_a_block_id_and_changes_nothing(policy: str) -> None:
+    # True is an int to Python: touch([True]) took a reference on block 1, free_blocks([True]) released it,
+    # cache_blocks registered it, ref_count(True) read it; False stood for block 0
+    pool = new_pool(policy, 4)
+    a = start(pool, [1, 2])  # blocks 0 and 1 held, hashed
+    assert a == [0, 1]
+    c = run(pool, [5])  # block 2 cached and free
+    d = pool.get_new_blocks(1)  # block 3 in use, unhashed
+    assert c == [2] and d == [3]
+    before = snapshot(pool)
+    for call in (
+        lambda: pool.touch([True]),
+        lambda: pool.touch([2, False]),
+        lambda: pool.touch([0, 1, True]),  # (the ints taken first are given back)
+        lambda: pool.free_blocks([True]),
+        lambda: pool.free_blocks([False, 1]),
+        lambda: pool.free_blocks([0, True], BlockRetention([80, 80], [None, 5.0], "s", 0, 35)),
+        lambda: pool.cache_blocks([0, True, 3], [1, 2, 9], 2, 3),  # (the id before start: block 3's parent)
+        lambda: pool.cache_blocks([0, 1, True], [1, 2, 9], 2, 3),
+        lambda: pool.cache_blocks([False, 1], [1, 2], 0, 2),
+    ):
+        with pytest.raises(ValueError, match=r"block id (True|False) is a bool, not a block of this pool"):
+            call()
+        assert snapshot(pool) == before
+        pool.check_integrity()
+    for bad in (True, False):
+        with pytest.raises(ValueError, match=rf"ref_count: block id {bad} is a bool"):
+            pool.ref_count(bad)
+        with pytest.raises(ValueError, match=rf"hash_of: block id {bad} is a bool"):
+            pool.hash_of(bad)
+    # the ints they stand for are blocks as before (0 and 1 take the type test, 2 and up do not)
+    pool.touch([0, 1, 2])
+    pool.free_blocks([0, 1, 2])
+    pool.cache_blocks([0, 1, 3], [1, 2, 9], 2, 3)
+    assert pool.ref_count(1) == 1 and pool.hash_of(3) == 9
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize("policy", ["lru", "unified"])
 def test_a_refused_cache_blocks_registers_nothing(policy: str) -> None:
     # the checks came block by block: the blocks before the refused one stayed registered

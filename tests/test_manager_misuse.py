@@ -123,6 +123,31 @@ def test_refused_hits_count_nothing() -> None:
     m.check_integrity()
 
 
+def test_hits_that_are_bools_are_refused_and_count_nothing() -> None:
+    # [False, True] == [0, 1]: the hits passed the prefix check, were touched as blocks 0 and 1 and kept in the
+    # request's blocks as bools; fits_after_freeing's set {0, 1, True} dropped the bool unseen
+    m = KVCacheManager(8, block_size=BS)
+    a = Req("a", list(range(6)))
+    admit(m, a)
+    m.free(a)  # type: ignore[arg-type]  # its 3 full blocks stay cached
+    base = counted(m)
+    b = Req("b", list(range(6)))
+    hits, n = m.get_computed_blocks(b)  # type: ignore[arg-type]
+    assert (hits, n) == ([0, 1], 4)
+    for bad in ([False, True], [0, True], [False]):
+        with pytest.raises(ValueError, match=r"request 'b': new_computed_blocks must be a prefix"):
+            m.allocate_slots(b, 2, 2 * len(bad), bad)  # type: ignore[arg-type]
+        with pytest.raises(
+            ValueError, match=r"request 'b': new_computed_blocks holds a bool, not a block id"
+        ):
+            m.fits_after_freeing(b, 2, 2 * len(bad), [*bad, *hits], 0, [])  # type: ignore[arg-type]
+        assert counted(m) == base and m.get_num_free_blocks() == 8 and m.num_blocks_of(b) == 0  # type: ignore[arg-type]
+        m.check_integrity()
+    assert m.allocate_slots(b, 2, 4, hits) is not None  # type: ignore[arg-type]
+    m.free(b)  # type: ignore[arg-type]
+    m.check_integrity()
+
+
 def test_hits_passed_after_the_first_allocation_are_refused_and_change_nothing() -> None:
     m = KVCacheManager(8, block_size=BS)
     a = Req("a", list(range(6)))

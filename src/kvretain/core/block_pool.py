@@ -12,8 +12,8 @@ request are released deepest first, as vLLM does, so recency-based orders drop t
 its head.
 
 Running out of blocks is a return value (``None``); misuse (double free, touching an empty block, an id out of
-range, a hash of ``None``, a clock that is not a finite number...) is an exception, and the call that raises it
-changes nothing.
+range or a bool, a hash of ``None``, a clock that is not a finite number...) is an exception, and the call that
+raises it changes nothing.
 
 A holder normally holds a block's whole prefix, but a free block may have an in-use descendant (a request
 that dropped the head of its prefix and kept the tail, as vLLM's sliding window does; hits that are not a
@@ -83,17 +83,21 @@ def _clock_reading(now: object) -> float:
 
 
 def _not_an_id(b: object, n: int) -> bool:
-    """``b`` cannot stand for a block of a pool of ``n`` (not an integer index, or outside ``0..n-1``)."""
+    """``b`` cannot stand for a block of a pool of ``n`` (not an integer index, a bool, or outside ``0..n-1``)."""
+    if b is True or b is False:  # (an int to Python: True indexed block 1)
+        return True
     try:
-        i = operator.index(b)  # type: ignore[arg-type]  # (an int, a bool, a numpy integer...)
+        i = operator.index(b)  # type: ignore[arg-type]  # (an int, a numpy integer...)
     except TypeError:
         return True
     return not 0 <= i < n
 
 
 def _out_of_range(op: str, block_ids: Sequence[int], n: int) -> ValueError:
-    """The error for ``block_ids`` that hold an id outside ``0..n-1`` (or one that is not an integer)."""
+    """The error for ``block_ids`` that hold an id outside ``0..n-1`` (or one that is not an integer, or a bool)."""
     bad = next((b for b in block_ids if _not_an_id(b, n)), None)
+    if bad is True or bad is False:
+        return ValueError(f"{op}: block id {bad!r} is a bool, not a block of this pool (ids are 0..{n - 1})")
     return ValueError(f"{op}: block id {bad!r} is not a block of this pool (ids are 0..{n - 1})")
 
 
@@ -345,7 +349,11 @@ class BlockPool:
         taken_free = 0
         try:
             for bid in block_ids:
-                if bid < 0:  # (a negative index would wrap around to another block)
+                # a negative id would wrap around to another block, and a bool is an int to Python (True was
+                # block 1): both are below 2, so one comparison, the one every id paid for the sign alone, lets
+                # ids >= 2 through and only ids 0 and 1 pay for the type test (the same in free_blocks and
+                # cache_blocks)
+                if bid < 2 and (bid < 0 or bid.__class__ is bool):
                     raise IndexError
                 blk = blocks[bid]
                 c = blk.ref_cnt
@@ -418,7 +426,7 @@ class BlockPool:
             linked = start == 0 or self._linkable(block_ids[start - 1], hashes[start - 1])
             for i in range(start, end):
                 bid = block_ids[i]
-                if bid < 0:  # (a negative index would wrap around to another block)
+                if bid < 2 and (bid < 0 or bid.__class__ is bool):  # (negative or a bool: see touch)
                     raise IndexError
                 blk = blocks[bid]
                 if blk.ref_cnt <= 0:
@@ -529,7 +537,7 @@ class BlockPool:
         try:
             for i in range(len(block_ids) - 1, -1, -1):
                 bid = block_ids[i]
-                if bid < 0:  # (a negative index would wrap around to another block)
+                if bid < 2 and (bid < 0 or bid.__class__ is bool):  # (negative or a bool: see touch)
                     raise IndexError
                 blk = blocks[bid]
                 c = blk.ref_cnt

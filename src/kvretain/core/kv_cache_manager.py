@@ -315,7 +315,11 @@ class KVCacheManager:
                 )
             k = len(new_computed_blocks)
             hashes = st.hashes
-            if k > len(hashes) or list(map(self.pool.cached.get, hashes[:k])) != list(new_computed_blocks):
+            if (
+                k > len(hashes)
+                or list(map(self.pool.cached.get, hashes[:k])) != list(new_computed_blocks)
+                or bool in map(type, new_computed_blocks)  # ([True] == [1]: it would be block 1)
+            ):
                 raise ValueError(
                     f"request {req.request_id!r}: new_computed_blocks must be a prefix of the blocks its "
                     f"get_computed_blocks returned, still cached, got {show_value(new_computed_blocks)}"
@@ -380,6 +384,11 @@ class KVCacheManager:
         _, n_check = self._blocks_needed(
             st, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
         )
+        if bool in map(type, new_computed_blocks):  # (a set of {1, True} would drop the bool unseen)
+            raise ValueError(
+                f"request {req.request_id!r}: new_computed_blocks holds a bool, not a block id: "
+                f"{show_value(new_computed_blocks)}"
+            )
         ref_count = self.pool.ref_count
         dropped: dict[int, int] = {}  # block -> references the freed requests hold
         hits = set(new_computed_blocks)
