@@ -973,6 +973,43 @@ def test_belady_depth_does_not_leak_into_the_next_use_order() -> None:
     assert pol.pop(0.0) == 1
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [None, "7", b"7", True, [7], 2 + 1j, math.nan, -math.inf, -(10**400)],
+    ids=["None", "str", "bytes", "bool", "list", "complex", "nan", "-inf", "-10**400"],
+)
+def test_belady_refuses_an_oracle_answer_that_is_not_a_number_naming_both(answer: object) -> None:
+    # None or a string failed in the key's arithmetic: "'<' not supported between instances of 'float' and
+    # 'NoneType'"; NaN was taken (every comparison false) and True stood for 1
+    def oracle(h: object) -> object:
+        return answer
+
+    pol = make_policy("belady", 2, PolicyConfig(next_use=oracle))  # type: ignore[arg-type]
+    pol.on_cached(0, 42, 0, 0.0)
+    with pytest.raises(
+        ValueError,
+        match=r"policy 'belady': its next_use oracle .*oracle returned .+ for block hash 42; it must return a "
+        r"number",
+    ) as e:
+        pol.push(0, 0.0)
+    assert repr(answer)[:20] in str(e.value)
+
+
+def test_belady_takes_any_real_number_as_a_next_use() -> None:
+    # ints, a numpy-like number (a float subclass), Decimal-like (float() converts) and an int past a float's
+    # range (never) order as their float values did
+    from decimal import Decimal
+
+    class Time(float):
+        pass
+
+    uses: dict[int, object] = {1: 5, 2: 10**400, 3: Decimal("2.5"), 4: Time(9.0), 5: math.inf}
+    sim = Sim("belady", 5, PolicyConfig(next_use=lambda h: uses[int(h)]))  # type: ignore[arg-type,return-value]
+    for h in (1, 2, 3, 4, 5):
+        sim.run([h])
+    assert sim.evict_all() == [2, 5, 4, 1, 3]  # (2 and 5 both never used again, at one depth: a tie)
+
+
 # ---------------------------------------------------------------- key order at every setting
 
 

@@ -93,7 +93,8 @@ class PolicyConfig:
             :class:`~kvretain.core.kv_cache_manager.KVCacheManager` building its policy by name adopts its own
             block size when this is the default (``DEFAULT_BLOCK_SIZE``, 16) and refuses any other value that
             differs from it.
-        next_use: belady only: ``next_use(block_hash) -> time of the next request that uses it`` (inf: never).
+        next_use: belady only: ``next_use(block_hash) -> time of the next request that uses it`` (inf: never), a
+            number (belady refuses ``None``, a string, a bool or NaN when it asks).
     """
 
     budget: float = 0.95
