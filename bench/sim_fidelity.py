@@ -503,7 +503,9 @@ def speed_scaled(profile: str, factor: float, out: Path, name: str) -> str:
     prof = load_profile(profile)
     coef = StepCoefficients(*(c * factor for c in prof.coefficients.as_tuple()))
     path = out / f"cost-model-inrun-{name}.toml"
-    write_profile(path, Profile(coef, prof.points, {**prof.info, "speed_factor": factor}))
+    # (the leave-one-out error `kvretain profile` recorded was the unscaled fit's: dropped, not carried over)
+    info = {k: v for k, v in prof.info.items() if k != "loo_median_abs_rel_error"}
+    write_profile(path, Profile(coef, prof.points, {**info, "speed_factor": factor}))
     return str(path)
 
 

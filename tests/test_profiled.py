@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import types
@@ -26,11 +27,13 @@ from kvretain.engine.sim.profiled import (
     ProfiledCostModel,
     StepCoefficients,
     StepPoint,
+    cross_validated_errors,
     dumps,
     fit,
     load_profile,
     loads,
     median_relative_error,
+    relative_errors,
     step_point,
     write_profile,
 )
@@ -115,6 +118,44 @@ def test_fit_clamps_a_coefficient_the_data_wants_negative() -> None:
     assert got.per_sequence_s == 0 and min(got.as_tuple()) >= 0
 
 
+def four_points(noise: float) -> list[StepPoint]:
+    """Two prefills and two decodes of the profiler's grid (as many points as coefficients), priced by ``TRUE``
+    with ``noise``."""
+    pts = grid_points(TRUE, noise=noise, seed=7)  # (a seed whose fit keeps all four coefficients > 0)
+    return [pts[0], pts[11], pts[12], pts[23]]
+
+
+def test_a_fit_of_four_points_reports_no_error() -> None:
+    # four coefficients pass through four points: the error on them read 0.0% whatever the noise (here 20%)
+    pts = four_points(0.2)
+    prof = Profile(fit(pts), tuple(pts))
+    assert max(relative_errors(prof.coefficients, pts)) < 1e-6  # (the defect: a perfect fit of noise)
+    assert prof.median_relative_error() is None and cross_validated_errors(pts) is None
+    text = dumps(prof)
+    assert "median_abs_rel_error" not in text
+    # one read from a file stays out too: it would be another fit's
+    assert "median_abs_rel_error" not in dumps(replace(prof, info={"median_abs_rel_error": 0.0}))
+    five = [*pts, grid_points(TRUE, noise=0.2, seed=7)[5]]
+    assert Profile(fit(five), tuple(five)).median_relative_error() is not None
+
+
+def test_the_leave_one_out_error_predicts_each_point_by_a_fit_of_the_others() -> None:
+    exact = grid_points(TRUE)
+    got = cross_validated_errors(exact)
+    assert got is not None and max(got) < 1e-6  # (the model holds: every point is predicted)
+    pts = grid_points(TRUE, noise=0.1, seed=7)
+    loo = cross_validated_errors(pts)
+    assert loo is not None and len(loo) == len(pts)
+    for i in (0, 9, 23):
+        others = fit([*pts[:i], *pts[i + 1 :]])
+        assert loo[i] == pytest.approx(relative_errors(others, [pts[i]])[0], rel=1e-9)
+    # the error on the fitted points flatters the fit: it passes through four of them (one per coefficient)
+    coef = fit(pts)
+    in_sample = relative_errors(coef, pts)
+    assert sum(e < 1e-6 for e in in_sample) >= 4
+    assert median_relative_error(coef, pts) < statistics.median(loo)
+
+
 def test_fit_needs_enough_points() -> None:
     with pytest.raises(ValueError, match="at least 4 points"):
         fit(grid_points(TRUE)[:3])
@@ -146,10 +187,11 @@ def test_step_seconds_round_trip_and_checked() -> None:
             StepPoint(8, 36, 1, 0.01, "prefill", bad)  # type: ignore[arg-type]
 
 
-def fake_engine(tmp_path: Path) -> Path:
-    """A stand-in for the vLLM Python: prints the measuring module's lines for steps priced by ``TRUE``."""
+def fake_engine(tmp_path: Path, points: list[StepPoint] | None = None) -> Path:
+    """A stand-in for the vLLM Python: prints the measuring module's lines for ``points`` (default: the grid's
+    steps priced by ``TRUE``)."""
     lines = ['KVRETAIN-PROFILE {"event": "plan", "total": 1}']
-    lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in grid_points(TRUE)]
+    lines += ["KVRETAIN-PROFILE " + json.dumps(point_event(p)) for p in points or grid_points(TRUE)]
     data = tmp_path / "lines.txt"
     data.write_text("\n".join(lines) + "\n")
     fake = tmp_path / "python"
@@ -436,6 +478,72 @@ def test_bare_profiled_and_a_hung_measurement_fail_on_one_line(
     assert main([*argv, "--out", str(tmp_path / "c.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ran past 1 s" in err
+
+
+def test_profile_reports_the_leave_one_out_error_and_none_for_four_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the error reported was the fit's on its own points: 0.0% for any four points, the fit passing through
+    # them all ("within the 10% target" of steps 20% off)
+    out = tmp_path / "cost.toml"
+    argv = profile_argv(
+        tmp_path, str(fake_engine(tmp_path, four_points(0.2))), "--out", str(out), "--no-progress"
+    )
+    assert main([*argv, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["loo_median_abs_rel_error"] is None and obj["median_abs_rel_error"] is None
+    info = load_profile(out).info
+    assert "median_abs_rel_error" not in info and "loo_median_abs_rel_error" not in info
+    assert str(info["fit_error"]).startswith("not measurable: 4 points for 4 coefficients")
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "0.0%" not in said.split("per_sequence_s")[1] and "target" not in said
+    assert (
+        "fit: 4 points for 4 coefficients: the fit needs every point to fix its coefficients, so its error "
+        "cannot be measured" in said
+    )
+    assert "left out" not in said.splitlines()[0]
+    # more points: the leave-one-out median is the figure (in the JSON, the file, the verdict), the flattering
+    # in-sample one beside it
+    pts = grid_points(TRUE, noise=0.1, seed=7)
+    loo = statistics.median(cross_validated_errors(pts) or [])
+    in_sample = median_relative_error(fit(pts), pts)
+    argv = profile_argv(tmp_path, str(fake_engine(tmp_path, pts)), "--out", str(out), "--no-progress")
+    assert main([*argv, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["loo_median_abs_rel_error"] == pytest.approx(loo) and obj[
+        "median_abs_rel_error"
+    ] == pytest.approx(in_sample)
+    info = load_profile(out).info
+    assert info["loo_median_abs_rel_error"] == pytest.approx(loo) and "fit_error" not in info
+    assert "median_abs_rel_error = " in out.read_text() and "# leave-one-out" in out.read_text()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"fit: median |relative error| {loo:.1%} leave-one-out (each point predicted by a fit of the other 23; "
+        in said
+    )
+    assert f"{in_sample:.1%} on the points fitted, over 24 points" in said
+    assert "left out" in said.splitlines()[0]
+
+
+def test_the_profile_plot_names_the_leave_one_out_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvretain import cli_profile
+
+    kept: list[Any] = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    for pts, err, title in (
+        (four_points(0.2), None, "m, error not measurable (4 points, 4 coefficients)"),
+        (grid_points(TRUE), 0.031, "m, median |error| 3.1% (leave-one-out)"),
+    ):
+        profile = Profile(fit(pts), tuple(pts), {"model": "/x/m"})
+        assert cli_profile._plot(str(tmp_path / "p.png"), pts, profile, err)
+        assert kept.pop().axes[0].get_title() == f"kvretain profile: {title}"
 
 
 def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,6 +226,15 @@ def test_the_in_run_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     assert load_profile(path).coefficients == got and len(load_profile(path).points) == len(steps)
 
 
+def test_a_speed_scaled_profile_drops_the_unscaled_fit_s_leave_one_out_error(tmp_path: Path) -> None:
+    # the leave-one-out error kvretain profile records is its fit's: the scaled file would have carried it over
+    cost = tmp_path / "cost.toml"
+    write_profile(cost, Profile(KNOWN, info={"model": "m", "loo_median_abs_rel_error": 0.05}))
+    scaled = load_profile(sf.speed_scaled(str(cost), 1.5, tmp_path, "x"))
+    assert scaled.info == {"model": "m", "speed_factor": 1.5}
+    assert scaled.coefficients.per_token_s == pytest.approx(1.5 * KNOWN.per_token_s)
+
+
 def test_stalled_steps_leave_the_fit_and_set_the_load_factor(tmp_path: Path) -> None:
     """Every 5th step 3x as long (another process got the core): the fit keeps the engine's coefficients and the
     one load factor makes the model's total busy time the run's."""

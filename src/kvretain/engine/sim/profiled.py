@@ -18,9 +18,14 @@ iteratively reweighted least squares, and constrained to be >= 0: a negative coe
 step below zero. With four coefficients the constraint is met by fitting every subset of them and keeping the
 best non-negative one.
 
+The fit's error on the points it was fitted to (``median_abs_rel_error`` in the file) flatters it: the fit
+passes exactly through as many points as it keeps coefficients (up to four), and through all of a four-point
+profile (which then read 0.0%). ``kvretain profile`` reports the leave-one-out error as its figure
+(:func:`cross_validated_errors`: each point predicted by a fit of the others), and none for four points.
+
 Pure Python (no numpy): each iteration solves a 4x4 system. The file is TOML::
 
-    [profile]          # what was measured: informational, and the fit error
+    [profile]          # what was measured: informational, and the fit errors
     [coefficients]     # the four seconds above
     [[point]]          # the measured steps (tokens, pairs, sampled, seconds[, step_seconds, kind]), to refit or plot
 
@@ -48,6 +53,11 @@ SECTIONS = ("profile", "coefficients", "point")
 """The top-level tables of a cost model file; any other name is refused (a misspelling)."""
 POINT_FIELDS = ("kind", "tokens", "pairs", "sampled", "seconds", "step_seconds")
 """The fields of a ``[[point]]`` (``kind`` and ``step_seconds`` optional); any other is refused."""
+INFO_COMMENTS = {
+    "median_abs_rel_error": "  # on the points fitted (in-sample: optimistic)",
+    "loo_median_abs_rel_error": "  # leave-one-out: each point predicted by a fit of the others",
+}
+"""The comments :func:`dumps` writes after these ``[profile]`` keys (what each error measures)."""
 MAX_COEFFICIENT_S = 3600.0
 """Largest coefficient: an hour (for a step, a token, a pair or a sequence). A real engine's step takes
 milliseconds to seconds, so a coefficient beyond an hour is a wrong file (a unit mistake gives at most 1,000x);
@@ -233,8 +243,42 @@ def relative_errors(coef: StepCoefficients, points: Iterable[StepPoint]) -> list
 
 
 def median_relative_error(coef: StepCoefficients, points: Sequence[StepPoint]) -> float:
-    """The median absolute relative error of predicted step time over ``points`` (the acceptance figure)."""
+    """The median absolute relative error of predicted step time over ``points``.
+
+    Over the points ``coef`` was fitted to (in-sample) this is optimistic: a least-absolute-error fit of ``k``
+    coefficients passes through ``k`` of its points (as a median is one of its sample's values), so ``k`` of the
+    errors (up to four) are 0: all of them for four points and four coefficients.
+    :func:`cross_validated_errors` measures the fit on points it did not see."""
     return statistics.median(relative_errors(coef, points))
+
+
+def error_measurable(num_points: int) -> bool:
+    """Whether a fit of ``num_points`` points has an error to measure: more points than coefficients (with as
+    many, the fit needs every point to fix its coefficients, and leaving one out leaves too few to fit)."""
+    return num_points > len(COEFFICIENTS)
+
+
+def cross_validated_predictions(points: Sequence[StepPoint]) -> list[float] | None:
+    """Each point's step time as predicted by the fit of the *other* points (leave-one-out), in the points'
+    order; ``None`` when :func:`error_measurable` is false. One fit per point (the default grid of
+    ``kvretain profile``: 24 fits of 23 points)."""
+    if not error_measurable(len(points)):
+        return None
+    out = []
+    for i, p in enumerate(points):
+        coef = fit([*points[:i], *points[i + 1 :]])
+        out.append(coef.predict(p.tokens, p.pairs, p.sampled))
+    return out
+
+
+def cross_validated_errors(points: Sequence[StepPoint]) -> list[float] | None:
+    """Each point's ``|predicted - measured| / measured`` by the fit of the other points
+    (:func:`cross_validated_predictions`): how far the fitted model is off on a step it was not fitted to,
+    which is what the simulator asks of it. ``None`` when :func:`error_measurable` is false."""
+    pred = cross_validated_predictions(points)
+    if pred is None:
+        return None
+    return [abs(t - p.seconds) / p.seconds for t, p in zip(pred, points, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -247,7 +291,12 @@ class Profile:
     """Strings and numbers describing the run (engine, model, device, block size...): informational."""
 
     def median_relative_error(self) -> float | None:
-        return median_relative_error(self.coefficients, self.points) if self.points else None
+        """The in-sample median error of :attr:`coefficients` over :attr:`points` (:func:`median_relative_error`),
+        ``None`` without more points than coefficients (:func:`error_measurable`: a fit of four points reads
+        0.0%, whatever the engine does between them)."""
+        if not error_measurable(len(self.points)):
+            return None
+        return median_relative_error(self.coefficients, self.points)
 
 
 def _toml_value(v: Any) -> str:
@@ -289,10 +338,12 @@ def dumps(profile: Profile) -> str:
     info = dict(profile.info)
     if err is not None:
         info["median_abs_rel_error"] = err
+    else:  # (not measurable: a value read from a file of more points would be another fit's)
+        info.pop("median_abs_rel_error", None)
     for k, v in info.items():
         if k == "format":
             continue
-        lines.append(f"{k} = {_toml_value(v)}")
+        lines.append(f"{k} = {_toml_value(v)}" + INFO_COMMENTS.get(k, ""))
     lines += ["", "[coefficients]  # seconds"]
     for name in COEFFICIENTS:
         lines.append(f"{name} = {_toml_value(float(getattr(profile.coefficients, name)))}")
