@@ -195,7 +195,7 @@ def test_a_log_switched_off_by_a_second_install_writes_no_more_lines(fake: Any, 
     old.end(True, step="s1")
     second = tmp_path / "second.jsonl"
     steplog.install(second, cls)
-    assert old._file is None
+    assert old._fd is None
     old.begin(2.0, [[1, 3, 1]], ["a"], step="s2")
     old.end(False, step="s2")
     assert len(first.read_text().splitlines()) == 1 and not second.exists()
@@ -223,3 +223,64 @@ def test_installing_again_wraps_the_methods_once_and_another_class_gets_the_hook
 def test_a_missing_file_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"step log .*nothing\.jsonl"):
         steplog.read_step_log(tmp_path / "nothing.jsonl")
+
+
+def _append_steps(path: str, tag: str, count: int, start: Any) -> None:
+    """One writer of :func:`test_processes_sharing_one_log_each_append_whole_lines`: ``count`` steps of long
+    lines (3,000-30,000 requests a step: 40 KB to 400 KB, past any stdio or page-sized buffer)."""
+    log = steplog.StepLog(path)
+    start.wait()
+    for i in range(count):
+        n = 3000 * (1 + i % 10)
+        log.begin(float(i), [[1, i, 1]] * n, [f"{tag}-{i}"] * n, step=i)
+        log.end(True, step=i)
+    log.close()
+
+
+def test_processes_sharing_one_log_each_append_whole_lines(tmp_path: Path) -> None:
+    # two servers given one KVRETAIN_STEP_LOG: every line either wrote lands whole (one write(2) of the whole
+    # line on an O_APPEND descriptor), none cut into another's
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    path = tmp_path / "shared.jsonl"
+    start = ctx.Event()
+    procs = [ctx.Process(target=_append_steps, args=(str(path), t, 40, start)) for t in ("a", "b", "c")]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    recs = steplog.read_step_log(path)  # (every line parses)
+    assert len(recs) == 120 and len({r.pid for r in recs}) == 3  # (each line names its writer)
+    for tag in ("a", "b", "c"):
+        mine = [r for r in recs if r.ids[0].startswith(f"{tag}-")]
+        assert [r.ids[0] for r in mine] == [f"{tag}-{i}" for i in range(40)]
+        assert all(len(set(r.ids)) == 1 and len(r.ids) == len(r.reqs) for r in mine)
+
+
+def test_a_write_cut_short_is_finished_and_a_pid_is_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a write the kernel cuts short (a full disk, RLIMIT_FSIZE) is finished, not left half a line
+    import os
+
+    writes: list[int] = []
+    real = os.write
+
+    def short(fd: int, data: Any) -> int:
+        writes.append(len(data))
+        return real(fd, bytes(data[:100]))
+
+    monkeypatch.setattr(steplog.os, "write", short)
+    log = steplog.StepLog(tmp_path / "steps.jsonl")
+    log.begin(1.0, [[3, 0, 1]] * 50, ["a"] * 50, step=1)
+    log.end(False, step=1)
+    log.close()
+    assert len(writes) > 1
+    (rec,) = steplog.read_step_log(tmp_path / "steps.jsonl")
+    assert rec.pid == os.getpid() and len(rec.reqs) == 50
+    assert steplog.parse_step_log(['{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "more": true}'])[0].pid is None
+    with pytest.raises(ValueError, match="pid must be a process id"):
+        steplog.parse_step_log(['{"t0": 1, "t1": 2, "reqs": [[1, 2, 1]], "more": true, "pid": "x"}'])

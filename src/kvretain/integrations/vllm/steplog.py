@@ -3,7 +3,7 @@
 Set ``KVRETAIN_STEP_LOG=FILE`` in a vLLM server's (or offline ``LLM``'s) environment and the engine-core process
 appends one JSON line per engine step that scheduled tokens::
 
-    {"t0": 12.345, "t1": 12.389, "reqs": [[n, p, s], ...], "ids": ["req-a", ...], "more": true}
+    {"t0": 12.345, "t1": 12.389, "reqs": [[n, p, s], ...], "ids": ["req-a", ...], "more": true, "pid": 4242}
 
 - ``t0``: ``time.monotonic()`` when ``Scheduler.schedule`` began; ``t1``: when ``Scheduler.update_from_output``
   returned. Between them the engine core schedules, the model runs (in the worker process on a CPU server)
@@ -19,6 +19,21 @@ appends one JSON line per engine step that scheduled tokens::
   engine's cycle too. With async scheduling (vLLM's batch queue, its default on GPUs) the next step is
   scheduled before the last one's output is taken: two steps overlap, and each line keeps its own ``t0`` and
   ``t1`` (the lines are in the order the steps' outputs were taken, which is the order they were scheduled).
+- ``pid``: the engine-core process that wrote the line (absent in logs written before session 59).
+
+Several processes may append to one file (two servers given one ``KVRETAIN_STEP_LOG``, a server restarted onto
+its old log): each line lands whole, and ``pid`` tells their steps apart (the times are ``CLOCK_MONOTONIC``, one
+clock for the whole host). The file is opened with ``O_APPEND`` and each line, encoded, goes in one ``write(2)``:
+for a regular file POSIX sets the offset to the end "prior to each write" with "no intervening file modification
+operation ... between changing the file offset and the write operation" (``write()``; its section 2.9.7 makes
+writes to a regular file atomic with respect to each other), and Linux's local file systems hold the file's lock
+over the whole write: two writers' lines cannot overlap or cut into each other, whatever their length
+(``PIPE_BUF``, 4 KiB, bounds atomic writes to pipes and FIFOs, not to regular files). Its limits: a write the kernel cuts short (a full disk, ``RLIMIT_FSIZE``; Linux
+also caps one write at 2,147,479,552 bytes) is finished by a second write that another writer's line may precede,
+so that line breaks and :func:`read_step_log` names it; and NFS does not keep ``O_APPEND`` atomic between clients
+(open(2)), so a log shared by servers on different hosts can lose or mix lines: give each host its own file.
+(Python's buffered text file happened to make one ``write(2)`` per flushed line too, on CPython 3.11; that is an
+implementation detail of its ``io`` layers, so the write is made explicitly.)
 
 It changes nothing in scheduling or caching: it only wraps the two ``Scheduler`` methods to read their
 arguments and results, so a stock run (no ``KVRETAIN_POLICY``) logs its steps unchanged. Installed by the
@@ -40,7 +55,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from kvretain.integrations.vllm._runtime import HOOK_ERRORS, logger
 from kvretain.integrations.vllm.config import (
@@ -63,6 +78,8 @@ class StepRecord:
     more: bool
     ids: tuple[str, ...] = ()
     """The requests' ids in ``reqs``' order (empty when the log has none)."""
+    pid: int | None = None
+    """The process that wrote the step (``None`` when the log has none)."""
 
     @property
     def seconds(self) -> float:
@@ -101,7 +118,7 @@ class StepLog:
             self.path if self.path.exists() else self.path.parent, os.W_OK
         ):
             raise PermissionError(f"cannot write {self.path}")
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
         self._closed = False
         # the steps scheduled and not yet updated, by their ``SchedulerOutput`` (its ``id``): one at a time in
         # ``EngineCore.step``; with async scheduling (``step_with_batch_queue``, vLLM's default on GPUs) the next
@@ -124,21 +141,30 @@ class StepLog:
         if pending is None:
             return
         t0, reqs, ids = pending
-        line = json.dumps({"t0": t0, "t1": self.clock(), "reqs": reqs, "ids": ids, "more": bool(more)})
+        rec = {"t0": t0, "t1": self.clock(), "reqs": reqs, "ids": ids, "more": bool(more), "pid": os.getpid()}
+        data = (json.dumps(rec) + "\n").encode()  # (ASCII: json.dumps escapes the rest)
         with self._lock:
             if self._closed:  # (a later install took over)
                 return
-            if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open: one line a step)
-            self._file.write(line + "\n")
-            self._file.flush()
+            if self._fd is None:  # kept open: one line a step, each reaching the file at once (no buffer)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+            write_whole(self._fd, data)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def write_whole(fd: int, data: bytes) -> None:
+    """``data`` appended to ``fd`` (opened ``O_APPEND``) in one ``write(2)``, which lands whole next to other
+    processes' writes (the module's docstring); a write the kernel cuts short is finished by more (the line may
+    then be split)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -260,7 +286,10 @@ def _record(obj: Any, where: str) -> StepRecord:
         or len(ids) not in (0, len(chunks))
     ):
         raise ValueError(f"{where}: ids must be a list of strings, one per reqs entry")
-    return StepRecord(float(t0), float(t1), tuple(chunks), obj["more"], tuple(ids))
+    pid = obj.get("pid")
+    if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid < 0):
+        raise ValueError(f"{where}: pid must be a process id, got {pid!r}")
+    return StepRecord(float(t0), float(t1), tuple(chunks), obj["more"], tuple(ids), pid)
 
 
 def parse_step_log(lines: Iterable[str], where: str = "step log") -> list[StepRecord]:
