@@ -1474,3 +1474,94 @@ def test_class_latency_times_no_e2e_for_a_stream_the_client_left(monkeypatch: py
         seen.clear()
         asyncio.run(request(how))
         assert [name for name, _ in seen] == ["ttft"], how
+
+
+def _vllm_app(cors: dict[str, Any], plugin: bool, api_key: list[str] | None = None) -> Any:
+    """A FastAPI app with vLLM's own middleware (``init_entrypoints_middleware``: CORS from ``cors``, its API-key
+    check when ``api_key``) and, with ``plugin``, the access limits where ``--middleware`` puts them (added last:
+    outermost); two routes standing for vLLM's endpoints."""
+    pytest.importorskip("fastapi")
+    register = pytest.importorskip("vllm.entrypoints.serve.middleware.register")
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> dict[str, int]:
+        return {"ok": 1}
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> dict[str, int]:
+        return {"ok": 1}
+
+    args = {"allow_credentials": False, "allowed_methods": ["*"], "allowed_headers": ["*"], **cors}
+    ns = Namespace(**args, api_key=api_key, enable_request_id_headers=False, middleware=[])
+    register.init_entrypoints_middleware(ns, app, ("generate",))
+    if plugin:
+        app.add_middleware(AccessLimits, policy=POLICY, max_body_bytes=4096)  # type: ignore[arg-type]
+    return app
+
+
+def _cors_headers(r: Any) -> dict[str, str]:
+    return {k: v for k, v in r.headers.items() if k.startswith("access-control-") or k == "vary"}
+
+
+@pytest.mark.parametrize(
+    "cors",
+    [
+        {"allowed_origins": ["https://ui.example"]},
+        {"allowed_origins": ["*"], "allow_credentials": True},
+        {"allowed_origins": []},  # (vLLM's default: no cross-origin access)
+    ],
+)
+def test_a_refusal_carries_the_cors_headers_of_vllms_own_errors(cors: dict[str, Any]) -> None:
+    # the access middleware runs outside vLLM's CORSMiddleware (--middleware is added last): its refusals had no
+    # CORS headers, so a browser page of an allowed origin read a network error, not the 401/403
+    _vllm_app(cors, plugin=False)  # (skips without vLLM)
+    from starlette.testclient import TestClient
+
+    plugin = TestClient(_vllm_app(cors, plugin=True))
+    stock = TestClient(_vllm_app(cors, plugin=False))
+    for origin in ("https://ui.example", "https://elsewhere.example"):
+        o = {"Origin": origin, "Cookie": "session=1"}
+        admin = {**o, "Authorization": "Bearer sk-admin-000"}
+        # vLLM's own error for the same request (a route it does not have), under the same settings
+        want = _cors_headers(stock.post("/v1/nope", json={}, headers=admin))
+        allowed = origin in cors["allowed_origins"] or cors["allowed_origins"] == ["*"]
+        assert ("access-control-allow-origin" in want) is allowed
+        refusals = [
+            (401, plugin.post("/v1/chat/completions", json={}, headers=o)),
+            (
+                403,
+                plugin.post("/v1/embeddings", json={}, headers={**o, "Authorization": "Bearer sk-bob-00000"}),
+            ),
+            (400, plugin.post("/v1/chat/completions", content=b"{", headers=admin)),
+            (413, plugin.post("/v1/chat/completions", content=b" " * 5000, headers=admin)),
+        ]
+        for status, r in refusals:
+            assert r.status_code == status and r.json()["error"]["code"] == status
+            assert _cors_headers(r) == want, (status, origin)
+        # a preflight passes the access limits to vLLM's CORS middleware, as without them
+        pre = {
+            **o,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        }
+        got, ref = (c.options("/v1/chat/completions", headers=pre) for c in (plugin, stock))
+        assert (got.status_code, _cors_headers(got)) == (ref.status_code, _cors_headers(ref))
+    # and without an Origin (no browser's cross-origin request) the headers vLLM's own errors get then
+    want = _cors_headers(stock.post("/v1/nope", json={}, headers={"Authorization": "Bearer sk-admin-000"}))
+    assert "access-control-allow-origin" not in want
+    assert _cors_headers(plugin.post("/v1/chat/completions", json={})) == want
+
+
+def test_vllms_own_api_key_refusal_carries_no_cors_headers() -> None:
+    # what the plugin's refusals go beyond: vLLM's --api-key check (AuthenticationMiddleware) also runs outside
+    # CORS, so its 401 is unreadable to a browser page even of an allowed origin (vLLM 0.32 / 0.33)
+    app = _vllm_app({"allowed_origins": ["https://ui.example"]}, plugin=False, api_key=["sk-vllm-000"])
+    from starlette.testclient import TestClient
+
+    r = TestClient(app).post("/v1/chat/completions", json={}, headers={"Origin": "https://ui.example"})
+    assert r.status_code == 401 and _cors_headers(r) == {}

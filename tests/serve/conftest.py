@@ -36,6 +36,7 @@ if not MODEL:
 NUM_BLOCKS = 32
 BLOCK = 32
 MAX_MODEL_LEN = 512
+ORIGIN = "https://ui.example"
 ADMIN = "sk-admin-0123456789"
 KEYS: dict[str, Any] = {
     "mode": "refuse",
@@ -136,7 +137,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     logs = Path(os.environ.get("KVRETAIN_SERVE_LOGS", str(tmp)))
     # NOTE: at most 8 running requests: the load test's 64 clients then queue, and the waiting queue is where
     # vLLM's priority scheduling acts (running requests are not preempted for waiting ones)
-    args = tiny_server_args(NUM_BLOCKS, MAX_MODEL_LEN, ["--dtype", "float32", "--max-num-seqs", "8"])
+    # (one allowed origin for browser pages: test_serve_access reads the CORS headers of refusals)
+    extra = ["--dtype", "float32", "--max-num-seqs", "8", "--allowed-origins", json.dumps([ORIGIN])]
+    args = tiny_server_args(NUM_BLOCKS, MAX_MODEL_LEN, extra)
     # the servers' own temporary files (vLLM's torch.distributed init file, vllm_dist_*, is left behind: one per
     # server) go to a folder removed with the session's others below
     scratch = Path(tempfile.mkdtemp(prefix="kvr-srv-", dir="/tmp" if os.path.isdir("/tmp") else None))

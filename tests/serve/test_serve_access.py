@@ -9,7 +9,7 @@ import openai
 import pytest
 from _client import chat, flood, user
 
-from conftest import ADMIN
+from conftest import ADMIN, ORIGIN
 
 ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"
 HIGH = [{"start": 0, "end": None, "priority": 90}]
@@ -146,3 +146,44 @@ def test_keys_are_required_and_an_open_server_says_so(servers):
     assert srv.as_key(BOB).models.list().data
     assert "API key(s) (admin, alice, bob, carol)" in srv.proc.log_text()
     assert "open to every client" in servers["inproc"].proc.log_text()
+
+
+def _raw(srv, method, path, headers):
+    """Status and headers of a bare HTTP request (urllib: no client of its own adds or reads anything)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(srv.url + path, data=b"{}" if method == "POST" else None, method=method)
+    for k, v in headers.items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code, {k.lower(): v for k, v in e.headers.items()}
+
+
+def _cors(h):
+    return {k: v for k, v in h.items() if k.startswith("access-control-") or k == "vary"}
+
+
+def test_a_browser_page_of_an_allowed_origin_can_read_a_refusal(servers):
+    # the servers allow ORIGIN (--allowed-origins); the plugin's refusals carry the CORS headers that vLLM's own
+    # errors carry there (a stock server's 404), so a page can read the 401 / 403; a preflight is vLLM's
+    plugin, stock = servers["plugin"], servers["stock"]
+    o = {"Origin": ORIGIN, "Content-Type": "application/json"}
+    status, want = _raw(stock, "POST", "/v1/no-such-endpoint", o)
+    assert status == 404 and _cors(want)["access-control-allow-origin"] == ORIGIN
+    for key, path, code in (("sk-nobody-000000", "/v1/chat/completions", 401), (BOB, "/v1/embeddings", 403)):
+        status, got = _raw(plugin, "POST", path, {**o, "Authorization": f"Bearer {key}"})
+        assert (status, _cors(got)) == (code, _cors(want))
+    status, got = _raw(plugin, "POST", "/v1/chat/completions", {**o, "Origin": "https://elsewhere.example"})
+    assert status == 401 and "access-control-allow-origin" not in got
+    pre = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
+    (s1, h1), (s2, h2) = (_raw(srv, "OPTIONS", "/v1/chat/completions", pre) for srv in (plugin, stock))
+    assert s1 == s2 == 200 and _cors(h1) == _cors(h2) and h1["access-control-allow-origin"] == ORIGIN

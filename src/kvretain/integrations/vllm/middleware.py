@@ -10,6 +10,8 @@ and ``/metrics`` needs ``Authorization: Bearer KEY``, websockets included (``/v1
 refused with close code 1008); completions and chat completions are checked (and maybe rewritten), other POST
 endpoints are open to unlimited keys only (they could carry a priority unchecked). As vLLM's own API-key check,
 paths are read without a ``--root-path`` prefix and CORS preflights (``OPTIONS``) pass.
+Refusals carry the CORS headers vLLM's server puts on its endpoints' own errors (:func:`cors_of`), so a browser
+page of an origin the server allows (``--allowed-origins``) can read why it was refused.
 The global limits (directives, durations, body size) hold on every POST but ``/tokenize`` / ``/detokenize``: vLLM
 also generates at ``/invocations``, ``/v1/responses``, ``/v1/messages``, ``/inference/v1/generate`` and more, so a
 JSON body's retention fields (``vllm_xargs`` and top-level ones, ``sampling_params.extra_args``) are checked
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -114,6 +117,41 @@ async def error_response(send: Send, status: int, message: str, param: str | Non
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def cors_of(app: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+    """The CORS middleware of the Starlette ``app`` (``scope["app"]``) as it was added: its class, arguments and
+    keyword arguments (vLLM's server adds Starlette's ``CORSMiddleware`` with ``--allowed-origins``,
+    ``--allow-credentials``, ``--allowed-methods``, ``--allowed-headers``); ``None`` where it has none.
+
+    NOTE: Starlette runs the last middleware added outermost, and vLLM's ``init_entrypoints_middleware`` adds
+    ``CORSMiddleware`` first and the ``--middleware`` ones last, so this middleware runs outside CORS and its
+    refusals never pass through it: they are sent through a ``CORSMiddleware`` of the same settings instead, and
+    get exactly the headers vLLM's endpoints' errors get (a disallowed origin: none). vLLM's own ``--api-key``
+    check (``AuthenticationMiddleware``, also outside CORS) sends its 401 without them, so a browser cannot read
+    it; a refusal here is readable (a page can tell a wrong key from a network error)."""
+    cors = sys.modules.get("starlette.middleware.cors")  # (loaded when the app has one: nothing to import)
+    if cors is None:
+        return None
+    for m in getattr(app, "user_middleware", ()):
+        cls = getattr(m, "cls", None)
+        if isinstance(cls, type) and issubclass(cls, cors.CORSMiddleware):
+            return cls, tuple(m.args), dict(m.kwargs)
+    return None
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, exc: AccessDenied) -> None:
+    """The OpenAI-shaped error of ``exc``, with the app's CORS headers (:func:`cors_of`)."""
+
+    async def refusal(scope: Scope, receive: Receive, send: Send) -> None:
+        await error_response(send, exc.status, exc.message, exc.param)
+
+    cors = cors_of(scope.get("app"))
+    if cors is None:
+        await refusal(scope, receive, send)
+    else:
+        cls, args, kwargs = cors
+        await cls(refusal, *args, **kwargs)(scope, receive, send)
 
 
 class BodyReader:
@@ -243,7 +281,7 @@ class AccessLimits:
                     decision = check_elsewhere(self.policy, body, key)
         except AccessDenied as exc:
             await body_reader.drain(DRAIN_BYTES)
-            await error_response(send, exc.status, exc.message, exc.param)
+            await refuse(scope, receive, send, exc)
             return
         except ConnectionError:
             return
