@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vLLM's own tests with the kvretain plugin on: tests/v1/core and tests/v1/simple_kv_offload of the vLLM 0.33.0
-# source archive, run stock and then with the plugin under each policy, each retention queue's check() after
-# every test (the pytest plugin kvretain.integrations.vllm.testing).
+# source archive, with its two scheduler tests of a KV connector's failed loads (tests/v1/kv_connector/unit), run
+# stock and then with the plugin under each policy, each retention queue's check() after every test (the pytest
+# plugin kvretain.integrations.vllm.testing).
 #
 #   bash scripts/test_vllm_suite.sh            # stock, lru, unified (run and block granularity): what CI runs
 #   bash scripts/test_vllm_suite.sh --all      # also priority and lfu
@@ -208,10 +209,11 @@ run_one() {  # run_one NAME: one pytest run of the suite, log in $LOGS/NAME.log
       KVRETAIN_SUITE_SKIP="$LISTS/skip.txt" KVRETAIN_SUITE_XFAIL="$LISTS/xfail.txt" \
       "$PY" -m pytest -q -p no:cacheprovider -p kvretain.integrations.vllm.testing --confcutdir=tests/v1 \
       -W ignore::DeprecationWarning tests/v1/core tests/v1/simple_kv_offload \
+      tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py tests/v1/kv_connector/unit/test_error_propagation.py \
       --ignore=tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py
   ) >"$LOGS/${name/:/-}.log" 2>&1
 }
-echo "== vLLM $VERSION's tests/v1/core + tests/v1/simple_kv_offload: ${RUNS[*]} ($JOBS at a time; logs in .cache/vllm-sdist/logs)"
+echo "== vLLM $VERSION's tests/v1/core + tests/v1/simple_kv_offload + failed KV loads: ${RUNS[*]} ($JOBS at a time; logs in .cache/vllm-sdist/logs)"
 start=$(date +%s)
 failed=()
 pids=()

@@ -1041,3 +1041,100 @@ def test_the_queue_sizes_its_policy_by_the_blocks_that_can_hold_content(granular
     assert _queue_stats(q)["protected_budget"] == pytest.approx(PolicyConfig().budget * 40)
     if granularity == "block":
         assert q.policy.num_blocks == 41 and q.policy.capacity == 40  # ids over the whole pool
+
+
+def _failed_load_run(
+    model_dir: str, side: str, direct: bool
+) -> tuple[list[int], list[tuple[int, bool]], Run, list[Any]]:
+    """A KV connector's failed load, on stock vLLM (``side`` "stock") or the plugin: a warm pool, then either
+    vLLM's own path (two running requests that hit one cached prefix report its second block failed, under
+    ``kv_load_failure_policy="fail"``: ``Scheduler._handle_invalid_blocks`` strips the hashes of their blocks
+    from that one on with ``evict_blocks`` and fails both) or, ``direct``, ``evict_blocks`` on three free cached
+    blocks from the middle of the order. Returns the stripped blocks, the free order after (each block with
+    whether it is cached), and the run of later requests with their first block tables (the blocks each was
+    given: the victims)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    plugin.disable()
+    if side != "stock":
+        policy, _, granularity = side.partition("-")
+        enable(policy, granularity=granularity or "run")
+    plugin.reset_stats()
+    sched = build_scheduler(model_dir, 48, max_num_seqs=8, kv_events=True)
+    sched.recompute_kv_load_failures = False  # (what a connector's kv_load_failure_policy="fail" sets)
+    kvm = sched.kv_cache_manager
+    specs = mixed_workload(24)
+    rec = run(sched, specs)
+    if direct:
+        cached = [b.block_id for b in queue_of(sched).get_all_free_blocks() if b.block_hash is not None]
+        stripped = [cached[3], cached[7], cached[8]]
+        kvm.evict_blocks(set(stripped))
+    else:
+        system = specs[1].prompt[:64]  # (a system prompt the warm-up left cached: 4 blocks)
+        for rid, seed in (("fa", 1), ("fb", 2)):
+            sched.add_request(make_request(Spec(rid, system + tokens(500 + seed, 30), max_tokens=20)))
+        sched.add_request(make_request(Spec("ok", tokens(600, 40), max_tokens=20)))
+        out = sched.schedule()
+        assert {nr.req_id: nr.num_computed_tokens for nr in out.scheduled_new_reqs}["fa"] == 64
+        table = kvm.get_block_ids("fa")[0]
+        stripped = list(table[1:])
+        assert kvm.get_block_ids("fb")[0][1] == table[1]
+        ro = harness.runner_output(sched, out)
+        ro.kv_connector_output = KVConnectorOutput(invalid_block_ids={table[1]})
+        sched.update_from_output(out, ro)
+        assert "fa" not in sched.requests and "fb" not in sched.requests and "ok" in sched.requests
+    order = [(b.block_id, b.block_hash is not None) for b in queue_of(sched).get_all_free_blocks()]
+    assert all(kvm.block_pool.blocks[b].block_hash is None for b in stripped)
+    assert set(stripped) <= {b for b, _ in order}  # (all free now)
+    if side != "stock":
+        queue_of(sched).check()
+    tables: list[Any] = []
+    inner = sched.schedule
+
+    def schedule() -> Any:
+        out = inner()
+        tables.extend((nr.req_id, nr.block_ids) for nr in out.scheduled_new_reqs)
+        return out
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    later = [Spec(f"late{i}", tokens(700 + i % 4, 40 + 11 * i), arrival_step=i) for i in range(16)]
+    run(sched, later, rec)  # (one record: every KV event of the whole sequence)
+    if side != "stock":
+        queue_of(sched).check()
+    return stripped, order, rec, tables
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["connector", "direct"])
+def test_lru_treats_blocks_of_a_failed_kv_load_as_stock_vllm_does(model_dir: str, direct: bool) -> None:
+    """Stock vLLM's ``BlockPool.evict_blocks`` (``_maybe_evict_cached_block``) drops a block's hash and nothing
+    else: a free block stays where it lies in the one free list, to be handed out in its turn; a block in use
+    (vLLM's own caller, ``Scheduler._handle_invalid_blocks``, names only running requests' blocks) is freed by
+    its failed request unhashed, to the front. ``lru`` moved a free one ahead of every cached block instead
+    (``put_unhashed``): other blocks handed out next than in stock vLLM."""
+    stock = _failed_load_run(model_dir, "stock", direct)
+    lru = _failed_load_run(model_dir, "lru", direct)
+    assert lru[0] == stock[0]  # (the same blocks stripped)
+    assert lru[1] == stock[1]  # the same free order
+    assert lru[2].steps == stock[2].steps and lru[2].hits == stock[2].hits
+    assert lru[3] == stock[3]  # the same blocks handed to every later request
+    # and each hash vLLM removed (BlockRemoved: the stripped ones, the later victims) counted once as evicted
+    removed = sum(len(e.block_hashes) for e in stock[2].events if isinstance(e, BlockRemoved))
+    assert removed == sum(len(e.block_hashes) for e in lru[2].events if isinstance(e, BlockRemoved))
+    assert sum(c["evicted_blocks"] for c in plugin.stats()["by_priority"].values()) == removed
+    ids = [b for b, _ in stock[1]]
+    before = [cached for _, cached in stock[1][: min(map(ids.index, stock[0]))]]
+    assert any(before) is direct  # (a free one stays among the cached blocks; a freed one comes first)
+
+
+@pytest.mark.parametrize("side", ["unified", "unified-block"])
+@pytest.mark.parametrize("direct", [False, True], ids=["connector", "direct"])
+def test_unified_reuses_blocks_of_a_failed_kv_load_before_any_cached_block(
+    model_dir: str, side: str, direct: bool
+) -> None:
+    """``unified``'s rule for a block without content: it is reused before any cached block (it holds nothing
+    to keep). A failed load's blocks in use come back unhashed at the front, as in stock vLLM; free ones whose
+    hash ``evict_blocks`` stripped join the empty blocks, behind those already there."""
+    stripped, order, _, _ = _failed_load_run(model_dir, side, direct)
+    ids = [b for b, _ in order]
+    first_cached = next(i for i, (_, cached) in enumerate(order) if cached)
+    assert max(map(ids.index, stripped)) < first_cached

@@ -127,6 +127,15 @@ class HookedFreeQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """After ``BlockPool.evict_blocks`` stripped the hashes of the blocks :meth:`forget` was told of (the run
         queue's ghost reads vLLM's index until then)."""
 
+    def stays_in_place(self, block: KVCacheBlock) -> bool:
+        """Whether free cached ``block``, about to lose its hash in ``BlockPool.evict_blocks``, keeps its place in
+        the queue's order (``lru``, the per-block queue's override); otherwise it moves to the unhashed list."""
+        return False
+
+    def emptied_in_place(self, block: KVCacheBlock) -> None:  # pragma: no cover - only where stays_in_place
+        """``block`` (:meth:`stays_in_place`) lost its hash and stays where it is."""
+        raise NotImplementedError
+
     def put_unhashed(self, blocks: list[KVCacheBlock]) -> None:
         super().append_n(blocks)
 

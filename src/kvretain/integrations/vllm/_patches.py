@@ -13,7 +13,12 @@ be swapped):
   promotes to the full block (a wrapper on that pool object alone): the block's old content leaves the queue as a
   drop (:meth:`RunFreeQueue.content_replaced`; the per-block queue sees it in its ``cache_full_blocks`` hook and at
   the release).
-* ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped.
+* ``BlockPool.reset_prefix_cache`` / ``evict_blocks``: keep the policy in step when hashes are dropped. vLLM's
+  scheduler calls ``evict_blocks`` for a KV connector's failed loads (``Scheduler._handle_invalid_blocks``, under
+  ``kv_load_failure_policy="fail"``) with blocks running requests hold, which those requests then free unhashed
+  (to the front, as any empty block); a free cached block it names (a direct call) loses its hash where it lies in
+  stock's one list: ``lru`` keeps it there, empty (:meth:`RetentionFreeQueue.stays_in_place`), every other policy
+  moves it behind the empty blocks, ahead of every cached one (it holds nothing to keep).
 * ``KVCacheManager.free`` / ``pop_blocks_for_free``: per-block retention of the releasing request (and, for
   the run queue, new content is registered there). For the run queue on a plain full-attention group, ``free``
   does the release and vLLM's ``BlockPool.free_blocks`` in one pass (:meth:`RunFreeQueue.free_request`).
@@ -282,6 +287,7 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
             orig(self, block_ids)
             return
         moved = []
+        in_place = []
         if not isinstance(block_ids, (set, frozenset, list, tuple)):
             # (read twice, here and by vLLM: a one-shot iterable would be used up)
             block_ids = list(block_ids)
@@ -294,7 +300,11 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
                 if not -n <= bid < n:
                     break
                 blk = self.blocks[bid]
-                if blk.block_hash is not None and q.forget(blk):
+                if blk.block_hash is None:
+                    continue
+                if q.stays_in_place(blk):  # (lru: where stock's one list keeps it)
+                    in_place.append(blk)
+                elif q.forget(blk):
                     moved.append(blk)
         except (
             Exception
@@ -305,9 +315,12 @@ def _make_evict_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             q.end_forget()
             # what vLLM stripped (all of it, or what it reached before raising) is free and unhashed; a block it
-            # did not reach keeps its hash and goes back to the order
-            if moved:
+            # did not reach keeps its hash and goes back to the order (or, kept in place, stays as it was)
+            if moved or in_place:
                 try:
+                    for b in in_place:
+                        if b.block_hash is None:
+                            q.emptied_in_place(b)
                     q.put_unhashed([b for b in moved if b.block_hash is None])
                     kept = [b for b in moved if b.block_hash is not None]
                     if kept:

@@ -70,6 +70,10 @@ class RetentionFreeQueue(HookedFreeQueue):
         self._gen = [0] * n
         self._children = [0] * n
         self._cls = [0] * n  # request priority of the block's last releaser (eviction counters)
+        # ``lru`` only: free blocks whose hash ``BlockPool.evict_blocks`` stripped, kept at their place in the order
+        # (as in stock vLLM's one list) with no content; their eviction was counted when the hash went
+        self._emptied: set[int] = set()
+        self._in_place = self.policy.name == "lru"
 
     # ------------------------------------------------------------ queue interface
     def _evict(self, k: int, now: float) -> list[int]:
@@ -123,7 +127,11 @@ class RetentionFreeQueue(HookedFreeQueue):
                             expose(p, now)
             append(bid)
         get = self.counters.get
-        for c, cnt in Counter(map(self._cls.__getitem__, ids)).items():
+        counted = ids
+        if self._emptied:  # (lru: blocks evict_blocks emptied in place; counted then)
+            counted = [b for b in ids if b not in self._emptied]
+            self._emptied.difference_update(ids)
+        for c, cnt in Counter(map(self._cls.__getitem__, counted)).items():
             get(c).evicted_blocks += cnt
         return ids
 
@@ -135,6 +143,7 @@ class RetentionFreeQueue(HookedFreeQueue):
         where[bid] = IN_LIST
         if w == IN_POLICY:
             self.policy.remove(bid)
+            self._emptied.discard(bid)
         else:
             del self._blocked[bid]
         return True
@@ -386,6 +395,21 @@ class RetentionFreeQueue(HookedFreeQueue):
             self._drop(bid, _runtime.now())
         return queued
 
+    def stays_in_place(self, block: KVCacheBlock) -> bool:
+        """Whether free cached ``block``, whose hash ``BlockPool.evict_blocks`` is about to strip, keeps its place
+        in the order (then :meth:`emptied_in_place` follows, not :meth:`forget`): with ``lru`` only, which is
+        stock vLLM's order. Stock's ``evict_blocks`` (``_maybe_evict_cached_block``) drops the hash and leaves
+        the block where it is in its one free list, to be handed out when its turn comes; another policy moves it
+        to the unhashed list (an empty block is reused before any cached one, as :meth:`forget` says)."""
+        return self._in_place and self._where[block.block_id] == IN_POLICY
+
+    def emptied_in_place(self, block: KVCacheBlock) -> None:
+        """After ``evict_blocks`` stripped the hash of ``block`` (:meth:`stays_in_place`): its content is evicted
+        (counted now, as vLLM emits ``BlockRemoved`` now) and the block stays in the order, empty."""
+        bid = block.block_id
+        self._drop(bid, _runtime.now())
+        self._emptied.add(bid)
+
     def check(self) -> None:
         """Consistency check for tests: counts, positions and policy membership agree. O(n)."""
         in_policy = self.policy.evictable_ids()
@@ -399,6 +423,11 @@ class RetentionFreeQueue(HookedFreeQueue):
         for bid in in_policy:
             assert self._where[bid] == IN_POLICY, f"policy {bid}"
             b = self.pool_blocks[bid]
-            assert b.ref_cnt == 0 and b.block_hash is not None, f"policy block {bid} not cached-free"
+            assert b.ref_cnt == 0, f"policy block {bid} not free"
+            if bid in self._emptied:  # (lru: emptied in place by evict_blocks)
+                assert b.block_hash is None and self._hash[bid] is None, f"emptied block {bid} has content"
+            else:
+                assert b.block_hash is not None, f"policy block {bid} not cached"
+        assert self._emptied <= in_policy, "emptied blocks out of the order"
         for bid in self._blocked:
             assert self._where[bid] == BLOCKED and self._children[bid] > 0
