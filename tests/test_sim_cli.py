@@ -379,3 +379,34 @@ def test_simulate_and_compare_do_not_offer_the_offline_oracle(capsys: pytest.Cap
         assert "policy 'belady' is an offline oracle" in capsys.readouterr().err
     assert main(["replay", "--help"]) == 0
     assert "belady" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "said"),
+    [
+        (
+            ["--max-model-len", "100", "--max-num-batched-tokens", "50", "--no-chunked-prefill"],
+            "--max-num-batched-tokens",
+            "max_num_batched_tokens (50) is smaller than max_model_len (100) without chunked prefill",
+        ),
+        (
+            ["--max-model-len", "100", "--max-num-seqs", "300", "--max-num-batched-tokens", "256"],
+            "--max-num-batched-tokens",
+            "max_num_batched_tokens (256) must be at least max_num_seqs (300)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_vllms_budget_refusals_name_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, argv: list[str], option: str, said: str
+) -> None:
+    # SchedulerConfig refuses what vLLM's verify_max_model_len refuses; the line named max_num_batched_tokens,
+    # the field, not the option (every other refusal of simulate and compare begins "argument --OPTION:")
+    out = tmp_path / "rep"
+    extra = ["--out", str(out)] if command == "compare" else []
+    assert main([command, *argv, "--limit", "5", "--no-progress", *extra]) == 2
+    got, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert got == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"kvretain {command}: error: argument {option}: {said}"), lines[0]
+    assert not out.exists()

@@ -12,7 +12,7 @@ import math
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from kvretain.cli_args import (
     json_text,
     names_of,
     number,
+    option_error,
     path_arg,
     policy_config,
     printable,
@@ -332,6 +333,11 @@ def _catalog(path: str | None) -> Catalog | None:
         raise ValueError(f"argument --catalog: {e}") from None
 
 
+SCHED_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+"""The ``SchedulerConfig`` fields set by options of the same names (``--max-num-batched-tokens``...): its errors
+(vLLM's start-up refusals of a budget against ``max_model_len`` / ``max_num_seqs``) name them first."""
+
+
 FRONTIER_SETS = ("budget", "isolation_goal", "priority_weight")
 """The unified settings that ``compare``'s fixed-budget runs set themselves."""
 
@@ -349,8 +355,6 @@ def check_router(router: str | None, replicas: int) -> None:
 def check_sim(args: argparse.Namespace) -> None:
     """Checks that need several options, before anything runs (``simulate`` and ``compare``): the policy
     settings together, every policy usable online, and pools that fit in memory."""
-    from kvretain.cli import policy_config_error
-
     if args.gpu_mem_util is not None and args.kv_blocks is not None:
         raise ValueError(
             "argument --gpu-mem-util: sizes the KV cache from the cost model, which --kv-blocks sets; give one"
@@ -366,8 +370,10 @@ def check_sim(args: argparse.Namespace) -> None:
         )
     try:
         cfgs = [sim_config(args, p) for p in policies]
-    except ValueError as exc:
-        raise policy_config_error(exc) from None
+    except ValueError as exc:  # (PolicyConfig's, or SchedulerConfig's vLLM start-up refusals)
+        raise ValueError(
+            option_error(exc, [*(f.name for f in fields(PolicyConfig)), *SCHED_OPTIONS])
+        ) from None
     for cfg in cfgs:
         try:
             make_policy(cfg.policy, 1, cfg.policy_config)
