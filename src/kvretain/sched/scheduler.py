@@ -32,10 +32,11 @@ clamps ``max_tokens`` to ``max_model_len - prompt``, to the same effect), so the
 count at most ``max_model_len - 1`` tokens of KV. As vLLM's engine refuses to start when its KV cache cannot
 hold one request of ``max_model_len`` tokens, a ``Scheduler`` is refused (``ValueError``,
 ``SchedulerConfig.check_pool``) on a pool of fewer than ``cdiv(max_model_len, block_size)`` blocks, so that with
-the limit set no request is ever refused for blocks. NOTE: vLLM also refuses to start without chunked prefill
-when ``max_num_batched_tokens < max_model_len``; kvretain does not: it refuses, per request, one that cannot fit
-a step. Without ``max_model_len`` the refusal differs from vLLM on purpose: a request whose ``max_tokens`` the pool cannot hold is refused whole,
-where vLLM would run it cut short at its ``max_model_len``.
+the limit set no request is ever refused for blocks; and ``SchedulerConfig`` refuses what vLLM's
+``verify_max_model_len`` refuses at start-up (a budget below ``max_model_len`` without chunked prefill, a budget
+below ``max_num_seqs``), so none is refused for the budget either. Without ``max_model_len`` the refusal differs
+from vLLM on purpose: a request whose ``max_tokens`` the pool cannot hold is refused whole, where vLLM would run
+it cut short at its ``max_model_len``.
 
 What is modelled is vLLM 0.33's scheduler at its defaults, matched step for step by ``bench/sched_equivalence.py``
 and ``tests/test_sched_equivalence.py`` (``max_num_batched_tokens``, ``max_num_seqs``, chunked prefill on or off,
