@@ -264,3 +264,16 @@ def add_engine_options(
     ap.add_argument(
         "--max-output", type=integer(1), default=max_output, help="cap on generated tokens per request, >= 1"
     )
+
+
+def engine_options_error(args: argparse.Namespace) -> str | None:
+    """Why vLLM 0.33 would refuse :func:`add_engine_options`' limits whatever the rest, or None: its
+    ``SchedulerConfig.verify_max_model_len`` refuses ``max_num_batched_tokens < max_num_seqs`` (every engine has a
+    ``max_model_len``), which was a pydantic traceback from the vLLM side (sched_equivalence, after the kvretain
+    side's run; vllm_plugin, from its first child)."""
+    if args.max_batched_tokens < args.max_num_seqs:
+        return (
+            f"argument --max-batched-tokens: {args.max_batched_tokens:,} is below --max-num-seqs "
+            f"({args.max_num_seqs:,}): vLLM refuses to start with max_num_batched_tokens below max_num_seqs"
+        )
+    return None

@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvretain.workloads.mooncake import TraceError
 
     args = build_parser().parse_args(argv)
+    refusal = harness.engine_options_error(args)
+    if refusal is not None:
+        return fail(PROG, refusal)
     args.limit_model_len = args.max_model_len is not None
     usable = args.pool_blocks - 1  # (vLLM's pool keeps one block as its null block)
     pool = "the pool (less vLLM's null block)"

@@ -676,6 +676,9 @@ def main() -> None:
     from kvretain.workloads.mooncake import TraceError
 
     # checked here, before any child starts (a child's traceback came after the stock run)
+    refusal = harness.engine_options_error(args)
+    if refusal is not None:
+        raise SystemExit(fail(PROG, refusal))
     try:
         options = parse_options(args.options)
     except PluginConfigError as e:

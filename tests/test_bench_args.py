@@ -431,6 +431,20 @@ def test_vllm_benches_without_vllm_say_so_before_they_run(tmp_path: Path, script
     assert "not importable by this python" in res.stderr
 
 
+@pytest.mark.parametrize("script", ["sched_equivalence.py", "vllm_plugin.py"])
+def test_vllm_benches_refuse_a_budget_below_max_num_seqs_in_one_line(tmp_path: Path, script: str) -> None:
+    """vLLM's SchedulerConfig refuses max_num_batched_tokens < max_num_seqs (verify_max_model_len): a pydantic
+    traceback from the vLLM side, after the kvretain side's run (sched_equivalence) or from the first child
+    (vllm_plugin)."""
+    trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
+    res = _run(script, "--trace", str(trace), "--max-batched-tokens", "4", "--max-num-seqs", "8", timeout=60)
+    _refused(
+        res,
+        f"{script.removesuffix('.py')}: error",
+        "argument --max-batched-tokens: 4 is below --max-num-seqs (8): vLLM refuses to start",
+    )
+
+
 def test_sched_equivalence_refuses_a_prompt_larger_than_the_pool(tmp_path: Path) -> None:
     trace = _lines(tmp_path / "t.jsonl", [[1, 2], [1, 2]])
     res = _run("sched_equivalence.py", "--trace", str(trace), "--max-prompt", "100000", timeout=60)
