@@ -58,6 +58,8 @@ from kvretain.engine.sim.profiled import (
     Profile,
     StepCoefficients,
     StepPoint,
+    cross_validated_errors,
+    error_measurable,
     fit,
     median_relative_error,
     write_profile,
@@ -202,7 +204,12 @@ def summary(
         "roofline_over_measured_min": round(min(ratios), 4) if rows else None,
         "roofline_over_measured_max": round(max(ratios), 4) if rows else None,
         "mixed_over_parts": [round(g, 4) for _, g in batching_gains(rows)],
-        "fit_median_abs_rel_error": round(median_relative_error(coef, points), 4) if coef else None,
+        # the fit's error on its own points (in-sample: optimistic, 0 for four points) and leave-one-out, as
+        # ``kvretain profile`` reports it; neither for as many points as coefficients
+        "fit_median_abs_rel_error": (
+            round(median_relative_error(coef, points), 4) if coef and error_measurable(len(points)) else None
+        ),
+        "fit_loo_median_abs_rel_error": med(cross_validated_errors(points) or []) if coef else None,
     }
 
 
@@ -595,8 +602,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        info = {"engine": f"PyTorch {torch.__version__} forward (bench/gpu_roofline.py)", "model": model.name,
+        info: dict[str, Any] = {"engine": f"PyTorch {torch.__version__} forward (bench/gpu_roofline.py)", "model": model.name,
                 "device": name, "what": "forward"}  # fmt: skip
+        loo = summ["fit_loo_median_abs_rel_error"]  # (as kvretain profile writes it; rounded to 4 places)
+        if loo is None:
+            info["fit_error"] = f"not measurable: {len(points)} points for {len(COEFFICIENTS)} coefficients"
+        else:
+            info["loo_median_abs_rel_error"] = loo
         write_profile(args.out, Profile(coef, points, info))
     return 0
 

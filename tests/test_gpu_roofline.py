@@ -4,6 +4,7 @@ prefill after a cached prefix and a decode step give the same last-token logits,
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -121,3 +122,24 @@ def test_the_decoder_computes_what_a_kv_cache_decoder_computes(tmp_path: Path) -
     assert not torch.allclose(
         whole(0), whole(1)
     )  # (the sequences differ: the checks above could tell them apart)
+
+
+def test_the_summary_reports_the_fits_leave_one_out_error() -> None:
+    # the fit's error on its own points read 0.0 for four points (the fit passes through all four) and flatters it
+    # otherwise: kvretain profile reports leave-one-out (session 59), and so does the summary beside it
+    from kvretain.engine.sim.profiled import cross_validated_errors
+
+    cat = builtin_catalog()
+    model, gpu = cat.model("llama-3-8b"), cat.gpu("h200")
+    steps = [gr.Step(512, 0), gr.Step(0, 0, 16, 1024), gr.Step(512, 0, 16, 1024), gr.Step(256, 0, 16, 1024)]
+    steps += [gr.Step(2048, 2048), gr.Step(0, 0, 64, 4096)]
+    seconds = [0.010, 0.005, 0.0135, 0.009, 0.061, 0.0072]
+    four = gr.summary(gr.analyse(steps[:4], seconds[:4], model, gpu), gpu)
+    assert four["fit_median_abs_rel_error"] is None and four["fit_loo_median_abs_rel_error"] is None
+    rows = gr.analyse(steps, seconds, model, gpu)
+    summ = gr.summary(rows, gpu)
+    points, _ = gr.fitted(rows)
+    loo = cross_validated_errors(points)
+    assert loo is not None
+    assert summ["fit_loo_median_abs_rel_error"] == round(statistics.median(loo), 4)
+    assert summ["fit_loo_median_abs_rel_error"] > summ["fit_median_abs_rel_error"]
