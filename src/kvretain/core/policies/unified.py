@@ -646,29 +646,7 @@ class UnifiedPolicy(EvictionPolicy):
                 if key > self._L:
                     self._L = key
                 m.tier = 1 - p  # (the queue it would have been in: the next exposure reads it)
-                h = m.content
-                if h is not None:  # (_forget and the ghost's ``leave``, inline: once per chain victim)
-                    m.content = None
-                    m.expiry = INF
-                    if m.depth % self._stride == 0:
-                        g = self._ghost
-                        held = g.held
-                        c = held.pop(h, 1) - 1
-                        if c:
-                            held[h] = c
-                        elif g.capacity:  # (GhostTable.put)
-                            ring = g.ring
-                            pos = g.pos
-                            old = ring[pos]
-                            if old is not None:
-                                g.table.pop(old, None)
-                            ring[pos] = h
-                            g.table[h] = m.uses
-                            pos += 1
-                            g.pos = 0 if pos == g.capacity else pos
-                    if p:
-                        m.protected = 0
-                        self._num_protected -= 1
+                self._forget(m)
                 self._victim = m
                 return block_id
         self.expose(block_id, now)
