@@ -538,12 +538,17 @@ def test_the_profile_plot_names_the_leave_one_out_error(
     kept: list[Any] = []
     monkeypatch.setattr(plt, "close", kept.append)
     for pts, err, title in (
-        (four_points(0.2), None, "m, error not measurable (4 points, 4 coefficients)"),
-        (grid_points(TRUE), 0.031, "m, median |error| 3.1% (leave-one-out)"),
+        (four_points(0.2), None, "SmolLM2-135M-Instruct\nerror not measurable (4 points, 4 coefficients)"),
+        (grid_points(TRUE), 0.031, "SmolLM2-135M-Instruct\nmedian |error| 3.1% (leave-one-out)"),
     ):
-        profile = Profile(fit(pts), tuple(pts), {"model": "/x/m"})
+        profile = Profile(fit(pts), tuple(pts), {"model": "/x/SmolLM2-135M-Instruct"})
         assert cli_profile._plot(str(tmp_path / "p.png"), pts, profile, err)
-        assert kept.pop().axes[0].get_title() == f"kvretain profile: {title}"
+        fig = kept.pop()
+        ax = fig.axes[0]
+        assert ax.get_title() == f"kvretain profile: {title}"
+        # the title inside the figure (one line of model and error ran past both edges)
+        box = ax.title.get_window_extent(fig.canvas.get_renderer())
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
 
 
 def test_profile_statistic_and_cpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -431,7 +431,8 @@ def _plot(path: str, points: list[StepPoint], profile: Profile, err: float | Non
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("fitted step time (ms)")
     model = Path(str(profile.info.get("model", ""))).name
-    ax.set_title(f"kvretain profile: {model}, {error_words(err, len(points))}")
+    # two lines: a model name and the error in one ran past a 6-inch figure's edges
+    ax.set_title(f"kvretain profile: {model}\n{error_words(err, len(points))}")
     ax.legend()
     fig.tight_layout()
     try:
