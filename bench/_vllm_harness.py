@@ -56,41 +56,18 @@ def temp_tiny_model(prefix: str = "tiny-llama-", **kwargs: Any) -> str:
     return write_tiny_model(d, **kwargs)
 
 
-def build_scheduler(
-    model_dir: str,
-    *,
-    num_blocks: int,
-    block_size: int,
-    max_num_seqs: int,
-    max_batched_tokens: int,
-    max_model_len: int,
-    policy: str = "priority",
-    enable_chunked_prefill: bool = True,
-    kv_events: bool = False,
-    reserve_full_isl: bool = True,
-    enable_prefix_caching: bool = True,
-) -> Any:
+def build_scheduler(model_dir: str, *, num_blocks: int, **config: Any) -> Any:
     """vLLM's ``Scheduler`` over a KV cache of ``num_blocks`` blocks (vLLM's null block included) of
-    ``block_size`` tokens, one full-attention group, prefix caching on unless ``enable_prefix_caching`` is
-    False; ``policy`` is ``fcfs`` or ``priority``; ``reserve_full_isl``: ``scheduler_reserve_full_isl``. Every
-    other setting is vLLM 0.33's default. Built directly, as vLLM's own scheduler tests do: vLLM's start-up
+    ``block_size`` tokens (``config``: :func:`_vllm_config`'s keyword arguments), one full-attention group,
+    prefix caching on unless ``enable_prefix_caching`` is False; ``policy`` is ``fcfs`` or ``priority``;
+    ``reserve_full_isl``: ``scheduler_reserve_full_isl``. Every other setting is vLLM 0.33's default. Built directly, as vLLM's own scheduler tests do: vLLM's start-up
     checks do not run (:func:`start_up_refusal` runs its KV cache check)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config = _vllm_config(
-        model_dir,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens,
-        max_model_len=max_model_len,
-        policy=policy,
-        enable_chunked_prefill=enable_chunked_prefill,
-        kv_events=kv_events,
-        reserve_full_isl=reserve_full_isl,
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    vllm_config = _vllm_config(model_dir, **config)
+    block_size = config["block_size"]
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
